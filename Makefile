@@ -1,0 +1,25 @@
+# Two commands a newcomer needs are documented in the README: `make test` (and, once the
+# end-to-end pipeline lands, `make demo`). Each bootstraps its own environment first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: bootstrap test test-slow lint schemas bench-bus
+
+bootstrap:
+	./scripts/bootstrap.sh
+
+test: bootstrap
+	$(PY) -m pytest
+
+test-slow: bootstrap
+	$(PY) -m pytest -m slow
+
+lint: bootstrap
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+schemas: bootstrap
+	$(VENV)/bin/pbsd schemas export
+
+bench-bus: bootstrap
+	$(PY) benchmarks/bus.py

@@ -1,0 +1,74 @@
+"""The base of every wire contract, and the binary wire format.
+
+Every message is a frozen pydantic model that forbids unknown fields and carries
+``schema_version``; a producer and a consumer that disagree on the version fail
+validation with a clear error instead of misreading each other.
+
+On the bus a message travels as msgpack of its Python-mode dump, in which arrays
+are raw bytes (see :mod:`proto.arrays`). REST bodies use the JSON mode of the same
+models (arrays as base64).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field
+
+from proto.arrays import arrays_equal
+
+__all__ = ["SCHEMA_VERSION", "Contract", "Message", "decode", "encode", "new_id"]
+
+SCHEMA_VERSION = 1
+
+
+def new_id() -> str:
+    """A random 128-bit id as 32 hex characters."""
+    return uuid.uuid4().hex
+
+
+class Contract(BaseModel):
+    """Frozen, closed, value-compared model (arrays compare by value)."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_default=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(arrays_equal(getattr(self, k), getattr(other, k)) for k in type(self).model_fields)
+
+    __hash__ = None  # type: ignore[assignment]  # arrays are unhashable; equality is by value
+
+
+class Message(Contract):
+    """A top-level message on a stream: versioned and uniquely identified.
+
+    ``message_id`` is the idempotency key: a consumer processes each id once, even
+    when the producer retries the publish or the bus redelivers the entry.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    message_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode(message: BaseModel) -> bytes:
+    """Binary wire form: msgpack of the Python-mode dump (arrays stay raw bytes)."""
+    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+
+
+def decode(model: type[M], payload: bytes) -> M:
+    """Inverse of :func:`encode`; raises ``ValueError`` (pydantic's ValidationError included) on bad input."""
+    try:
+        data: Any = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise ValueError(f"payload is not valid msgpack: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"payload must be a map, got {type(data).__name__}")
+    return model.model_validate(data)

@@ -1,0 +1,252 @@
+"""Messages that travel between the services on the bus.
+
+Coordinates. A trajectory is ``prompt_ids`` (the system prompt and question up to
+where the first assistant message begins) followed by ``completion_ids``. Every
+per-token array of a trajectory (``loss_mask``, ``rollout_logprobs``) is aligned with
+``completion_ids``. ``turn_spans`` are half-open ``[start, end)`` ranges of
+``completion_ids``, one per assistant turn, covering exactly the tokens the policy
+generated (``loss_mask == 1``); tool results and template glue between them have
+``loss_mask == 0``. ``routed_experts[j]`` are the experts that routed position j of
+``prompt_ids + completion_ids`` (all but the last token, as SGLang reports them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import Field, field_validator, model_validator
+
+from proto.arrays import Float32Array, Int32Array, RoutedExpertsArray, Uint8Array
+from proto.base import Contract, Message
+from proto.runs import AlgorithmSpec, RolloutSpec
+
+__all__ = [
+    "FINISH_REASONS",
+    "DeadLetter",
+    "PromptTask",
+    "ScoreDiagnostics",
+    "ScoredGroup",
+    "ToolCall",
+    "Trajectory",
+    "TrajectoryGroup",
+    "WeightsPublished",
+]
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+# Why a trajectory ended: a final \boxed{} answer; the turn limit; one turn hit the
+# per-turn token budget; the context limit; or an error (engine or gateway down), with
+# the cause in ``Trajectory.error``.
+FINISH_REASONS = ("answer", "max_turns", "max_tokens", "max_context", "error")
+FinishReason = Literal["answer", "max_turns", "max_tokens", "max_context", "error"]
+
+
+def _now() -> float:
+    return time.time()
+
+
+class PromptTask(Message):
+    """One prompt for the rollout workers: sample ``rollout.group_size`` trajectories."""
+
+    run_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1, description="unique per (run, epoch, position in the data order)")
+    question_id: str = Field(min_length=1)
+    question: str = Field(min_length=1)
+    answer: str = Field(
+        min_length=1, description="the verified answer y*, used by the verifier and the teacher only"
+    )
+    aliases: tuple[str, ...] = ()
+    epoch: NonNegInt = 0
+    index: NonNegInt = Field(default=0, description="position in the epoch's shuffled order")
+    rollout: RolloutSpec = RolloutSpec()
+    algorithm: AlgorithmSpec
+    created_at: float = Field(default_factory=_now)
+
+
+class ToolCall(Contract):
+    turn: NonNegInt
+    server_name: str
+    tool_name: str
+    arguments: dict[str, Any]
+    ok: bool
+    error: str | None = None
+    latency_s: Annotated[float, Field(ge=0)] = 0.0
+
+
+class Trajectory(Contract):
+    trajectory_id: str = Field(min_length=1)
+    sample_index: NonNegInt
+    policy_version: NonNegInt
+    prompt_ids: Int32Array
+    completion_ids: Int32Array
+    loss_mask: Uint8Array
+    rollout_logprobs: Float32Array
+    turn_spans: tuple[tuple[NonNegInt, NonNegInt], ...]
+    routed_experts: RoutedExpertsArray | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    final_answer: str | None = None
+    reward: float = 0.0
+    finish_reason: FinishReason
+    error: str | None = None
+    generation_s: Annotated[float, Field(ge=0)] = 0.0
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_spans)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_ids.size + self.completion_ids.size)
+
+    def token_turns(self) -> np.ndarray:
+        """Turn index of every loss token, in completion order."""
+        lengths = [end - start for start, end in self.turn_spans]
+        return np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite_reward(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("reward must be finite")
+        return v
+
+    @model_validator(mode="after")
+    def _aligned(self):
+        n = self.completion_ids.size
+        for name in ("loss_mask", "rollout_logprobs"):
+            if getattr(self, name).size != n:
+                raise ValueError(f"{name} has {getattr(self, name).size} entries but completion_ids has {n}")
+        if self.loss_mask.size and self.loss_mask.max() > 1:
+            raise ValueError("loss_mask must be 0 or 1")
+        expected = np.zeros(n, dtype=np.uint8)
+        prev_end = 0
+        for i, (start, end) in enumerate(self.turn_spans):
+            if not (prev_end <= start < end <= n):
+                raise ValueError(
+                    f"turn_spans[{i}]={start, end} must be non-empty, ordered and inside the completion (length {n})"
+                )
+            expected[start:end] = 1
+            prev_end = end
+        if not np.array_equal(expected, self.loss_mask):
+            raise ValueError("loss_mask must be 1 exactly on the tokens of turn_spans")
+        if self.routed_experts is not None:
+            want = self.prompt_ids.size + n - 1
+            if self.routed_experts.shape[0] != want:
+                raise ValueError(
+                    f"routed_experts covers {self.routed_experts.shape[0]} positions, expected {want} (all tokens but the last)"
+                )
+        if self.finish_reason == "error" and not self.error:
+            raise ValueError("a trajectory that ended in error must say why in `error`")
+        return self
+
+
+class TrajectoryGroup(Message):
+    """The G trajectories of one prompt, with what the scorer and trainer need to know about it."""
+
+    run_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+    question_id: str = Field(min_length=1)
+    question: str
+    answer: str
+    aliases: tuple[str, ...] = ()
+    policy_version: NonNegInt = Field(
+        description="the oldest policy version any of the trajectories was sampled with"
+    )
+    algorithm: AlgorithmSpec
+    trajectories: tuple[Trajectory, ...] = Field(min_length=1)
+    created_at: float = Field(default_factory=_now)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([t.reward for t in self.trajectories], dtype=np.float64)
+
+    @model_validator(mode="after")
+    def _unique(self):
+        ids = [t.trajectory_id for t in self.trajectories]
+        if len(set(ids)) != len(ids):
+            raise ValueError("trajectory ids within a group must be unique")
+        if min(t.policy_version for t in self.trajectories) != self.policy_version:
+            raise ValueError("policy_version must be the oldest version among the trajectories")
+        return self
+
+
+class ScoreDiagnostics(Contract):
+    """What the paper plots about the credit signal (figure 3), for one group."""
+
+    turns: NonNegInt = 0
+    scored_turns: NonNegInt = Field(default=0, description="turns with at least one aligned token")
+    teacher_higher_frac: Annotated[float, Field(ge=0, le=1)] = 0.0
+    mean_abs_gap: Annotated[float, Field(ge=0)] = 0.0
+    filtered_frac: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.0, description="scored turns inside the deadband"
+    )
+    unaligned_tokens: NonNegInt = Field(
+        default=0, description="loss tokens without a teacher position (truncated x*)"
+    )
+    evidence: Float32Array = Field(
+        default_factory=lambda: np.zeros(0, np.float32), description="every scored turn's s"
+    )
+
+
+class ScoredGroup(Message):
+    """A trajectory group with advantages and, for PBSD, per-turn evidence and weights."""
+
+    group: TrajectoryGroup
+    advantages: Float32Array = Field(description="A_i per trajectory")
+    turn_evidence: tuple[Float32Array, ...] = Field(
+        description="s_{i,t} per trajectory and turn; NaN where unscored"
+    )
+    turn_weights: tuple[Float32Array, ...] = Field(description="w_{i,t}; all ones for GRPO")
+    scored: bool = Field(description="False when the group passed through without likelihood passes (GRPO)")
+    scorer_policy_version: NonNegInt | None = None
+    diagnostics: ScoreDiagnostics = ScoreDiagnostics()
+    scoring_s: Annotated[float, Field(ge=0)] = 0.0
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        trajs = self.group.trajectories
+        if self.advantages.size != len(trajs):
+            raise ValueError(f"advantages has {self.advantages.size} entries for {len(trajs)} trajectories")
+        for name in ("turn_evidence", "turn_weights"):
+            arrays = getattr(self, name)
+            if len(arrays) != len(trajs):
+                raise ValueError(f"{name} has {len(arrays)} entries for {len(trajs)} trajectories")
+            for i, (arr, traj) in enumerate(zip(arrays, trajs, strict=True)):
+                if arr.size != traj.num_turns:
+                    raise ValueError(f"{name}[{i}] has {arr.size} entries for {traj.num_turns} turns")
+        return self
+
+    def token_advantages(self, index: int) -> np.ndarray:
+        """Per-completion-token advantage of trajectory ``index`` (0 outside the loss mask)."""
+        traj = self.group.trajectories[index]
+        out = np.zeros(traj.completion_ids.size, dtype=np.float32)
+        weights = self.turn_weights[index]
+        for turn, (start, end) in enumerate(traj.turn_spans):
+            out[start:end] = weights[turn] * self.advantages[index]
+        return out
+
+
+class WeightsPublished(Message):
+    """A new policy version is on disk; rollout workers and scorers reload from ``path``."""
+
+    run_id: str = Field(min_length=1)
+    version: NonNegInt
+    step: NonNegInt
+    path: str = Field(min_length=1, description="Hugging Face checkpoint directory (safetensors)")
+    format: Literal["safetensors"] = "safetensors"
+    created_at: float = Field(default_factory=_now)
+
+
+class DeadLetter(Message):
+    """An entry a consumer could not process, kept with the cause for an operator."""
+
+    stream: str
+    group: str
+    entry_id: str
+    cause: str
+    deliveries: NonNegInt
+    payload: bytes = Field(description="the original payload, unchanged")
+    created_at: float = Field(default_factory=_now)

@@ -1,0 +1,169 @@
+"""The run specification: what a user submits with ``POST /runs`` (or ``pbsd runs submit``).
+
+Defaults are the paper's (section 4.1): G = 8 samples a prompt at temperature 1.0
+and top-p 1.0, up to 300 turns of at most 16,384 new tokens in a 64K context,
+32 prompts a step, Adam with lr 3e-6, 8 warm-up steps and weight decay 0.1,
+clipping 0.2 / 0.28, and PBSD with delta 0.1, c 0.1, eps+ 0.001, eps- 0.003.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from pbsd import credit
+from proto.base import Contract, Message
+
+__all__ = [
+    "DEFAULT_TEACHER_TEMPLATE",
+    "AlgorithmSpec",
+    "DataSpec",
+    "GrpoSpec",
+    "ModelSpec",
+    "PbsdSpec",
+    "RolloutSpec",
+    "RunSpec",
+    "TrainerSpec",
+]
+
+# The privileged context x*: the question with the verified answer, said plainly to be
+# known and for evaluation only. {question} and {answer} are filled in by the scorer.
+DEFAULT_TEACHER_TEMPLATE = (
+    "{question}\n\n"
+    "[Evaluation note, not part of the task: the verified correct answer to this question is "
+    '"{answer}". It is given only so that this conversation can be evaluated; '
+    "the assistant below did not see it.]"
+)
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+UnitFloat = Annotated[float, Field(ge=0, le=1)]
+
+
+class ModelSpec(Contract):
+    path: str = Field(
+        min_length=1, description="Hugging Face checkpoint directory (or hub id where the hub is reachable)"
+    )
+    tokenizer: str | None = Field(default=None, description="tokenizer directory; defaults to the model path")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+
+class DataSpec(Contract):
+    train: str = Field(min_length=1, description="question file (JSONL or Parquet) for RL")
+    validation: str | None = Field(default=None, description="held-out question file for evaluation")
+    epochs: PositiveInt = 1
+    shuffle_seed: int = 0
+    max_questions: PositiveInt | None = Field(
+        default=None, description="use only the first N questions after shuffling"
+    )
+
+
+class RolloutSpec(Contract):
+    group_size: PositiveInt = Field(default=8, description="G, trajectories sampled per prompt")
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    eval_top_p: Annotated[float, Field(gt=0, le=1)] = 0.95
+    max_turns: PositiveInt = 300
+    max_tokens_per_turn: PositiveInt = 16_384
+    max_context: PositiveInt = 65_536
+    max_staleness: Annotated[int, Field(ge=0)] = Field(
+        default=1,
+        description="how many policy versions rollouts may run ahead of the trainer (0 = strictly on-policy)",
+    )
+    return_routed_experts: bool = Field(
+        default=False, description="record MoE routes for routing replay (R3)"
+    )
+
+
+class _PolicyGradientSpec(Contract):
+    eps_low: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    eps_high: Annotated[float, Field(ge=0)] = 0.28
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "constant"] = (
+        "seq-mean-token-mean"
+    )
+    loss_agg_constant: PositiveFloat | None = None
+    kl_coef: Annotated[float, Field(ge=0)] = 0.0
+    tis_cap: PositiveFloat | None = Field(
+        default=None, description="truncated importance-sampling cap C (off when None)"
+    )
+
+    @model_validator(mode="after")
+    def _constant_needs_value(self):
+        if self.loss_agg == "constant" and self.loss_agg_constant is None:
+            raise ValueError("loss_agg 'constant' needs loss_agg_constant")
+        return self
+
+
+class GrpoSpec(_PolicyGradientSpec):
+    """Plain GRPO: every token of trajectory i gets A_i."""
+
+    name: Literal["grpo"] = "grpo"
+
+
+class PbsdSpec(_PolicyGradientSpec):
+    """GRPO with PBSD's evidence-calibrated turn weights."""
+
+    name: Literal["pbsd"] = "pbsd"
+    delta: PositiveFloat = credit.DEFAULT_DELTA
+    clip: Annotated[float, Field(ge=0, le=1)] = credit.DEFAULT_CLIP
+    eps_pos: Annotated[float, Field(ge=0)] = credit.DEFAULT_EPS_POS
+    eps_neg: Annotated[float, Field(ge=0)] = credit.DEFAULT_EPS_NEG
+    reduce: Literal["mean", "sum"] = Field(
+        default="mean", description="turn evidence: Algorithm 1's mean or section 3's sum"
+    )
+    teacher_template: str = Field(default=DEFAULT_TEACHER_TEMPLATE, min_length=1)
+    teacher_max_length: PositiveInt = Field(
+        default=65_536, description="tokens beyond this in x* have no phi and are left out"
+    )
+
+    @model_validator(mode="after")
+    def _template_fields(self):
+        for key in ("{question}", "{answer}"):
+            if key not in self.teacher_template:
+                raise ValueError(f"teacher_template must contain {key}")
+        return self
+
+
+AlgorithmSpec = Annotated[GrpoSpec | PbsdSpec, Field(discriminator="name")]
+
+
+class TrainerSpec(Contract):
+    prompts_per_step: PositiveInt = Field(default=32, description="groups per optimiser step")
+    max_steps: PositiveInt = 100
+    lr: PositiveFloat = 3e-6
+    warmup_steps: Annotated[int, Field(ge=0)] = 8
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    betas: tuple[UnitFloat, UnitFloat] = (0.9, 0.999)
+    grad_clip: PositiveFloat | None = 1.0
+    micro_batch_tokens: PositiveInt = Field(
+        default=65_536, description="token budget of one forward/backward"
+    )
+    publish_every: PositiveInt = 1
+    checkpoint_every: PositiveInt = 10
+    seed: int = 0
+    routing_replay: bool = Field(
+        default=False, description="R3: force the rollout's experts in the policy forward"
+    )
+    deepspeed_config: str | None = Field(
+        default=None, description="DeepSpeed JSON config; plain torch when None"
+    )
+
+
+class RunSpec(Message):
+    """A whole RL run. ``algorithm`` is ``{"name": "pbsd", ...}`` or ``{"name": "grpo", ...}``."""
+
+    name: str = Field(default="run", min_length=1, max_length=128)
+    model: ModelSpec
+    data: DataSpec
+    rollout: RolloutSpec = RolloutSpec()
+    algorithm: AlgorithmSpec = PbsdSpec()
+    trainer: TrainerSpec = TrainerSpec()
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.rollout.max_tokens_per_turn > self.rollout.max_context:
+            raise ValueError("rollout.max_tokens_per_turn cannot exceed rollout.max_context")
+        if self.trainer.routing_replay and not self.rollout.return_routed_experts:
+            raise ValueError("trainer.routing_replay needs rollout.return_routed_experts")
+        return self

@@ -1,0 +1,45 @@
+"""Export the JSON Schema of every contract into ``proto/schemas/`` (``pbsd schemas export``).
+
+The files are committed so that non-Python consumers can validate messages, and a
+test fails when they no longer match the models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from proto.messages import DeadLetter, PromptTask, ScoredGroup, TrajectoryGroup, WeightsPublished
+from proto.runs import RunSpec
+
+SCHEMA_DIR = Path(__file__).parent / "schemas"
+EXPORTED: tuple[type[BaseModel], ...] = (
+    RunSpec,
+    PromptTask,
+    TrajectoryGroup,
+    ScoredGroup,
+    WeightsPublished,
+    DeadLetter,
+)
+
+
+def render_schemas() -> dict[str, str]:
+    """File name -> JSON text of each exported model's schema (serialisation mode, JSON form)."""
+    out = {}
+    for model in EXPORTED:
+        schema = model.model_json_schema(mode="serialization")
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        out[f"{model.__name__}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return out
+
+
+def export(directory: Path = SCHEMA_DIR) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render_schemas().items():
+        path = directory / name
+        path.write_text(text)
+        written.append(path)
+    return written

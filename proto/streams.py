@@ -1,0 +1,42 @@
+"""Every Redis stream and consumer group of the pipeline, defined once.
+
+    prompts       trainer (run controller) -> rollout workers      group "rollout"
+    trajectories  rollout workers -> evidence scorers              group "scorer"
+    scored        evidence scorers -> trainer                      group "trainer"
+    weights       trainer -> every rollout worker and scorer       broadcast (no group)
+    dead-letters  any consumer -> operators                        read by hand / dashboards
+
+Keys are ``{prefix}:{name}`` so that several deployments can share one Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from pydantic import BaseModel
+
+from proto.messages import DeadLetter, PromptTask, ScoredGroup, TrajectoryGroup, WeightsPublished
+
+__all__ = ["ALL_STREAMS", "DEAD_LETTERS", "PROMPTS", "SCORED", "TRAJECTORIES", "WEIGHTS", "StreamDef"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class StreamDef(Generic[M]):
+    name: str
+    model: type[M]
+    group: str | None  # the consumer group that works this stream; None for broadcast streams
+
+    def key(self, prefix: str) -> str:
+        return f"{prefix}:{self.name}"
+
+
+PROMPTS = StreamDef("prompts", PromptTask, group="rollout")
+TRAJECTORIES = StreamDef("trajectories", TrajectoryGroup, group="scorer")
+SCORED = StreamDef("scored", ScoredGroup, group="trainer")
+WEIGHTS = StreamDef("weights", WeightsPublished, group=None)
+DEAD_LETTERS = StreamDef("dead-letters", DeadLetter, group=None)
+
+ALL_STREAMS: tuple[StreamDef, ...] = (PROMPTS, TRAJECTORIES, SCORED, WEIGHTS, DEAD_LETTERS)

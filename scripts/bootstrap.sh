@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Prepare this checkout on a fresh machine: a virtual environment with the project
+# installed (CPU torch pinned), and a redis-server binary. Idempotent and quiet when
+# everything is already in place; `make test` and `make demo` both start here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${PBSD_VENV:-.venv}
+TORCH_PIN=${PBSD_TORCH:-torch==2.13.0}   # the CPU build; an unpinned torch pulls a CUDA build of several GB
+
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"pbsd needs Python >= 3.11, found {sys.version.split()[0]}; set PYTHON=python3.11")
+PY
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "bootstrap: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+# Reinstall only when the project's requirements changed since the last install.
+stamp="$VENV/.pbsd-install-stamp"
+want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $TORCH_PIN"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    echo "bootstrap: installing $TORCH_PIN and the project into $VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_PIN"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev]"
+    echo "$want" > "$stamp"
+fi
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "bootstrap: installing redis-server from the OS packages"
+    sudo_cmd=()
+    if [[ $(id -u) -ne 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || { echo "bootstrap: redis-server is missing and neither root nor sudo is available" >&2; exit 1; }
+        sudo_cmd=(sudo)
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    if ! "${sudo_cmd[@]}" apt-get install -y -q redis-server >/dev/null 2>&1; then
+        "${sudo_cmd[@]}" apt-get update -q >/dev/null
+        "${sudo_cmd[@]}" apt-get install -y -q redis-server >/dev/null
+    fi
+    # The package may start a system instance; the project always runs its own on a free port.
+    command -v redis-server >/dev/null 2>&1 || { echo "bootstrap: redis-server still missing after install" >&2; exit 1; }
+fi

@@ -1,0 +1,21 @@
+"""Typed Redis Streams for the pipeline: publish, consume with consumer groups, dead letters.
+
+Delivery is at-least-once with idempotent consumers:
+
+* ``publish`` XADDs the binary message with approximate MAXLEN trimming;
+* ``consume`` reads with XREADGROUP (blocking), runs the handler, and only then
+  marks the message id done and XACKs, atomically;
+* entries a dead consumer left pending longer than ``claim_idle_ms`` are taken
+  over with XAUTOCLAIM; a live consumer keeps its in-progress entry fresh with a
+  heartbeat so it is not stolen mid-handler;
+* payloads that fail validation, and entries delivered more than ``max_deliveries``
+  times, go to the dead-letter stream with the cause;
+* a redelivered message whose id was already processed is acknowledged without
+  running the handler again;
+* acknowledged history is trimmed (XTRIM MINID below the oldest entry any group
+  still needs), so Redis memory follows what is in flight, not what has passed.
+"""
+
+from services.bus.client import Bus, ConsumerOptions, Delivery
+
+__all__ = ["Bus", "ConsumerOptions", "Delivery"]

@@ -1,0 +1,29 @@
+"""Prometheus metrics of the bus, shared by every service that publishes or consumes."""
+
+from prometheus_client import Counter, Histogram
+
+PUBLISHED = Counter("pbsd_bus_published_total", "Messages published", ["stream"])
+PUBLISHED_BYTES = Counter("pbsd_bus_published_bytes_total", "Payload bytes published", ["stream"])
+CONSUMED = Counter("pbsd_bus_processed_total", "Messages handled and acknowledged", ["stream", "group"])
+DUPLICATES = Counter(
+    "pbsd_bus_duplicates_total",
+    "Redeliveries of already-processed messages, acknowledged unprocessed",
+    ["stream", "group"],
+)
+RECLAIMED = Counter(
+    "pbsd_bus_reclaimed_total", "Entries claimed from a consumer that stopped answering", ["stream", "group"]
+)
+HANDLER_ERRORS = Counter(
+    "pbsd_bus_handler_errors_total",
+    "Handler failures (the entry stays pending for a retry)",
+    ["stream", "group"],
+)
+DEAD_LETTERED = Counter(
+    "pbsd_bus_dead_lettered_total", "Entries moved to the dead-letter stream", ["stream", "group", "reason"]
+)
+HANDLER_SECONDS = Histogram(
+    "pbsd_bus_handler_seconds",
+    "Time spent in a message handler",
+    ["stream", "group"],
+    buckets=(0.005, 0.02, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)

@@ -1,0 +1,269 @@
+"""The bus against a real redis-server: delivery, reclaiming, dead letters, idempotency, trimming."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import redis
+
+from proto import examples as ex
+from proto.streams import DEAD_LETTERS, PROMPTS, TRAJECTORIES, WEIGHTS
+from services.bus import Bus, ConsumerOptions
+
+FAST = ConsumerOptions(block_ms=50, claim_idle_ms=300, max_deliveries=3, trim_interval_s=0.0)
+
+
+async def _run_until(bus: Bus, stream, handler, predicate, *, consumer="c1", options=FAST, timeout=10.0):
+    """Consume until ``predicate()`` holds (bounded in time)."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume(stream, consumer, handler, options=options, stop=stop))
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_round_trip_and_ack(bus: Bus):
+    groups = [ex.example_group(2, seed=i) for i in range(3)]
+    for g in groups:
+        await bus.publish(TRAJECTORIES, g)
+    seen = []
+
+    async def handler(msg, delivery):
+        assert delivery.deliveries == 1 and delivery.group == "scorer"
+        seen.append(msg)
+
+    await _run_until(bus, TRAJECTORIES, handler, lambda: len(seen) == 3)
+    assert seen == groups
+    summary = await bus.redis.xpending(bus.key(TRAJECTORIES), "scorer")
+    assert summary["pending"] == 0
+
+
+async def test_publish_checks_the_type(bus: Bus):
+    with pytest.raises(TypeError, match="carries TrajectoryGroup"):
+        await bus.publish(TRAJECTORIES, ex.example_task())
+
+
+async def test_consumer_killed_mid_handler_is_reclaimed(bus: Bus, redis_url, key_prefix):
+    """A consumer process dies (SIGKILL) inside its handler; another takes the entry over."""
+    await bus.ensure_group(PROMPTS)
+    task = ex.example_task()
+    await bus.publish(PROMPTS, task)
+    script = textwrap.dedent(f"""
+        import asyncio
+        from services.bus import Bus, ConsumerOptions
+        from proto.streams import PROMPTS
+        async def main():
+            bus = Bus.from_url({redis_url!r}, prefix={key_prefix!r})
+            async def handler(msg, delivery):
+                await bus.redis.set({key_prefix!r} + ":started", msg.message_id)
+                await asyncio.sleep(3600)
+            await bus.consume(PROMPTS, "doomed", handler, options=ConsumerOptions(block_ms=50, claim_idle_ms=300))
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd())
+    try:
+        sync = redis.Redis.from_url(redis_url)
+        for _ in range(500):
+            if sync.get(f"{key_prefix}:started"):
+                break
+            await asyncio.sleep(0.02)
+        assert sync.get(f"{key_prefix}:started") == task.message_id.encode()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    got = []
+
+    async def handler(msg, delivery):
+        got.append((msg, delivery))
+
+    await _run_until(bus, PROMPTS, handler, lambda: got, consumer="survivor")
+    msg, delivery = got[0]
+    assert msg == task
+    assert delivery.deliveries == 2 and delivery.consumer == "survivor"
+    assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+
+
+async def test_long_handler_is_not_stolen_while_alive(bus: Bus):
+    """The heartbeat keeps a slow handler's entry from being reclaimed by a peer."""
+    await bus.publish(PROMPTS, ex.example_task())
+    calls = []
+
+    async def slow(msg, delivery):
+        calls.append(delivery.consumer)
+        await asyncio.sleep(1.2)  # four claim-idle periods
+
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(bus.consume(PROMPTS, name, slow, options=FAST, stop=stop)) for name in ("a", "b")
+    ]
+    await asyncio.sleep(2.0)
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert len(calls) == 1
+
+
+async def test_poison_payload_goes_to_dead_letters_with_cause(bus: Bus):
+    await bus.ensure_group(TRAJECTORIES)
+    await bus.redis.xadd(
+        bus.key(TRAJECTORIES), {b"type": b"TrajectoryGroup", b"mid": b"x", b"data": b"\x93\x01\x02\x03"}
+    )
+    bad = ex.example_group(1).model_dump()
+    bad["trajectories"][0]["reward"] = float("nan")
+    import msgpack
+
+    await bus.redis.xadd(
+        bus.key(TRAJECTORIES),
+        {b"type": b"TrajectoryGroup", b"mid": b"y", b"data": msgpack.packb(bad, use_bin_type=True)},
+    )
+    good = ex.example_group(1, seed=9)
+    await bus.publish(TRAJECTORIES, good)
+    seen = []
+
+    async def handler(msg, delivery):
+        seen.append(msg)
+
+    await _run_until(bus, TRAJECTORIES, handler, lambda: seen)
+    letters = await bus.dead_letters()
+    assert len(letters) == 2
+    assert "must be a map" in letters[0].cause
+    assert "reward must be finite" in letters[1].cause
+    assert letters[0].payload == b"\x93\x01\x02\x03" and letters[0].stream == "trajectories"
+    assert seen == [good]
+    assert (await bus.redis.xpending(bus.key(TRAJECTORIES), "scorer"))["pending"] == 0
+
+
+async def test_failing_handler_is_retried_then_dead_lettered(bus: Bus):
+    await bus.publish(PROMPTS, ex.example_task())
+    attempts = []
+
+    async def failing(msg, delivery):
+        attempts.append(delivery.deliveries)
+        raise RuntimeError("tool gateway unreachable")
+
+    async def dead():
+        return len(await bus.dead_letters())
+
+    holder = {"n": 0}
+
+    async def poll():
+        holder["n"] = await dead()
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume(PROMPTS, "c", failing, options=FAST, stop=stop))
+    try:
+        async with asyncio.timeout(15):
+            while holder["n"] == 0:
+                await poll()
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert attempts == [1, 2, 3]
+    letter = (await bus.dead_letters())[0]
+    assert "gave up after 3 deliveries" in letter.cause and "tool gateway unreachable" in letter.cause
+    assert letter.deliveries == 4
+
+
+async def test_redelivery_and_republish_are_processed_once(bus: Bus):
+    """A producer retry (same message id, new entry) and a redelivered pending entry whose
+    message was already processed both reach the handler at most once."""
+    task = ex.example_task()
+    await bus.publish(PROMPTS, task)
+    await bus.publish(PROMPTS, task)  # the producer retried the same message
+    processed = []
+
+    async def handler(msg, delivery):
+        processed.append(msg.message_id)
+
+    await _run_until(bus, PROMPTS, handler, lambda: len(processed) >= 1)
+    await asyncio.sleep(0.3)  # give the duplicate entry time to be read
+    assert processed == [task.message_id]
+
+    # a third copy is delivered to a consumer that dies before acknowledging it ...
+    await bus.publish(PROMPTS, task)
+    await bus.redis.xreadgroup("rollout", "ghost", {bus.key(PROMPTS): ">"}, count=1)
+    assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 1
+    # ... and is reclaimed after the idle time, found done, and acknowledged unprocessed
+    await asyncio.sleep(0.4)
+    before = processed.copy()
+    stop = asyncio.Event()
+    t = asyncio.create_task(bus.consume(PROMPTS, "c2", handler, options=FAST, stop=stop))
+    try:
+        async with asyncio.timeout(10):
+            while (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"]:
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(t, 5)
+    assert processed == before
+
+
+async def test_trimming_keeps_only_unacknowledged_history(bus: Bus):
+    for i in range(20):
+        await bus.publish(PROMPTS, ex.example_task(i))
+    processed = []
+
+    async def handler(msg, delivery):
+        processed.append(msg.index)
+
+    opts = ConsumerOptions(block_ms=50, claim_idle_ms=300, count=1, trim_interval_s=0.0)
+    await _run_until(bus, PROMPTS, handler, lambda: len(processed) == 20, options=opts)
+    assert (
+        await bus.stream_length(PROMPTS) <= 1
+    )  # trimmed after each ack; at most the last stays until the next trim
+    await bus.trim_acked(PROMPTS)
+    assert await bus.stream_length(PROMPTS) == 0
+    # pending (unacknowledged) entries are never trimmed
+    for i in range(5):
+        await bus.publish(PROMPTS, ex.example_task(100 + i))
+    await bus.redis.xreadgroup("rollout", "holder", {bus.key(PROMPTS): ">"}, count=2)
+    removed = await bus.trim_acked(PROMPTS)
+    assert removed == 0 and await bus.stream_length(PROMPTS) == 5
+
+
+async def test_maxlen_bounds_a_stream_without_consumers(redis_url, key_prefix):
+    bus = Bus.from_url(redis_url, prefix=key_prefix, maxlen=50)
+    try:
+        for v in range(400):
+            await bus.publish(WEIGHTS, ex.example_weights(v))
+        assert await bus.stream_length(WEIGHTS) < 400
+        _, latest = await bus.latest(WEIGHTS)
+        assert latest.version == 399
+    finally:
+        await bus.close()
+
+
+async def test_follow_sees_every_broadcast(bus: Bus):
+    await bus.publish(WEIGHTS, ex.example_weights(1))
+    seen = []
+    stop = asyncio.Event()
+
+    async def reader():
+        async for _id, msg in bus.follow(WEIGHTS, after="0-0", block_ms=50, stop=stop):
+            seen.append(msg.version)
+            if len(seen) == 3:
+                stop.set()
+
+    t = asyncio.create_task(reader())
+    await asyncio.sleep(0.1)
+    await bus.publish(WEIGHTS, ex.example_weights(2))
+    await bus.publish(WEIGHTS, ex.example_weights(3))
+    await asyncio.wait_for(t, 5)
+    assert seen == [1, 2, 3]
+
+
+async def test_dead_letter_stream_is_readable(bus: Bus):
+    assert await bus.dead_letters() == []
+    assert DEAD_LETTERS.group is None
