@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 app = typer.Typer(
@@ -10,6 +12,10 @@ app = typer.Typer(
 )
 schemas_app = typer.Typer(help="Wire-contract JSON Schemas.", no_args_is_help=True)
 app.add_typer(schemas_app, name="schemas")
+world_app = typer.Typer(
+    help="The embedded search world: knowledge graph, corpus, questions, SFT data.", no_args_is_help=True
+)
+app.add_typer(world_app, name="world")
 
 
 @app.command()
@@ -43,6 +49,61 @@ def schemas_check() -> None:
         typer.echo(f"stale schemas: {', '.join(stale)}; run `pbsd schemas export`", err=True)
         raise typer.Exit(1)
     typer.echo("schemas are up to date")
+
+
+@world_app.command("build")
+def world_build(
+    out: Path = typer.Option(..., "--out", help="directory to write the world into"),
+    seed: int = typer.Option(0, help="same seed and sizes, same bytes"),
+    entities: int = typer.Option(2000, help="number of entities in the knowledge graph"),
+    questions: int | None = typer.Option(
+        None, help="size of the question pool (default: what the splits need + 30%)"
+    ),
+    rl: int = typer.Option(575, help="questions in the RL split"),
+    validation: int = typer.Option(200, help="questions in the validation split"),
+    sft: int = typer.Option(1000, help="questions in the SFT split"),
+    parquet: bool = typer.Option(False, help="also write Parquet files (needs pyarrow)"),
+) -> None:
+    """Generate a world: graph, one document per entity, multi-hop questions with unique answers."""
+    from worldgen.build import build_world
+
+    result = build_world(
+        out,
+        seed=seed,
+        entities=entities,
+        n_rl=rl,
+        n_val=validation,
+        n_sft=sft,
+        questions=questions,
+        parquet=parquet,
+    )
+    sizes = ", ".join(f"{k} {len(v)}" for k, v in result.splits.items())
+    timing = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
+    typer.echo(f"wrote {out}: {len(result.graph.entities)} entities, questions: {sizes} ({timing})")
+
+
+@world_app.command("sft-data")
+def world_sft_data(
+    world: Path = typer.Option(..., "--world", help="a directory written by `pbsd world build`"),
+    out: Path = typer.Option(..., "--out", help="JSONL file of chat trajectories to write"),
+    split: str = typer.Option("sft", help="which question split to solve"),
+    limit: int | None = typer.Option(None, help="solve only the first N questions"),
+    seed: int = typer.Option(0),
+    detour_rate: float = typer.Option(
+        0.25, help="chance of a detour (vague search, wrong page, re-check) at each step"
+    ),
+    search_num: int = typer.Option(5, help="results the oracle asks of each search"),
+) -> None:
+    """Write oracle trajectories (the scripted expert using the offline tools) for the SFT warm start."""
+    from worldgen.oracle import write_sft_data
+
+    stats = write_sft_data(
+        world, out, split=split, limit=limit, seed=seed, detour_rate=detour_rate, search_num=search_num
+    )
+    typer.echo(
+        f"wrote {stats['written']} trajectories to {out} ({stats['skipped']} questions skipped, "
+        f"{stats['tool_calls']} tool calls, {stats['detours']} detours)"
+    )
 
 
 if __name__ == "__main__":

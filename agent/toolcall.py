@@ -1,0 +1,138 @@
+r"""The ``<use_mcp_tool>`` call format: parsing (with repair), writing, and tool results.
+
+A call is the block (regex with DOTALL, as MiroFlow parses it)::
+
+    <use_mcp_tool>
+    <server_name>...</server_name>
+    <tool_name>...</tool_name>
+    <arguments>
+    {JSON object}
+    </arguments>
+    </use_mcp_tool>
+
+The system prompt allows one tool per message; if a message holds several blocks,
+the first is executed and the rest are ignored (``Parsed.count`` says how many there
+were). Arguments that are not valid JSON are repaired with ``json_repair`` when the
+damage is recoverable (a missing quote or brace); a block whose closing tags are
+missing at the very end of the message (generation stopped early) is recovered too.
+Everything else is reported back to the agent as a failed tool call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from json_repair import repair_json
+
+__all__ = [
+    "Parsed",
+    "ToolCallRequest",
+    "format_tool_call",
+    "format_tool_failure",
+    "format_tool_result",
+    "parse_tool_call",
+]
+
+TOOL_CALL_RE = re.compile(
+    r"<use_mcp_tool>\s*<server_name>(.*?)</server_name>\s*<tool_name>(.*?)</tool_name>\s*"
+    r"<arguments>\s*([\s\S]*?)\s*</arguments>\s*</use_mcp_tool>",
+    re.DOTALL,
+)
+# The same block cut off at the end of the message: closing tags missing.
+_TRUNCATED_RE = re.compile(
+    r"<use_mcp_tool>\s*<server_name>(.*?)</server_name>\s*<tool_name>(.*?)</tool_name>\s*"
+    r"<arguments>\s*([\s\S]*?)\s*(?:</arguments>)?\s*(?:</use_mcp_tool>)?\s*\Z",
+    re.DOTALL,
+)
+
+DEFAULT_MAX_RESULT_CHARS = 20_000
+
+
+@dataclass(frozen=True)
+class ToolCallRequest:
+    server_name: str
+    tool_name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    repaired: bool = False  # the arguments or the closing tags needed repair
+
+
+@dataclass(frozen=True)
+class Parsed:
+    call: ToolCallRequest | None
+    error: str | None = None  # set when the message tries to call a tool but the call is unusable
+    count: int = 0  # complete call blocks found in the message
+
+
+def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
+    raw = raw.strip()
+    if not raw:
+        return {}, False, None
+    try:
+        value = json.loads(raw)
+        repaired = False
+    except json.JSONDecodeError:
+        try:
+            value = repair_json(raw, return_objects=True)
+        except Exception as exc:  # json_repair may raise on pathological input
+            return (
+                None,
+                False,
+                f"arguments are not valid JSON and could not be repaired ({type(exc).__name__})",
+            )
+        repaired = True
+    if not isinstance(value, dict):
+        return None, repaired, "arguments must be a JSON object"
+    return value, repaired, None
+
+
+def parse_tool_call(text: str) -> Parsed:
+    """The tool call of an assistant message, if it makes one."""
+    matches = list(TOOL_CALL_RE.finditer(text))
+    truncated = False
+    if not matches:
+        if "<use_mcp_tool>" not in text:
+            return Parsed(None)
+        m = _TRUNCATED_RE.search(text)
+        if m is None:
+            return Parsed(
+                None,
+                "the <use_mcp_tool> block is malformed: it needs <server_name>, <tool_name> and <arguments>",
+            )
+        matches, truncated = [m], True
+    m = matches[0]
+    server, tool = m.group(1).strip(), m.group(2).strip()
+    if not server or not tool:
+        return Parsed(None, "server_name and tool_name must not be empty", len(matches))
+    args, repaired, error = _arguments(m.group(3))
+    if error:
+        return Parsed(None, error, len(matches))
+    return Parsed(
+        ToolCallRequest(server, tool, args, repaired or truncated), None, 0 if truncated else len(matches)
+    )
+
+
+def format_tool_call(server_name: str, tool_name: str, arguments: dict[str, Any]) -> str:
+    """A call block exactly as the agent is taught to write it."""
+    return (
+        "<use_mcp_tool>\n"
+        f"<server_name>{server_name}</server_name>\n"
+        f"<tool_name>{tool_name}</tool_name>\n"
+        "<arguments>\n"
+        f"{json.dumps(arguments, ensure_ascii=False)}\n"
+        "</arguments>\n"
+        "</use_mcp_tool>"
+    )
+
+
+def format_tool_result(result: str, max_chars: int = DEFAULT_MAX_RESULT_CHARS) -> str:
+    """A successful tool result as the user message that carries it; long results are cut."""
+    if len(result) <= max_chars:
+        return result
+    return result[:max_chars] + f"\n[... result truncated: {len(result) - max_chars} more characters]"
+
+
+def format_tool_failure(server_name: str, tool_name: str, error: str) -> str:
+    return f"Tool call to {tool_name} on {server_name} failed. Error: {error}"

@@ -1,0 +1,139 @@
+r"""The rule-based verifier: final-answer extraction, normalised exact match, token F1.
+
+The agent's final answer is the content of the last ``\boxed{...}`` in its last
+message (nested braces handled). Answers are compared after normalisation:
+Unicode folded to ASCII where possible, lower case, LaTeX text wrappers removed,
+punctuation dropped, the articles a/an/the dropped, acronym dots removed ("U.S.A." = "USA"), digit group separators removed
+("1,000" = "1000"), trailing ".0" dropped, and number words up to twenty turned into
+digits. The reward is 1 when the normalised prediction equals the normalised answer
+or one of its aliases, else 0. Token F1 (SQuAD-style, best over answer and aliases)
+is reported alongside as a softer diagnostic.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["Verdict", "exact_match", "extract_boxed", "normalize", "token_f1", "verify"]
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+_LATEX_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|textit|mathbf|operatorname)\s*\{([^{}]*)\}")
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ACRONYM = re.compile(r"(?<!\w)(?:[A-Za-z]\.){2,}")
+_DIGIT_GROUPS = re.compile(r"(?<=\d)[,\u00a0 ](?=\d{3}\b)")
+_NUMBER_WORDS = {
+    w: str(i)
+    for i, w in enumerate(
+        [
+            "zero",
+            "one",
+            "two",
+            "three",
+            "four",
+            "five",
+            "six",
+            "seven",
+            "eight",
+            "nine",
+            "ten",
+            "eleven",
+            "twelve",
+            "thirteen",
+            "fourteen",
+            "fifteen",
+            "sixteen",
+            "seventeen",
+            "eighteen",
+            "nineteen",
+            "twenty",
+        ]
+    )
+}
+
+
+def extract_boxed(text: str | None) -> str | None:
+    r"""Content of the last ``\boxed{...}``, with nested braces; None if there is none or it never closes."""
+    if not text:
+        return None
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):  # the last one that is well formed
+        depth, i = 1, start
+        while i < len(text):
+            ch = text[i]
+            if ch == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+                i += 2
+                continue
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i].strip()
+            i += 1
+    return None
+
+
+def normalize(text: str) -> str:
+    s = unicodedata.normalize("NFKD", text)
+    s = "".join(ch for ch in s if not unicodedata.combining(ch))
+    for _ in range(3):  # \text{\textbf{x}}
+        s = _LATEX_WRAPPER.sub(r"\1", s)
+    s = s.replace("\\{", "{").replace("\\}", "}").replace("\\", " ")
+    s = _ACRONYM.sub(
+        lambda m: m.group(0).replace(".", ""), s
+    )  # U.S.A. -> USA, before "a" reads as an article
+    s = s.lower()
+    s = _DIGIT_GROUPS.sub("", s)
+    s = re.sub(r"(?<=\d)\.0+\b", "", s)  # 3.0 -> 3, 12.50 stays 12.50
+    s = re.sub(r"(?<!\d)\.(?!\d)|[^\w\s.]", " ", s)  # punctuation, but keep decimal points
+    s = _ARTICLES.sub(" ", s)
+    words = [_NUMBER_WORDS.get(w, w) for w in s.split()]
+    return " ".join(words)
+
+
+def _golds(answer: str, aliases: Iterable[str]) -> list[str]:
+    return [answer, *[a for a in aliases if a]]
+
+
+def exact_match(prediction: str | None, answer: str, aliases: Iterable[str] = ()) -> bool:
+    if prediction is None:
+        return False
+    p = normalize(prediction)
+    return bool(p) and any(p == normalize(g) for g in _golds(answer, aliases))
+
+
+def token_f1(prediction: str | None, answer: str, aliases: Iterable[str] = ()) -> float:
+    if prediction is None:
+        return 0.0
+    pred = normalize(prediction).split()
+    best = 0.0
+    for g in _golds(answer, aliases):
+        gold = normalize(g).split()
+        common = sum((Counter(pred) & Counter(gold)).values())
+        if common == 0:
+            continue
+        precision, recall = common / len(pred), common / len(gold)
+        best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+@dataclass(frozen=True)
+class Verdict:
+    extracted: str | None
+    correct: bool
+    f1: float
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.correct else 0.0
+
+
+def verify(response: str | None, answer: str, aliases: Iterable[str] = ()) -> Verdict:
+    """Grade the agent's final message against the verified answer and its aliases."""
+    aliases = tuple(aliases)
+    extracted = extract_boxed(response)
+    return Verdict(extracted, exact_match(extracted, answer, aliases), token_f1(extracted, answer, aliases))

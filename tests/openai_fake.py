@@ -1,0 +1,58 @@
+"""A local server that speaks the OpenAI chat-completions API, with scripted answers and failures.
+
+Responses have the real shape (``id``, ``object: chat.completion``, ``created``,
+``model``, ``choices[{index, message{role, content}, finish_reason}]``, ``usage``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+
+def completion(content: str, model: str = "judge-model") -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19},
+    }
+
+
+def make_app(script: list[Any] | None = None, default: str = "ok") -> FastAPI:
+    """``script`` items, used in order, then ``default``: a string (answered as content), an int
+    status (with an OpenAI error body), ``("retry-after", seconds)`` for a 429, or ``"malformed"``."""
+    app = FastAPI()
+    app.state.requests = []
+    queue = deque(script or [])
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        app.state.requests.append({"body": body, "headers": dict(request.headers)})
+        item = queue.popleft() if queue else default
+        if isinstance(item, tuple) and item[0] == "retry-after":
+            return JSONResponse(
+                {"error": {"message": "Rate limit reached", "type": "requests"}},
+                status_code=429,
+                headers={"Retry-After": str(item[1])},
+            )
+        if isinstance(item, int):
+            return JSONResponse(
+                {"error": {"message": f"upstream error {item}", "type": "server_error"}}, status_code=item
+            )
+        if item == "malformed":
+            return PlainTextResponse("<html>gateway</html>", status_code=200)
+        if callable(item):
+            item = item(body)
+        return JSONResponse(completion(item, body.get("model", "m")))
+
+    return app

@@ -1,0 +1,101 @@
+"""The <use_mcp_tool> format: parsing, repair, writing, results; and the system prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.prompt import system_prompt
+from agent.toolcall import format_tool_call, format_tool_failure, format_tool_result, parse_tool_call
+from services.tools.catalogue import catalogue
+
+CALL = """I should search.
+
+<use_mcp_tool>
+<server_name>search_and_scrape_webpage</server_name>
+<tool_name>google_search</tool_name>
+<arguments>
+{"q": "the \\"Glass\\" Orchard", "num": 5}
+</arguments>
+</use_mcp_tool>"""
+
+
+def test_parse_a_well_formed_call():
+    p = parse_tool_call(CALL)
+    assert p.error is None and p.count == 1
+    assert (p.call.server_name, p.call.tool_name) == ("search_and_scrape_webpage", "google_search")
+    assert p.call.arguments == {"q": 'the "Glass" Orchard', "num": 5} and not p.call.repaired
+
+
+def test_round_trip_through_the_writer():
+    text = format_tool_call("s", "t", {"url": "kb://x", "info_to_extract": 'say "hi" {}'})
+    p = parse_tool_call(f"thinking...\n\n{text}")
+    assert p.call.arguments == {"url": "kb://x", "info_to_extract": 'say "hi" {}'} and not p.call.repaired
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        '{"q": "orchard", "num": 5',  # missing brace
+        '{"q": "orchard, "num": 5}',  # missing quote
+        "{'q': 'orchard', 'num': 5}",  # single quotes
+    ],
+)
+def test_recoverable_arguments_are_repaired(args):
+    p = parse_tool_call(
+        f"<use_mcp_tool>\n<server_name>s</server_name>\n<tool_name>t</tool_name>\n<arguments>\n{args}\n</arguments>\n</use_mcp_tool>"
+    )
+    assert p.call is not None and p.call.repaired
+    assert p.call.arguments["q"].startswith("orchard")
+
+
+def test_missing_closing_tags_at_the_end_are_recovered():
+    p = parse_tool_call(
+        '<use_mcp_tool>\n<server_name>s</server_name>\n<tool_name>t</tool_name>\n<arguments>\n{"q": "x"}\n'
+    )
+    assert p.call is not None and p.call.repaired and p.call.arguments == {"q": "x"}
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("<use_mcp_tool><tool_name>t</tool_name></use_mcp_tool>", "malformed"),
+        (
+            "<use_mcp_tool>\n<server_name> </server_name>\n<tool_name>t</tool_name>\n<arguments>{}</arguments>\n</use_mcp_tool>",
+            "must not be empty",
+        ),
+        (
+            '<use_mcp_tool>\n<server_name>s</server_name>\n<tool_name>t</tool_name>\n<arguments>["a"]</arguments>\n</use_mcp_tool>',
+            "JSON object",
+        ),
+    ],
+)
+def test_unrecoverable_calls_are_errors(text, error):
+    p = parse_tool_call(text)
+    assert p.call is None and error in p.error
+
+
+def test_no_call_and_several_calls():
+    assert parse_tool_call(r"The answer is \boxed{x}").call is None
+    assert parse_tool_call(r"The answer is \boxed{x}").error is None
+    p = parse_tool_call(CALL + "\n" + CALL.replace("google_search", "other"))
+    assert p.count == 2 and p.call.tool_name == "google_search"  # the first one runs
+
+
+def test_results_and_failures():
+    assert format_tool_result("short") == "short"
+    long = format_tool_result("x" * 50, max_chars=10)
+    assert long.startswith("x" * 10) and "40 more characters" in long
+    assert format_tool_failure("srv", "tool", "timeout") == "Tool call to tool on srv failed. Error: timeout"
+
+
+def test_system_prompt_is_appendix_a_with_the_catalogue():
+    text = system_prompt(catalogue(), "2025-06-01")
+    assert text.startswith("In this environment you have access to a set of tools")
+    assert "Today is: 2025-06-01" in text
+    assert '"param2": "value2 \\"escaped string\\""' in text
+    assert "\n## Server name: search_and_scrape_webpage\n### Tool name: google_search\nDescription: " in text
+    assert "### Tool name: scrape_and_extract_info" in text
+    assert text.endswith(
+        "Your goal is to provide complete, accurate and well-reasoned answers using additional tools."
+    )
+    assert "{" not in text.split("Here are the functions")[0].replace('{\n"param1"', "")  # no unfilled fields

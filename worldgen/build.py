@@ -1,0 +1,108 @@
+"""``pbsd world build``: write a whole world to a directory.
+
+    DIR/manifest.json          seed, sizes, file checksums, the agent date
+    DIR/corpus.jsonl           one document per entity (id, url, title, type, text)
+    DIR/entities.jsonl         the knowledge graph's entities (id, type, name, attrs, aliases)
+    DIR/relations.jsonl        its relations (source, relation, target)
+    DIR/questions/{rl,validation,sft}.jsonl
+    DIR/*.parquet              the same tables as Parquet, with --parquet
+
+Same seed and sizes, same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from worldgen.documents import build_corpus
+from worldgen.formats import dumps, write_jsonl, write_parquet
+from worldgen.graph import Graph, generate
+from worldgen.questions import QuestionBuilder
+from worldgen.splits import Splits, make_splits
+
+FORMAT = "pbsd-world/1"
+WORLD_DATE = "2025-06-01"  # the "today" of the world, used in the agent's system prompt for its data
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    out: Path
+    graph: Graph
+    splits: Splits
+    timings: dict[str, float]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_world(
+    out: Path,
+    *,
+    seed: int = 0,
+    entities: int = 2000,
+    n_rl: int = 575,
+    n_val: int = 200,
+    n_sft: int = 1000,
+    questions: int | None = None,
+    parquet: bool = False,
+) -> BuildResult:
+    """Generate and write a world. ``questions`` is the size of the candidate pool the
+    splits are drawn from (default: 30% more than the splits need, plus 50)."""
+    out = Path(out)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    graph = generate(seed, entities)
+    timings["graph"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    docs = build_corpus(graph, seed)
+    timings["documents"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    wanted = n_rl + n_val + n_sft
+    pool = QuestionBuilder(graph, seed).build(questions or int(wanted * 1.3) + 50)
+    splits = make_splits(pool, n_rl=n_rl, n_val=n_val, n_sft=n_sft, seed=seed)
+    timings["questions"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    tables: dict[str, list[dict]] = {
+        "corpus": [d.to_json() for d in docs],
+        "entities": [
+            {"id": e.id, "type": e.type, "name": e.name, "attrs": e.attrs, "aliases": list(e.aliases)}
+            for e in graph.entities.values()
+        ],
+        "relations": [{"source": s, "relation": r, "target": d} for s, r, d in graph.relations()],
+    }
+    for split, qs in splits.items():
+        tables[f"questions/{split}"] = [{**q.to_json(), "split": split} for q in qs]
+    files: dict[str, str] = {}
+    for name, rows in tables.items():
+        path = out / f"{name}.jsonl"
+        write_jsonl(path, rows)
+        files[path.relative_to(out).as_posix()] = _sha256(path)
+        if parquet:
+            ppath = out / f"{name}.parquet"
+            write_parquet(ppath, rows)
+    manifest = {
+        "format": FORMAT,
+        "seed": seed,
+        "entities": len(graph.entities),
+        "relations": len(tables["relations"]),
+        "documents": len(docs),
+        "questions": {split: len(qs) for split, qs in splits.items()},
+        "question_pool": len(pool),
+        "date": WORLD_DATE,
+        "files": files,
+    }
+    (out / "manifest.json").write_text(dumps(manifest) + "\n", encoding="utf-8")
+    timings["write"] = time.perf_counter() - t
+    return BuildResult(out, graph, splits, timings)

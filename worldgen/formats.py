@@ -1,0 +1,141 @@
+"""Reading and writing question sets and corpora: JSONL (always) and Parquet (with pyarrow).
+
+Loading never crashes on a bad line: each problem is reported with its line number
+(or row number for Parquet) and the good lines are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from proto.data import CorpusDocument, QuestionRecord
+
+__all__ = ["LoadReport", "dumps", "load_corpus", "load_questions", "write_jsonl", "write_parquet"]
+
+
+def dumps(obj: Any) -> str:
+    """Canonical JSON: same object, same bytes."""
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(dumps(row) + "\n")
+            n += 1
+    return n
+
+
+def write_parquet(path: Path, rows: list[dict]) -> None:
+    """Parquet for `datasets` users; nested fields (hops, aliases) are stored as JSON strings."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise RuntimeError("Parquet output needs pyarrow: pip install 'pbsd[data]'") from exc
+    flat = [{k: (dumps(v) if isinstance(v, dict | list) else v) for k, v in r.items()} for r in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(flat), path)
+
+
+@dataclass
+class LoadReport:
+    items: list = field(default_factory=list)
+    problems: list[tuple[int, str]] = field(default_factory=list)  # (line number, what is wrong)
+
+    def raise_if_empty(self, path: Path) -> None:
+        if not self.items:
+            detail = "; ".join(f"line {n}: {m}" for n, m in self.problems[:5])
+            raise ValueError(f"{path}: no usable rows" + (f" ({detail})" if detail else ""))
+
+
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line or row number, parsed object or the JSON error) for every non-blank line."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield i, {k: _maybe_json(v) for k, v in row.items()}
+        return
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield i, exc
+
+
+def _objects(path: Path, report: LoadReport) -> Iterator[tuple[int, dict]]:
+    """The rows that are JSON objects; every other row becomes a problem in ``report``."""
+    for n, row in _rows(path):
+        if isinstance(row, Exception):
+            report.problems.append((n, f"not valid JSON: {row}"))
+        elif not isinstance(row, dict):
+            report.problems.append((n, f"expected an object, got {type(row).__name__}"))
+        else:
+            yield n, row
+
+
+def _maybe_json(v: Any) -> Any:
+    if isinstance(v, str) and v[:1] in "[{":
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return v
+    return v
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg']}" for e in exc.errors())
+
+
+def load_questions(path: str | Path) -> LoadReport:
+    """Questions from our world format, ``{question, answer}`` or BrowseComp's ``{problem, answer}``."""
+    path = Path(path)
+    report = LoadReport()
+    seen: set[str] = set()
+    for n, row in _objects(path, report):
+        row = dict(row)
+        if "question" not in row and "problem" in row:
+            row["question"] = row.pop("problem")
+        if "question" not in row or "answer" not in row:
+            missing = [k for k in ("question", "answer") if k not in row]
+            report.problems.append((n, f"missing field(s) {', '.join(missing)} (or BrowseComp's 'problem')"))
+            continue
+        known = {k: row.pop(k) for k in ("id", "question", "answer", "aliases", "difficulty") if k in row}
+        known.setdefault("id", f"{path.stem}-{n}")
+        known["answer"] = str(known["answer"])
+        try:
+            record = QuestionRecord(**known, metadata=row)
+        except ValidationError as exc:
+            report.problems.append((n, _validation_message(exc)))
+            continue
+        if record.id in seen:
+            report.problems.append((n, f"duplicate id {record.id!r}"))
+            continue
+        seen.add(record.id)
+        report.items.append(record)
+    return report
+
+
+def load_corpus(path: str | Path) -> LoadReport:
+    """Documents with ``url`` and ``text`` (``title`` and ``id`` optional), one per line."""
+    path = Path(path)
+    report = LoadReport()
+    for n, row in _objects(path, report):
+        fields = {k: row[k] for k in ("url", "title", "text", "id") if k in row}
+        try:
+            report.items.append(CorpusDocument(**fields))
+        except ValidationError as exc:
+            report.problems.append((n, _validation_message(exc)))
+    return report
