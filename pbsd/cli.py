@@ -51,6 +51,27 @@ def schemas_check() -> None:
     typer.echo("schemas are up to date")
 
 
+serve_app = typer.Typer(help="Run one of the pipeline's services in the foreground.", no_args_is_help=True)
+app.add_typer(serve_app, name="serve")
+
+
+@serve_app.command("tools")
+def serve_tools(
+    host: str | None = typer.Option(None, help="bind address (default: PBSD_TOOLS_HOST or 127.0.0.1)"),
+    port: int | None = typer.Option(None, help="port (default: PBSD_TOOLS_PORT or 8001)"),
+) -> None:
+    """The tool gateway (settings from PBSD_TOOLS_* and REDIS_URL)."""
+    import uvicorn
+
+    from services.tools.app import create_app
+    from services.tools.settings import ToolsSettings
+
+    settings = ToolsSettings()
+    uvicorn.run(
+        create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
+    )
+
+
 @world_app.command("build")
 def world_build(
     out: Path = typer.Option(..., "--out", help="directory to write the world into"),

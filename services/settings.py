@@ -1,0 +1,38 @@
+"""Settings every service shares, read from the same environment variables everywhere.
+
+Each service has its own settings class (``PBSD_<SERVICE>_...``) that extends this
+one; the bus connection and the key prefix are common to all of them, so one
+``REDIS_URL`` configures a whole deployment.
+"""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore")
+
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("REDIS_URL", "PBSD_REDIS_URL"),
+        description="redis://[:password@]host:port/db of the bus (credentials included)",
+    )
+    stream_prefix: str = Field(
+        default="pbsd",
+        validation_alias=AliasChoices("PBSD_STREAM_PREFIX"),
+        description="prefix of every Redis key, so deployments can share a Redis",
+    )
+    log_level: str = Field(default="INFO", validation_alias=AliasChoices("PBSD_LOG_LEVEL"))
+
+    def __repr_args__(self):  # never print credentials embedded in the Redis URL
+        for key, value in super().__repr_args__():
+            yield key, (_redact_url(value) if key == "redis_url" else value)
+
+
+def _redact_url(url: str) -> str:
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -1,0 +1,177 @@
+"""The tool gateway's core, independent of HTTP: validate a call, enforce the trajectory's
+call budget, answer from the cache or merge with an identical call in flight, run the
+backend, render and truncate the result.
+
+What the agent reads is always text: the backend's JSON result, or, when the tool
+itself failed (an upstream down, a budget exhausted), ``Tool call to T on S failed.
+Error: ...``. Only malformed calls (unknown tool, invalid arguments) are errors of
+the caller, raised as :class:`InvalidCall`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from agent.toolcall import format_tool_failure, format_tool_result
+from services.tools import metrics
+from services.tools.backends import Backend, render
+from services.tools.catalogue import READ, SEARCH, TOOLS, ToolSpec, catalogue, find_tool
+from services.tools.store import Store
+from services.upstream import UpstreamError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CallOutcome", "InvalidCall", "ToolGateway"]
+
+
+class InvalidCall(Exception):
+    """A call the gateway cannot run: ``status`` 404 (unknown tool) or 422 (bad arguments)."""
+
+    def __init__(self, status: int, errors: list[dict[str, Any]]) -> None:
+        super().__init__("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors))
+        self.status = status
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    ok: bool
+    text: str
+    cached: bool = False
+    merged: bool = False
+    latency_s: float = 0.0
+    error: str | None = None
+
+
+def _canonical(spec: ToolSpec, args: BaseModel) -> str:
+    data = args.model_dump()
+    if spec is SEARCH:
+        data["q"] = " ".join(data["q"].lower().split())
+    elif spec is READ:
+        data["url"] = data["url"].strip()
+        data["info_to_extract"] = " ".join(data["info_to_extract"].lower().split())
+    return json.dumps(data, sort_keys=True, ensure_ascii=False)
+
+
+class ToolGateway:
+    def __init__(
+        self,
+        backend: Backend,
+        store: Store,
+        *,
+        search_ttl_s: int = 86_400,
+        read_ttl_s: int = 7 * 86_400,
+        max_result_chars: int = 20_000,
+        call_budget: int = 300,
+        budget_ttl_s: int = 6 * 3600,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.ttl = {SEARCH.name: search_ttl_s, READ.name: read_ttl_s}
+        self.max_result_chars = max_result_chars
+        self.call_budget = call_budget
+        self.budget_ttl_s = budget_ttl_s
+        self._inflight: dict[str, asyncio.Future[tuple[bool, str, str | None]]] = {}
+
+    def catalogue(self) -> list[dict[str, Any]]:
+        return catalogue(TOOLS)
+
+    def validate(self, server_name: str, tool_name: str, arguments: Any) -> tuple[ToolSpec, BaseModel]:
+        spec = find_tool(server_name, tool_name)
+        if spec is None:
+            known = ", ".join(f"{t.name} on {t.server_name}" for t in TOOLS)
+            field = "server_name" if all(t.server_name != server_name for t in TOOLS) else "tool_name"
+            raise InvalidCall(
+                404,
+                [
+                    {
+                        "loc": ["body", field],
+                        "msg": f"unknown tool {tool_name!r} on server {server_name!r}; known: {known}",
+                        "type": "unknown_tool",
+                    }
+                ],
+            )
+        if not isinstance(arguments, dict):
+            raise InvalidCall(
+                422,
+                [
+                    {
+                        "loc": ["body", "arguments"],
+                        "msg": "arguments must be a JSON object",
+                        "type": "dict_type",
+                    }
+                ],
+            )
+        try:
+            return spec, spec.args_model.model_validate(arguments)
+        except ValidationError as exc:
+            errors = [
+                {"loc": ["body", "arguments", *e["loc"]], "msg": e["msg"], "type": e["type"]}
+                for e in exc.errors()
+            ]
+            raise InvalidCall(422, errors) from None
+
+    async def call(
+        self, server_name: str, tool_name: str, arguments: Any, *, trajectory_id: str | None = None
+    ) -> CallOutcome:
+        spec, args = self.validate(server_name, tool_name, arguments)
+        started = time.perf_counter()
+        outcome = await self._call(spec, args, trajectory_id)
+        elapsed = time.perf_counter() - started
+        metrics.CALL_SECONDS.labels(spec.name, self.backend.name).observe(elapsed)
+        metrics.CALLS.labels(spec.name, self.backend.name, "ok" if outcome.ok else "error").inc()
+        text = format_tool_result(outcome.text, self.max_result_chars)
+        return CallOutcome(outcome.ok, text, outcome.cached, outcome.merged, elapsed, outcome.error)
+
+    async def _call(self, spec: ToolSpec, args: BaseModel, trajectory_id: str | None) -> CallOutcome:
+        if trajectory_id is not None:
+            used = await self.store.incr(f"budget:{trajectory_id}", self.budget_ttl_s)
+            if used > self.call_budget:
+                metrics.BUDGET_EXHAUSTED.inc()
+                error = f"the call budget of {self.call_budget} tool calls for this trajectory is used up"
+                return CallOutcome(
+                    False, format_tool_failure(spec.server_name, spec.name, error), error=error
+                )
+
+        key = f"cache:{self.backend.name}:{spec.name}:{hashlib.sha256(_canonical(spec, args).encode()).hexdigest()}"
+        hit = await self.store.get(key)
+        if hit is not None:
+            metrics.CACHE.labels(spec.name, "hit").inc()
+            return CallOutcome(True, hit, cached=True)
+        metrics.CACHE.labels(spec.name, "miss").inc()
+
+        if key in self._inflight:  # the same call is already running: share its answer
+            metrics.MERGED.labels(spec.name).inc()
+            ok, text, error = await asyncio.shield(self._inflight[key])
+            return CallOutcome(ok, text, merged=True, error=error)
+        future: asyncio.Future[tuple[bool, str, str | None]] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            ok, text, error = await self._run(spec, args, key)
+            future.set_result((ok, text, error))
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: waiters re-raise it, nobody else needs to
+            raise
+        finally:
+            del self._inflight[key]
+        return CallOutcome(ok, text, error=error)
+
+    async def _run(self, spec: ToolSpec, args: BaseModel, key: str) -> tuple[bool, str, str | None]:
+        try:
+            result = await (self.backend.search(args) if spec is SEARCH else self.backend.read(args))
+        except UpstreamError as exc:
+            log.warning("%s failed: %s", spec.name, exc)
+            return False, format_tool_failure(spec.server_name, spec.name, str(exc)), str(exc)
+        text = render(result)
+        if spec is SEARCH or result.get("success"):  # failed reads may be transient: never cached
+            await self.store.set(key, text, self.ttl[spec.name])
+        return True, text, None

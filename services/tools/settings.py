@@ -1,0 +1,74 @@
+"""Settings of the tool gateway: ``PBSD_TOOLS_*`` (plus the shared ``REDIS_URL``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.settings import CommonSettings
+
+
+class ToolsSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="PBSD_TOOLS_", extra="ignore")
+
+    backend: Literal["offline", "web"] = "offline"
+    corpus: Path | None = Field(
+        default=None, description="offline backend: JSONL corpus (e.g. the world's corpus.jsonl)"
+    )
+    host: str = "127.0.0.1"
+    port: int = 8001
+    use_redis: bool = Field(
+        default=True, description="cache and budgets in Redis (shared by replicas); else in process"
+    )
+
+    search_ttl_s: int = 86_400
+    read_ttl_s: int = 7 * 86_400
+    max_result_chars: int = 20_000
+    call_budget: int = Field(
+        default=300, description="tool calls one trajectory may make (the paper's turn limit)"
+    )
+
+    serper_url: str = "https://google.serper.dev"
+    serper_api_key: SecretStr | None = None
+    serper_concurrency: int = 32
+    serper_rate_per_s: float | None = 50.0
+    jina_url: str = "https://r.jina.ai"
+    jina_api_key: SecretStr | None = None
+    use_jina: bool = True
+    jina_concurrency: int = 32
+    jina_rate_per_s: float | None = 20.0
+    summariser_base_url: str | None = Field(
+        default=None, description="OpenAI-compatible /v1 URL; extractive if unset"
+    )
+    summariser_model: str = "gpt-oss-120b"
+    summariser_api_key: SecretStr | None = None
+    summariser_concurrency: int = 32
+    summariser_max_content_chars: int = 120_000
+    fetch_max_bytes: int = 5_000_000
+    fetch_timeout_s: float = 20.0
+    upstream_timeout_s: float = 60.0
+    allow_hosts: list[str] = Field(
+        default_factory=list, description="host:port pairs exempt from the SSRF address rules"
+    )
+    blocked_result_hosts: list[str] = Field(
+        default_factory=lambda: ["huggingface.co/datasets", "browsecomp"],
+        description="search results whose link contains one of these are dropped (benchmark leaks)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.backend == "web" and self.serper_api_key is None:
+            raise ValueError("the web backend needs PBSD_TOOLS_SERPER_API_KEY")
+        if self.backend == "offline" and self.corpus is None:
+            raise ValueError("the offline backend needs PBSD_TOOLS_CORPUS (a JSONL of {url, title, text})")
+        return self
+
+    def secrets(self) -> list[str]:
+        return [
+            s.get_secret_value()
+            for s in (self.serper_api_key, self.jina_api_key, self.summariser_api_key)
+            if s
+        ]

@@ -1,0 +1,278 @@
+"""The web backend: Serper for search, Jina Reader (plain HTTP as fallback) for pages, and a
+summariser LLM that extracts evidence and a summary for the agent's goal.
+
+Result shapes are the offline backend's (:mod:`services.tools.backends`). Secrets
+(Serper and Jina keys) travel in headers only; no error message or log line carries
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from json_repair import repair_json
+from pydantic import SecretStr
+
+from services.llm import ChatClient
+from services.tools import metrics
+from services.tools.backends import read_result
+from services.tools.catalogue import GoogleSearchArgs, ScrapeArgs
+from services.tools.extractive import IdfTable, extract
+from services.tools.fetch import FetchError, PlainFetcher
+from services.tools.resilience import Upstream
+from services.tools.ssrf import BlockedAddress, check_url
+from services.upstream import UpstreamError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["JinaReader", "LlmSummariser", "Page", "SerperSearch", "WebBackend"]
+
+SUMMARY_PROMPT = """Extract what a research agent needs from a web page.
+
+## Page
+{content}
+
+## The agent's goal
+{goal}
+
+## Instructions
+1. Find the parts of the page that bear on the goal.
+2. Evidence: copy those parts word for word, as completely as needed; do not paraphrase.
+3. Summary: in a few sentences, say what the page tells about the goal, and say plainly if it does not answer it.
+
+Answer with a JSON object with the keys "rational", "evidence" and "summary", and nothing else."""
+
+
+@dataclass(frozen=True)
+class Page:
+    url: str
+    title: str
+    content: str
+    source: str  # "jina" or "http"
+
+
+class SerperSearch:
+    """``POST {base}/search`` with ``X-API-KEY``; keeps organic results, answer box and knowledge graph."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        upstream: Upstream,
+        *,
+        base_url: str,
+        api_key: SecretStr,
+        blocked_hosts: tuple[str, ...] = (),
+    ) -> None:
+        self.http = http
+        self.upstream = upstream
+        self.url = base_url.rstrip("/") + "/search"
+        self.api_key = api_key
+        self.blocked_hosts = tuple(h.lower() for h in blocked_hosts)
+
+    async def search(self, args: GoogleSearchArgs) -> dict[str, Any]:
+        body = args.model_dump(exclude_none=True)
+        headers = {"X-API-KEY": self.api_key.get_secret_value(), "Content-Type": "application/json"}
+        response = await self.upstream.call(lambda: self.http.post(self.url, json=body, headers=headers))
+        try:
+            data = response.json()
+            organic = data.get("organic", [])
+            if not isinstance(organic, list):
+                raise TypeError("organic is not a list")
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UpstreamError("serper", f"malformed search response ({exc})") from None
+        results = []
+        for item in organic:
+            if not isinstance(item, dict) or not item.get("link") or self._blocked(item["link"]):
+                continue
+            hit = {k: item[k] for k in ("title", "link", "snippet", "date") if item.get(k)}
+            hit["position"] = len(results) + 1
+            results.append(hit)
+        out: dict[str, Any] = {"organic": results}
+        for key in ("answerBox", "knowledgeGraph"):
+            if isinstance(data.get(key), dict):
+                out[key] = data[key]
+        return out
+
+    def _blocked(self, link: str) -> bool:
+        """Hosts that would leak benchmark answers (dataset pages) are dropped."""
+        target = link.lower()
+        return any(b in target for b in self.blocked_hosts)
+
+
+class JinaReader:
+    """``GET {base}/{url}`` with a bearer key and Reader option headers; JSON or text replies."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        upstream: Upstream,
+        *,
+        base_url: str,
+        api_key: SecretStr | None,
+        timeout_s: int = 60,
+        return_format: str = "markdown",
+    ) -> None:
+        self.http = http
+        self.upstream = upstream
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.return_format = return_format
+
+    async def read(self, url: str) -> Page:
+        headers = {
+            "Accept": "application/json",
+            "X-Return-Format": self.return_format,
+            "X-Timeout": str(self.timeout_s),
+        }
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
+        response = await self.upstream.call(lambda: self.http.get(f"{self.base_url}/{url}", headers=headers))
+        return _parse_jina(url, response)
+
+
+def _parse_jina(url: str, response: httpx.Response) -> Page:
+    ctype = response.headers.get("content-type", "")
+    if "json" in ctype:
+        try:
+            data = response.json()["data"]
+            return Page(data.get("url") or url, data.get("title") or "", str(data["content"]), "jina")
+        except (ValueError, KeyError, TypeError):
+            raise UpstreamError("jina", "malformed reader response") from None
+    text = response.text
+    title, content = "", text
+    if text.startswith("Title:"):
+        head, _, rest = text.partition("Markdown Content:")
+        for line in head.splitlines():
+            if line.startswith("Title:"):
+                title = line[6:].strip()
+        content = rest.strip() or text
+    if not content.strip():
+        raise UpstreamError("jina", "empty reader response")
+    return Page(url, title, content, "jina")
+
+
+class LlmSummariser:
+    """Evidence and summary for a goal from an OpenAI-compatible model; long pages are cut."""
+
+    def __init__(
+        self, client: ChatClient, *, max_content_chars: int = 120_000, max_attempts: int = 3
+    ) -> None:
+        self.client = client
+        self.max_content_chars = max_content_chars
+        self.max_attempts = max_attempts
+
+    async def summarise(self, page: Page, goal: str) -> tuple[str, str]:
+        limit = self.max_content_chars
+        for _attempt in range(self.max_attempts):
+            content = page.content[:limit]
+            try:
+                result = await self.client.complete(
+                    [{"role": "user", "content": SUMMARY_PROMPT.format(content=content, goal=goal)}],
+                    temperature=0.0,
+                )
+            except UpstreamError as exc:
+                if exc.status == 400:  # most often the context length: shrink and retry
+                    limit = int(limit * 0.5)
+                    continue
+                raise
+            evidence, summary = _parse_summary(result.text)
+            if summary or evidence:
+                return evidence, summary
+            limit = int(limit * 0.7)  # an empty answer: retry on a shorter page, as Tongyi's reader does
+        raise UpstreamError("summariser", "no usable summary after shrinking the page")
+
+
+def _parse_summary(text: str) -> tuple[str, str]:
+    raw = text.strip()
+    if raw.startswith("```"):
+        raw = raw.strip("`").removeprefix("json").strip()
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        data = repair_json(raw, return_objects=True)
+    if isinstance(data, dict):
+        return _as_text(data.get("evidence")), _as_text(data.get("summary"))
+    return "", text.strip()
+
+
+def _as_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return "\n".join(str(v) for v in value)
+    return str(value)
+
+
+class WebBackend:
+    name = "web"
+
+    def __init__(
+        self,
+        search: SerperSearch,
+        jina: JinaReader | None,
+        fetcher: PlainFetcher,
+        summariser: LlmSummariser | None,
+        *,
+        extract_chars: int = 2000,
+    ) -> None:
+        self.searcher = search
+        self.jina = jina
+        self.fetcher = fetcher
+        self.summariser = summariser
+        self.extract_chars = extract_chars
+        self._flat_idf = IdfTable()
+
+    async def search(self, args: GoogleSearchArgs) -> dict[str, Any]:
+        return await self.searcher.search(args)
+
+    async def read(self, args: ScrapeArgs) -> dict[str, Any]:
+        try:
+            _scheme, host, port = check_url(args.url)
+            # Resolve and check here too, so that not even Jina is asked for an internal address.
+            await self.fetcher.backend.resolve(host, port)
+        except BlockedAddress as exc:
+            metrics.SSRF_BLOCKED.inc()
+            return read_result(args.url, error=f"refused to read {args.url}: {exc}")
+        except Exception as exc:  # unresolvable host: an unsuccessful read, not a tool failure
+            return read_result(args.url, error=f"cannot read {args.url}: {exc}")
+        page = await self._page(args.url)
+        if isinstance(page, str):
+            return read_result(args.url, error=page)
+        if self.summariser is not None:
+            evidence, summary = await self.summariser.summarise(page, args.info_to_extract)
+        else:
+            ex = extract(
+                page.content,
+                args.info_to_extract,
+                self._flat_idf,
+                title=page.title,
+                max_chars=self.extract_chars,
+            )
+            evidence, summary = " ".join(ex.evidence), ex.summary
+        return read_result(args.url, evidence=evidence, summary=summary)
+
+    async def _page(self, url: str) -> Page | str:
+        """The page, or why it could not be read (a normal, unsuccessful result for the agent)."""
+        if self.jina is not None:
+            try:
+                return await self.jina.read(url)
+            except UpstreamError as exc:
+                log.info(
+                    "jina could not read %s (%s); falling back to a plain fetch", urlsplit(url).netloc, exc
+                )
+        try:
+            fetched = await self.fetcher.fetch(url)
+        except FetchError as exc:
+            if "refused" in str(exc):
+                metrics.SSRF_BLOCKED.inc()
+            return str(exc)
+        return Page(fetched.url, fetched.title, fetched.content, "http")
+
+    async def aclose(self) -> None:
+        await self.fetcher.aclose()

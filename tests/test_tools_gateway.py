@@ -1,0 +1,194 @@
+"""The tool gateway over HTTP with the offline backend and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from services.tools.app import create_app
+from services.tools.backends import OfflineBackend
+from services.tools.catalogue import catalogue
+from services.tools.client import GatewayClient
+from services.tools.corpus import OfflineCorpus
+from services.tools.gateway import InvalidCall, ToolGateway
+from services.tools.settings import ToolsSettings
+from services.tools.store import MemoryStore
+from tests.servers import serve
+from worldgen.build import build_world
+
+SEARCH = ("search_and_scrape_webpage", "google_search")
+READ = ("jina_scrape_llm_summary", "scrape_and_extract_info")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gw-world")
+    build_world(out, seed=5, entities=1500, n_rl=50, n_val=20, n_sft=20)
+    return out
+
+
+@pytest.fixture
+def gateway_url(world, redis_url, key_prefix, monkeypatch):
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("PBSD_STREAM_PREFIX", key_prefix)
+    settings = ToolsSettings(corpus=world / "corpus.jsonl", call_budget=3, max_result_chars=5000)
+    with serve(create_app(settings)) as base:
+        yield base
+
+
+def _doc(world, n=0):
+    return json.loads((world / "corpus.jsonl").read_text().splitlines()[n])
+
+
+async def test_catalogue_and_health(gateway_url):
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        assert (await http.get("/health")).json() == {"status": "ok", "backend": "offline"}
+        assert (await http.get("/tools")).json() == {"servers": catalogue()}
+        assert "/call" in (await http.get("/openapi.json")).json()["paths"]
+
+
+async def test_search_and_read_through_http_with_cache(gateway_url, world, redis_url, key_prefix):
+    doc = _doc(world, 7)
+    client = GatewayClient(gateway_url)
+    first = await client.call(*SEARCH, {"q": doc["title"], "num": 3})
+    again = await client.call(*SEARCH, {"q": f"  {doc['title'].upper()} ", "num": 3})  # same normalised query
+    assert first.ok and not first.cached and again.cached and again.text == first.text
+    hits = json.loads(first.text)["organic"]
+    assert hits[0]["link"] == doc["url"] and len(hits) <= 3
+    page = await client.call(*READ, {"url": doc["url"], "info_to_extract": f"What is {doc['title']}?"})
+    result = json.loads(page.text)
+    assert result["success"] and doc["title"] in result["extracted_info"]["evidence"]
+    await client.aclose()
+    # entries expire: the cache keys carry the configured TTL
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(match=f"{key_prefix}:tools:cache:*"))
+    assert len(keys) == 2 and all(0 < r.ttl(k) <= 7 * 86400 for k in keys)
+    r.close()
+
+
+async def test_malformed_calls_are_4xx_naming_the_field(gateway_url):
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        r = await http.post(
+            "/call", json={"server_name": "nope", "tool_name": "google_search", "arguments": {}}
+        )
+        assert r.status_code == 404 and r.json()["detail"][0]["loc"] == ["body", "server_name"]
+        r = await http.post("/call", json={"server_name": SEARCH[0], "tool_name": "nope", "arguments": {}})
+        assert r.status_code == 404 and r.json()["detail"][0]["loc"] == ["body", "tool_name"]
+        r = await http.post(
+            "/call",
+            json={"server_name": SEARCH[0], "tool_name": SEARCH[1], "arguments": {"q": "x", "num": 0}},
+        )
+        assert r.status_code == 422
+        assert (
+            r.json()["detail"][0]["loc"] == ["body", "arguments", "num"]
+            and "greater than" in r.json()["detail"][0]["msg"]
+        )
+        r = await http.post(
+            "/call", json={"server_name": READ[0], "tool_name": READ[1], "arguments": {"url": "kb://x"}}
+        )
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == [
+            "body",
+            "arguments",
+            "info_to_extract",
+        ]
+        r = await http.post(
+            "/call",
+            json={
+                "server_name": READ[0],
+                "tool_name": READ[1],
+                "arguments": {"url": "x", "info_to_extract": "y", "extra": 1},
+            },
+        )
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "arguments", "extra"]
+        r = await http.post("/call", json={"tool_name": "x"})
+        assert r.status_code == 422 and ["body", "server_name"] in [d["loc"] for d in r.json()["detail"]]
+    # the rollout's client turns them into readable tool failures
+    client = GatewayClient(gateway_url)
+    reply = await client.call(SEARCH[0], SEARCH[1], {"q": "x", "num": 0})
+    assert not reply.ok and reply.text.startswith(
+        "Tool call to google_search on search_and_scrape_webpage failed. Error: arguments.num"
+    )
+    await client.aclose()
+
+
+async def test_budget_unknown_pages_and_gateway_down(gateway_url):
+    client = GatewayClient(gateway_url)
+    for _ in range(3):
+        assert (await client.call(*SEARCH, {"q": "city"}, trajectory_id="t-1")).ok
+    over = await client.call(*SEARCH, {"q": "city"}, trajectory_id="t-1")
+    assert not over.ok and "call budget of 3" in over.text
+    assert (await client.call(*SEARCH, {"q": "city"}, trajectory_id="t-2")).ok  # budgets are per trajectory
+    missing = json.loads((await client.call(*READ, {"url": "kb://none/such", "info_to_extract": "x"})).text)
+    assert missing == {
+        "success": False,
+        "url": "kb://none/such",
+        "extracted_info": {},
+        "error": "no page found at kb://none/such",
+    }
+    await client.aclose()
+    down = GatewayClient("http://127.0.0.1:9")
+    reply = await down.call(*SEARCH, {"q": "x"})
+    assert not reply.ok and "tool gateway unreachable" in reply.text
+    await down.aclose()
+
+
+async def test_metrics_are_exported(gateway_url):
+    client = GatewayClient(gateway_url)
+    await client.call(*SEARCH, {"q": "river"})
+    await client.call(*SEARCH, {"q": "river"})
+    await client.aclose()
+    text = httpx.get(f"{gateway_url}/metrics").text
+    for name in ("pbsd_tools_calls_total", "pbsd_tools_call_seconds_bucket", "pbsd_tools_cache_total"):
+        assert name in text
+    assert 'pbsd_tools_cache_total{result="hit",tool="google_search"}' in text
+
+
+class SlowBackend(OfflineBackend):
+    """The real offline backend, slowed down so that identical calls overlap."""
+
+    calls = 0
+
+    async def search(self, args):
+        SlowBackend.calls += 1
+        await asyncio.sleep(0.3)
+        return await super().search(args)
+
+
+async def test_identical_calls_in_flight_are_merged(world):
+    backend = SlowBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl"))
+    gw = ToolGateway(backend, MemoryStore())
+    outs = await asyncio.gather(*(gw.call(*SEARCH, {"q": "festival"}) for _ in range(5)))
+    assert SlowBackend.calls == 1
+    assert sum(o.merged for o in outs) == 4 and len({o.text for o in outs}) == 1
+
+
+async def test_cache_expiry_and_truncation(world):
+    now = [0.0]
+    store = MemoryStore(clock=lambda: now[0])
+    gw = ToolGateway(
+        OfflineBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl")),
+        store,
+        search_ttl_s=60,
+        max_result_chars=80,
+    )
+    first = await gw.call(*SEARCH, {"q": "river"})
+    assert "[... result truncated" in first.text
+    assert (await gw.call(*SEARCH, {"q": "river"})).cached
+    now[0] = 61
+    assert not (await gw.call(*SEARCH, {"q": "river"})).cached
+    with pytest.raises(InvalidCall):
+        gw.validate(*SEARCH, ["not", "a", "dict"])
+
+
+def test_settings_fail_fast():
+    with pytest.raises(ValueError, match="SERPER_API_KEY"):
+        ToolsSettings(backend="web")
+    with pytest.raises(ValueError, match="PBSD_TOOLS_CORPUS"):
+        ToolsSettings(backend="offline")
+    s = ToolsSettings(backend="web", serper_api_key="serper-secret-1", redis_url="redis://:hunter2@h:6379/0")
+    assert "serper-secret-1" not in repr(s) and "hunter2" not in repr(s)

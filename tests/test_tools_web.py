@@ -1,0 +1,253 @@
+"""The web backend against local servers speaking Serper's, Jina Reader's and OpenAI's formats."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from services.llm import ChatClient, LlmSettings
+from services.tools.backends import render
+from services.tools.catalogue import GoogleSearchArgs, ScrapeArgs
+from services.tools.fetch import PlainFetcher
+from services.tools.gateway import ToolGateway
+from services.tools.resilience import BreakerState, CircuitBreaker, RateLimiter, Upstream, UpstreamLimits
+from services.tools.store import MemoryStore
+from services.tools.web import JinaReader, LlmSummariser, SerperSearch, WebBackend
+from services.upstream import RetryPolicy, UpstreamError
+from tests.openai_fake import make_app as make_openai
+from tests.servers import serve
+from tests.web_fakes import JINA_KEY, SERPER_KEY, make_jina, make_serper, make_site
+
+FAST = RetryPolicy(max_attempts=3, base_delay_s=0.0)
+
+
+class Sleeps:
+    """Records the delays an upstream asks to wait instead of waiting them."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.delays.append(seconds)
+
+
+def _backend(http, serper_base, *, jina_base=None, summariser_base=None, site=None, sleeps=None, limits=None):
+    sleeps = sleeps or Sleeps()
+    limits = limits or UpstreamLimits(retry=FAST)
+    serper = SerperSearch(
+        http,
+        Upstream("serper", limits, sleep=sleeps),
+        base_url=serper_base,
+        api_key=SecretStr(SERPER_KEY),
+        blocked_hosts=("huggingface.co/datasets",),
+    )
+    jina = (
+        JinaReader(
+            http, Upstream("jina", limits, sleep=sleeps), base_url=jina_base, api_key=SecretStr(JINA_KEY)
+        )
+        if jina_base
+        else None
+    )
+    summariser = None
+    if summariser_base:
+        llm = LlmSettings(f"{summariser_base}/v1", "summariser", SecretStr("sk-sum-secret"), retry=FAST)
+        summariser = LlmSummariser(ChatClient(llm, http=http, name="summariser"), max_content_chars=10_000)
+    # example.org cannot be resolved without a network: exempt it, as an operator would an internal source
+    allow = ("example.org:443", *((site.removeprefix("http://"),) if site else ()))
+    return WebBackend(serper, jina, PlainFetcher(allow=allow, timeout_s=5), summariser)
+
+
+async def test_serper_search_keeps_results_drops_leaks_and_sends_the_key():
+    app = make_serper()
+    with serve(app) as base:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, base)
+            out = await backend.search(GoogleSearchArgs(q="danube length", num=5))
+    links = [r["link"] for r in out["organic"]]
+    assert links == ["https://en.wikipedia.org/wiki/Danube", "https://www.britannica.com/place/Danube-River"]
+    assert [r["position"] for r in out["organic"]] == [1, 2]
+    assert out["organic"][1]["date"] == "Oct 1, 2025"
+    assert out["answerBox"]["answer"] == "2,850 km" and out["knowledgeGraph"]["type"] == "River"
+    sent = app.state.requests[0]
+    assert sent["headers"]["x-api-key"] == SERPER_KEY
+    assert sent["body"] == {
+        "q": "danube length",
+        "gl": "us",
+        "hl": "en",
+        "num": 5,
+        "page": 1,
+        "autocorrect": True,
+    }
+
+
+async def test_retry_after_is_honoured_and_5xx_retried():
+    app = make_serper([("retry-after", 7), 503])
+    sleeps = Sleeps()
+    with serve(app) as base:
+        async with httpx.AsyncClient() as http:
+            out = await _backend(http, base, sleeps=sleeps).search(GoogleSearchArgs(q="x"))
+    assert out["organic"] and len(app.state.requests) == 3
+    assert sleeps.delays[0] == 7.0  # the upstream's Retry-After, not our own backoff
+    assert len(sleeps.delays) == 2
+
+
+@pytest.mark.parametrize(
+    ("script", "message"), [([500, 500, 500], "HTTP 500 after 3 attempts"), (["malformed"], "malformed")]
+)
+async def test_failures_become_tool_results(script, message, caplog):
+    caplog.set_level(logging.DEBUG)
+    with serve(make_serper(script)) as base:
+        async with httpx.AsyncClient() as http:
+            gateway = ToolGateway(_backend(http, base), MemoryStore())
+            out = await gateway.call("search_and_scrape_webpage", "google_search", {"q": "x"})
+    assert not out.ok and out.text.startswith(
+        "Tool call to google_search on search_and_scrape_webpage failed. Error:"
+    )
+    assert message in out.text
+    assert SERPER_KEY not in caplog.text and SERPER_KEY not in out.text
+
+
+async def test_timeouts_become_tool_results():
+    with serve(make_serper(["slow", "slow", "slow"])) as base:
+        async with httpx.AsyncClient(timeout=0.3) as http:
+            gateway = ToolGateway(_backend(http, base), MemoryStore())
+            out = await gateway.call("search_and_scrape_webpage", "google_search", {"q": "x"})
+    assert not out.ok and "timed out after 3 attempts" in out.text
+
+
+async def test_breaker_opens_fails_fast_then_closes():
+    now = [0.0]
+    limits = UpstreamLimits(failure_threshold=2, reset_after_s=30, retry=RetryPolicy(max_attempts=1))
+    app = make_serper([500, 500])
+    with serve(app) as base:
+        async with httpx.AsyncClient() as http:
+            upstream = Upstream("serper", limits, clock=lambda: now[0])
+            serper = SerperSearch(http, upstream, base_url=base, api_key=SecretStr(SERPER_KEY))
+            for _ in range(2):
+                with pytest.raises(UpstreamError, match="HTTP 500"):
+                    await serper.search(GoogleSearchArgs(q="x"))
+            assert upstream.breaker.state is BreakerState.OPEN
+            with pytest.raises(UpstreamError, match="circuit open"):
+                await serper.search(GoogleSearchArgs(q="x"))
+            assert len(app.state.requests) == 2  # failing fast: the upstream was not asked
+            now[0] = 31.0
+            assert upstream.breaker.state is BreakerState.HALF_OPEN
+            assert (await serper.search(GoogleSearchArgs(q="x")))["organic"]  # the trial succeeds
+            assert upstream.breaker.state is BreakerState.CLOSED
+
+
+def test_breaker_failed_trial_reopens():
+    now = [0.0]
+    b = CircuitBreaker("t", failure_threshold=1, reset_after_s=10, clock=lambda: now[0])
+    b.failure()
+    assert b.state is BreakerState.OPEN
+    now[0] = 10
+    b.before()  # the half-open trial
+    with pytest.raises(UpstreamError):
+        b.before()  # only one trial at a time
+    b.failure()
+    assert b.state is BreakerState.OPEN
+
+
+async def test_rate_limiter_spaces_calls():
+    now = [0.0]
+    limiter = RateLimiter(2.0, burst=2, clock=lambda: now[0])
+    waited = []
+
+    async def fake_sleep(s):
+        waited.append(s)
+        now[0] += s
+
+    import services.tools.resilience as r
+
+    original = r.asyncio.sleep
+    r.asyncio.sleep = fake_sleep
+    try:
+        for _ in range(4):
+            await limiter.acquire()
+    finally:
+        r.asyncio.sleep = original
+    assert waited == [0.5, 0.5]  # two from the burst, then one every 1/rate seconds
+
+
+async def test_jina_json_and_summariser_evidence():
+    jina_app = make_jina()
+    answer = json.dumps(
+        {
+            "rational": "the page says so",
+            "evidence": "The Danube flows through Vienna.",
+            "summary": "The Danube flows through Vienna.",
+        }
+    )
+    llm_app = make_openai([answer])
+    with serve(jina_app) as jina, serve(llm_app) as llm:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina, summariser_base=llm)
+            out = await backend.read(
+                ScrapeArgs(url="https://example.org/vienna", info_to_extract="Which river?")
+            )
+    assert out == {
+        "success": True,
+        "url": "https://example.org/vienna",
+        "extracted_info": {
+            "evidence": "The Danube flows through Vienna.",
+            "summary": "The Danube flows through Vienna.",
+        },
+        "error": "",
+    }
+    req = jina_app.state.requests[0]
+    assert req["target"] == "https://example.org/vienna"
+    assert (
+        req["headers"]["authorization"] == f"Bearer {JINA_KEY}"
+        and req["headers"]["x-return-format"] == "markdown"
+    )
+    prompt = llm_app.state.requests[0]["body"]["messages"][0]["content"]
+    assert "The Danube flows through Vienna." in prompt and "Which river?" in prompt
+
+
+async def test_summariser_shrinks_long_pages_and_retries_empty_answers():
+    llm_app = make_openai(
+        [400, '```json\n{"evidence": "", "summary": ""}\n```', '{"evidence": "E", "summary": "S"}']
+    )
+    with serve(make_jina()) as jina, serve(llm_app) as llm:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina, summariser_base=llm)
+            backend.summariser.max_content_chars = 40
+            out = await backend.read(ScrapeArgs(url="https://example.org/x", info_to_extract="goal"))
+    assert out["extracted_info"] == {"evidence": "E", "summary": "S"}
+    sizes = [len(r["body"]["messages"][0]["content"]) for r in llm_app.state.requests]
+    assert sizes[0] > sizes[1] > sizes[2]  # each retry sends a shorter page
+
+
+@pytest.mark.parametrize("jina_failure", [402, 422, 524])
+async def test_jina_failure_falls_back_to_a_plain_fetch(jina_failure):
+    with serve(make_jina([jina_failure] * 3)) as jina, serve(make_site()) as site:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina, site=site)
+            out = await backend.read(
+                ScrapeArgs(url=f"{site}/page", info_to_extract="Which river flows through Vienna?")
+            )
+    assert out["success"] and "The Danube flows through Vienna." in out["extracted_info"]["evidence"]
+
+
+async def test_reads_of_internal_addresses_never_reach_jina():
+    jina_app = make_jina()
+    with serve(jina_app) as jina:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina)
+            for url in (
+                "http://169.254.169.254/latest/meta-data/",
+                "http://127.0.0.1:6379/",
+                "file:///etc/passwd",
+            ):
+                out = await backend.read(ScrapeArgs(url=url, info_to_extract="secrets"))
+                assert not out["success"] and "refused" in out["error"]
+    assert jina_app.state.requests == []
+
+
+def test_render_is_the_agent_text():
+    assert json.loads(render({"organic": []})) == {"organic": []}

@@ -1,0 +1,198 @@
+"""Local servers that answer like Serper, Jina Reader and ordinary web sites do, with
+their real response shapes and failure modes, for the web backend's tests."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections import deque
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
+
+SERPER_KEY = "serper-test-key-4f9a"
+JINA_KEY = "jina_test_key_77c1"
+
+
+def serper_response(q: str) -> dict[str, Any]:
+    """The shape of a real google.serper.dev /search answer."""
+    return {
+        "searchParameters": {
+            "q": q,
+            "gl": "us",
+            "hl": "en",
+            "type": "search",
+            "num": 10,
+            "page": 1,
+            "engine": "google",
+        },
+        "knowledgeGraph": {
+            "title": "Danube",
+            "type": "River",
+            "description": "The Danube is Europe's second-longest river.",
+            "descriptionSource": "Wikipedia",
+            "descriptionLink": "https://en.wikipedia.org/wiki/Danube",
+            "attributes": {"Length": "2,850 km"},
+        },
+        "answerBox": {"title": "Danube length", "answer": "2,850 km"},
+        "organic": [
+            {
+                "title": "Danube - Wikipedia",
+                "link": "https://en.wikipedia.org/wiki/Danube",
+                "snippet": "The Danube is the second-longest river in Europe...",
+                "sitelinks": [{"title": "Course", "link": "https://en.wikipedia.org/wiki/Danube#Course"}],
+                "position": 1,
+            },
+            {
+                "title": "BrowseComp dataset",
+                "link": "https://huggingface.co/datasets/openai/browsecomp",
+                "snippet": "answers...",
+                "position": 2,
+            },
+            {
+                "title": "Danube | river, Europe",
+                "link": "https://www.britannica.com/place/Danube-River",
+                "snippet": "Danube River, river, the second longest in Europe after the Volga.",
+                "date": "Oct 1, 2025",
+                "position": 3,
+            },
+        ],
+        "peopleAlsoAsk": [
+            {
+                "question": "Where does the Danube start?",
+                "snippet": "Black Forest",
+                "title": "t",
+                "link": "https://x.org",
+            }
+        ],
+        "relatedSearches": [{"query": "danube river map"}],
+        "credits": 1,
+    }
+
+
+def make_serper(script: list[Any] | None = None) -> FastAPI:
+    """``script`` items in order, then normal answers: an int status, ("retry-after", s), "malformed", "slow"."""
+    app = FastAPI()
+    app.state.requests = []
+    queue = deque(script or [])
+
+    @app.post("/search")
+    async def search(request: Request):
+        body = await request.json()
+        app.state.requests.append({"body": body, "headers": dict(request.headers)})
+        if request.headers.get("x-api-key") != SERPER_KEY:
+            return JSONResponse({"message": "Unauthorized.", "statusCode": 403}, status_code=403)
+        item = queue.popleft() if queue else None
+        if isinstance(item, tuple):
+            return JSONResponse(
+                {"message": "Too many requests"}, status_code=429, headers={"Retry-After": str(item[1])}
+            )
+        if isinstance(item, int):
+            return JSONResponse({"message": "Internal error"}, status_code=item)
+        if item == "malformed":
+            return PlainTextResponse("<html>upstream proxy error</html>")
+        if item == "slow":
+            await asyncio.sleep(3)
+        return JSONResponse(serper_response(body["q"]))
+
+    return app
+
+
+def make_jina(script: list[Any] | None = None) -> FastAPI:
+    """Jina Reader: ``GET /{url}``; JSON with Accept: application/json, else the Title:/URL Source: text form."""
+    app = FastAPI()
+    app.state.requests = []
+    queue = deque(script or [])
+
+    @app.get("/{target:path}")
+    async def read(target: str, request: Request):
+        app.state.requests.append({"target": target, "headers": dict(request.headers)})
+        item = queue.popleft() if queue else None
+        if item == 402:
+            return JSONResponse(
+                {
+                    "data": None,
+                    "code": 402,
+                    "name": "InsufficientBalanceError",
+                    "status": 40203,
+                    "message": "Account balance not enough to run this query, please recharge.",
+                    "readableMessage": "InsufficientBalanceError: Account balance not enough",
+                },
+                status_code=402,
+            )
+        if item == 422:
+            return JSONResponse(
+                {
+                    "data": None,
+                    "code": 422,
+                    "name": "AssertionFailureError",
+                    "status": 42206,
+                    "message": "Failed to goto https://x/file.pdf: Unprocessable",
+                },
+                status_code=422,
+            )
+        if isinstance(item, int):
+            return JSONResponse({"code": item, "message": "error"}, status_code=item)
+        content = f"# Page about {target}\n\nThe Danube flows through Vienna. It is 2,850 km long."
+        if "application/json" in request.headers.get("accept", ""):
+            return JSONResponse(
+                {
+                    "code": 200,
+                    "status": 20000,
+                    "data": {
+                        "title": "Danube",
+                        "description": "river",
+                        "url": target,
+                        "content": content,
+                        "usage": {"tokens": 42},
+                    },
+                }
+            )
+        return PlainTextResponse(f"Title: Danube\n\nURL Source: {target}\n\nMarkdown Content:\n{content}")
+
+    return app
+
+
+def make_site(other_base: str | None = None) -> FastAPI:
+    """An ordinary web site: pages, redirects, a gzip bomb, a slow page, a binary file."""
+    app = FastAPI()
+
+    @app.get("/page")
+    async def page():
+        return HTMLResponse(
+            "<html><head><title>Vienna</title><script>var x=1;</script></head><body><nav>menu</nav>"
+            "<h1>Vienna</h1><p>The Danube flows through Vienna.</p><p>Population: 2 million.</p></body></html>"
+        )
+
+    @app.get("/redirect-here")
+    async def redirect_here():
+        return RedirectResponse("/page", status_code=302)
+
+    @app.get("/redirect-away")
+    async def redirect_away():
+        return RedirectResponse(f"{other_base}/page", status_code=302)
+
+    @app.get("/redirect-loop")
+    async def redirect_loop():
+        return RedirectResponse("/redirect-loop", status_code=302)
+
+    @app.get("/bomb")
+    async def bomb():
+        payload = gzip.compress(b"A" * 50_000_000, compresslevel=9)  # 50 MB of 'A' in ~50 KB
+        return Response(payload, media_type="text/plain", headers={"Content-Encoding": "gzip"})
+
+    @app.get("/slow")
+    async def slow():
+        await asyncio.sleep(5)
+        return HTMLResponse("<p>late</p>")
+
+    @app.get("/file.pdf")
+    async def pdf():
+        return Response(b"%PDF-1.4...", media_type="application/pdf")
+
+    @app.get("/brotli")
+    async def brotli():
+        return Response(b"\x1b\x00", media_type="text/html", headers={"Content-Encoding": "br"})
+
+    return app
