@@ -20,14 +20,13 @@ import platform
 import re
 import sqlite3
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from services.launcher import ServiceProcess
 from services.local_redis import LocalRedis, free_port
 from services.tools.corpus import OfflineCorpus
 from worldgen.build import build_world
@@ -151,37 +150,19 @@ def main() -> None:
             print(f"   {name:34} {build:7.1f} | {qps:9.0f} | {qps_long:9.0f}")
 
         with LocalRedis() as redis_server:
-            port = free_port()
             env = {
-                **os.environ,
                 "REDIS_URL": redis_server.url,
                 "PBSD_TOOLS_CORPUS": str(world / "corpus.jsonl"),
-                "PBSD_TOOLS_PORT": str(port),
                 "PBSD_LOG_LEVEL": "WARNING",
             }
-            proc = subprocess.Popen([sys.executable, "-m", "pbsd.cli", "serve", "tools"], env=env)
-            base = f"http://127.0.0.1:{port}"
-            try:
-                deadline = time.time() + 300
-                while True:
-                    try:
-                        if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.time() > deadline or proc.poll() is not None:
-                        raise RuntimeError("the gateway did not start")
-                    time.sleep(0.5)
+            with ServiceProcess("tools", port=free_port(), env=env) as gateway:
                 print(
                     f"\n2. gateway over HTTP, {args.clients} concurrent clients, {len(queries)} searches each pass"
                 )
                 print(f"   {'':10} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
                 for label in ("uncached", "cached"):
-                    elapsed, lat = asyncio.run(load(base, queries, args.clients))
+                    elapsed, lat = asyncio.run(load(gateway.url, queries, args.clients))
                     print(f"   {label:10} {len(lat) / elapsed:9.0f} {pct(lat, 50):8.1f} {pct(lat, 99):8.1f}")
-            finally:
-                proc.terminate()
-                proc.wait(timeout=20)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,86 @@ def serve_tools(
     )
 
 
+@serve_app.command("rollout")
+def serve_rollout(
+    host: str | None = typer.Option(None, help="bind address (default: PBSD_ROLLOUT_HOST or 127.0.0.1)"),
+    port: int | None = typer.Option(
+        None, help="port for /health and /metrics (default: PBSD_ROLLOUT_PORT or 8002)"
+    ),
+) -> None:
+    """A rollout worker (settings from PBSD_ROLLOUT_* and REDIS_URL)."""
+    import uvicorn
+
+    from services.rollout.app import create_app
+    from services.rollout.settings import RolloutSettings
+
+    settings = RolloutSettings()
+    uvicorn.run(
+        create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
+    )
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Path = typer.Option(..., help="policy checkpoint (HF directory with its tokenizer)"),
+    questions: Path = typer.Option(
+        ..., help="question file (world format, {question, answer} or BrowseComp's)"
+    ),
+    out: Path = typer.Option(Path("eval.json"), help="JSON report to write"),
+    samples: int = typer.Option(4, help="samples per question (the paper reports mean@4)"),
+    corpus: Path | None = typer.Option(None, help="offline corpus: run the tool gateway in process over it"),
+    tools_url: str | None = typer.Option(None, help="a running tool gateway instead of --corpus"),
+    sglang_url: list[str] = typer.Option([], help="SGLang servers; the in-process engine when none"),
+    limit: int | None = typer.Option(None, help="evaluate only the first N questions"),
+    max_turns: int = typer.Option(300),
+    max_tokens_per_turn: int = typer.Option(16_384),
+    max_context: int = typer.Option(65_536),
+    temperature: float = typer.Option(1.0),
+    top_p: float = typer.Option(0.95, help="the paper evaluates with top-p 0.95"),
+    concurrency: int = typer.Option(4, help="trajectories in flight"),
+    date: str | None = typer.Option(None, help="'today' in the system prompt"),
+    seed: int | None = typer.Option(None),
+) -> None:
+    """Evaluate a policy: accuracy as mean@k and pass@k, per difficulty, with a JSON report."""
+    import asyncio
+    import json
+
+    from services.rollout.agent import AgentLimits
+    from services.rollout.runner import eval_main
+
+    if (corpus is None) == (tools_url is None):
+        raise typer.BadParameter("give exactly one of --corpus and --tools-url")
+    limits = AgentLimits(
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn,
+        max_context=max_context,
+        temperature=temperature,
+        top_p=top_p,
+    )
+    report = asyncio.run(
+        eval_main(
+            model,
+            questions,
+            samples=samples,
+            corpus=corpus,
+            tools_url=tools_url,
+            sglang_urls=list(sglang_url),
+            limit=limit,
+            limits=limits,
+            concurrency=concurrency,
+            date=date,
+            seed=seed,
+        )
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    overall = report["accuracy"]["all"]
+    typer.echo(
+        f"mean@{samples} {overall[f'mean@{samples}']:.3f}, pass@{samples} {overall['pass@k'][str(samples)]:.3f} "
+        f"over {report['questions']} questions; report in {out}"
+    )
+
+
 @world_app.command("build")
 def world_build(
     out: Path = typer.Option(..., "--out", help="directory to write the world into"),

@@ -61,6 +61,11 @@ class PromptTask(Message):
     aliases: tuple[str, ...] = ()
     epoch: NonNegInt = 0
     index: NonNegInt = Field(default=0, description="position in the epoch's shuffled order")
+    step: NonNegInt = Field(
+        default=0,
+        description="the training step that will consume this prompt's group; "
+        "rollout waits for policy version >= step - rollout.max_staleness",
+    )
     rollout: RolloutSpec = RolloutSpec()
     algorithm: AlgorithmSpec
     created_at: float = Field(default_factory=_now)

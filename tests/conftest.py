@@ -38,3 +38,30 @@ async def bus(redis_url, key_prefix):
     b = Bus.from_url(redis_url, prefix=key_prefix)
     yield b
     await b.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory):
+    """A small generated world shared by the tests that need questions and a corpus."""
+    from worldgen.build import build_world
+
+    out = tmp_path_factory.mktemp("tiny-world")
+    build_world(out, seed=11, entities=1200, n_rl=60, n_val=30, n_sft=60)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_world, tmp_path_factory):
+    """A tiny Qwen3-MoE policy (random weights) with a BPE tokenizer trained on the tiny world."""
+    import json
+
+    from agent.prompt import system_prompt
+    from services.model.checkpoint import save_checkpoint
+    from services.model.tiny import TinySpec, build_tiny_model, train_tokenizer
+    from services.tools.catalogue import catalogue
+
+    texts = [json.loads(line)["text"] for line in (tiny_world / "corpus.jsonl").read_text().splitlines()]
+    texts.append(system_prompt(catalogue(), "2025-06-01"))
+    tokenizer = train_tokenizer(texts, vocab_size=1024)
+    model = build_tiny_model(tokenizer, TinySpec(hidden_size=64, head_dim=16, moe_intermediate_size=64))
+    return save_checkpoint(model, tmp_path_factory.mktemp("tiny-ckpt") / "v0", tokenizer=tokenizer)

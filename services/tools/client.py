@@ -1,15 +1,16 @@
-"""The rollout's client for the tool gateway."""
+"""How the agent loop reaches its tools: the gateway over HTTP, or a gateway in this process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from agent.toolcall import format_tool_failure
+from services.tools.gateway import InvalidCall, ToolGateway
 
-__all__ = ["GatewayClient", "ToolReply"]
+__all__ = ["GatewayClient", "LocalTools", "ToolReply", "Tools"]
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,17 @@ class ToolReply:
     text: str  # what the agent reads next
     cached: bool = False
     latency_s: float = 0.0
+    unreachable: bool = False  # the gateway itself could not be reached: the trajectory cannot go on
+
+
+class Tools(Protocol):
+    async def catalogue(self) -> list[dict[str, Any]]: ...
+
+    async def call(
+        self, server_name: str, tool_name: str, arguments: dict[str, Any], *, trajectory_id: str | None = None
+    ) -> ToolReply: ...
+
+    async def aclose(self) -> None: ...
 
 
 class GatewayClient:
@@ -50,12 +62,8 @@ class GatewayClient:
         try:
             response = await self.http.post(f"{self.base_url}/call", json=body)
         except httpx.HTTPError as exc:
-            return ToolReply(
-                False,
-                format_tool_failure(
-                    server_name, tool_name, f"tool gateway unreachable ({type(exc).__name__})"
-                ),
-            )
+            reason = f"tool gateway unreachable ({type(exc).__name__})"
+            return ToolReply(False, format_tool_failure(server_name, tool_name, reason), unreachable=True)
         if response.status_code in (404, 422):
             detail = response.json().get("detail", [])
             reason = "; ".join(
@@ -65,13 +73,31 @@ class GatewayClient:
                 False, format_tool_failure(server_name, tool_name, reason or f"HTTP {response.status_code}")
             )
         if response.status_code >= 400:
-            return ToolReply(
-                False,
-                format_tool_failure(
-                    server_name, tool_name, f"tool gateway answered HTTP {response.status_code}"
-                ),
-            )
+            reason = f"tool gateway answered HTTP {response.status_code}"
+            return ToolReply(False, format_tool_failure(server_name, tool_name, reason), unreachable=True)
         data = response.json()
         return ToolReply(
             bool(data["ok"]), data["text"], bool(data.get("cached")), float(data.get("latency_s", 0.0))
         )
+
+
+class LocalTools:
+    """A gateway running in this process (evaluation and tests without the HTTP service)."""
+
+    def __init__(self, gateway: ToolGateway) -> None:
+        self.gateway = gateway
+
+    async def aclose(self) -> None:
+        return None
+
+    async def catalogue(self) -> list[dict[str, Any]]:
+        return self.gateway.catalogue()
+
+    async def call(
+        self, server_name: str, tool_name: str, arguments: dict[str, Any], *, trajectory_id: str | None = None
+    ) -> ToolReply:
+        try:
+            out = await self.gateway.call(server_name, tool_name, arguments, trajectory_id=trajectory_id)
+        except InvalidCall as exc:
+            return ToolReply(False, format_tool_failure(server_name, tool_name, str(exc)))
+        return ToolReply(out.ok, out.text, out.cached, out.latency_s)

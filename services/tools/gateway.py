@@ -36,7 +36,8 @@ class InvalidCall(Exception):
     """A call the gateway cannot run: ``status`` 404 (unknown tool) or 422 (bad arguments)."""
 
     def __init__(self, status: int, errors: list[dict[str, Any]]) -> None:
-        super().__init__("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors))
+        # the message names fields as the agent wrote them: "arguments.num", not "body.arguments.num"
+        super().__init__("; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors))
         self.status = status
         self.errors = errors
 

@@ -1,0 +1,87 @@
+"""Token-exact chat: the conversation is built by appending token ids, never by re-rendering.
+
+A trajectory's ids are, in order::
+
+    encode(prompt)                      system + question + "<|im_start|>assistant\\n"   (mask 0)
+    engine output of turn 1             exactly what the engine sampled, stop token included (mask 1)
+    encode(glue(tool result 1))         "\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n" (mask 0)
+    engine output of turn 2             ...
+
+Each piece is tokenised once, on its own, and the pieces only meet at special tokens
+(atomic), so the concatenation is what the model saw and ``decode(ids)`` is the
+conversation's ChatML text. Re-rendering the history through a chat template would
+not be: Qwen3's template, for one, drops earlier turns' ``<think>`` blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+__all__ = ["CHATML", "ChatFormat", "ChatTokenizer"]
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """The literal text around messages (ChatML, as Qwen models use it)."""
+
+    start: str = "<|im_start|>"
+    end: str = "<|im_end|>"
+
+    def message(self, role: str, content: str) -> str:
+        return f"{self.start}{role}\n{content}{self.end}\n"
+
+    def prompt(self, system: str, user: str) -> str:
+        """The first context: system and user messages, then the opening of the assistant's turn."""
+        return self.message("system", system) + self.message("user", user) + f"{self.start}assistant\n"
+
+    def glue(self, tool_result: str, *, closed: bool) -> str:
+        """What follows an assistant turn: the tool result as a user message, then the next turn's opening.
+        ``closed``: the assistant turn already ended with the end token (its usual stop token)."""
+        close = "\n" if closed else f"{self.end}\n"
+        return close + self.message("user", tool_result) + f"{self.start}assistant\n"
+
+
+CHATML = ChatFormat()
+
+
+class ChatTokenizer:
+    """A Hugging Face tokenizer plus the chat format, with the stop tokens of an assistant turn."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat = CHATML) -> None:
+        self.tok = tokenizer
+        self.fmt = fmt
+        self.end_id = self._single_id(fmt.end)
+        stops = {self.end_id}
+        if tokenizer.eos_token_id is not None:
+            stops.add(int(tokenizer.eos_token_id))
+        self.stop_ids = sorted(stops)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
+        return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    def _single_id(self, token: str) -> int:
+        ids = self.tok.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{token!r} must be one special token of the tokenizer, got ids {ids}")
+        return ids[0]
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``; special tokens written in it (``<|im_start|>``) become their ids."""
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def prompt_ids(self, system: str, user: str) -> list[int]:
+        return self.encode(self.fmt.prompt(system, user))
+
+    def glue_ids(self, tool_result: str, *, closed: bool) -> list[int]:
+        return self.encode(self.fmt.glue(tool_result, closed=closed))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)

@@ -1,0 +1,88 @@
+"""Starting the services as separate processes on one machine, exactly as in production
+(``pbsd serve <name>``), waiting until they answer ``/health``, and stopping them cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+__all__ = ["ServiceProcess"]
+
+
+class ServiceProcess:
+    """``pbsd serve <name>`` in its own process group, with its output in ``log``."""
+
+    def __init__(self, name: str, *, port: int, env: dict[str, str], log: Path | None = None) -> None:
+        self.name = name
+        self.port = port
+        self.env = {**os.environ, **env}
+        self.log = log
+        self.process: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServiceProcess:
+        out = subprocess.DEVNULL
+        if self.log is not None:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = out = self.log.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pbsd.cli", "serve", self.name, "--port", str(self.port)],
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return self
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.process.returncode if self.process else '?'}"
+                    + (f"; see {self.log}" if self.log else "")
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not become healthy within {timeout:.0f}s")
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> ServiceProcess:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

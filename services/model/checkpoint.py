@@ -1,0 +1,73 @@
+"""Hugging Face checkpoints on disk: the unit the trainer publishes and the others reload.
+
+A checkpoint directory holds ``config.json``, ``model.safetensors`` (sharded when
+large) and the tokenizer files, so SGLang (``/update_weights_from_disk``), the
+in-process engine and the scorer all read the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+__all__ = ["DTYPES", "load_model", "load_weights_into", "save_checkpoint"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    model.to(device)
+    model.eval()
+    return model
+
+
+def save_checkpoint(
+    model: PreTrainedModel, path: str | Path, *, tokenizer=None, meta: dict | None = None
+) -> Path:
+    """Write ``model`` (and ``tokenizer``) as safetensors; ``meta`` goes to ``pbsd.json``. Atomic: written
+    to a temporary sibling and renamed, so a reader never sees half a checkpoint."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if meta is not None:
+        (tmp / "pbsd.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return path
+
+
+def load_weights_into(model: PreTrainedModel, path: str | Path) -> None:
+    """Replace ``model``'s weights by the checkpoint's, in place (same architecture).
+
+    The checkpoint is read through ``from_pretrained``, which converts the Hub layout
+    (transformers v5 saves MoE experts one by one, as SGLang reads them) into the
+    in-memory one (fused expert tensors); reading the safetensors by hand would not.
+    """
+    source = AutoModelForCausalLM.from_pretrained(str(path), dtype=next(model.parameters()).dtype)
+    target = model.state_dict()
+    incoming = source.state_dict()
+    if target.keys() != incoming.keys():
+        raise ValueError(
+            f"checkpoint {path} does not fit the model: {sorted(set(target) ^ set(incoming))[:5]} differ"
+        )
+    with torch.no_grad():
+        for name, tensor in target.items():
+            if tensor.shape != incoming[name].shape:
+                raise ValueError(
+                    f"checkpoint {path}: {name} has shape {tuple(incoming[name].shape)}, "
+                    f"the model {tuple(tensor.shape)}"
+                )
+            tensor.copy_(incoming[name])

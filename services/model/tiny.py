@@ -1,0 +1,93 @@
+"""The tiny policy for CPU runs and tests: a byte-level BPE tokenizer trained on the world's
+own text, and a randomly initialised Qwen3-MoE-architecture model built from a config.
+
+Nothing is downloaded: the tokenizer learns its merges from the corpus, the system
+prompt and the questions, and the model is ``Qwen3MoeForCausalLM(config)``, the same
+class a real Qwen3-30B-A3B checkpoint loads into, just with 2 layers and 8 experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "TinySpec", "build_tiny_model", "train_tokenizer"]
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    moe_intermediate_size: int = 128
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    max_position_embeddings: int = 16_384
+    rope_theta: float = 100_000.0
+    seed: int = 0
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with ChatML special tokens, trained on ``texts``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=1_000_000,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, spec: TinySpec = TinySpec()) -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.moe_intermediate_size * 2,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen3MoeForCausalLM(config)
+    model.config.pbsd_tiny_spec = asdict(spec)
+    return model.eval()

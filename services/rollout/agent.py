@@ -1,0 +1,205 @@
+"""The multi-turn search agent: one trajectory, token in and token out.
+
+    context = encode(system prompt + question + assistant opening)          loss mask 0
+    repeat:
+        generate one assistant message (stop at <|im_end|>)                  loss mask 1, a turn span
+        a <use_mcp_tool> call -> the tool's answer -> encode(glue(answer))   loss mask 0
+        \\boxed{} and no call -> final answer; stop
+    stop also at the turn limit, when one message fills the per-turn budget,
+    when the context is full, or on an error (recorded with its cause)
+
+The trajectory's ids are exactly the engine's outputs and the glue appended after
+them; nothing is re-tokenised. The reward is the verifier's on the last message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agent.chat import ChatTokenizer
+from agent.toolcall import format_tool_failure, parse_tool_call
+from pbsd.verifier import extract_boxed, verify
+from proto.messages import ToolCall, Trajectory
+from services.rollout import metrics
+from services.rollout.engine import Engine, EngineError, GenerationRequest
+from services.tools.client import Tools
+
+__all__ = ["AgentLimits", "run_trajectory"]
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int = 300
+    max_tokens_per_turn: int = 16_384
+    max_context: int = 65_536
+    temperature: float = 1.0
+    top_p: float = 1.0
+    return_routed_experts: bool = False
+
+
+@dataclass
+class _Builder:
+    prompt: list[int]
+    completion: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
+    routed: int = 0  # positions whose routes are recorded
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.completion)
+
+    def generated(self, ids: list[int], logprobs: list[float]) -> None:
+        start = len(self.completion)
+        self.completion += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.spans.append((start, start + len(ids)))
+
+    def glue(self, ids: list[int]) -> None:
+        self.completion += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+
+async def run_trajectory(
+    engine: Engine,
+    tools: Tools,
+    tokenizer: ChatTokenizer,
+    *,
+    system: str,
+    question: str,
+    answer: str,
+    aliases: tuple[str, ...] = (),
+    trajectory_id: str,
+    sample_index: int,
+    limits: AgentLimits,
+    seed: int | None = None,
+) -> Trajectory:
+    started = time.perf_counter()
+    b = _Builder(tokenizer.prompt_ids(system, question))
+    calls: list[ToolCall] = []
+    versions: list[int] = []
+    finish, error, last_text = "max_turns", None, ""
+    stop_ids = tuple(tokenizer.stop_ids)
+
+    for turn in range(limits.max_turns):
+        budget = min(limits.max_tokens_per_turn, limits.max_context - b.length)
+        if budget <= 0:
+            finish = "max_context"
+            break
+        request = GenerationRequest(
+            input_ids=b.prompt + b.completion,
+            max_new_tokens=budget,
+            temperature=limits.temperature,
+            top_p=limits.top_p,
+            stop_token_ids=stop_ids,
+            return_routed_experts=limits.return_routed_experts,
+            routed_experts_start_len=b.routed,
+            seed=None if seed is None else seed * 1000 + turn,
+            session=trajectory_id,
+        )
+        try:
+            result = await engine.generate(request)
+        except EngineError as exc:
+            finish, error = "error", f"engine failed: {exc}"
+            break
+        if result.finish == "abort":
+            finish, error = "error", f"engine aborted the request: {result.message or 'no reason given'}"
+            break
+        if not result.output_ids:
+            finish, error = "error", "engine returned no tokens"
+            break
+        metrics.ENGINE_SECONDS.observe(result.latency_s)
+        metrics.CACHED_TOKENS.inc(result.cached_tokens)
+        versions.append(result.weight_version)
+        b.generated(result.output_ids, result.logprobs)
+        if result.routed_experts is not None:
+            b.routes.append(result.routed_experts)
+            b.routed += result.routed_experts.shape[0]
+        last_text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        if result.finish == "length":
+            finish = "max_tokens" if budget == limits.max_tokens_per_turn else "max_context"
+            break
+
+        parsed = parse_tool_call(last_text)
+        if parsed.call is None and parsed.error is None:
+            finish = "answer"  # no tool call: the agent is done (a \boxed{} answer, or none at all)
+            break
+        if turn == limits.max_turns - 1:
+            break  # no turn left to read the tool's answer
+        if parsed.call is None:
+            reply_text, ok, call_error, latency = (
+                format_tool_failure("unknown", "unknown", parsed.error),
+                False,
+                parsed.error,
+                0.0,
+            )
+            server, tool, args = "unknown", "unknown", {}
+        else:
+            server, tool, args = parsed.call.server_name, parsed.call.tool_name, parsed.call.arguments
+            reply = await tools.call(server, tool, args, trajectory_id=trajectory_id)
+            if reply.unreachable:
+                finish, error = "error", f"tool gateway unreachable: {reply.text}"
+                calls.append(
+                    ToolCall(
+                        turn=turn, server_name=server, tool_name=tool, arguments=args, ok=False, error=error
+                    )
+                )
+                break
+            reply_text, ok, call_error, latency = (
+                reply.text,
+                reply.ok,
+                None if reply.ok else reply.text,
+                reply.latency_s,
+            )
+        calls.append(
+            ToolCall(
+                turn=turn,
+                server_name=server,
+                tool_name=tool,
+                arguments=args,
+                ok=ok,
+                error=call_error,
+                latency_s=latency,
+            )
+        )
+        glue = tokenizer.glue_ids(reply_text, closed=result.output_ids[-1] == tokenizer.end_id)
+        if b.length + len(glue) >= limits.max_context:
+            finish = "max_context"
+            break
+        b.glue(glue)
+
+    routes = None
+    if limits.return_routed_experts and b.routes and error is None:
+        routes = np.concatenate(b.routes, axis=0)
+        keep = (
+            routes.shape[0] + 1 - len(b.prompt)
+        )  # trailing glue whose routes were never computed is dropped
+        if keep < len(b.completion):
+            b.completion, b.mask, b.logprobs = b.completion[:keep], b.mask[:keep], b.logprobs[:keep]
+        routes = routes.astype(np.uint8 if routes.max(initial=0) < 256 else np.int16)
+    final = extract_boxed(last_text) if finish == "answer" else None
+    reward = verify(last_text, answer, aliases).reward if finish == "answer" else 0.0
+    return Trajectory(
+        trajectory_id=trajectory_id,
+        sample_index=sample_index,
+        policy_version=min(versions, default=engine.weight_version),
+        prompt_ids=np.asarray(b.prompt, dtype=np.int32),
+        completion_ids=np.asarray(b.completion, dtype=np.int32),
+        loss_mask=np.asarray(b.mask, dtype=np.uint8),
+        rollout_logprobs=np.asarray(b.logprobs, dtype=np.float32),
+        turn_spans=tuple(b.spans),
+        routed_experts=routes,
+        tool_calls=tuple(calls),
+        final_answer=final,
+        reward=reward,
+        finish_reason=finish,
+        error=error,
+        generation_s=time.perf_counter() - started,
+    )

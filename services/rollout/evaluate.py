@@ -1,0 +1,118 @@
+"""Evaluation: k samples per question, accuracy as mean@k and pass@k (k = 1..K), per difficulty.
+
+mean@k is the accuracy averaged over the k samples of each question, then over
+questions (the paper reports mean@4). pass@k is the unbiased estimator of Chen et
+al. (2021) from n = K samples with c correct:  pass@k = 1 - C(n - c, k) / C(n, k).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections import Counter, defaultdict
+from math import comb
+from typing import Any
+
+from agent.chat import ChatTokenizer
+from agent.prompt import user_prompt
+from proto.data import QuestionRecord
+from proto.messages import Trajectory
+from services.rollout.agent import AgentLimits, run_trajectory
+from services.rollout.engine import Engine
+from services.tools.client import Tools
+
+__all__ = ["evaluate", "pass_at_k", "summarise"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def summarise(
+    results: dict[str, list[bool]], difficulty: dict[str, str | None], samples: int
+) -> dict[str, Any]:
+    """``results``: question id -> correctness of each of its samples."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for qid in results:
+        groups["all"].append(qid)
+        if difficulty.get(qid):
+            groups[str(difficulty[qid])].append(qid)
+    out = {}
+    for name, qids in sorted(groups.items()):
+        out[name] = {
+            "questions": len(qids),
+            f"mean@{samples}": statistics.fmean(sum(results[q]) / samples for q in qids),
+            "pass@k": {
+                str(k): statistics.fmean(pass_at_k(samples, sum(results[q]), k) for q in qids)
+                for k in range(1, samples + 1)
+            },
+        }
+    return out
+
+
+async def evaluate(
+    engine: Engine,
+    tools: Tools,
+    tokenizer: ChatTokenizer,
+    questions: list[QuestionRecord],
+    *,
+    system: str,
+    samples: int = 4,
+    limits: AgentLimits | None = None,
+    concurrency: int = 4,
+    seed: int | None = None,
+    on_done=None,
+) -> dict[str, Any]:
+    """Run every question ``samples`` times and report accuracy; ``on_done()`` after each trajectory.
+    Default limits sample as the paper evaluates: temperature 1.0, top-p 0.95."""
+    limits = limits or AgentLimits(top_p=0.95)
+    semaphore = asyncio.Semaphore(concurrency)
+    trajectories: dict[str, list[Trajectory]] = defaultdict(list)
+
+    async def one(qi: int, q: QuestionRecord, i: int) -> None:
+        async with semaphore:
+            t = await run_trajectory(
+                engine,
+                tools,
+                tokenizer,
+                system=system,
+                question=user_prompt(q.question),
+                answer=q.answer,
+                aliases=q.aliases,
+                trajectory_id=f"eval/{q.id}/{i}",
+                sample_index=i,
+                limits=limits,
+                seed=None if seed is None else seed + i + 1000 * qi,
+            )
+            forget = getattr(engine, "forget", None)
+            if forget is not None:
+                forget(t.trajectory_id)
+            trajectories[q.id].append(t)
+            if on_done is not None:
+                on_done()
+
+    await asyncio.gather(*(one(qi, q, i) for qi, q in enumerate(questions) for i in range(samples)))
+    results = {q.id: [t.reward > 0 for t in trajectories[q.id]] for q in questions}
+    all_t = [t for ts in trajectories.values() for t in ts]
+    return {
+        "samples": samples,
+        "questions": len(questions),
+        "accuracy": summarise(results, {q.id: q.difficulty for q in questions}, samples),
+        "finish_reasons": dict(Counter(t.finish_reason for t in all_t)),
+        "mean_turns": statistics.fmean(t.num_turns for t in all_t) if all_t else 0.0,
+        "mean_generated_tokens": statistics.fmean(int(t.loss_mask.sum()) for t in all_t) if all_t else 0.0,
+        "tool_calls": sum(len(t.tool_calls) for t in all_t),
+        "tool_errors": sum(not c.ok for t in all_t for c in t.tool_calls),
+        "per_question": {
+            q.id: {
+                "correct": results[q.id],
+                "answers": [t.final_answer for t in trajectories[q.id]],
+                "difficulty": q.difficulty,
+            }
+            for q in questions
+        },
+    }

@@ -1,0 +1,38 @@
+"""Settings of a rollout worker: ``PBSD_ROLLOUT_*`` (plus the shared ``REDIS_URL``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.settings import CommonSettings
+
+
+class RolloutSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="PBSD_ROLLOUT_", extra="ignore")
+
+    engine: Literal["inprocess", "sglang"] = "inprocess"
+    model: str = Field(description="initial policy checkpoint (HF directory with the tokenizer)")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    sglang_urls: list[str] = Field(default_factory=list, description="SGLang servers, load-balanced")
+    tools_url: str = "http://127.0.0.1:8001"
+    concurrency: int = Field(default=2, ge=1, description="prompts (groups) worked on at once by this worker")
+    worker_name: str = "rollout-0"
+    date: str | None = Field(
+        default=None, description="'today' in the system prompt (YYYY-MM-DD); default: today"
+    )
+    seed: int | None = Field(
+        default=None, description="fixed sampling seeds (tests, reproductions); random when unset"
+    )
+    claim_idle_ms: int = 600_000
+    host: str = "127.0.0.1"
+    port: int = 8002
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.engine == "sglang" and not self.sglang_urls:
+            raise ValueError("the sglang engine needs PBSD_ROLLOUT_SGLANG_URLS")
+        return self

@@ -1,0 +1,205 @@
+"""SGLang over HTTP: ``/generate`` with input ids, log-probs and routed experts; weight updates.
+
+Request (SGLang's ``GenerateReqInput``): ``input_ids``, ``sampling_params``
+(``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids``,
+``skip_special_tokens: false``, ``no_stop_trim: true``, ``sampling_seed``),
+``return_logprob: true`` (``logprob_start_len`` -1: output tokens only),
+``return_routed_experts`` with ``routed_experts_start_len``, ``rid``.
+
+Response: ``{"text", "output_ids", "meta_info"}``; ``meta_info.output_token_logprobs``
+is a list of ``[logprob, token_id, text|null]``, ``finish_reason`` is
+``{"type": "stop", "matched": id|str}``, ``{"type": "length", "length": n}`` or
+``{"type": "abort", "message": ...}``, ``routed_experts`` is base64 of int32
+``[tokens - 1 - routed_experts_start_len, layers, top_k]``, ``weight_version`` the
+server's tag of the loaded weights.
+
+Several servers are load-balanced with session affinity (a trajectory's turns go to
+the same server, where its prefix is cached); a server that fails is skipped for a
+cool-down and the request goes to the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import time
+
+import httpx
+import numpy as np
+
+from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
+from services.upstream import RetryPolicy, UpstreamError, send_with_retries
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SglangEngine"]
+
+
+class SglangEngine:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        http: httpx.AsyncClient | None = None,
+        timeout_s: float = 3600.0,
+        retry: RetryPolicy | None = None,
+        cooldown_s: float = 30.0,
+        layers: int | None = None,
+        top_k: int | None = None,
+        pause_mode: str = "retract",
+    ) -> None:
+        if not urls:
+            raise ValueError("at least one SGLang URL is needed")
+        self.urls = [u.rstrip("/") for u in urls]
+        self._own = http is None
+        self.http = http or httpx.AsyncClient(timeout=timeout_s)
+        self.retry = retry or RetryPolicy(max_attempts=3, base_delay_s=1.0)
+        self.cooldown_s = cooldown_s
+        self.pause_mode = pause_mode
+        self.layers, self.top_k = (
+            layers,
+            top_k,
+        )  # shape of routed experts, read from /get_model_info when unset
+        self.weight_version = 0
+        self._down_until: dict[str, float] = {}
+        self._update_lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        if self._own:
+            await self.http.aclose()
+
+    def _order(self, session: str | None) -> list[str]:
+        """Servers to try, the session's own first; servers in cool-down last."""
+        start = int(hashlib.sha1((session or str(time.monotonic_ns())).encode()).hexdigest(), 16) % len(
+            self.urls
+        )
+        order = self.urls[start:] + self.urls[:start]
+        now = time.monotonic()
+        return sorted(order, key=lambda u: self._down_until.get(u, 0) > now)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        sampling = {
+            "max_new_tokens": request.max_new_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if request.stop_token_ids:
+            sampling["stop_token_ids"] = list(request.stop_token_ids)
+        if request.seed is not None:
+            sampling["sampling_seed"] = request.seed
+        payload = {"input_ids": request.input_ids, "sampling_params": sampling, "return_logprob": True}
+        if request.return_routed_experts:
+            payload["return_routed_experts"] = True
+            payload["routed_experts_start_len"] = request.routed_experts_start_len
+        errors = []
+        for url in self._order(request.session):
+            started = time.perf_counter()
+            try:
+                response = await send_with_retries(
+                    f"sglang {url}", lambda u=url: self.http.post(f"{u}/generate", json=payload), self.retry
+                )
+                if response.status_code >= 400:
+                    raise UpstreamError(
+                        f"sglang {url}",
+                        f"HTTP {response.status_code}: {response.text[:300]}",
+                        status=response.status_code,
+                    )
+                result = self._parse(response.json(), request, time.perf_counter() - started)
+            except (UpstreamError, ValueError, KeyError, TypeError) as exc:
+                errors.append(str(exc))
+                if isinstance(exc, UpstreamError) and exc.status is not None and 400 <= exc.status < 500:
+                    raise EngineError(str(exc)) from None  # a bad request fails the same everywhere
+                self._down_until[url] = time.monotonic() + self.cooldown_s
+                log.warning("sglang %s failed (%s); trying the next server", url, exc)
+                continue
+            return result
+        raise EngineError("every SGLang server failed: " + " | ".join(errors))
+
+    def _parse(self, data: dict, request: GenerationRequest, latency: float) -> GenerationResult:
+        meta = data["meta_info"]
+        entries = meta.get("output_token_logprobs") or []
+        output_ids = [int(x) for x in data.get("output_ids") or [e[1] for e in entries]]
+        if len(entries) != len(output_ids) or any(
+            int(e[1]) != t for e, t in zip(entries, output_ids, strict=True)
+        ):
+            raise ValueError("output_token_logprobs do not match output_ids")
+        logprobs = [float(e[0]) for e in entries]
+        finish = meta.get("finish_reason") or {"type": "length"}
+        kind = finish.get("type", "length")
+        if kind not in ("stop", "length", "abort"):
+            raise ValueError(f"unknown finish_reason {finish!r}")
+        routes = None
+        if request.return_routed_experts and kind != "abort":
+            routes = self._routes(meta.get("routed_experts"), request, len(output_ids))
+        version = meta.get("weight_version")
+        return GenerationResult(
+            output_ids,
+            logprobs,
+            kind,
+            int(version) if str(version).isdigit() else self.weight_version,
+            routes,
+            cached_tokens=int(meta.get("cached_tokens", 0)),
+            message=str(finish.get("message", "")),
+            latency_s=latency,
+        )
+
+    def _routes(self, encoded: str | None, request: GenerationRequest, n_out: int) -> np.ndarray:
+        if not encoded:
+            raise ValueError("routed_experts missing: start SGLang with --enable-return-routed-experts")
+        flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+        positions = len(request.input_ids) + n_out - 1 - request.routed_experts_start_len
+        if positions <= 0 or flat.size % positions:
+            raise ValueError(f"routed_experts has {flat.size} values for {positions} positions")
+        per = flat.size // positions
+        top_k = self.top_k or (per // self.layers if self.layers else None)
+        if top_k is None or per % top_k:
+            raise ValueError("set layers/top_k to decode routed_experts")
+        return flat.reshape(positions, per // top_k, top_k)
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """Pause every server, load the checkpoint, flush caches, continue."""
+        async with self._update_lock:
+            for url in self.urls:
+                await self._post(url, "/pause_generation", {"mode": self.pause_mode})
+                try:
+                    reply = await self._post(
+                        url,
+                        "/update_weights_from_disk",
+                        {"model_path": path, "weight_version": str(version), "flush_cache": True},
+                    )
+                    if not reply.get("success", False):
+                        raise EngineError(f"{url} refused the weights at {path}: {reply.get('message')}")
+                finally:
+                    await self._post(url, "/continue_generation", {})
+            self.weight_version = version
+
+    async def _post(self, url: str, path: str, body: dict) -> dict:
+        response = await send_with_retries(
+            f"sglang {url}", lambda: self.http.post(f"{url}{path}", json=body), self.retry
+        )
+        if response.status_code >= 400:
+            raise EngineError(f"{url}{path}: HTTP {response.status_code} {response.text[:200]}")
+        try:
+            return response.json()
+        except ValueError:
+            return {}
+
+    async def health(self) -> bool:
+        ok = False
+        for url in self.urls:
+            try:
+                r = await self.http.get(f"{url}/health", timeout=5)
+                healthy = r.status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            ok = ok or healthy
+        return ok
+
+    async def model_info(self) -> dict:
+        r = await self.http.get(f"{self.urls[0]}/get_model_info")
+        r.raise_for_status()
+        return r.json()

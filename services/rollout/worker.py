@@ -1,0 +1,176 @@
+"""A rollout worker: prompts in, trajectory groups out, weights followed.
+
+For each prompt task it samples G trajectories concurrently (the tool calls of one
+overlap with the generation of another), scores each with the verifier, and publishes
+the group tagged with the oldest policy version it was sampled with. A sample that
+failed (the engine gave up, the tool gateway is down) stays in the group, marked
+with its cause; the trainer decides what to drop.
+
+Staleness: a prompt meant for training step s is only started once the engine holds
+policy version >= s - max_staleness; until then the worker waits for the next weights
+event instead of flooding the stream with stale groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+
+from agent.chat import ChatTokenizer
+from agent.prompt import system_prompt, user_prompt
+from proto.messages import PromptTask, Trajectory, TrajectoryGroup, WeightsPublished
+from proto.streams import PROMPTS, TRAJECTORIES, WEIGHTS
+from services.bus import Bus, ConsumerOptions, Delivery
+from services.rollout import metrics
+from services.rollout.agent import AgentLimits, run_trajectory
+from services.rollout.engine import Engine
+from services.tools.client import Tools
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutWorker", "derived_id"]
+
+
+def derived_id(*parts: str) -> str:
+    """A message id that depends only on what it was made from: a retry after a crash re-publishes
+    the same id, and the next consumer's dedupe catches it."""
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:32]
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        bus: Bus,
+        engine: Engine,
+        tools: Tools,
+        tokenizer: ChatTokenizer,
+        *,
+        name: str = "rollout-0",
+        concurrency: int = 2,
+        date: str | None = None,
+        seed: int | None = None,
+        options: ConsumerOptions | None = None,
+    ) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.tools = tools
+        self.tokenizer = tokenizer
+        self.name = name
+        self.concurrency = concurrency
+        self.date = date
+        self.seed = seed
+        self.options = options or ConsumerOptions(claim_idle_ms=600_000)
+        self._version_changed = asyncio.Condition()
+        self.system: str | None = None
+        self.ready = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.system = system_prompt(await self.tools.catalogue(), self.date)
+        await self._catch_up_weights()
+        follower = asyncio.create_task(self._follow_weights(stop))
+        self.ready.set()
+        try:
+            await asyncio.gather(
+                *(
+                    self.bus.consume(
+                        PROMPTS, f"{self.name}-{i}", self.handle, options=self.options, stop=stop
+                    )
+                    for i in range(self.concurrency)
+                )
+            )
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
+
+    # -- weights ----------------------------------------------------------------------
+    async def _catch_up_weights(self) -> None:
+        latest = await self.bus.latest(WEIGHTS)
+        self._weights_cursor = latest[0] if latest else "0-0"
+        if latest and latest[1].version != self.engine.weight_version:
+            await self.apply_weights(latest[1])
+
+    async def _follow_weights(self, stop: asyncio.Event) -> None:
+        async for _entry, event in self.bus.follow(WEIGHTS, after=self._weights_cursor, stop=stop):
+            if event.version != self.engine.weight_version:
+                await self.apply_weights(event)
+
+    async def apply_weights(self, event: WeightsPublished) -> None:
+        log.info("loading policy version %d from %s", event.version, event.path)
+        await self.engine.update_weights(event.path, event.version)
+        metrics.POLICY_VERSION.set(event.version)
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    async def wait_for_version(self, version: int) -> None:
+        if self.engine.weight_version >= version:
+            return
+        metrics.WAITING.inc()
+        try:
+            async with self._version_changed:
+                await self._version_changed.wait_for(lambda: self.engine.weight_version >= version)
+        finally:
+            metrics.WAITING.dec()
+
+    # -- one prompt -------------------------------------------------------------------
+    async def handle(self, task: PromptTask, delivery: Delivery) -> None:
+        await self.wait_for_version(task.step - task.rollout.max_staleness)
+        group = await self.sample_group(task)
+        metrics.STALENESS.observe(max(0, task.step - group.policy_version))
+        await self.bus.publish(TRAJECTORIES, group)
+        metrics.GROUPS.inc()
+
+    async def sample_group(self, task: PromptTask) -> TrajectoryGroup:
+        r = task.rollout
+        limits = AgentLimits(
+            max_turns=r.max_turns,
+            max_tokens_per_turn=r.max_tokens_per_turn,
+            max_context=r.max_context,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            return_routed_experts=r.return_routed_experts,
+        )
+        trajectories = await asyncio.gather(*(self._sample(task, i, limits) for i in range(r.group_size)))
+        return TrajectoryGroup(
+            message_id=derived_id(task.message_id, "group"),
+            run_id=task.run_id,
+            task_id=task.task_id,
+            question_id=task.question_id,
+            question=task.question,
+            answer=task.answer,
+            aliases=task.aliases,
+            policy_version=min(t.policy_version for t in trajectories),
+            algorithm=task.algorithm,
+            trajectories=tuple(trajectories),
+        )
+
+    async def _sample(self, task: PromptTask, index: int, limits: AgentLimits) -> Trajectory:
+        trajectory_id = f"{task.task_id}/{index}"
+        seed = None if self.seed is None else self.seed + index + 1000 * task.index
+        t = await run_trajectory(
+            self.engine,
+            self.tools,
+            self.tokenizer,
+            system=self.system or "",
+            question=user_prompt(task.question),
+            answer=task.answer,
+            aliases=task.aliases,
+            trajectory_id=trajectory_id,
+            sample_index=index,
+            limits=limits,
+            seed=seed,
+        )
+        forget = getattr(self.engine, "forget", None)
+        if forget is not None:
+            forget(trajectory_id)
+        metrics.TRAJECTORIES.labels(t.finish_reason).inc()
+        metrics.TURNS.inc(t.num_turns)
+        metrics.TURNS_PER_TRAJECTORY.observe(t.num_turns)
+        metrics.TOKENS.inc(int(t.loss_mask.sum()))
+        metrics.TOKENS_PER_TRAJECTORY.observe(t.num_tokens)
+        metrics.TRAJECTORY_SECONDS.observe(t.generation_s)
+        for call in t.tool_calls:
+            metrics.TOOL_CALLS.labels("ok" if call.ok else "error").inc()
+        return t

@@ -1,0 +1,140 @@
+"""A local server that answers exactly as SGLang's HTTP API does, driven by a scripted policy.
+
+Field names and shapes follow SGLang's ``GenerateReqInput`` and the tokenizer
+manager's response: ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
+"weight_version", "output_token_logprobs": [[logprob, token_id, null], ...],
+"routed_experts": base64(int32[tokens - 1 - start, layers, top_k])}}``, with
+``finish_reason`` ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}``
+or ``{"type": "abort", "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+Policy = Callable[[list[int]], list[int]]
+
+LAYERS, TOP_K = 2, 2
+
+
+def routes_for(positions: range) -> np.ndarray:
+    """Deterministic fake routes: position p, layer l, slot k -> (p + l + k) % 8."""
+    p = np.array(list(positions), dtype=np.int32)[:, None, None]
+    return ((p + np.arange(LAYERS)[None, :, None] + np.arange(TOP_K)[None, None, :]) % 8).astype(np.int32)
+
+
+def make_sglang(
+    policy: Policy, *, script: list[Any] | None = None, logprob: float = -0.5, version: int = 0
+) -> FastAPI:
+    """``script`` items are used one per /generate call first: an int status, "abort", or "ok"."""
+    app = FastAPI()
+    app.state.requests = []
+    app.state.control = []
+    app.state.version = version
+    app.state.paused = False
+    queue = deque(script or [])
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        app.state.requests.append(body)
+        item = queue.popleft() if queue else "ok"
+        rid = uuid.uuid4().hex
+        if isinstance(item, int):
+            return JSONResponse({"error": {"message": f"internal error {item}"}}, status_code=item)
+        ids = body["input_ids"]
+        sp = body.get("sampling_params", {})
+        max_new = sp.get("max_new_tokens", 128)
+        stops = set(sp.get("stop_token_ids") or [])
+        wanted = policy(ids)
+        out, finish = [], {"type": "length", "length": max_new}
+        for t in wanted:
+            if len(out) == max_new:
+                break
+            out.append(t)
+            if t in stops:
+                finish = {"type": "stop", "matched": t}
+                break
+        if item == "abort":
+            out = out[: len(out) // 2]
+            finish = {
+                "type": "abort",
+                "message": "Abort request by the scheduler (weights are being updated)",
+            }
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(out),
+            "cached_tokens": max(0, len(ids) - 8),
+            "e2e_latency": 0.001,
+            "weight_version": str(app.state.version),
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[logprob, t, None] for t in out]
+        if body.get("return_routed_experts"):
+            start = body.get("routed_experts_start_len", 0)
+            meta["routed_experts"] = base64.b64encode(
+                routes_for(range(start, len(ids) + len(out) - 1)).tobytes()
+            ).decode()
+        return {"text": "", "output_ids": out, "meta_info": meta}
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        return {}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {
+            "model_path": "/models/fake",
+            "tokenizer_path": "/models/fake",
+            "is_generation": True,
+            "weight_version": str(app.state.version),
+        }
+
+    @app.post("/flush_cache")
+    async def flush():
+        app.state.control.append(("flush_cache", {}))
+        return "Cache flushed."
+
+    @app.post("/pause_generation")
+    async def pause(request: Request):
+        app.state.control.append(("pause_generation", await request.json()))
+        app.state.paused = True
+        return {}
+
+    @app.post("/continue_generation")
+    async def cont(request: Request):
+        app.state.control.append(("continue_generation", await request.json()))
+        app.state.paused = False
+        return {}
+
+    @app.post("/update_weights_from_disk")
+    async def update(request: Request):
+        body = await request.json()
+        app.state.control.append(("update_weights_from_disk", body))
+        if "missing" in body["model_path"]:
+            return {
+                "success": False,
+                "message": f"Failed to load {body['model_path']}: no such file",
+                "num_paused_requests": 0,
+            }
+        app.state.version = int(body.get("weight_version", app.state.version))
+        time.sleep(0)
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    return app

@@ -1,0 +1,224 @@
+"""The agent loop: token exactness, masks and spans, tool calls, every stop reason."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from agent.chat import ChatTokenizer
+from agent.prompt import system_prompt, user_prompt
+from agent.toolcall import format_tool_call
+from services.rollout.agent import AgentLimits, run_trajectory
+from services.rollout.sglang import SglangEngine
+from services.tools.catalogue import catalogue
+from services.tools.client import GatewayClient
+from tests.servers import serve
+from tests.sglang_fake import LAYERS, TOP_K, make_sglang, routes_for
+
+SEARCH = ("search_and_scrape_webpage", "google_search")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    return ChatTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def scripted(tok: ChatTokenizer, turns: list[str], *, close: bool = True):
+    """A policy that writes ``turns[i]`` as its i-th assistant message (then <|im_end|>)."""
+    opening = tok.encode("<|im_start|>assistant\n")
+
+    def policy(ids: list[int]) -> list[int]:
+        n = sum(ids[i : i + len(opening)] == opening for i in range(len(ids) - len(opening) + 1))
+        text = turns[min(n - 1, len(turns) - 1)]
+        return tok.encode(text) + ([tok.end_id] if close else [])
+
+    return policy
+
+
+class FixedTools:
+    """Tools answering from a dict (a stand-in for the gateway where only the loop is under test)."""
+
+    def __init__(self, answers: dict[str, str] | None = None) -> None:
+        self.answers = answers or {}
+        self.calls = []
+
+    async def catalogue(self):
+        return catalogue()
+
+    async def call(self, server, tool, args, *, trajectory_id=None):
+        from services.tools.client import ToolReply
+
+        self.calls.append((server, tool, args, trajectory_id))
+        return ToolReply(True, self.answers.get(args.get("q", ""), json.dumps({"organic": []})))
+
+    async def aclose(self):
+        return None
+
+
+SYSTEM = system_prompt(catalogue(), "2025-06-01")
+
+
+async def _run(engine, tools, tok, **kw):
+    args = dict(
+        system=SYSTEM,
+        question=user_prompt("Which river flows through Vienna?"),
+        answer="Danube",
+        aliases=("Donau",),
+        trajectory_id="t/0",
+        sample_index=0,
+        limits=AgentLimits(),
+    )
+    args.update(kw)
+    return await run_trajectory(engine, tools, tok, **args)
+
+
+async def test_token_exact_conversation_masks_and_spans(tok, tiny_checkpoint):
+    turns = [
+        "I should search.\n\n" + format_tool_call(*SEARCH, {"q": "Vienna river"}),
+        "The result says Danube.\n\n\\boxed{Danube}",
+    ]
+    app = make_sglang(scripted(tok, turns))
+    tools = FixedTools(
+        {"Vienna river": '{"organic": [{"title": "Vienna", "snippet": "The Danube flows through Vienna."}]}'}
+    )
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, tools, tok)
+        await engine.aclose()
+    assert t.finish_reason == "answer" and t.reward == 1.0 and t.final_answer == "Danube" and t.error is None
+    assert t.num_turns == 2 and tools.calls == [(*SEARCH, {"q": "Vienna river"}, "t/0")]
+
+    # decode(ids) is the conversation, exactly as the chat template renders it
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": user_prompt("Which river flows through Vienna?")},
+        {"role": "assistant", "content": turns[0]},
+        {"role": "user", "content": tools.answers["Vienna river"]},
+        {"role": "assistant", "content": turns[1]},
+    ]
+    hf = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    ids = list(t.prompt_ids) + list(t.completion_ids)
+    assert tok.decode(ids) == hf.apply_chat_template(messages, tokenize=False).rstrip("\n")
+
+    # the ids are the engine's outputs and the glue, appended: never a re-tokenisation
+    gen1 = tok.encode(turns[0]) + [tok.end_id]
+    gen2 = tok.encode(turns[1]) + [tok.end_id]
+    glue = tok.glue_ids(tools.answers["Vienna river"], closed=True)
+    assert list(t.prompt_ids) == tok.prompt_ids(SYSTEM, user_prompt("Which river flows through Vienna?"))
+    assert list(t.completion_ids) == gen1 + glue + gen2
+    assert t.turn_spans == ((0, len(gen1)), (len(gen1) + len(glue), len(gen1) + len(glue) + len(gen2)))
+    assert list(t.loss_mask) == [1] * len(gen1) + [0] * len(glue) + [1] * len(gen2)
+    assert np.all(t.rollout_logprobs[t.loss_mask == 1] == -0.5) and np.all(
+        t.rollout_logprobs[t.loss_mask == 0] == 0
+    )
+    # the second request was the first request's ids plus the output plus the glue
+    first, second = app.state.requests
+    assert second["input_ids"] == first["input_ids"] + gen1 + glue
+    assert second["sampling_params"]["stop_token_ids"] == tok.stop_ids
+    assert first["sampling_params"]["skip_special_tokens"] is False and first["return_logprob"] is True
+
+
+async def test_routed_experts_cover_every_position_but_the_last(tok):
+    turns = ["search\n" + format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
+    app = make_sglang(scripted(tok, turns))
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, FixedTools(), tok, limits=AgentLimits(return_routed_experts=True))
+        await engine.aclose()
+    n = t.num_tokens
+    assert t.routed_experts.shape == (n - 1, LAYERS, TOP_K) and t.routed_experts.dtype == np.uint8
+    np.testing.assert_array_equal(t.routed_experts, routes_for(range(n - 1)))
+    # each turn asked only for the positions it had not recorded yet
+    assert [r["routed_experts_start_len"] for r in app.state.requests] == [
+        0,
+        len(t.prompt_ids) + t.turn_spans[0][1] - 1,
+    ]
+
+
+async def test_malformed_and_repaired_calls(tok):
+    turns = [
+        "<use_mcp_tool>\n<server_name>search_and_scrape_webpage</server_name>\n<tool_name>google_search</tool_name>\n"
+        '<arguments>\n{"q": "Vienna river\n</arguments>\n</use_mcp_tool>',  # missing quote and brace: repaired
+        "<use_mcp_tool><tool_name>x</tool_name></use_mcp_tool>",  # unusable: reported back
+        "\\boxed{Danube}",
+    ]
+    app = make_sglang(scripted(tok, turns))
+    tools = FixedTools()
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, tools, tok)
+        await engine.aclose()
+    assert t.finish_reason == "answer" and t.reward == 1.0
+    assert tools.calls[0][2] == {"q": "Vienna river"}
+    assert len(tools.calls) == 1  # the malformed call never reached the tools
+    assert not t.tool_calls[1].ok and "malformed" in t.tool_calls[1].error
+    assert "failed. Error: the <use_mcp_tool> block is malformed" in tok.decode(t.completion_ids)
+
+
+@pytest.mark.parametrize(
+    ("limits", "close", "finish"),
+    [
+        (AgentLimits(max_turns=2), True, "max_turns"),
+        (AgentLimits(max_tokens_per_turn=5), False, "max_tokens"),
+        (AgentLimits(max_context=150), True, "max_context"),  # 150 tokens beyond the prompt
+    ],
+)
+async def test_limits_stop_the_loop(tok, limits, close, finish):
+    turn = "Searching again.\n" + format_tool_call(*SEARCH, {"q": "x"})
+    if finish == "max_context":
+        prompt = len(tok.prompt_ids(SYSTEM, user_prompt("Which river flows through Vienna?")))
+        limits = AgentLimits(max_context=prompt + limits.max_context)
+    app = make_sglang(scripted(tok, [turn], close=close))
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, FixedTools(), tok, limits=limits)
+        await engine.aclose()
+    assert t.finish_reason == finish and t.reward == 0.0 and t.error is None
+    assert t.num_tokens <= limits.max_context
+    if finish == "max_turns":
+        assert t.num_turns == 2
+    if finish == "max_tokens":
+        assert t.num_turns == 1 and t.turn_spans[0][1] - t.turn_spans[0][0] == 5
+
+
+async def test_no_tool_call_without_answer_ends_with_zero_reward(tok):
+    app = make_sglang(scripted(tok, ["I give up."]))
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, FixedTools(), tok)
+        await engine.aclose()
+    assert t.finish_reason == "answer" and t.final_answer is None and t.reward == 0.0
+
+
+async def test_engine_failures_are_kept_with_their_cause(tok):
+    turns = ["search\n" + format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
+    from services.upstream import RetryPolicy
+
+    for script, cause in (
+        (["ok", "abort"], "engine aborted the request"),
+        ([503, 503, 503], "engine failed"),
+    ):
+        app = make_sglang(scripted(tok, turns), script=script)
+        with serve(app) as url:
+            engine = SglangEngine(
+                [url], layers=LAYERS, top_k=TOP_K, retry=RetryPolicy(max_attempts=3, base_delay_s=0)
+            )
+            t = await _run(engine, FixedTools(), tok)
+            await engine.aclose()
+        assert t.finish_reason == "error" and cause in t.error and t.reward == 0.0
+
+
+async def test_gateway_down_is_an_error_with_its_cause(tok):
+    turns = ["search\n" + format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
+    with serve(make_sglang(scripted(tok, turns))) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        tools = GatewayClient("http://127.0.0.1:9", http=httpx.AsyncClient(timeout=2))
+        t = await _run(engine, tools, tok)
+        await tools.http.aclose()
+        await engine.aclose()
+    assert t.finish_reason == "error" and "tool gateway unreachable" in t.error
+    assert t.tool_calls[-1].ok is False

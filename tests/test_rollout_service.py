@@ -1,0 +1,92 @@
+"""The rollout service as it runs in production: its app, the tool gateway's app, Redis, the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from proto.messages import PromptTask
+from proto.runs import GrpoSpec, RolloutSpec
+from proto.streams import PROMPTS, TRAJECTORIES
+from services.rollout.app import create_app as rollout_app
+from services.rollout.settings import RolloutSettings
+from services.tools.app import create_app as tools_app
+from services.tools.settings import ToolsSettings
+from tests.servers import serve
+
+
+async def test_service_turns_a_prompt_into_a_group(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, monkeypatch
+):
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("PBSD_STREAM_PREFIX", key_prefix)
+    with serve(tools_app(ToolsSettings(corpus=tiny_world / "corpus.jsonl"))) as tools_url:
+        settings = RolloutSettings(
+            model=str(tiny_checkpoint), tools_url=tools_url, concurrency=1, seed=7, date="2025-06-01"
+        )
+        with serve(rollout_app(settings)) as url:
+            async with httpx.AsyncClient(base_url=url) as http:
+                for _ in range(100):
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.1)
+                assert (await http.get("/health")).json() == {"status": "ok", "policy_version": 0}
+                task = PromptTask(
+                    run_id="r",
+                    task_id="r:0:0",
+                    question_id="q",
+                    question="Which river?",
+                    answer="Danube",
+                    algorithm=GrpoSpec(),
+                    rollout=RolloutSpec(group_size=2, max_turns=2, max_tokens_per_turn=12),
+                )
+                await bus.publish(PROMPTS, task)
+                async with asyncio.timeout(60):
+                    while not (got := await bus.read_all(TRAJECTORIES)):
+                        await asyncio.sleep(0.1)
+                group = got[0][1]
+                metrics = (await http.get("/metrics")).text
+    assert len(group.trajectories) == 2
+    for t in group.trajectories:  # a random tiny model rambles until the per-turn budget
+        assert t.finish_reason in ("max_tokens", "answer") and t.turn_spans[0][1] - t.turn_spans[0][0] <= 12
+        assert t.loss_mask.sum() == sum(e - s for s, e in t.turn_spans)
+    assert "pbsd_rollout_trajectories_total" in metrics and "pbsd_rollout_generated_tokens_total" in metrics
+
+
+def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):
+    from typer.testing import CliRunner
+
+    from pbsd.cli import app
+
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(tiny_checkpoint),
+            "--questions",
+            str(tiny_world / "questions" / "validation.jsonl"),
+            "--corpus",
+            str(tiny_world / "corpus.jsonl"),
+            "--samples",
+            "2",
+            "--limit",
+            "3",
+            "--max-turns",
+            "2",
+            "--max-tokens-per-turn",
+            "8",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["questions"] == 3 and report["samples"] == 2
+    assert set(report["accuracy"]["all"]["pass@k"]) == {"1", "2"}
+    assert sum(report["finish_reasons"].values()) == 6

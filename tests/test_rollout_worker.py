@@ -1,0 +1,152 @@
+"""Rollout workers on the bus: groups published, failed samples kept, staleness respected; evaluation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent.chat import ChatTokenizer
+from agent.toolcall import format_tool_call
+from proto.messages import PromptTask, WeightsPublished
+from proto.runs import PbsdSpec, RolloutSpec
+from proto.streams import PROMPTS, TRAJECTORIES, WEIGHTS
+from services.bus import ConsumerOptions
+from services.rollout.agent import AgentLimits
+from services.rollout.evaluate import evaluate, pass_at_k, summarise
+from services.rollout.sglang import SglangEngine
+from services.rollout.worker import RolloutWorker, derived_id
+from tests.servers import serve
+from tests.sglang_fake import LAYERS, TOP_K, make_sglang
+from tests.test_rollout_agent import SEARCH, FixedTools, scripted
+
+FAST = ConsumerOptions(block_ms=50, claim_idle_ms=5000)
+
+
+def _task(step: int = 0, group_size: int = 3, staleness: int = 1) -> PromptTask:
+    return PromptTask(
+        run_id="r",
+        task_id=f"r:0:{step}",
+        question_id="q1",
+        question="Which river flows through Vienna?",
+        answer="Danube",
+        index=step,
+        step=step,
+        algorithm=PbsdSpec(),
+        rollout=RolloutSpec(group_size=group_size, max_staleness=staleness, max_turns=4),
+    )
+
+
+@pytest.fixture
+def tok(tiny_checkpoint):
+    return ChatTokenizer.from_pretrained(tiny_checkpoint)
+
+
+async def _start(bus, engine, tok, tools=None):
+    worker = RolloutWorker(
+        bus, engine, tools or FixedTools(), tok, concurrency=2, date="2025-06-01", options=FAST
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.wait_for(worker.ready.wait(), 10)
+    return worker, stop, task
+
+
+async def _groups(bus, n, timeout=20.0):
+    async with asyncio.timeout(timeout):
+        while True:
+            got = await bus.read_all(TRAJECTORIES)
+            if len(got) >= n:
+                return [g for _, g in got]
+            await asyncio.sleep(0.05)
+
+
+async def test_a_group_is_published_with_rewards_and_version(bus, tok):
+    turns = ["search\n" + format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
+    with serve(make_sglang(scripted(tok, turns), version=0)) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        _worker, stop, task = await _start(bus, engine, tok)
+        t = _task()
+        await bus.publish(PROMPTS, t)
+        (group,) = await _groups(bus, 1)
+        stop.set()
+        await task
+        await engine.aclose()
+    assert group.message_id == derived_id(t.message_id, "group") and group.task_id == t.task_id
+    assert len(group.trajectories) == 3 and group.policy_version == 0 and group.algorithm == t.algorithm
+    assert {tr.trajectory_id for tr in group.trajectories} == {f"{t.task_id}/{i}" for i in range(3)}
+    assert all(tr.reward == 1.0 and tr.finish_reason == "answer" for tr in group.trajectories)
+
+
+async def test_failed_samples_stay_in_the_group(bus, tok):
+    turns = ["search\n" + format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
+    # every third generate call aborts: some samples fail, the group still arrives whole
+    with serve(make_sglang(scripted(tok, turns), script=["ok", "abort", "ok", "ok", "ok", "ok"])) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        _worker, stop, task = await _start(bus, engine, tok)
+        await bus.publish(PROMPTS, _task())
+        (group,) = await _groups(bus, 1)
+        stop.set()
+        await task
+        await engine.aclose()
+    failed = [tr for tr in group.trajectories if tr.finish_reason == "error"]
+    assert len(group.trajectories) == 3 and len(failed) == 1
+    assert "aborted" in failed[0].error and failed[0].reward == 0.0
+
+
+async def test_staleness_waits_for_the_next_weights(bus, tok):
+    app = make_sglang(scripted(tok, ["\\boxed{Danube}"]), version=0)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        _worker, stop, task = await _start(bus, engine, tok)
+        await bus.publish(PROMPTS, _task(step=3, staleness=1, group_size=1))  # needs version >= 2
+        await asyncio.sleep(0.8)
+        assert await bus.read_all(TRAJECTORIES) == []  # held back, not sampled with version 0
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=1, step=1, path="/ckpt/v1"))
+        await asyncio.sleep(0.5)
+        assert await bus.read_all(TRAJECTORIES) == []  # version 1 is still too old
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=2, step=2, path="/ckpt/v2"))
+        (group,) = await _groups(bus, 1)
+        stop.set()
+        await task
+        await engine.aclose()
+    assert group.policy_version == 2 and engine.weight_version == 2
+    assert [c[1]["model_path"] for c in app.state.control if c[0] == "update_weights_from_disk"] == [
+        "/ckpt/v1",
+        "/ckpt/v2",
+    ]
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(4, 2, 4) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def test_summarise_mean_and_pass_by_difficulty():
+    results = {"a": [True, False, False, False], "b": [True, True, True, True], "c": [False] * 4}
+    s = summarise(results, {"a": "easy", "b": "easy", "c": "hard"}, 4)
+    assert s["all"]["mean@4"] == pytest.approx((0.25 + 1 + 0) / 3)
+    assert s["easy"]["pass@k"]["1"] == pytest.approx((0.25 + 1) / 2) and s["hard"]["pass@k"]["4"] == 0.0
+    assert s["all"]["questions"] == 3
+
+
+async def test_evaluate_reports_accuracy(tok):
+    from proto.data import QuestionRecord
+
+    questions = [
+        QuestionRecord(id="q1", question="Which river?", answer="Danube", difficulty="easy"),
+        QuestionRecord(id="q2", question="Which city?", answer="Vienna", difficulty="hard"),
+    ]
+    with serve(make_sglang(scripted(tok, ["\\boxed{Danube}"]))) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        report = await evaluate(
+            engine, FixedTools(), tok, questions, system="s", samples=2, limits=AgentLimits(max_turns=3)
+        )
+        await engine.aclose()
+    assert report["accuracy"]["easy"]["mean@2"] == 1.0 and report["accuracy"]["hard"]["mean@2"] == 0.0
+    assert report["accuracy"]["all"]["pass@k"] == {"1": 0.5, "2": 0.5}
+    assert report["per_question"]["q1"]["answers"] == ["Danube", "Danube"]

@@ -1,0 +1,104 @@
+"""The SGLang client against servers that answer exactly as SGLang does."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.rollout.engine import EngineError, GenerationRequest
+from services.rollout.sglang import SglangEngine
+from services.upstream import RetryPolicy
+from tests.servers import serve
+from tests.sglang_fake import LAYERS, TOP_K, make_sglang
+
+NO_WAIT = RetryPolicy(max_attempts=2, base_delay_s=0.0)
+
+
+def echo_policy(ids):
+    return [5, 6, 7, 2]  # three tokens, then the stop token 2
+
+
+async def test_parse_output_logprobs_and_finish():
+    with serve(make_sglang(echo_policy, logprob=-0.25, version=3)) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        r = await engine.generate(GenerationRequest([1, 2, 3], 16, stop_token_ids=(2,)))
+        assert (r.output_ids, r.logprobs, r.finish, r.weight_version) == (
+            [5, 6, 7, 2],
+            [-0.25] * 4,
+            "stop",
+            3,
+        )
+        r = await engine.generate(GenerationRequest([1, 2, 3], 2, stop_token_ids=(2,)))
+        assert (r.output_ids, r.finish) == ([5, 6], "length")
+        r = await engine.generate(
+            GenerationRequest([1, 2, 3], 16, return_routed_experts=True, routed_experts_start_len=1)
+        )
+        assert r.routed_experts.shape == (3 + 4 - 1 - 1, LAYERS, TOP_K)
+        assert await engine.health()
+        await engine.aclose()
+
+
+async def test_abort_is_reported_not_raised():
+    with serve(make_sglang(echo_policy, script=["abort"])) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        r = await engine.generate(GenerationRequest([1], 16))
+        await engine.aclose()
+    assert r.finish == "abort" and "weights are being updated" in r.message
+
+
+async def test_5xx_fails_over_to_the_next_server_and_cools_down():
+    bad = make_sglang(echo_policy, script=[500] * 10)
+    good = make_sglang(echo_policy)
+    with serve(bad) as bad_url, serve(good) as good_url:
+        engine = SglangEngine([bad_url, good_url], retry=NO_WAIT, layers=LAYERS, top_k=TOP_K)
+        # the session hashes to the bad server first: it fails, the good one answers
+        session = next(s for s in (f"s{i}" for i in range(100)) if engine._order(s)[0] == bad_url)
+        r = await engine.generate(GenerationRequest([1], 16, session=session))
+        assert r.output_ids == [5, 6, 7, 2]
+        assert len(bad.state.requests) == 2 and len(good.state.requests) == 1
+        # the bad server now cools down: the next request goes straight to the good one
+        await engine.generate(GenerationRequest([1], 16, session=session))
+        assert len(bad.state.requests) == 2
+        await engine.aclose()
+
+
+async def test_every_server_failing_raises_and_4xx_is_not_retried():
+    app = make_sglang(echo_policy, script=[503] * 10)
+    with serve(app) as url:
+        engine = SglangEngine([url], retry=NO_WAIT, layers=LAYERS, top_k=TOP_K)
+        with pytest.raises(EngineError, match="every SGLang server failed"):
+            await engine.generate(GenerationRequest([1], 16))
+        await engine.aclose()
+    app = make_sglang(echo_policy, script=[400])
+    with serve(app) as url:
+        engine = SglangEngine([url], retry=NO_WAIT, layers=LAYERS, top_k=TOP_K)
+        with pytest.raises(EngineError, match="HTTP 400"):
+            await engine.generate(GenerationRequest([1], 16))
+        assert len(app.state.requests) == 1
+        await engine.aclose()
+
+
+async def test_weight_update_pauses_loads_and_continues():
+    apps = [make_sglang(echo_policy), make_sglang(echo_policy)]
+    with serve(apps[0]) as a, serve(apps[1]) as b:
+        engine = SglangEngine([a, b], layers=LAYERS, top_k=TOP_K)
+        await engine.update_weights("/ckpt/run/v4", 4)
+        assert engine.weight_version == 4
+        for app in apps:
+            assert [c[0] for c in app.state.control] == [
+                "pause_generation",
+                "update_weights_from_disk",
+                "continue_generation",
+            ]
+            assert app.state.control[0][1] == {"mode": "retract"}
+            assert app.state.control[1][1] == {
+                "model_path": "/ckpt/run/v4",
+                "weight_version": "4",
+                "flush_cache": True,
+            }
+        r = await engine.generate(GenerationRequest([1], 4))
+        assert r.weight_version == 4
+        with pytest.raises(EngineError, match="refused the weights"):
+            await engine.update_weights("/ckpt/missing", 5)
+        assert apps[0].state.control[-1][0] == "continue_generation"  # never left paused
+        assert engine.weight_version == 4
+        await engine.aclose()
