@@ -91,6 +91,25 @@ def serve_rollout(
     )
 
 
+@serve_app.command("scorer")
+def serve_scorer(
+    host: str | None = typer.Option(None, help="bind address (default: PBSD_SCORER_HOST or 127.0.0.1)"),
+    port: int | None = typer.Option(
+        None, help="port for /health and /metrics (default: PBSD_SCORER_PORT or 8003)"
+    ),
+) -> None:
+    """The evidence scorer (settings from PBSD_SCORER_* and REDIS_URL)."""
+    import uvicorn
+
+    from services.scorer.app import create_app
+    from services.scorer.settings import ScorerSettings
+
+    settings = ScorerSettings()
+    uvicorn.run(
+        create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
+    )
+
+
 @app.command("eval")
 def eval_cmd(
     model: Path = typer.Option(..., help="policy checkpoint (HF directory with its tokenizer)"),

@@ -11,6 +11,7 @@ models (arrays as base64).
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Any, Literal, TypeVar
 
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proto.arrays import arrays_equal
 
-__all__ = ["SCHEMA_VERSION", "Contract", "Message", "decode", "encode", "new_id"]
+__all__ = ["SCHEMA_VERSION", "Contract", "Message", "decode", "derived_id", "encode", "new_id"]
 
 SCHEMA_VERSION = 1
 
@@ -27,6 +28,12 @@ SCHEMA_VERSION = 1
 def new_id() -> str:
     """A random 128-bit id as 32 hex characters."""
     return uuid.uuid4().hex
+
+
+def derived_id(*parts: str) -> str:
+    """An id that depends only on what a message was made from: a retry after a crash re-publishes
+    the same id, and the next consumer's idempotency check catches it."""
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:32]
 
 
 class Contract(BaseModel):

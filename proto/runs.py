@@ -8,6 +8,7 @@ clipping 0.2 / 0.28, and PBSD with delta 0.1, c 0.1, eps+ 0.001, eps- 0.003.
 
 from __future__ import annotations
 
+import string
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -119,9 +120,16 @@ class PbsdSpec(_PolicyGradientSpec):
 
     @model_validator(mode="after")
     def _template_fields(self):
-        for key in ("{question}", "{answer}"):
-            if key not in self.teacher_template:
-                raise ValueError(f"teacher_template must contain {key}")
+        try:
+            fields = {
+                name for _, name, _, _ in string.Formatter().parse(self.teacher_template) if name is not None
+            }
+        except ValueError as exc:
+            raise ValueError(f"teacher_template is not a valid format string: {exc}") from None
+        if fields != {"question", "answer"}:
+            raise ValueError(
+                f"teacher_template must use exactly the fields {{question}} and {{answer}}, found {sorted(fields)}"
+            )
         return self
 
 

@@ -33,6 +33,11 @@ def routes_for(positions: range) -> np.ndarray:
     return ((p + np.arange(LAYERS)[None, :, None] + np.arange(TOP_K)[None, None, :]) % 8).astype(np.int32)
 
 
+def prompt_logprob(token: int, position: int) -> float:
+    """The fake model's log-prob of a prompt token: a fixed function of token and position."""
+    return -((token * 31 + position) % 97) / 100
+
+
 def make_sglang(
     policy: Policy, *, script: list[Any] | None = None, logprob: float = -0.5, version: int = 0
 ) -> FastAPI:
@@ -82,6 +87,11 @@ def make_sglang(
         }
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[logprob, t, None] for t in out]
+            start = body.get("logprob_start_len", -1)
+            if start is not None and start >= 0:  # prompt log-probs from start; the first entry is null
+                meta["input_token_logprobs"] = [[None, ids[start], None]] + [
+                    [prompt_logprob(ids[i], i), ids[i], None] for i in range(start + 1, len(ids))
+                ]
         if body.get("return_routed_experts"):
             start = body.get("routed_experts_start_len", 0)
             meta["routed_experts"] = base64.b64encode(

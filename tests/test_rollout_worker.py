@@ -8,6 +8,7 @@ import pytest
 
 from agent.chat import ChatTokenizer
 from agent.toolcall import format_tool_call
+from proto.base import derived_id
 from proto.messages import PromptTask, WeightsPublished
 from proto.runs import PbsdSpec, RolloutSpec
 from proto.streams import PROMPTS, TRAJECTORIES, WEIGHTS
@@ -15,7 +16,7 @@ from services.bus import ConsumerOptions
 from services.rollout.agent import AgentLimits
 from services.rollout.evaluate import evaluate, pass_at_k, summarise
 from services.rollout.sglang import SglangEngine
-from services.rollout.worker import RolloutWorker, derived_id
+from services.rollout.worker import RolloutWorker
 from tests.servers import serve
 from tests.sglang_fake import LAYERS, TOP_K, make_sglang
 from tests.test_rollout_agent import SEARCH, FixedTools, scripted

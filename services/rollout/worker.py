@@ -14,15 +14,15 @@ event instead of flooding the stream with stale groups.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import logging
 
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
+from proto.base import derived_id
 from proto.messages import PromptTask, Trajectory, TrajectoryGroup, WeightsPublished
-from proto.streams import PROMPTS, TRAJECTORIES, WEIGHTS
+from proto.streams import PROMPTS, TRAJECTORIES
 from services.bus import Bus, ConsumerOptions, Delivery
+from services.policy_worker import PolicyWorker
 from services.rollout import metrics
 from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.engine import Engine
@@ -30,16 +30,12 @@ from services.tools.client import Tools
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutWorker", "derived_id"]
+__all__ = ["RolloutWorker"]
 
 
-def derived_id(*parts: str) -> str:
-    """A message id that depends only on what it was made from: a retry after a crash re-publishes
-    the same id, and the next consumer's dedupe catches it."""
-    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:32]
+class RolloutWorker(PolicyWorker):
+    stream = PROMPTS
 
-
-class RolloutWorker:
     def __init__(
         self,
         bus: Bus,
@@ -53,52 +49,23 @@ class RolloutWorker:
         seed: int | None = None,
         options: ConsumerOptions | None = None,
     ) -> None:
-        self.bus = bus
+        super().__init__(bus, name=name, concurrency=concurrency, options=options)
         self.engine = engine
         self.tools = tools
         self.tokenizer = tokenizer
-        self.name = name
-        self.concurrency = concurrency
         self.date = date
         self.seed = seed
-        self.options = options or ConsumerOptions(claim_idle_ms=600_000)
         self._version_changed = asyncio.Condition()
         self.system: str | None = None
-        self.ready = asyncio.Event()
 
-    async def run(self, stop: asyncio.Event) -> None:
+    @property
+    def version(self) -> int:
+        return self.engine.weight_version
+
+    async def prepare(self) -> None:
         self.system = system_prompt(await self.tools.catalogue(), self.date)
-        await self._catch_up_weights()
-        follower = asyncio.create_task(self._follow_weights(stop))
-        self.ready.set()
-        try:
-            await asyncio.gather(
-                *(
-                    self.bus.consume(
-                        PROMPTS, f"{self.name}-{i}", self.handle, options=self.options, stop=stop
-                    )
-                    for i in range(self.concurrency)
-                )
-            )
-        finally:
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follower
 
-    # -- weights ----------------------------------------------------------------------
-    async def _catch_up_weights(self) -> None:
-        latest = await self.bus.latest(WEIGHTS)
-        self._weights_cursor = latest[0] if latest else "0-0"
-        if latest and latest[1].version != self.engine.weight_version:
-            await self.apply_weights(latest[1])
-
-    async def _follow_weights(self, stop: asyncio.Event) -> None:
-        async for _entry, event in self.bus.follow(WEIGHTS, after=self._weights_cursor, stop=stop):
-            if event.version != self.engine.weight_version:
-                await self.apply_weights(event)
-
-    async def apply_weights(self, event: WeightsPublished) -> None:
-        log.info("loading policy version %d from %s", event.version, event.path)
+    async def load_weights(self, event: WeightsPublished) -> None:
         await self.engine.update_weights(event.path, event.version)
         metrics.POLICY_VERSION.set(event.version)
         async with self._version_changed:

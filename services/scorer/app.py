@@ -1,0 +1,53 @@
+"""The scorer service: a worker loop plus ``/health`` and ``/metrics``.
+
+pbsd serve scorer        (settings from PBSD_SCORER_* and REDIS_URL)
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from agent.chat import ChatTokenizer
+from services.bus import Bus, ConsumerOptions
+from services.policy_worker import worker_app
+from services.scorer.settings import ScorerSettings
+from services.scorer.worker import ScorerWorker
+from services.telemetry import setup_logging
+
+
+def build_scorer(settings: ScorerSettings):
+    if settings.backend == "sglang":
+        from services.scorer.backends import SglangScorer
+
+        return SglangScorer(settings.sglang_urls)
+    from transformers import AutoModelForCausalLM
+
+    from services.model.checkpoint import DTYPES
+    from services.scorer.backends import LocalScorer
+
+    kwargs = {"dtype": DTYPES[settings.dtype]}
+    if settings.attn_implementation:
+        kwargs["attn_implementation"] = settings.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(settings.model, **kwargs).to(settings.device)
+    return LocalScorer(
+        model, token_budget=settings.token_budget, chunk_size=settings.chunk_size, pack=settings.pack
+    )
+
+
+def create_app(settings: ScorerSettings | None = None) -> FastAPI:
+    settings = settings or ScorerSettings()
+
+    async def start():
+        setup_logging(settings.log_level)
+        bus = Bus.from_url(settings.redis_url, prefix=settings.stream_prefix)
+        worker = ScorerWorker(
+            bus,
+            build_scorer(settings),
+            ChatTokenizer.from_pretrained(settings.model),
+            name=settings.worker_name,
+            concurrency=settings.concurrency,
+            options=ConsumerOptions(claim_idle_ms=settings.claim_idle_ms),
+        )
+        return worker, [bus.close]
+
+    return worker_app("pbsd evidence scorer", start)

@@ -1,0 +1,117 @@
+"""Where the scorer's likelihoods come from: the model in this process, or an SGLang server.
+
+Both take the same requests (token ids, positions to score) and give the log-probs of
+the tokens at those positions; student and teacher requests of a group are sent
+together, to the same backend and the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import httpx
+import numpy as np
+from transformers import PreTrainedModel
+
+from services.model.checkpoint import load_weights_into
+from services.scorer.logprobs import sequence_logprobs
+from services.upstream import RetryPolicy, UpstreamError, send_with_retries
+
+__all__ = ["LocalScorer", "SglangScorer"]
+
+
+class LocalScorer:
+    """Packed, chunked passes through a local model (see :mod:`services.scorer.logprobs`)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        token_budget: int = 16_384,
+        chunk_size: int = 1024,
+        pack: bool | None = None,
+        version: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        self.token_budget = token_budget
+        self.chunk_size = chunk_size
+        # Packing pays off with varlen attention kernels; on CPU a packed mask costs the square of its length.
+        self.pack = pack if pack is not None else model.config._attn_implementation.startswith("flash")
+        self.version = version
+        self._lock = asyncio.Lock()
+
+    async def __call__(self, requests: Sequence[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
+        async with self._lock:
+            return await asyncio.to_thread(
+                sequence_logprobs,
+                self.model,
+                requests,
+                token_budget=self.token_budget,
+                chunk_size=self.chunk_size,
+                pack=self.pack,
+            )
+
+    async def update_weights(self, path: str, version: int) -> None:
+        async with self._lock:
+            await asyncio.to_thread(load_weights_into, self.model, path)
+            self.version = version
+
+
+class SglangScorer:
+    """Prompt log-probs from SGLang: ``max_new_tokens`` 0, ``return_logprob``, ``logprob_start_len``
+    one before the first scored position (the prefix before it stays in SGLang's radix cache);
+    ``input_token_logprobs`` then align with ``input_ids[logprob_start_len:]``, the first entry null."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        concurrency: int = 32,
+        http: httpx.AsyncClient | None = None,
+        retry: RetryPolicy | None = None,
+        version: int = 0,
+    ) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self.http = http or httpx.AsyncClient(timeout=3600)
+        self.retry = retry or RetryPolicy(max_attempts=3, base_delay_s=1.0)
+        self.semaphore = asyncio.Semaphore(concurrency)
+        self.version = version
+
+    async def _one(self, index: int, ids: Sequence[int], positions: np.ndarray) -> np.ndarray:
+        if len(positions) == 0:
+            return np.zeros(0, dtype=np.float32)
+        start = int(positions.min()) - 1
+        url = self.urls[index % len(self.urls)]
+        payload = {
+            "input_ids": list(ids),
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": start,
+        }
+        async with self.semaphore:
+            response = await send_with_retries(
+                f"sglang {url}", lambda: self.http.post(f"{url}/generate", json=payload), self.retry
+            )
+        if response.status_code >= 400:
+            raise UpstreamError(f"sglang {url}", f"HTTP {response.status_code}", status=response.status_code)
+        entries = response.json()["meta_info"]["input_token_logprobs"]
+        if len(entries) != len(ids) - start:
+            raise UpstreamError(
+                f"sglang {url}", f"{len(entries)} input log-probs for {len(ids) - start} tokens"
+            )
+        values = np.array([np.nan if e[0] is None else e[0] for e in entries], dtype=np.float64)
+        return values[np.asarray(positions) - start].astype(np.float32)
+
+    async def __call__(self, requests: Sequence[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
+        return list(await asyncio.gather(*(self._one(i, ids, pos) for i, (ids, pos) in enumerate(requests))))
+
+    async def update_weights(self, path: str, version: int) -> None:
+        for url in self.urls:
+            r = await self.http.post(
+                f"{url}/update_weights_from_disk",
+                json={"model_path": path, "weight_version": str(version), "flush_cache": True},
+            )
+            if r.status_code >= 400 or not r.json().get("success", False):
+                raise UpstreamError(f"sglang {url}", f"could not load {path}")
+        self.version = version

@@ -1,0 +1,134 @@
+"""From a trajectory group to a scored group: advantages, per-turn evidence, per-turn weights.
+
+For a PBSD group, every trajectory's student and teacher contexts are scored in one
+batch of likelihood passes, then (``pbsd.credit``)::
+
+    A_i     = group_advantages(rewards)
+    s_{i,t} = turn_evidence(student, teacher, token_turns)   # mean over aligned tokens
+    w_{i,t} = turn_weights(s_{i,t}, A_i, delta, clip, eps+, eps-)
+
+A GRPO group passes through without likelihood passes: the same advantages, weights
+of 1, evidence NaN, so both algorithms share every other line of the pipeline.
+
+Trajectories that ended in an error (engine or gateway failure) carry no signal about
+the policy: they are left out of the group statistics and get A = 0, w = 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import numpy as np
+
+from agent.chat import ChatTokenizer
+from pbsd import credit
+from proto.messages import ScoredGroup, ScoreDiagnostics, TrajectoryGroup
+from proto.runs import PbsdSpec
+from services.scorer.contexts import Contexts, build_contexts
+
+__all__ = ["LogprobFn", "group_advantages", "score_group"]
+
+# (ids, positions) requests -> log-probs of the tokens at those positions
+LogprobFn = Callable[[Sequence[tuple[Sequence[int], np.ndarray]]], Awaitable[list[np.ndarray]]]
+
+
+def group_advantages(group: TrajectoryGroup) -> np.ndarray:
+    """A_i over the trajectories that did not fail; failed ones get 0."""
+    valid = np.array([t.finish_reason != "error" for t in group.trajectories])
+    adv = np.zeros(len(group.trajectories), dtype=np.float64)
+    if valid.any():
+        adv[valid] = credit.group_advantages(group.rewards[valid])
+    return adv
+
+
+async def score_group(
+    group: TrajectoryGroup,
+    tokenizer: ChatTokenizer,
+    logprobs: LogprobFn | None,
+    *,
+    scorer_version: int | None = None,
+    message_id: str | None = None,
+) -> ScoredGroup:
+    started = time.perf_counter()
+    adv = group_advantages(group)
+    algo = group.algorithm
+    extra = {"message_id": message_id} if message_id else {}
+    if not isinstance(algo, PbsdSpec):
+        return ScoredGroup(
+            group=group,
+            advantages=adv.astype(np.float32),
+            turn_evidence=tuple(np.full(t.num_turns, np.nan, np.float32) for t in group.trajectories),
+            turn_weights=tuple(np.ones(t.num_turns, np.float32) for t in group.trajectories),
+            scored=False,
+            diagnostics=ScoreDiagnostics(turns=sum(t.num_turns for t in group.trajectories)),
+            scoring_s=time.perf_counter() - started,
+            **extra,
+        )
+    if logprobs is None:
+        raise ValueError("a PBSD group needs a likelihood function")
+
+    contexts: list[Contexts | None] = []
+    requests: list[tuple[Sequence[int], np.ndarray]] = []
+    for t in group.trajectories:
+        if t.finish_reason == "error" or t.num_turns == 0:
+            contexts.append(None)
+            continue
+        c = build_contexts(
+            tokenizer,
+            t.prompt_ids.tolist(),
+            t.completion_ids.tolist(),
+            t.loss_mask,
+            t.turn_spans,
+            answer=group.answer,
+            template=algo.teacher_template,
+            teacher_max_length=algo.teacher_max_length,
+        )
+        contexts.append(c)
+        requests.append((c.student, c.loss_positions))
+        requests.append((c.teacher, c.phi[c.phi >= 0]))
+    answers = await logprobs(requests) if requests else []
+
+    evidence, weights, all_s = [], [], []
+    unaligned = 0
+    cursor = 0
+    for i, (t, c) in enumerate(zip(group.trajectories, contexts, strict=True)):
+        if c is None:
+            evidence.append(np.full(t.num_turns, np.nan, np.float32))
+            weights.append(np.ones(t.num_turns, np.float32))
+            continue
+        student, teacher_aligned = answers[cursor], answers[cursor + 1]
+        cursor += 2
+        teacher = np.full(len(c.phi), np.nan)
+        teacher[c.phi >= 0] = teacher_aligned
+        unaligned += int((c.phi < 0).sum())
+        s = credit.turn_evidence(student, teacher, c.token_turns, reduce=algo.reduce, num_turns=t.num_turns)
+        w = credit.turn_weights(
+            s, adv[i], delta=algo.delta, clip=algo.clip, eps_pos=algo.eps_pos, eps_neg=algo.eps_neg
+        )
+        evidence.append(s.astype(np.float32))
+        weights.append(w.astype(np.float32))
+        all_s.append(s[~np.isnan(s)])
+    scored = np.concatenate(all_s) if all_s else np.zeros(0)
+    diagnostics = ScoreDiagnostics(
+        turns=sum(t.num_turns for t in group.trajectories),
+        scored_turns=int(scored.size),
+        teacher_higher_frac=float((scored > 0).mean()) if scored.size else 0.0,
+        mean_abs_gap=float(np.abs(scored).mean()) if scored.size else 0.0,
+        filtered_frac=float(((scored >= -algo.eps_neg) & (scored <= algo.eps_pos)).mean())
+        if scored.size
+        else 0.0,
+        unaligned_tokens=unaligned,
+        evidence=scored.astype(np.float32),
+    )
+    return ScoredGroup(
+        group=group,
+        advantages=adv.astype(np.float32),
+        turn_evidence=tuple(evidence),
+        turn_weights=tuple(weights),
+        scored=True,
+        scorer_policy_version=scorer_version,
+        diagnostics=diagnostics,
+        scoring_s=time.perf_counter() - started,
+        **extra,
+    )

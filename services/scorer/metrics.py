@@ -1,0 +1,37 @@
+"""Prometheus metrics of the evidence scorer: its speed and the health of PBSD's credit signal."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+GROUPS = Counter(
+    "pbsd_scorer_groups_total", "Groups handled, scored (PBSD) or passed through (GRPO)", ["kind"]
+)
+SCORED_TOKENS = Counter(
+    "pbsd_scorer_scored_tokens_total", "Tokens whose student or teacher log-prob was computed"
+)
+UNALIGNED_TOKENS = Counter(
+    "pbsd_scorer_unaligned_tokens_total", "Loss tokens without a teacher position (x* cut)"
+)
+SECONDS = Histogram(
+    "pbsd_scorer_group_seconds",
+    "Time to score one group",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+TURNS = Counter(
+    "pbsd_scorer_turns_total", "Assistant turns seen, by outcome", ["outcome"]
+)  # scored/filtered/unscored
+TEACHER_HIGHER = Gauge(
+    "pbsd_scorer_teacher_higher_fraction", "Last group: fraction of scored turns with s > 0"
+)
+MEAN_ABS_GAP = Gauge("pbsd_scorer_mean_abs_gap", "Last group: mean |s| over scored turns")
+FILTERED = Gauge("pbsd_scorer_filtered_fraction", "Last group: fraction of scored turns inside the deadband")
+EVIDENCE = Histogram(
+    "pbsd_scorer_evidence",
+    "Per-turn evidence s = mean teacher - student log-prob",
+    buckets=(-1, -0.3, -0.1, -0.03, -0.01, -0.003, -0.001, 0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1),
+)
+WEIGHTS = Histogram(
+    "pbsd_scorer_turn_weight",
+    "Per-turn weight w",
+    buckets=(0.9, 0.92, 0.94, 0.96, 0.98, 0.999, 1.001, 1.02, 1.04, 1.06, 1.08, 1.1),
+)
+POLICY_VERSION = Gauge("pbsd_scorer_policy_version", "Policy version the scorer's weights are at")

@@ -1,0 +1,39 @@
+"""Settings of the evidence scorer: ``PBSD_SCORER_*`` (plus the shared ``REDIS_URL``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.settings import CommonSettings
+
+
+class ScorerSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="PBSD_SCORER_", extra="ignore")
+
+    backend: Literal["local", "sglang"] = "local"
+    model: str = Field(description="initial policy checkpoint (HF directory with the tokenizer)")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    attn_implementation: str | None = Field(
+        default=None, description="e.g. flash_attention_2 on GPUs (varlen packing)"
+    )
+    token_budget: int = Field(default=16_384, description="tokens per likelihood batch")
+    chunk_size: int = Field(default=1024, description="rows of full-vocabulary logits alive at once")
+    pack: bool | None = Field(
+        default=None, description="pack sequences in one forward (default: with flash attention)"
+    )
+    sglang_urls: list[str] = Field(default_factory=list)
+    worker_name: str = "scorer-0"
+    concurrency: int = 1
+    claim_idle_ms: int = 600_000
+    host: str = "127.0.0.1"
+    port: int = 8003
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.backend == "sglang" and not self.sglang_urls:
+            raise ValueError("the sglang backend needs PBSD_SCORER_SGLANG_URLS")
+        return self

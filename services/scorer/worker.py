@@ -1,0 +1,91 @@
+"""The scorer worker: trajectory groups in, scored groups out, weights followed.
+
+Each group is scored with the newest published weights (the version used is recorded
+on the scored group), so the evidence measures the policy that is about to learn from
+it. Scored groups carry ids derived from the groups', so a redelivery after a crash
+produces a duplicate the trainer recognises.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from agent.chat import ChatTokenizer
+from proto.base import derived_id
+from proto.messages import ScoredGroup, TrajectoryGroup, WeightsPublished
+from proto.streams import SCORED, TRAJECTORIES
+from services.bus import Bus, ConsumerOptions, Delivery
+from services.policy_worker import PolicyWorker
+from services.scorer import metrics
+from services.scorer.evidence import score_group
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ScorerWorker"]
+
+
+class ScorerWorker(PolicyWorker):
+    stream = TRAJECTORIES
+
+    def __init__(
+        self,
+        bus: Bus,
+        scorer,
+        tokenizer: ChatTokenizer,
+        *,
+        name: str = "scorer-0",
+        concurrency: int = 1,
+        options: ConsumerOptions | None = None,
+    ) -> None:
+        super().__init__(bus, name=name, concurrency=concurrency, options=options)
+        self.scorer = scorer  # LocalScorer or SglangScorer: async __call__, update_weights, version
+        self.tokenizer = tokenizer
+
+    @property
+    def version(self) -> int:
+        return self.scorer.version
+
+    async def load_weights(self, event: WeightsPublished) -> None:
+        await self.scorer.update_weights(event.path, event.version)
+        metrics.POLICY_VERSION.set(event.version)
+
+    async def handle(self, group: TrajectoryGroup, delivery: Delivery) -> None:
+        scored = await self.score(group)
+        await self.bus.publish(SCORED, scored)
+
+    async def score(self, group: TrajectoryGroup) -> ScoredGroup:
+        scored = await score_group(
+            group,
+            self.tokenizer,
+            self.scorer,
+            scorer_version=self.scorer.version,
+            message_id=derived_id(group.message_id, "scored"),
+        )
+        observe(scored)
+        return scored
+
+
+def observe(scored: ScoredGroup) -> None:
+    """Export a scored group's diagnostics (the paper's credit-signal plots) as metrics."""
+    metrics.GROUPS.labels("scored" if scored.scored else "passthrough").inc()
+    metrics.SECONDS.observe(scored.scoring_s)
+    if not scored.scored:
+        metrics.TURNS.labels("unscored").inc(scored.diagnostics.turns)
+        return
+    d = scored.diagnostics
+    metrics.UNALIGNED_TOKENS.inc(d.unaligned_tokens)
+    tokens = sum(int(t.loss_mask.sum()) * 2 for t in scored.group.trajectories if t.finish_reason != "error")
+    metrics.SCORED_TOKENS.inc(tokens)
+    filtered = round(d.filtered_frac * d.scored_turns)
+    metrics.TURNS.labels("filtered").inc(filtered)
+    metrics.TURNS.labels("modulated").inc(d.scored_turns - filtered)
+    metrics.TURNS.labels("unscored").inc(d.turns - d.scored_turns)
+    metrics.TEACHER_HIGHER.set(d.teacher_higher_frac)
+    metrics.MEAN_ABS_GAP.set(d.mean_abs_gap)
+    metrics.FILTERED.set(d.filtered_frac)
+    for s in d.evidence:
+        metrics.EVIDENCE.observe(float(s))
+    for w in np.concatenate(scored.turn_weights) if scored.turn_weights else ():
+        metrics.WEIGHTS.observe(float(w))

@@ -1,0 +1,250 @@
+"""The evidence scorer: contexts and phi, exact evidence, numerics, fresh MoE routing, pass-through."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from agent.chat import ChatTokenizer
+from agent.prompt import user_prompt
+from pbsd import credit
+from proto.messages import Trajectory, TrajectoryGroup
+from proto.runs import GrpoSpec, PbsdSpec
+from services.model.checkpoint import load_model
+from services.model.routing import moe_routers, replay_routes
+from services.scorer.backends import LocalScorer, SglangScorer
+from services.scorer.contexts import build_contexts, teacher_prompt_ids
+from services.scorer.evidence import score_group
+from services.scorer.logprobs import sequence_logprobs
+from tests.servers import serve
+from tests.sglang_fake import make_sglang, prompt_logprob
+
+TEMPLATE = "{question}\n\n[The verified answer is {answer}.]"
+IDENTITY = "{question}{answer:.0}"  # formats to the question alone: x* == x
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    return ChatTokenizer.from_pretrained(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_model(tiny_checkpoint)
+
+
+def _trajectory(
+    tok: ChatTokenizer,
+    turns: list[str],
+    glue: str = "tool says hi",
+    *,
+    i: int = 0,
+    reward: float = 1.0,
+    finish: str = "answer",
+) -> Trajectory:
+    prompt = tok.prompt_ids("You are a search agent.", user_prompt("Which river flows through Vienna?"))
+    completion, mask, spans = [], [], []
+    for k, text in enumerate(turns):
+        ids = tok.encode(text) + [tok.end_id]
+        spans.append((len(completion), len(completion) + len(ids)))
+        completion += ids
+        mask += [1] * len(ids)
+        if k < len(turns) - 1:
+            g = tok.glue_ids(glue, closed=True)
+            completion += g
+            mask += [0] * len(g)
+    return Trajectory(
+        trajectory_id=f"t/{i}",
+        sample_index=i,
+        policy_version=0,
+        prompt_ids=np.array(prompt, np.int32),
+        completion_ids=np.array(completion, np.int32),
+        loss_mask=np.array(mask, np.uint8),
+        rollout_logprobs=np.zeros(len(completion), np.float32),
+        turn_spans=tuple(spans),
+        reward=reward,
+        finish_reason=finish,
+        error="boom" if finish == "error" else None,
+    )
+
+
+def _group(tok, algorithm, rewards=(1.0, 0.0, 1.0), finishes=None) -> TrajectoryGroup:
+    finishes = finishes or ["answer"] * len(rewards)
+    turns = [
+        ["Let me search for the river.", "The answer is \\boxed{Danube}."],
+        ["Searching the web.", "Still searching.", "\\boxed{Rhine}"],
+        ["\\boxed{Danube}"],
+    ]
+    trajs = tuple(
+        _trajectory(tok, turns[i % 3], i=i, reward=r, finish=f)
+        for i, (r, f) in enumerate(zip(rewards, finishes, strict=True))
+    )
+    return TrajectoryGroup(
+        run_id="r",
+        task_id="r:0",
+        question_id="q",
+        question="Which river flows through Vienna?",
+        answer="Danube",
+        policy_version=0,
+        algorithm=algorithm,
+        trajectories=trajs,
+    )
+
+
+def test_teacher_prompt_rewrites_only_the_user_message(tok):
+    prompt = tok.prompt_ids("SYSTEM TEXT", "QUESTION TEXT")
+    teacher = teacher_prompt_ids(tok, prompt, "Danube", TEMPLATE)
+    assert tok.decode(teacher) == tok.fmt.prompt(
+        "SYSTEM TEXT", "QUESTION TEXT\n\n[The verified answer is Danube.]"
+    )
+    user_start = [i for i, t in enumerate(prompt) if t == tok.encode("<|im_start|>")[0]][-2]
+    assert teacher[: user_start + 1] == prompt[: user_start + 1]  # the system message, id for id
+    tail = prompt[prompt.index(tok.end_id, user_start) :]
+    assert teacher[-len(tail) :] == tail  # and everything after the user message
+    assert teacher_prompt_ids(tok, prompt, "Danube", IDENTITY) == prompt
+
+
+def test_phi_by_hand_and_truncation(tok):
+    t = _trajectory(tok, ["a", "b c"])
+    c = build_contexts(
+        tok,
+        t.prompt_ids.tolist(),
+        t.completion_ids.tolist(),
+        t.loss_mask,
+        t.turn_spans,
+        answer="Danube",
+        template=TEMPLATE,
+        teacher_max_length=10**6,
+    )
+    shift = len(teacher_prompt_ids(tok, t.prompt_ids.tolist(), "Danube", TEMPLATE)) - len(t.prompt_ids)
+    assert shift > 0 and len(c.teacher) - len(c.student) == shift
+    np.testing.assert_array_equal(c.loss_positions, np.flatnonzero(t.loss_mask) + len(t.prompt_ids))
+    np.testing.assert_array_equal(c.phi, c.loss_positions + shift)
+    for s, p in zip(c.loss_positions, c.phi, strict=True):
+        assert c.student[s] == c.teacher[p]  # phi maps each loss token onto the same token
+    np.testing.assert_array_equal(c.token_turns, np.repeat([0, 1], [e - s for s, e in t.turn_spans]))
+    # cut x* three tokens into the second turn: those tokens and everything after lose phi
+    cut = int(c.phi[c.token_turns == 1][0]) + 3
+    c2 = build_contexts(
+        tok,
+        t.prompt_ids.tolist(),
+        t.completion_ids.tolist(),
+        t.loss_mask,
+        t.turn_spans,
+        answer="Danube",
+        template=TEMPLATE,
+        teacher_max_length=cut,
+    )
+    assert len(c2.teacher) == cut
+    assert (c2.phi >= 0).sum() == (c.phi < cut).sum() and np.all(c2.phi[c.phi >= cut] == -1)
+
+
+def _direct(model, ids: list[int], positions) -> np.ndarray:
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    return np.array([float(lp[p - 1, ids[p]]) for p in positions])
+
+
+async def test_evidence_equals_a_direct_per_sequence_computation(tok, model):
+    spec = PbsdSpec(teacher_template=TEMPLATE, delta=0.1, clip=0.1)
+    group = _group(tok, spec)
+    scored = await score_group(group, tok, LocalScorer(model))
+    adv = credit.group_advantages(group.rewards)
+    np.testing.assert_allclose(scored.advantages, adv, rtol=1e-6)
+    for i, t in enumerate(group.trajectories):
+        c = build_contexts(
+            tok,
+            t.prompt_ids.tolist(),
+            t.completion_ids.tolist(),
+            t.loss_mask,
+            t.turn_spans,
+            answer="Danube",
+            template=TEMPLATE,
+            teacher_max_length=10**6,
+        )
+        student = _direct(model, c.student, c.loss_positions)
+        teacher = _direct(model, c.teacher, c.phi)
+        expected = [
+            np.mean(teacher[c.token_turns == k] - student[c.token_turns == k]) for k in range(t.num_turns)
+        ]
+        np.testing.assert_allclose(scored.turn_evidence[i], expected, atol=2e-5)
+        np.testing.assert_allclose(scored.turn_weights[i], credit.turn_weights(expected, adv[i]), atol=1e-5)
+    d = scored.diagnostics
+    assert d.scored_turns == d.turns == 6 and d.evidence.size == 6
+    assert d.teacher_higher_frac == pytest.approx(float((d.evidence > 0).mean()))
+    assert d.mean_abs_gap == pytest.approx(float(np.abs(d.evidence).mean()), rel=1e-5)
+
+
+async def test_identity_template_gives_zero_evidence_and_unit_weights(tok, model):
+    scored = await score_group(_group(tok, PbsdSpec(teacher_template=IDENTITY)), tok, LocalScorer(model))
+    for s, w in zip(scored.turn_evidence, scored.turn_weights, strict=True):
+        assert np.all(s == 0.0) and np.all(w == 1.0)
+    assert scored.diagnostics.filtered_frac == 1.0 and scored.diagnostics.teacher_higher_frac == 0.0
+
+
+def test_packed_equals_unpacked(tok, model):
+    rng = np.random.default_rng(0)
+    requests = [(rng.integers(0, 900, n).tolist(), np.arange(1, n)) for n in (300, 37, 150, 90, 5)]
+    single = sequence_logprobs(model, requests, pack=False)
+    packed = sequence_logprobs(model, requests, pack=True, token_budget=400, chunk_size=16)
+    for a, b in zip(single, packed, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_scoring_ignores_a_routing_replay_left_on_the_model(tok, model):
+    ids = tok.encode("The Danube flows through Vienna, the capital of Austria.")
+    positions = np.arange(1, len(ids))
+    fresh = sequence_logprobs(model, [(ids, positions)])[0]
+    routers = moe_routers(model)
+    forced = torch.zeros((len(ids), len(routers), model.config.num_experts_per_tok), dtype=torch.long)
+    forced[..., 1] = 1  # everything to experts 0 and 1
+    with replay_routes(model, forced):
+        with torch.no_grad():  # the replay really changes this model's outputs ...
+            replayed = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        assert not np.allclose(
+            replayed[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy(), fresh, atol=1e-4
+        )
+        during = sequence_logprobs(model, [(ids, positions)])[0]  # ... but not the scorer's passes
+        assert all("forward" in r.__dict__ for r in routers)  # and the replay is still in place afterwards
+    np.testing.assert_array_equal(during, fresh)
+
+
+async def test_grpo_groups_pass_through(tok):
+    group = _group(tok, GrpoSpec())
+
+    async def never(requests):
+        raise AssertionError("GRPO groups are not scored")
+
+    scored = await score_group(group, tok, never)
+    assert not scored.scored
+    np.testing.assert_allclose(scored.advantages, credit.group_advantages(group.rewards), rtol=1e-6)
+    assert all(
+        np.all(w == 1.0) and np.all(np.isnan(s))
+        for s, w in zip(scored.turn_evidence, scored.turn_weights, strict=True)
+    )
+
+
+async def test_failed_trajectories_get_no_advantage(tok, model):
+    group = _group(
+        tok,
+        PbsdSpec(teacher_template=TEMPLATE),
+        rewards=(1.0, 0.0, 0.0),
+        finishes=["answer", "answer", "error"],
+    )
+    scored = await score_group(group, tok, LocalScorer(model))
+    np.testing.assert_allclose(scored.advantages[:2], credit.group_advantages([1.0, 0.0]), rtol=1e-6)
+    assert scored.advantages[2] == 0.0 and np.all(scored.turn_weights[2] == 1.0)
+
+
+async def test_sglang_scorer_reads_prompt_logprobs(tok):
+    app = make_sglang(lambda ids: [])
+    ids = tok.encode("The Danube flows through Vienna.")
+    positions = np.array([3, 4, 7])
+    with serve(app) as url:
+        scorer = SglangScorer([url])
+        (got,) = await scorer([(ids, positions)])
+        await scorer.http.aclose()
+    body = app.state.requests[0]
+    assert body["sampling_params"] == {"max_new_tokens": 0} and body["logprob_start_len"] == 2
+    np.testing.assert_allclose(got, [prompt_logprob(ids[p], p) for p in positions], rtol=1e-6)

@@ -1,0 +1,61 @@
+"""The scorer service on the bus: groups in, scored groups out, weights followed, metrics exported."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from proto.messages import WeightsPublished
+from proto.runs import GrpoSpec, PbsdSpec
+from proto.streams import SCORED, TRAJECTORIES, WEIGHTS
+from services.model.checkpoint import load_model, save_checkpoint
+from services.scorer.app import create_app
+from services.scorer.settings import ScorerSettings
+from tests.servers import serve
+from tests.test_scorer import TEMPLATE, _group
+
+
+async def _wait_for(bus, stream, n, timeout=60):
+    async with asyncio.timeout(timeout):
+        while len(got := await bus.read_all(stream)) < n:
+            await asyncio.sleep(0.05)
+    return [m for _, m in got]
+
+
+async def test_scorer_service(bus, redis_url, key_prefix, tiny_checkpoint, tmp_path, monkeypatch):
+    from agent.chat import ChatTokenizer
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("PBSD_STREAM_PREFIX", key_prefix)
+    v1 = save_checkpoint(load_model(tiny_checkpoint), tmp_path / "v1")
+    with serve(create_app(ScorerSettings(model=str(tiny_checkpoint)))) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            for _ in range(100):
+                if (await http.get("/health")).status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
+            pbsd_group, grpo_group = _group(tok, PbsdSpec(teacher_template=TEMPLATE)), _group(tok, GrpoSpec())
+            await bus.publish(TRAJECTORIES, pbsd_group)
+            await bus.publish(TRAJECTORIES, grpo_group)
+            scored = await _wait_for(bus, SCORED, 2)
+            await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=1, step=1, path=str(v1)))
+            async with asyncio.timeout(30):
+                while (await http.get("/health")).json().get("policy_version") != 1:
+                    await asyncio.sleep(0.1)
+            metrics = (await http.get("/metrics")).text
+    by_task = {s.group.message_id: s for s in scored}
+    p, g = by_task[pbsd_group.message_id], by_task[grpo_group.message_id]
+    assert p.scored and p.scorer_policy_version == 0 and p.diagnostics.scored_turns == 6
+    assert not g.scored
+    for name in (
+        "pbsd_scorer_groups_total",
+        "pbsd_scorer_evidence_bucket",
+        "pbsd_scorer_teacher_higher_fraction",
+        "pbsd_scorer_mean_abs_gap",
+        "pbsd_scorer_filtered_fraction",
+        "pbsd_scorer_turn_weight_bucket",
+    ):
+        assert name in metrics
+    assert 'pbsd_scorer_groups_total{kind="passthrough"} 1.0' in metrics
