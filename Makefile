@@ -12,6 +12,7 @@ test: bootstrap
 	$(PY) -m pytest
 
 test-slow: bootstrap
+	PBSD_EXTRAS=dev,gpu ./scripts/bootstrap.sh
 	$(PY) -m pytest -m slow
 
 lint: bootstrap

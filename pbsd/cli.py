@@ -110,6 +110,196 @@ def serve_scorer(
     )
 
 
+@serve_app.command("trainer")
+def serve_trainer(
+    host: str | None = typer.Option(None, help="bind address (default: PBSD_TRAINER_HOST or 127.0.0.1)"),
+    port: int | None = typer.Option(None, help="port of the REST API (default: PBSD_TRAINER_PORT or 8000)"),
+    save_groups: bool = typer.Option(
+        False, help="keep every step's scored groups (for reports and the credit viewer)"
+    ),
+    local_rank: int | None = typer.Option(
+        None, "--local_rank", hidden=True, help="set by the DeepSpeed launcher"
+    ),
+) -> None:
+    """The trainer: REST API for runs and the run executor (settings from PBSD_TRAINER_* and REDIS_URL)."""
+    import os
+
+    import uvicorn
+
+    from services.trainer.app import create_app
+    from services.trainer.settings import TrainerSettings
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by the DeepSpeed launcher
+        import deepspeed
+
+        deepspeed.init_distributed()
+        if int(os.environ.get("RANK", "0")) != 0:
+            from services.trainer.distributed import follow_rank0
+
+            follow_rank0(device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if _cuda() else "cpu")
+            return
+    settings = TrainerSettings()
+    uvicorn.run(
+        create_app(settings, save_groups=save_groups),
+        host=host or settings.host,
+        port=port or settings.port,
+        log_level="warning",
+    )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+model_app = typer.Typer(help="Policy checkpoints.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("tiny")
+def model_tiny(
+    world: Path = typer.Option(..., help="a directory written by `pbsd world build`"),
+    out: Path = typer.Option(..., help="checkpoint directory to write"),
+    sft_data: Path | None = typer.Option(
+        None, help="SFT conversations whose text the tokenizer also learns from"
+    ),
+    vocab_size: int = typer.Option(4096),
+    hidden_size: int = typer.Option(128),
+    layers: int = typer.Option(2),
+    experts: int = typer.Option(8),
+    top_k: int = typer.Option(2),
+    seed: int = typer.Option(0),
+) -> None:
+    """Build the tiny Qwen3-MoE policy and its BPE tokenizer from a world (nothing is downloaded)."""
+    from services.model.tiny import TinySpec, init_tiny
+
+    spec = TinySpec(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        seed=seed,
+    )
+    path = init_tiny(world, out, sft_data=sft_data, spec=spec)
+    typer.echo(f"wrote {path}")
+
+
+@app.command("sft")
+def sft_cmd(
+    data: Path = typer.Option(..., help="JSONL of chat conversations (e.g. from `pbsd world sft-data`)"),
+    model: Path = typer.Option(..., help="the checkpoint to start from"),
+    out: Path = typer.Option(..., help="checkpoint directory to write"),
+    epochs: int = typer.Option(2),
+    lr: float = typer.Option(1e-5, help="the paper's SFT learning rate (a tiny model wants ~1e-3)"),
+    batch_size: int = typer.Option(32, help="conversations per optimiser step"),
+    warmup_steps: int = typer.Option(10),
+    micro_batch_tokens: int = typer.Option(16_384),
+    max_tokens: int = typer.Option(65_536, help="longer conversations are skipped"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Supervised fine-tuning on assistant tokens only: the warm start before RL."""
+    from tqdm import tqdm
+
+    from services.trainer.sft import SftConfig, run_sft
+
+    config = SftConfig(
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        warmup_steps=warmup_steps,
+        micro_batch_tokens=micro_batch_tokens,
+        max_tokens=max_tokens,
+        seed=seed,
+    )
+    bar = tqdm(desc="sft", unit="step")
+
+    def progress(step, total, record):
+        bar.total = total
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+
+    stats = run_sft(data, model, out, config, progress)
+    bar.close()
+    typer.echo(
+        f"wrote {out}: {stats['steps']} steps, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
+        f"in {stats['seconds']:.0f}s"
+    )
+
+
+runs_app = typer.Typer(help="Submit and watch runs on a trainer's REST API.", no_args_is_help=True)
+app.add_typer(runs_app, name="runs")
+_URL = typer.Option(
+    "http://127.0.0.1:8000", "--url", envvar="PBSD_TRAINER_URL", help="the trainer's base URL"
+)
+_TOKEN = typer.Option(None, "--token", envvar="PBSD_TRAINER_API_TOKEN", help="bearer token")
+
+
+def _api(url: str, token: str | None):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=30)
+
+
+def _check(response) -> dict | list:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail")
+        except ValueError:
+            detail = response.text
+        if isinstance(detail, list):
+            detail = "; ".join(
+                f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail
+            )
+        typer.echo(f"error {response.status_code}: {detail}", err=True)
+        raise typer.Exit(1)
+    return response.json()
+
+
+@runs_app.command("submit")
+def runs_submit(
+    spec_file: Path = typer.Argument(..., help="run specification, YAML or JSON"),
+    url: str = _URL,
+    token: str | None = _TOKEN,
+) -> None:
+    """Submit a run; prints its id."""
+    import yaml
+
+    body = yaml.safe_load(spec_file.read_text())
+    with _api(url, token) as api:
+        result = _check(api.post("/runs", json=body))
+    typer.echo(result["id"])
+
+
+@runs_app.command("list")
+def runs_list(url: str = _URL, token: str | None = _TOKEN) -> None:
+    """Every run, newest first."""
+    with _api(url, token) as api:
+        for r in _check(api.get("/runs")):
+            typer.echo(
+                f"{r['id']}  {r['state']:10} step {r['step']:>5}  v{r['policy_version']:<5} {r['name']}"
+            )
+
+
+@runs_app.command("show")
+def runs_show(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
+    """A run's state and latest metrics, as JSON."""
+    import json
+
+    with _api(url, token) as api:
+        typer.echo(json.dumps(_check(api.get(f"/runs/{run_id}")), indent=2))
+
+
+@runs_app.command("cancel")
+def runs_cancel(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
+    """Stop a run after its current step."""
+    with _api(url, token) as api:
+        r = _check(api.post(f"/runs/{run_id}/cancel"))
+    typer.echo(f"{r['id']} {r['state']}")
+
+
 @app.command("eval")
 def eval_cmd(
     model: Path = typer.Option(..., help="policy checkpoint (HF directory with its tokenizer)"),

@@ -22,11 +22,12 @@ fi
 
 # Reinstall only when the project's requirements changed since the last install.
 stamp="$VENV/.pbsd-install-stamp"
-want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $TORCH_PIN"
+EXTRAS=${PBSD_EXTRAS:-dev}   # the slow tests add "gpu" (DeepSpeed, which also runs on the CPU accelerator)
+want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $TORCH_PIN $EXTRAS"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "bootstrap: installing $TORCH_PIN and the project into $VENV"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_PIN"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev]"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
     echo "$want" > "$stamp"
 fi
 

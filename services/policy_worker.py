@@ -49,7 +49,7 @@ class PolicyWorker(abc.ABC):
     async def handle(self, message, delivery: Delivery) -> None:
         """Process one message of ``stream``."""
 
-    async def prepare(self) -> None:
+    async def prepare(self) -> None:  # noqa: B027 - an optional hook, not an abstract step
         """Work to do once before consuming (a subclass hook)."""
 
     async def apply_weights(self, event: WeightsPublished) -> None:

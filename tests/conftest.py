@@ -65,3 +65,20 @@ def tiny_checkpoint(tiny_world, tmp_path_factory):
     tokenizer = train_tokenizer(texts, vocab_size=1024)
     model = build_tiny_model(tokenizer, TinySpec(hidden_size=64, head_dim=16, moe_intermediate_size=64))
     return save_checkpoint(model, tmp_path_factory.mktemp("tiny-ckpt") / "v0", tokenizer=tokenizer)
+
+
+TOKEN = "test-token-5b1d"
+
+
+@pytest.fixture
+def api(redis_url, key_prefix, tmp_path):
+    """A trainer service (REST API and executor) on a free port, bearer token ``TOKEN``."""
+    from services.trainer.app import create_app
+    from services.trainer.settings import TrainerSettings
+    from tests.servers import serve
+
+    settings = TrainerSettings(
+        api_token=TOKEN, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
+    )
+    with serve(create_app(settings)) as url:
+        yield url

@@ -267,3 +267,39 @@ async def test_follow_sees_every_broadcast(bus: Bus):
 async def test_dead_letter_stream_is_readable(bus: Bus):
     assert await bus.dead_letters() == []
     assert DEAD_LETTERS.group is None
+
+
+async def test_collect_holds_messages_until_commit_and_acks_rejects(bus: Bus):
+    for i in range(6):
+        await bus.publish(PROMPTS, ex.example_task(i))
+
+    async def accept(task):
+        return task.index % 2 == 0  # odd ones are rejected (acknowledged at once)
+
+    held = await bus.collect(PROMPTS, "trainer", 3, accept, options=FAST)
+    assert sorted(m.index for m in held.messages) == [0, 2, 4]
+    summary = await bus.redis.xpending(bus.key(PROMPTS), "rollout")
+    assert summary["pending"] == 3  # held, not acknowledged
+    await asyncio.sleep(0.5)  # longer than claim_idle_ms: the heartbeat keeps them ours
+    rows = await bus.redis.xpending_range(bus.key(PROMPTS), "rollout", min="-", max="+", count=10, idle=300)
+    assert rows == []
+    await bus.commit(held)
+    assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+
+
+async def test_collected_messages_of_a_dead_collector_are_reclaimed(bus: Bus):
+    for i in range(2):
+        await bus.publish(PROMPTS, ex.example_task(i))
+
+    async def accept(task):
+        return True
+
+    held = await bus.collect(PROMPTS, "crashed", 2, accept, options=FAST)
+    held.stop_heartbeat()  # the collector dies without committing
+    await asyncio.sleep(0.4)
+    again = await bus.collect(PROMPTS, "restarted", 2, accept, options=FAST)
+    assert sorted(m.index for m in again.messages) == [0, 1]
+    await bus.commit(again)
+    stop = asyncio.Event()
+    stop.set()
+    assert (await bus.collect(PROMPTS, "x", 1, accept, options=FAST, stop=stop)).messages == []

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -46,6 +46,35 @@ class Delivery:
 
 
 Handler = Callable[[M, Delivery], Awaitable[None]]
+
+
+@dataclass
+class _Cursor:
+    position: str = "0-0"  # XAUTOCLAIM scan position over the pending entries
+    next_claim: float = 0.0  # when to scan for abandoned entries again
+
+
+class Held(Generic[M]):
+    """Messages collected and kept pending (heartbeat running) until the bus commits them."""
+
+    def __init__(
+        self, bus: Bus, stream: StreamDef[M], group: str, consumer: str, options: ConsumerOptions
+    ) -> None:
+        self.stream, self.group, self.options = stream, group, options
+        self.items: list[tuple[str, M]] = []
+        self._ids: list[str] = []
+        self._beat = asyncio.create_task(bus._heartbeat(bus.key(stream), group, consumer, self._ids, options))
+
+    def add(self, entry_id: str, message: M) -> None:
+        self.items.append((entry_id, message))
+        self._ids.append(entry_id)
+
+    @property
+    def messages(self) -> list[M]:
+        return [m for _, m in self.items]
+
+    def stop_heartbeat(self) -> None:
+        self._beat.cancel()
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:
@@ -158,37 +187,94 @@ class Bus:
         options: ConsumerOptions = ConsumerOptions(),
         stop: asyncio.Event | None = None,
     ) -> None:
-        """Process entries of ``stream`` for ``group`` until ``stop`` is set."""
+        """Process entries of ``stream`` for ``group`` one at a time until ``stop`` is set."""
         group = group or stream.group
         await self.ensure_group(stream, group)
-        key = self.key(stream)
-        claim_cursor = "0-0"
-        next_claim = 0.0
+        cursor = _Cursor()
         while stop is None or not stop.is_set():
-            batch: list[tuple[str, dict, bool]] = []
-            now = time.monotonic()
-            if now >= next_claim:  # take over what dead consumers left behind
-                claim_cursor, claimed = await self._autoclaim(key, group, consumer, options, claim_cursor)
-                batch = [(i, f, True) for i, f in claimed]
-                if claim_cursor == "0-0":
-                    next_claim = now + options.claim_idle_ms / 2000
-            if not batch:
-                reply = await self.redis.xreadgroup(
-                    group, consumer, {key: ">"}, count=options.count, block=options.block_ms
-                )
-                batch = [(_s(i), f, False) for _k, entries in reply or [] for i, f in entries]
+            batch = await self._fetch(stream, group, consumer, options, cursor, options.count)
             for entry_id, fields, reclaimed in batch:
-                if reclaimed:
-                    metrics.RECLAIMED.labels(stream.name, group).inc()
-                await self._deliver(stream, group, consumer, entry_id, fields, reclaimed, handler, options)
+                admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
+                if admitted is not None:
+                    await self._handle(stream, group, consumer, entry_id, admitted, handler, options)
             if batch:
                 await self._maybe_trim(stream, options)
 
+    async def collect(
+        self,
+        stream: StreamDef[M],
+        consumer: str,
+        want: int,
+        accept: Callable[[M], Awaitable[bool]],
+        *,
+        group: str | None = None,
+        options: ConsumerOptions = ConsumerOptions(),
+        stop: asyncio.Event | None = None,
+    ) -> Held[M]:
+        """Gather ``want`` messages that ``accept`` keeps, holding them pending (with a heartbeat) until
+        :meth:`commit`: a consumer that dies before committing leaves them to be reclaimed. Messages
+        ``accept`` rejects are acknowledged at once. Returns early, with fewer, when ``stop`` is set."""
+        group = group or stream.group
+        await self.ensure_group(stream, group)
+        held = Held(self, stream, group, consumer, options)
+        cursor = _Cursor()
+        try:
+            while len(held.items) < want and (stop is None or not stop.is_set()):
+                for entry_id, fields, reclaimed in await self._fetch(
+                    stream, group, consumer, options, cursor, want - len(held.items)
+                ):
+                    admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
+                    if admitted is None:
+                        continue
+                    message = admitted[0]
+                    if await accept(message):
+                        held.add(entry_id, message)
+                    else:
+                        await self._commit(stream, group, [(entry_id, message)], options)
+        except BaseException:
+            held.stop_heartbeat()
+            raise
+        return held
+
+    async def commit(self, held: Held) -> None:
+        """Mark the held messages processed and acknowledge them, atomically."""
+        held.stop_heartbeat()
+        if held.items:
+            await self._commit(held.stream, held.group, held.items, held.options)
+            metrics.CONSUMED.labels(held.stream.name, held.group).inc(len(held.items))
+            await self._maybe_trim(held.stream, held.options)
+        held.items = []
+
+    # -- the steps every consumer shares ------------------------------------------------
+    async def _fetch(
+        self,
+        stream: StreamDef,
+        group: str,
+        consumer: str,
+        options: ConsumerOptions,
+        cursor: _Cursor,
+        count: int,
+    ) -> list[tuple[str, dict, bool]]:
+        """Entries a dead consumer left behind (now and then), else new ones (blocking read)."""
+        key = self.key(stream)
+        now = time.monotonic()
+        if now >= cursor.next_claim:
+            cursor.position, claimed = await self._autoclaim(
+                key, group, consumer, options, cursor.position, count
+            )
+            if cursor.position == "0-0":
+                cursor.next_claim = now + options.claim_idle_ms / 2000
+            if claimed:
+                metrics.RECLAIMED.labels(stream.name, group).inc(len(claimed))
+                return [(i, f, True) for i, f in claimed]
+        reply = await self.redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=options.block_ms)
+        return [(_s(i), f, False) for _k, entries in reply or [] for i, f in entries]
+
     async def _autoclaim(
-        self, key: str, group: str, consumer: str, options: ConsumerOptions, cursor: str
+        self, key: str, group: str, consumer: str, options: ConsumerOptions, cursor: str, count: int
     ) -> tuple[str, list[tuple[str, dict]]]:
         reply = await self.redis.xautoclaim(
-            key, group, consumer, options.claim_idle_ms, start_id=cursor, count=options.count
+            key, group, consumer, options.claim_idle_ms, start_id=cursor, count=count
         )
         next_cursor, entries = _s(reply[0]), reply[1]
         # Entries trimmed while pending come back without fields: nothing left to process.
@@ -204,17 +290,17 @@ class Bus:
     def _done_key(self, stream: StreamDef, group: str, message_id: str) -> str:
         return f"{self.prefix}:done:{stream.name}:{group}:{message_id}"
 
-    async def _deliver(
+    async def _admit(
         self,
         stream: StreamDef[M],
         group: str,
-        consumer: str,
         entry_id: str,
         fields: dict,
         reclaimed: bool,
-        handler: Handler,
         options: ConsumerOptions,
-    ) -> None:
+    ) -> tuple[M, int] | None:
+        """The decoded message and its delivery count, or None when the entry was dealt with here:
+        dead-lettered (undecodable, or delivered too often) or acknowledged as already processed."""
         key = self.key(stream)
         payload = fields.get(b"data", b"")
         deliveries = await self._deliveries(key, group, entry_id) if reclaimed else 1
@@ -222,7 +308,7 @@ class Bus:
             last_error = await self.redis.hget(self._errors_key(stream, group), entry_id)
             cause = f"gave up after {deliveries - 1} deliveries; last error: {_s(last_error) if last_error else 'consumer died'}"
             await self._dead_letter(stream, group, entry_id, payload, cause, deliveries, "max_deliveries")
-            return
+            return None
         try:
             message = decode(stream.model, payload)
         except (ValidationError, ValueError) as exc:
@@ -235,15 +321,28 @@ class Bus:
                 deliveries,
                 "invalid",
             )
-            return
-        done_key = self._done_key(stream, group, message.message_id)
-        if await self.redis.exists(done_key):
+            return None
+        if await self.redis.exists(self._done_key(stream, group, message.message_id)):
             metrics.DUPLICATES.labels(stream.name, group).inc()
             await self.redis.xack(key, group, entry_id)
-            return
+            return None
+        return message, deliveries
 
+    async def _handle(
+        self,
+        stream: StreamDef[M],
+        group: str,
+        consumer: str,
+        entry_id: str,
+        admitted: tuple[M, int],
+        handler: Handler,
+        options: ConsumerOptions,
+    ) -> None:
+        message, deliveries = admitted
         delivery = Delivery(stream.name, group, consumer, entry_id, deliveries)
-        heartbeat = asyncio.create_task(self._heartbeat(key, group, consumer, entry_id, options))
+        heartbeat = asyncio.create_task(
+            self._heartbeat(self.key(stream), group, consumer, [entry_id], options)
+        )
         started = time.perf_counter()
         try:
             await handler(message, delivery)
@@ -261,24 +360,32 @@ class Bus:
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
             metrics.HANDLER_SECONDS.labels(stream.name, group).observe(time.perf_counter() - started)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(done_key, b"1", ex=options.done_ttl_s)
-            pipe.xack(key, group, entry_id)
-            pipe.hdel(self._errors_key(stream, group), entry_id)
-            await pipe.execute()
+        await self._commit(stream, group, [(entry_id, message)], options)
         metrics.CONSUMED.labels(stream.name, group).inc()
 
-    async def _heartbeat(
-        self, key: str, group: str, consumer: str, entry_id: str, options: ConsumerOptions
+    async def _commit(
+        self, stream: StreamDef, group: str, items: list[tuple[str, Message]], options: ConsumerOptions
     ) -> None:
-        """Reset the entry's idle time while the handler runs, so no one reclaims it."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for entry_id, message in items:
+                pipe.set(self._done_key(stream, group, message.message_id), b"1", ex=options.done_ttl_s)
+                pipe.xack(self.key(stream), group, entry_id)
+                pipe.hdel(self._errors_key(stream, group), entry_id)
+            await pipe.execute()
+
+    async def _heartbeat(
+        self, key: str, group: str, consumer: str, entry_ids: list[str], options: ConsumerOptions
+    ) -> None:
+        """Reset the entries' idle time while they are being worked on, so no one reclaims them."""
         interval = max(options.claim_idle_ms / 3000, 0.05)
         while True:
             await asyncio.sleep(interval)
+            if not entry_ids:
+                continue
             try:
-                await self.redis.xclaim(key, group, consumer, 0, [entry_id], justid=True)
+                await self.redis.xclaim(key, group, consumer, 0, list(entry_ids), justid=True)
             except Exception:  # a missed beat only risks a duplicate, which idempotency absorbs
-                log.warning("heartbeat for %s %s failed", key, entry_id, exc_info=True)
+                log.warning("heartbeat for %s failed", key, exc_info=True)
 
     async def _dead_letter(
         self,

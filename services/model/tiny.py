@@ -91,3 +91,31 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, spec: TinySpec = TinySp
     model = Qwen3MoeForCausalLM(config)
     model.config.pbsd_tiny_spec = asdict(spec)
     return model.eval()
+
+
+def init_tiny(world_dir, out, *, sft_data=None, spec: TinySpec = TinySpec(), date: str | None = None):
+    """Train the tokenizer on a world (its corpus, questions, the system prompt, and SFT conversations
+    when given), build the tiny model, and save both as a checkpoint at ``out``."""
+    import json
+    from pathlib import Path
+
+    from agent.prompt import system_prompt
+    from services.model.checkpoint import save_checkpoint
+    from services.tools.catalogue import catalogue
+
+    root = Path(world_dir)
+    date = date or json.loads((root / "manifest.json").read_text()).get("date")
+    texts = [json.loads(line)["text"] for line in (root / "corpus.jsonl").read_text().splitlines()]
+    for split in ("rl", "validation", "sft"):
+        path = root / "questions" / f"{split}.jsonl"
+        if path.exists():
+            texts += [json.loads(line)["question"] for line in path.read_text().splitlines()]
+    texts.append(system_prompt(catalogue(), date))
+    if sft_data is not None:
+        for line in Path(sft_data).read_text().splitlines():
+            texts += [m["content"] for m in json.loads(line)["messages"][1:]]
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    model = build_tiny_model(tokenizer, spec)
+    return save_checkpoint(
+        model, out, tokenizer=tokenizer, meta={"tiny_spec": asdict(spec), "world": str(root)}
+    )

@@ -1,0 +1,101 @@
+"""The REST API for runs.
+
+    POST /runs                   a run specification -> {"id", "state"}      (201)
+    GET  /runs                   every run, newest first
+    GET  /runs/{id}              state, step, policy version, latest metrics, spec
+    POST /runs/{id}/cancel       stop after the current step (a queued run never starts)
+    GET  /runs/{id}/metrics      the per-step metric history (``?since=N`` skips the first N)
+
+Every route needs ``Authorization: Bearer <PBSD_TRAINER_API_TOKEN>`` unless the trainer
+runs in local mode. Validation errors are 422s whose ``loc`` names the field.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from proto.runs import RunSpec
+from services.trainer.runs import RunRecord, RunStore
+from services.trainer.settings import TrainerSettings
+
+__all__ = ["router"]
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def _settings(request: Request) -> TrainerSettings:
+    return request.app.state.settings
+
+
+def _store(request: Request) -> RunStore:
+    return request.app.state.store
+
+
+async def require_token(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    token = _settings(request).api_token
+    if token is None:
+        return  # local mode
+    given = credentials.credentials if credentials is not None else ""
+    if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "missing or wrong bearer token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+router = APIRouter(dependencies=[Depends(require_token)])
+
+
+def _field_error(loc: list[str], msg: str) -> HTTPException:
+    return HTTPException(
+        status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": ["body", *loc], "msg": msg, "type": "value_error"}]
+    )
+
+
+@router.post("/runs", status_code=status.HTTP_201_CREATED)
+async def submit(spec: RunSpec, request: Request) -> dict[str, str]:
+    settings = _settings(request)
+    if not Path(spec.data.train).is_file():
+        raise _field_error(["data", "train"], f"no file at {spec.data.train} on the trainer")
+    if spec.data.validation and not Path(spec.data.validation).is_file():
+        raise _field_error(["data", "validation"], f"no file at {spec.data.validation} on the trainer")
+    if not Path(spec.model.path).is_dir() and not settings.hub_models:
+        raise _field_error(["model", "path"], f"no checkpoint directory at {spec.model.path} on the trainer")
+    record = await _store(request).create(spec)
+    return {"id": record.id, "state": record.state}
+
+
+@router.get("/runs")
+async def list_runs(request: Request, limit: int = 100) -> list[RunRecord]:
+    return await _store(request).list(limit)
+
+
+@router.get("/runs/{run_id}")
+async def show(run_id: str, request: Request) -> RunRecord:
+    record = await _store(request).get(run_id)
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return record
+
+
+@router.post("/runs/{run_id}/cancel", status_code=status.HTTP_202_ACCEPTED)
+async def cancel(run_id: str, request: Request) -> RunRecord:
+    record = await _store(request).request_cancel(run_id)
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return record
+
+
+@router.get("/runs/{run_id}/metrics")
+async def run_metrics(run_id: str, request: Request, since: int = 0) -> list[dict[str, float]]:
+    if await _store(request).get(run_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return await _store(request).metrics(run_id, since)

@@ -1,0 +1,94 @@
+"""From scored groups to training samples and token-budget micro-batches.
+
+A sample is one trajectory: its tokens but the last (the last token's hidden state
+predicts nothing), the positions of its loss tokens, and per loss token the rollout
+log-prob (pi_old, on-policy) and the advantage (GRPO: A_i; PBSD: w_{i,t} A_i, from the
+scored group). Trajectories whose every advantage is exactly zero contribute exactly
+zero loss and gradient; they are counted in the loss's normaliser (the paper averages
+over all G trajectories of a group) but not computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from proto.messages import ScoredGroup
+
+__all__ = ["BatchCounts", "TrainSample", "micro_batches", "samples_from_groups"]
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    trajectory_id: str
+    input_ids: np.ndarray  # prompt + completion, without the last token
+    positions: np.ndarray  # index in ``input_ids`` of the hidden state that predicts each loss token
+    targets: np.ndarray  # the loss tokens
+    old_logprobs: np.ndarray  # rollout log-probs of the loss tokens
+    advantages: np.ndarray  # per loss token
+    routes: np.ndarray | None  # [len(input_ids), layers, top_k] recorded experts, for routing replay
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.size)
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """Normalisers of the whole optimiser batch (so micro-batch losses add up to the batch loss)."""
+
+    sequences: int  # trajectories that count (every non-failed trajectory with loss tokens)
+    tokens: int  # their loss tokens
+
+
+def samples_from_groups(
+    groups: list[ScoredGroup], *, with_routes: bool = False
+) -> tuple[list[TrainSample], BatchCounts]:
+    samples: list[TrainSample] = []
+    sequences = tokens = 0
+    for scored in groups:
+        for i, t in enumerate(scored.group.trajectories):
+            if t.finish_reason == "error" or not t.turn_spans:
+                continue
+            completion_loss = np.flatnonzero(t.loss_mask == 1)
+            sequences += 1
+            tokens += completion_loss.size
+            advantages = scored.token_advantages(i)[completion_loss]
+            if not np.any(advantages):
+                continue  # exactly zero loss and gradient: counted above, not computed
+            full = np.concatenate([t.prompt_ids, t.completion_ids]).astype(np.int64)
+            target_pos = completion_loss + t.prompt_ids.size
+            routes = None
+            if with_routes:
+                if t.routed_experts is None:
+                    raise ValueError(f"routing replay needs routed experts on trajectory {t.trajectory_id}")
+                routes = t.routed_experts
+            samples.append(
+                TrainSample(
+                    trajectory_id=t.trajectory_id,
+                    input_ids=full[:-1],
+                    positions=target_pos - 1,
+                    targets=full[target_pos],
+                    old_logprobs=t.rollout_logprobs[completion_loss].astype(np.float32),
+                    advantages=advantages.astype(np.float32),
+                    routes=routes,
+                )
+            )
+    return samples, BatchCounts(sequences=sequences, tokens=tokens)
+
+
+def micro_batches(samples: list[TrainSample], token_budget: int) -> list[list[TrainSample]]:
+    """Consecutive samples grouped up to ``token_budget`` tokens; a longer sample is alone."""
+    batches: list[list[TrainSample]] = []
+    current: list[TrainSample] = []
+    used = 0
+    for s in samples:
+        if current and used + s.tokens > token_budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(s)
+        used += s.tokens
+    if current:
+        batches.append(current)
+    return batches

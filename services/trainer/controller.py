@@ -1,0 +1,87 @@
+"""The run controller: turns the run's question set into prompt tasks on the bus.
+
+The data order is fixed by the run: epoch e visits the questions in a permutation
+seeded by ``shuffle_seed + e``; prompt ``index`` is position ``index mod D`` of epoch
+``index div D``. A prompt is meant for training step ``index div prompts_per_step``
+(what the rollout's staleness check reads), and the controller keeps the stream
+bounded: it only publishes up to the prompts the next ``max_staleness + 1`` steps
+need, plus one for every group the trainer had to drop.
+
+Task and message ids depend only on the run and the index, so publishing a prompt
+twice (after a restart) is harmless: consumers process each id once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from proto.base import derived_id
+from proto.data import QuestionRecord
+from proto.messages import PromptTask
+from proto.runs import RunSpec
+from proto.streams import PROMPTS
+from services.bus import Bus
+
+__all__ = ["PromptController"]
+
+
+class PromptController:
+    def __init__(
+        self, bus: Bus, run_id: str, spec: RunSpec, questions: list[QuestionRecord], *, next_index: int = 0
+    ) -> None:
+        if not questions:
+            raise ValueError("the run has no questions")
+        self.bus = bus
+        self.run_id = run_id
+        self.spec = spec
+        self.questions = questions[: spec.data.max_questions] if spec.data.max_questions else questions
+        self.next_index = next_index
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def total(self) -> int:
+        return len(self.questions) * self.spec.data.epochs
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            rng = np.random.default_rng(self.spec.data.shuffle_seed + epoch)
+            self._orders[epoch] = rng.permutation(len(self.questions))
+        return self._orders[epoch]
+
+    def task(self, index: int, current_step: int = 0) -> PromptTask:
+        """Prompt ``index``, labelled with the step meant to train on it: its place in the data order,
+        but never beyond what the rollout may sample now (replacements for dropped groups would
+        otherwise wait for a policy version that only they could bring)."""
+        d = len(self.questions)
+        epoch, position = divmod(index, d)
+        q = self.questions[int(self.order(epoch)[position])]
+        return PromptTask(
+            message_id=derived_id(self.run_id, "prompt", str(index)),
+            run_id=self.run_id,
+            task_id=f"{self.run_id}:{index}",
+            question_id=q.id,
+            question=q.question,
+            answer=q.answer,
+            aliases=q.aliases,
+            epoch=epoch,
+            index=index,
+            step=min(
+                index // self.spec.trainer.prompts_per_step, current_step + self.spec.rollout.max_staleness
+            ),
+            rollout=self.spec.rollout,
+            algorithm=self.spec.algorithm,
+        )
+
+    def allowed(self, step: int, dropped: int) -> int:
+        """How many prompts may be out by the time ``step`` trains."""
+        per_step = self.spec.trainer.prompts_per_step
+        return min(self.total, (step + 1 + self.spec.rollout.max_staleness) * per_step + dropped)
+
+    async def top_up(self, step: int, dropped: int) -> int:
+        """Publish prompts up to the allowance; returns how many were published."""
+        published = 0
+        while self.next_index < self.allowed(step, dropped):
+            await self.bus.publish(PROMPTS, self.task(self.next_index, step))
+            self.next_index += 1
+            published += 1
+        return published

@@ -1,0 +1,352 @@
+"""The run executor: one run from its first prompt to its last checkpoint.
+
+    publish policy version 0 (the run's model); publish the first prompts
+    repeat until max_steps, the end of the data, or a cancel:
+        collect prompts_per_step scored groups (held, not yet acknowledged), dropping
+            groups of another run, groups older than max_staleness versions (or from a
+            future the trainer never reached, after a resume), and trajectories already trained
+        one optimiser step; version += 1; publish the new weights
+        remember the trained trajectory ids, then acknowledge the groups
+        every checkpoint_every steps a full checkpoint; metrics for the step
+        publish more prompts (one replacement for every dropped group)
+
+A trainer killed mid-run resumes from its last full checkpoint when it starts again:
+model, optimiser, schedule, RNG, data position and the trained-id set are restored,
+held groups are reclaimed from the bus, and prompts are republished from the saved
+position in the same order (their ids are unchanged, so nothing is sampled twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from proto.base import encode
+from proto.messages import ScoredGroup, WeightsPublished
+from proto.runs import RunSpec
+from proto.streams import SCORED, WEIGHTS
+from services.bus import Bus, ConsumerOptions
+from services.model.checkpoint import load_model
+from services.trainer import metrics as m
+from services.trainer.batch import samples_from_groups
+from services.trainer.controller import PromptController
+from services.trainer.distributed import make_trainer
+from services.trainer.runs import RunStore
+from services.trainer.settings import TrainerSettings
+from worldgen.formats import load_questions
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RunExecutor", "TrainState", "batch_metrics"]
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    version: int = 0
+    next_index: int = 0
+    dropped: int = 0
+    drops: dict[str, int] = field(default_factory=dict)
+
+
+def batch_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
+    """The paper's training dynamics for one batch: reward, accuracy, turns and tokens, the credit signal."""
+    trajs = [t for g in groups for t in g.group.trajectories]
+    valid = [t for t in trajs if t.finish_reason != "error"]
+    out: dict[str, float] = {
+        "groups": float(len(groups)),
+        "trajectories": float(len(trajs)),
+        "failed": float(len(trajs) - len(valid)),
+        "reward_mean": statistics.fmean(t.reward for t in valid) if valid else 0.0,
+        "accuracy": statistics.fmean(float(t.reward > 0) for t in valid) if valid else 0.0,
+        "turns_mean": statistics.fmean(t.num_turns for t in valid) if valid else 0.0,
+        "tokens_mean": statistics.fmean(t.num_tokens for t in valid) if valid else 0.0,
+        "generated_tokens_mean": statistics.fmean(int(t.loss_mask.sum()) for t in valid) if valid else 0.0,
+        "staleness_mean": statistics.fmean(version - g.group.policy_version for g in groups)
+        if groups
+        else 0.0,
+        "scoring_s_mean": statistics.fmean(g.scoring_s for g in groups) if groups else 0.0,
+    }
+    scored = [g.diagnostics for g in groups if g.scored]
+    turns = sum(d.scored_turns for d in scored)
+    if turns:
+        out["teacher_higher_frac"] = sum(d.teacher_higher_frac * d.scored_turns for d in scored) / turns
+        out["mean_abs_gap"] = sum(d.mean_abs_gap * d.scored_turns for d in scored) / turns
+        out["filtered_frac"] = sum(d.filtered_frac * d.scored_turns for d in scored) / turns
+        out["scored_turns"] = float(turns)
+    return out
+
+
+class RunExecutor:
+    def __init__(
+        self, bus: Bus, store: RunStore, settings: TrainerSettings, *, save_groups: bool = False
+    ) -> None:
+        self.bus = bus
+        self.store = store
+        self.settings = settings
+        self.save_groups = save_groups
+        self.current: str | None = None
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Resume interrupted runs, then run queued ones, one at a time, until ``stop``."""
+        for record in await self.store.in_state("running", "cancelling"):
+            await self.execute(record.id, resume=True, stop=stop)
+        while not stop.is_set():
+            run_id = await self.store.next_queued()
+            if run_id is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+                continue
+            await self.execute(run_id, stop=stop)
+
+    async def execute(self, run_id: str, *, resume: bool = False, stop: asyncio.Event | None = None) -> None:
+        self.current = run_id
+        try:
+            await self._execute(run_id, resume=resume, stop=stop or asyncio.Event())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("run %s failed", run_id)
+            await self.store.update(run_id, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        finally:
+            self.current = None
+
+    # -- the run ---------------------------------------------------------------------------
+    async def _execute(self, run_id: str, *, resume: bool, stop: asyncio.Event) -> None:
+        record = await self.store.get(run_id)
+        if record is None:
+            return
+        spec = record.spec
+        out = self.settings.runs_dir / run_id
+        (out / "weights").mkdir(parents=True, exist_ok=True)
+        report = load_questions(spec.data.train)
+        report.raise_if_empty(Path(spec.data.train))
+        tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
+
+        latest = _latest_checkpoint(out) if resume else None
+        dtype = "float32" if self.settings.device == "cpu" else spec.model.dtype
+        model = load_model(
+            latest / "model" if latest else spec.model.path, dtype=dtype, device=self.settings.device
+        )
+        trainer = make_trainer(
+            model,
+            spec.trainer,
+            model_path=str(latest / "model" if latest else spec.model.path),
+            chunk_size=self.settings.chunk_size,
+            gradient_checkpointing=self.settings.gradient_checkpointing,
+        )
+        state = TrainState()
+        initial_weights = spec.model.path
+        if latest:
+            trainer.load_state_file(latest / "state.pt")
+            saved = json.loads((latest / "trainer.json").read_text())
+            state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
+            await self.store.reset_trained(run_id, saved.get("trained_ids", []))
+            initial_weights = str(latest / "model")
+            log.info("run %s resumes from %s at step %d", run_id, latest.name, state.step)
+        await self.store.update(
+            run_id, state="running", output_dir=str(out), step=state.step, policy_version=state.version
+        )
+        await self._publish_weights(run_id, state, initial_weights)
+
+        controller = PromptController(self.bus, run_id, spec, report.items, next_index=state.next_index)
+        await controller.top_up(state.step, state.dropped)
+        cancel = asyncio.Event()
+        watcher = asyncio.create_task(self._watch(run_id, cancel, stop))
+        options = ConsumerOptions(block_ms=500, claim_idle_ms=self.settings.claim_idle_ms)
+        last_step_end = time.perf_counter()
+        finished = "completed"
+        try:
+            while state.step < spec.trainer.max_steps:
+                if stop.is_set():
+                    finished = "interrupted"
+                    break
+                if cancel.is_set():
+                    finished = "cancelled"
+                    break
+                if controller.next_index >= controller.total and not await self._groups_may_arrive(
+                    controller, state
+                ):
+                    log.info("run %s: the data is exhausted at step %d", run_id, state.step)
+                    break
+                waited = time.perf_counter()
+                batch_ids: set[str] = set()
+                held = await self.bus.collect(
+                    SCORED,
+                    f"trainer-{run_id}",
+                    spec.trainer.prompts_per_step,
+                    functools.partial(self._accept, run_id, spec, state, batch_ids=batch_ids),
+                    options=options,
+                    stop=cancel,
+                )
+                m.WAIT_SECONDS.observe(time.perf_counter() - waited)
+                if len(held.items) < spec.trainer.prompts_per_step:  # cancelled while collecting
+                    await self.bus.commit(held)
+                    await controller.top_up(state.step, state.dropped)
+                    continue
+                groups = held.messages
+                samples, counts = samples_from_groups(groups, with_routes=spec.trainer.routing_replay)
+                step_metrics = await asyncio.to_thread(
+                    trainer.train_step, samples, counts, spec.algorithm, replay=spec.trainer.routing_replay
+                )
+                state.step += 1
+                state.version += 1
+                if state.step % spec.trainer.publish_every == 0 or state.step == spec.trainer.max_steps:
+                    path = trainer.save_weights(
+                        out / "weights" / f"v{state.version:06d}",
+                        tokenizer=tokenizer,
+                        meta={"run_id": run_id, "version": state.version, "step": state.step},
+                    )
+                    await self._publish_weights(run_id, state, str(path))
+                    self._prune_weights(out)
+                await self.store.mark_trained(
+                    run_id, [t.trajectory_id for g in groups for t in g.group.trajectories]
+                )
+                await self.bus.commit(held)
+                if self.save_groups:
+                    _save_groups(out, state.step, groups)
+                if state.step % spec.trainer.checkpoint_every == 0:
+                    await self._checkpoint(run_id, out, tokenizer, trainer, state, controller)
+                now = time.perf_counter()
+                record_metrics = {
+                    "step": float(state.step),
+                    "policy_version": float(state.version),
+                    **step_metrics,
+                    **batch_metrics(groups, state.version - 1),
+                    "step_s": now - last_step_end,
+                    **{f"dropped_{k}": float(v) for k, v in state.drops.items()},
+                }
+                last_step_end = now
+                await self._record(run_id, out, state, record_metrics)
+                await controller.top_up(state.step, state.dropped)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        if hasattr(trainer, "stop"):
+            trainer.stop()  # the other DeepSpeed ranks leave this run's trainer
+        if finished == "interrupted":
+            await self._checkpoint(run_id, out, tokenizer, trainer, state, controller)
+            return  # the trainer is shutting down: the run stays "running" and resumes on restart
+        await self._checkpoint(run_id, out, tokenizer, trainer, state, controller)
+        trainer.save_weights(
+            out / "final",
+            tokenizer=tokenizer,
+            meta={"run_id": run_id, "version": state.version, "step": state.step},
+        )
+        await self.store.update(run_id, state=finished)
+
+    async def _accept(
+        self, run_id: str, spec: RunSpec, state: TrainState, scored: ScoredGroup, *, batch_ids: set[str]
+    ) -> bool:
+        group = scored.group
+        reason = None
+        if group.run_id != run_id:
+            reason = "foreign"
+        elif group.policy_version > state.version:
+            reason = "future"  # sampled by a timeline abandoned at a resume
+        elif state.version - group.policy_version > spec.rollout.max_staleness:
+            reason = "stale"
+        else:
+            ids = [t.trajectory_id for t in group.trajectories]
+            if any(i in batch_ids for i in ids) or any(await self.store.trained(run_id, ids)):
+                reason = "duplicate"
+            else:
+                batch_ids.update(ids)
+                m.STALENESS.observe(state.version - group.policy_version)
+                m.GROUPS.inc()
+                return True
+        m.DROPPED.labels(reason).inc()
+        state.drops[reason] = state.drops.get(reason, 0) + 1
+        if reason in ("stale", "future"):
+            state.dropped += 1  # its prompt needs a replacement
+        log.info("dropping a %s group (%s)", reason, group.task_id)
+        return False
+
+    async def _groups_may_arrive(self, controller: PromptController, state: TrainState) -> bool:
+        """Whether prompts are still out: published but neither trained nor dropped."""
+        consumed = state.step * controller.spec.trainer.prompts_per_step + state.dropped
+        return controller.next_index > consumed
+
+    async def _watch(self, run_id: str, cancel: asyncio.Event, stop: asyncio.Event) -> None:
+        while not cancel.is_set():
+            record = await self.store.get(run_id)
+            if stop.is_set() or (record is not None and record.state == "cancelling"):
+                cancel.set()
+                return
+            await asyncio.sleep(0.5)
+
+    async def _publish_weights(self, run_id: str, state: TrainState, path: str) -> None:
+        await self.bus.publish(
+            WEIGHTS, WeightsPublished(run_id=run_id, version=state.version, step=state.step, path=path)
+        )
+        m.POLICY_VERSION.set(state.version)
+
+    def _prune_weights(self, out: Path) -> None:
+        versions = sorted((out / "weights").glob("v*"))
+        for old in versions[: -self.settings.keep_weights]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def _checkpoint(self, run_id, out, tokenizer, trainer, state, controller) -> None:
+        path = out / "checkpoints" / f"step-{state.step:06d}"
+        trainer.save_weights(path / "model", tokenizer=tokenizer)
+        trainer.save_state(path / "state.pt")
+        saved = {
+            **asdict(state),
+            "next_index": controller.next_index,
+            "trained_ids": await self.store.trained_ids(run_id),
+        }
+        (path / "trainer.json").write_text(json.dumps(saved))
+        (out / "checkpoints" / "latest").write_text(path.name)
+
+    async def _record(self, run_id: str, out: Path, state: TrainState, record: dict[str, Any]) -> None:
+        await self.store.add_metrics(run_id, record)
+        await self.store.update(run_id, step=state.step, policy_version=state.version, latest_metrics=record)
+        with (out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        m.STEP.set(state.step)
+        for gauge, key in (
+            (m.LOSS, "loss"),
+            (m.CLIP_FRAC, "clip_frac"),
+            (m.GRAD_NORM, "grad_norm"),
+            (m.REWARD, "reward_mean"),
+            (m.ACCURACY, "accuracy"),
+            (m.TURNS, "turns_mean"),
+            (m.TOKENS, "tokens_mean"),
+            (m.GENERATED, "generated_tokens_mean"),
+            (m.TEACHER_HIGHER, "teacher_higher_frac"),
+            (m.MEAN_ABS_GAP, "mean_abs_gap"),
+            (m.FILTERED, "filtered_frac"),
+            (m.TOKENS_PER_S, "train_tokens_per_s"),
+        ):
+            if key in record:
+                gauge.set(record[key])
+        m.STEP_SECONDS.observe(record["step_s"])
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    pointer = out / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    path = out / "checkpoints" / pointer.read_text().strip()
+    return path if (path / "state.pt").exists() else None
+
+
+def _save_groups(out: Path, step: int, groups: list[ScoredGroup]) -> None:
+    """The scored groups of a step, for the report and the credit viewer (msgpack, one file a step)."""
+    import msgpack
+
+    (out / "groups").mkdir(exist_ok=True)
+    payload = msgpack.packb([encode(g) for g in groups], use_bin_type=True)
+    (out / "groups" / f"step-{step:06d}.msgpack").write_bytes(payload)

@@ -1,0 +1,41 @@
+"""Prometheus metrics of the trainer: the training dynamics the paper plots, and the pipeline's health."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STEP = Gauge("pbsd_trainer_step", "Optimiser steps taken in the current run")
+POLICY_VERSION = Gauge("pbsd_trainer_policy_version", "Latest published policy version")
+LOSS = Gauge("pbsd_trainer_loss", "Policy loss of the last step")
+CLIP_FRAC = Gauge("pbsd_trainer_clip_fraction", "Fraction of loss tokens clipped in the last step")
+GRAD_NORM = Gauge("pbsd_trainer_grad_norm", "Gradient norm before clipping, last step")
+REWARD = Gauge("pbsd_trainer_reward_mean", "Mean reward of the last batch")
+ACCURACY = Gauge("pbsd_trainer_accuracy", "Fraction of correct trajectories in the last batch")
+TURNS = Gauge("pbsd_trainer_turns_per_trajectory", "Mean assistant turns per trajectory, last batch")
+TOKENS = Gauge("pbsd_trainer_tokens_per_trajectory", "Mean tokens per trajectory, last batch")
+GENERATED = Gauge(
+    "pbsd_trainer_generated_tokens_per_trajectory", "Mean generated tokens per trajectory, last batch"
+)
+TEACHER_HIGHER = Gauge(
+    "pbsd_trainer_teacher_higher_fraction", "Fraction of scored turns with teacher > student, last batch"
+)
+MEAN_ABS_GAP = Gauge("pbsd_trainer_mean_abs_gap", "Mean |s| over scored turns, last batch")
+FILTERED = Gauge("pbsd_trainer_filtered_fraction", "Fraction of scored turns in the deadband, last batch")
+TOKENS_PER_S = Gauge(
+    "pbsd_trainer_train_tokens_per_second", "Loss tokens trained per second of optimiser work"
+)
+STEP_SECONDS = Histogram(
+    "pbsd_trainer_step_seconds",
+    "Wall time from one step to the next",
+    buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600),
+)
+WAIT_SECONDS = Histogram(
+    "pbsd_trainer_wait_seconds",
+    "Time spent waiting for a batch of scored groups",
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
+STALENESS = Histogram(
+    "pbsd_trainer_staleness",
+    "Policy version minus the version a trained group was sampled with",
+    buckets=(0, 1, 2, 3, 4, 8),
+)
+DROPPED = Counter("pbsd_trainer_dropped_groups_total", "Scored groups not trained on, by reason", ["reason"])
+GROUPS = Counter("pbsd_trainer_trained_groups_total", "Scored groups trained on")

@@ -1,0 +1,237 @@
+"""The policy update: per-token log-probs with gradients, the clipped policy-gradient loss of
+:mod:`pbsd.losses`, gradient accumulation by token budget, AdamW with warm-up.
+
+The trainer is algorithm-blind: GRPO and PBSD batches differ only in the per-token
+advantages the scored groups carry, and cost the same here (PBSD's extra work is the
+scorer's). One optimiser step per batch of groups::
+
+    for each micro-batch (<= micro_batch_tokens tokens):
+        log pi_theta(token) at every loss position      (routing replay if the run uses R3)
+        loss_mb = sum_k c_k * l_k                        (c_k from the batch-wide normalisers)
+        backward
+    clip the gradient norm; AdamW step; learning-rate schedule step
+
+Ratios are against the rollout log-probs (on-policy). With ``tis_cap`` the ratio is
+taken against the current policy instead and each token's term is weighted by the
+truncated importance ratio min(pi_theta / pi_rollout, C) (truncated importance
+sampling for the rollout-trainer mismatch). Log-probs come from the LM head a chunk of
+rows at a time under activation checkpointing, so a 64K-token trajectory never holds
+its full-vocabulary logits for the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pbsd.losses import clipped_policy_loss
+from proto.runs import AlgorithmSpec, TrainerSpec
+from services.model.checkpoint import save_checkpoint
+from services.model.routing import replay_routes
+from services.trainer.batch import BatchCounts, TrainSample, micro_batches
+
+__all__ = ["PolicyTrainer", "warmup_factor"]
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warm-up to the peak learning rate over ``warmup_steps`` optimiser steps, then constant."""
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, (step + 1) / warmup_steps)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only: norms and biases are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _chunk_logprobs(head: nn.Module, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # the head is called as a module (not through its weight) so that ZeRO-3 gathers it
+    logits = head(rows).float()
+    return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+class PolicyTrainer:
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: TrainerSpec,
+        *,
+        micro_batch_tokens: int | None = None,
+        chunk_size: int = 1024,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.micro_batch_tokens = micro_batch_tokens or spec.micro_batch_tokens
+        self.chunk_size = chunk_size
+        self.device = next(model.parameters()).device
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: warmup_factor(s, spec.warmup_steps)
+        )
+        self.step = 0
+
+    # -- log-probs with gradients -------------------------------------------------------
+    def sample_logprobs(self, sample: TrainSample, *, replay: bool) -> torch.Tensor:
+        model = self.model
+        ids = torch.as_tensor(sample.input_ids, device=self.device)[None]
+        pos = torch.arange(ids.shape[1], device=self.device)[None]
+        if replay:
+            routes = torch.as_tensor(np.asarray(sample.routes, dtype=np.int64), device=self.device)
+            with replay_routes(model, routes[: ids.shape[1]]):
+                hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        else:
+            hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        rows = hidden[torch.as_tensor(sample.positions, device=self.device)]
+        targets = torch.as_tensor(sample.targets, device=self.device)
+        parts = [
+            checkpoint(
+                _chunk_logprobs,
+                model.lm_head,
+                rows[i : i + self.chunk_size],
+                targets[i : i + self.chunk_size],
+                use_reentrant=False,
+            )
+            for i in range(0, rows.shape[0], self.chunk_size)
+        ]
+        return torch.cat(parts)
+
+    # -- one optimiser step -------------------------------------------------------------
+    def train_step(
+        self,
+        samples: list[TrainSample],
+        counts: BatchCounts,
+        algorithm: AlgorithmSpec,
+        *,
+        replay: bool = False,
+    ) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = self.accumulate(samples, counts, algorithm, replay=replay)
+        metrics.update(self.apply())
+        metrics["train_s"] = time.perf_counter() - started
+        metrics["train_tokens_per_s"] = (
+            metrics["trained_tokens"] / metrics["train_s"] if metrics["train_s"] > 0 else 0.0
+        )
+        return metrics
+
+    def accumulate(
+        self,
+        samples: list[TrainSample],
+        counts: BatchCounts,
+        algorithm: AlgorithmSpec,
+        *,
+        replay: bool = False,
+    ) -> dict[str, float]:
+        """Forward and backward over every micro-batch; gradients are left in ``.grad``."""
+        self.model.train()
+        sums: dict[str, float] = {
+            "loss": 0.0,
+            "clip_frac": 0.0,
+            "clip_frac_low": 0.0,
+            "clip_frac_high": 0.0,
+            "approx_kl_old": 0.0,
+            "ratio_mean": 0.0,
+        }
+        tokens_done = 0
+        for mb in micro_batches(samples, self.micro_batch_tokens):
+            for sample in mb:  # one sequence per forward: no padding, no cross-sequence attention
+                logp = self.sample_logprobs(sample, replay=replay)
+                old = torch.as_tensor(sample.old_logprobs, device=self.device)
+                rollout = old
+                if algorithm.tis_cap is not None:
+                    old = logp.detach()
+                n = logp.shape[0]
+                out = clipped_policy_loss(
+                    logp,
+                    old,
+                    torch.as_tensor(sample.advantages, device=self.device),
+                    torch.ones(n, dtype=torch.bool, device=self.device),
+                    eps_low=algorithm.eps_low,
+                    eps_high=algorithm.eps_high,
+                    agg=algorithm.loss_agg,
+                    seq_ids=torch.zeros(n, dtype=torch.long, device=self.device),
+                    num_tokens=counts.tokens,
+                    num_sequences=counts.sequences,
+                    constant=algorithm.loss_agg_constant,
+                    rollout_logprobs=rollout,
+                    tis_cap=algorithm.tis_cap,
+                )
+                self._backward(out.loss)
+                sums["loss"] += float(out.loss.detach())
+                for k, v in out.metrics().items():
+                    if k != "loss" and k in sums:
+                        sums[k] += v * n
+                tokens_done += n
+        metrics = {
+            "loss": sums["loss"],
+            "trained_tokens": float(tokens_done),
+            "trained_sequences": float(len(samples)),
+        }
+        for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
+            metrics[k] = sums[k] / tokens_done if tokens_done else 0.0
+        return metrics
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def apply(self) -> dict[str, float]:
+        """Clip the accumulated gradient, take the AdamW step, advance the schedule."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = (
+            float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip or math.inf)) if params else 0.0
+        )
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        self.step += 1
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # -- full checkpoints -----------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+
+    def save_state(self, path: Path) -> None:
+        torch.save(self.state(), path)
+
+    def load_state_file(self, path: Path) -> None:
+        self.load_state(torch.load(path, weights_only=False))
+
+    def save_weights(self, path: Path, *, tokenizer=None, meta: dict | None = None) -> Path:
+        """The policy as a Hugging Face checkpoint (what rollout and scorer reload)."""
+        return save_checkpoint(self.model, path, tokenizer=tokenizer, meta=meta)

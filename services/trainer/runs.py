@@ -1,0 +1,162 @@
+"""Runs and their state, kept in Redis so that they survive a trainer restart.
+
+{prefix}:runs                 sorted set of run ids by submission time
+{prefix}:runs:queue           list of run ids waiting to start (FIFO)
+{prefix}:run:{id}             hash: spec, state, step, policy_version, timestamps, error, latest metrics, ...
+{prefix}:run:{id}:metrics     list of per-step metric records (JSON)
+{prefix}:run:{id}:trained     set of trajectory ids already trained on (duplicates are dropped)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel
+
+from proto.base import new_id
+from proto.runs import RunSpec
+
+__all__ = ["ACTIVE", "FINISHED", "RunRecord", "RunStore"]
+
+State = Literal["queued", "running", "cancelling", "completed", "cancelled", "failed"]
+ACTIVE = ("queued", "running", "cancelling")
+FINISHED = ("completed", "cancelled", "failed")
+
+
+class RunRecord(BaseModel):
+    id: str
+    name: str
+    state: State
+    step: int = 0
+    policy_version: int = 0
+    created_at: float
+    updated_at: float
+    error: str | None = None
+    latest_metrics: dict[str, float] = {}
+    output_dir: str | None = None
+    spec: RunSpec
+
+
+class RunStore:
+    def __init__(self, client: aioredis.Redis, prefix: str = "pbsd") -> None:
+        self.redis = client
+        self.prefix = prefix
+
+    def _key(self, run_id: str, suffix: str = "") -> str:
+        return f"{self.prefix}:run:{run_id}{suffix}"
+
+    async def create(self, spec: RunSpec) -> RunRecord:
+        run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{new_id()[:6]}"
+        now = time.time()
+        record = RunRecord(
+            id=run_id, name=spec.name, state="queued", created_at=now, updated_at=now, spec=spec
+        )
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._key(run_id), mapping=_to_hash(record))
+            pipe.zadd(f"{self.prefix}:runs", {run_id: now})
+            pipe.rpush(f"{self.prefix}:runs:queue", run_id)
+            await pipe.execute()
+        return record
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        data = await self.redis.hgetall(self._key(run_id))
+        return _from_hash(data) if data else None
+
+    async def list(self, limit: int = 100) -> list[RunRecord]:
+        ids = await self.redis.zrevrange(f"{self.prefix}:runs", 0, limit - 1)
+        records = [await self.get(i.decode() if isinstance(i, bytes) else i) for i in ids]
+        return [r for r in records if r is not None]
+
+    async def update(self, run_id: str, **fields: Any) -> None:
+        fields["updated_at"] = time.time()
+        mapping = {
+            k: json.dumps(v) if isinstance(v, dict) else ("" if v is None else str(v))
+            for k, v in fields.items()
+        }
+        await self.redis.hset(self._key(run_id), mapping=mapping)
+
+    async def next_queued(self) -> str | None:
+        run_id = await self.redis.lpop(f"{self.prefix}:runs:queue")
+        return run_id.decode() if isinstance(run_id, bytes) else run_id
+
+    async def in_state(self, *states: str) -> list[RunRecord]:
+        return [r for r in await self.list(1000) if r.state in states]
+
+    async def request_cancel(self, run_id: str) -> RunRecord | None:
+        record = await self.get(run_id)
+        if record is None or record.state in FINISHED:
+            return record
+        if record.state == "queued":
+            await self.redis.lrem(f"{self.prefix}:runs:queue", 0, run_id)
+            await self.update(run_id, state="cancelled")
+        else:
+            await self.update(run_id, state="cancelling")
+        return await self.get(run_id)
+
+    async def add_metrics(self, run_id: str, record: dict[str, float]) -> None:
+        await self.redis.rpush(self._key(run_id, ":metrics"), json.dumps(record))
+
+    async def metrics(self, run_id: str, since: int = 0) -> list[dict[str, float]]:
+        return [json.loads(x) for x in await self.redis.lrange(self._key(run_id, ":metrics"), since, -1)]
+
+    async def mark_trained(self, run_id: str, trajectory_ids: list[str]) -> None:
+        if trajectory_ids:
+            await self.redis.sadd(self._key(run_id, ":trained"), *trajectory_ids)
+
+    async def trained(self, run_id: str, trajectory_ids: list[str]) -> list[bool]:
+        if not trajectory_ids:
+            return []
+        return [bool(x) for x in await self.redis.smismember(self._key(run_id, ":trained"), trajectory_ids)]
+
+    async def reset_trained(self, run_id: str, trajectory_ids: list[str]) -> None:
+        """After a resume from a checkpoint: the trained set is the checkpoint's."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._key(run_id, ":trained"))
+            if trajectory_ids:
+                pipe.sadd(self._key(run_id, ":trained"), *trajectory_ids)
+            await pipe.execute()
+
+    async def trained_ids(self, run_id: str) -> list[str]:
+        return sorted(
+            x.decode() if isinstance(x, bytes) else x
+            for x in await self.redis.smembers(self._key(run_id, ":trained"))
+        )
+
+
+def _to_hash(record: RunRecord) -> dict[str, str]:
+    return {
+        "id": record.id,
+        "name": record.name,
+        "state": record.state,
+        "step": str(record.step),
+        "policy_version": str(record.policy_version),
+        "created_at": repr(record.created_at),
+        "updated_at": repr(record.updated_at),
+        "error": record.error or "",
+        "latest_metrics": json.dumps(record.latest_metrics),
+        "output_dir": record.output_dir or "",
+        "spec": record.spec.model_dump_json(),
+    }
+
+
+def _from_hash(data: dict) -> RunRecord:
+    d = {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in data.items()
+    }
+    return RunRecord(
+        id=d["id"],
+        name=d["name"],
+        state=d["state"],
+        step=int(d.get("step") or 0),
+        policy_version=int(d.get("policy_version") or 0),
+        created_at=float(d["created_at"]),
+        updated_at=float(d["updated_at"]),
+        error=d.get("error") or None,
+        latest_metrics=json.loads(d.get("latest_metrics") or "{}"),
+        output_dir=d.get("output_dir") or None,
+        spec=RunSpec.model_validate_json(d["spec"]),
+    )

@@ -1,0 +1,38 @@
+"""Settings of the trainer: ``PBSD_TRAINER_*`` (plus the shared ``REDIS_URL``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.settings import CommonSettings
+
+
+class TrainerSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="PBSD_TRAINER_", extra="ignore")
+
+    api_token: SecretStr | None = Field(default=None, description="bearer token for the REST API")
+    local_mode: bool = Field(
+        default=False, description="allow running without an API token (loopback use only)"
+    )
+    host: str = "127.0.0.1"
+    port: int = 8000
+    runs_dir: Path = Path("runs")
+    device: str = "cpu"
+    gradient_checkpointing: bool = False
+    chunk_size: int = Field(default=1024, description="rows of full-vocabulary logits alive at once")
+    keep_weights: int = Field(default=3, description="published weight versions kept on disk")
+    claim_idle_ms: int = 1_800_000
+    hub_models: bool = Field(
+        default=False, description="accept model paths that are hub ids, not local directories"
+    )
+
+    @model_validator(mode="after")
+    def _auth(self):
+        if self.api_token is None and not self.local_mode:
+            raise ValueError(
+                "set PBSD_TRAINER_API_TOKEN, or PBSD_TRAINER_LOCAL_MODE=1 for an unauthenticated local API"
+            )
+        return self

@@ -1,0 +1,150 @@
+"""Supervised fine-tuning on chat trajectories: the paper's first stage (``pbsd sft``).
+
+Each conversation is laid out in tokens exactly as the rollout lays out its
+trajectories (:mod:`agent.chat`): the prompt (system and question) and the glue
+around tool results carry no loss; every assistant message, its closing
+``<|im_end|>`` included, is learned. The loss is the mean negative log-likelihood
+over the assistant tokens of each optimiser batch; AdamW with linear warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agent.chat import ChatTokenizer
+from proto.runs import TrainerSpec
+from services.model.checkpoint import load_model, save_checkpoint
+from services.trainer.batch import TrainSample, micro_batches
+from services.trainer.policy import PolicyTrainer
+
+__all__ = ["SftConfig", "encode_conversation", "run_sft"]
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    epochs: int = 2
+    lr: float = 1e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    batch_size: int = 32  # conversations per optimiser step (the paper's global batch)
+    micro_batch_tokens: int = 16_384
+    max_tokens: int = 65_536  # longer conversations are skipped
+    grad_clip: float = 1.0
+    seed: int = 0
+
+
+def encode_conversation(tok: ChatTokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a system / user / (assistant / user)* / assistant conversation."""
+    if len(messages) < 3 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+        raise ValueError("a conversation starts with a system and a user message, then the assistant")
+    ids = tok.prompt_ids(messages[0]["content"], messages[1]["content"])
+    mask = [0] * len(ids)
+    for i, msg in enumerate(messages[2:]):
+        expected = "assistant" if i % 2 == 0 else "user"
+        if msg["role"] != expected:
+            raise ValueError(f"message {i + 2} should be {expected}, is {msg['role']}")
+        if expected == "assistant":
+            part = tok.encode(msg["content"]) + [tok.end_id]
+            ids += part
+            mask += [1] * len(part)
+        else:
+            part = tok.glue_ids(msg["content"], closed=True)
+            ids += part
+            mask += [0] * len(part)
+    if messages[-1]["role"] != "assistant":
+        raise ValueError("a conversation ends with the assistant's answer")
+    return ids, mask
+
+
+def _sample(ids: list[int], mask: list[int], key: str) -> TrainSample:
+    full = np.asarray(ids, dtype=np.int64)
+    target_pos = np.flatnonzero(np.asarray(mask) == 1)
+    return TrainSample(
+        trajectory_id=key,
+        input_ids=full[:-1],
+        positions=target_pos - 1,
+        targets=full[target_pos],
+        old_logprobs=np.zeros(target_pos.size, np.float32),
+        advantages=np.ones(target_pos.size, np.float32),
+        routes=None,
+    )
+
+
+def run_sft(
+    data: Path,
+    model_dir: Path,
+    out: Path,
+    config: SftConfig,
+    progress: Callable[[int, int, dict], None] | None = None,
+) -> dict:
+    """Fine-tune ``model_dir`` on the conversations in ``data``; the result is written to ``out``."""
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    tok = ChatTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir)
+    samples, skipped = [], 0
+    for n, line in enumerate(data.read_text().splitlines()):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        ids, mask = encode_conversation(tok, row["messages"])
+        if len(ids) > config.max_tokens:
+            skipped += 1
+            continue
+        samples.append(_sample(ids, mask, row.get("id", str(n))))
+    if not samples:
+        raise ValueError(f"{data}: no usable conversations")
+    spec = TrainerSpec(
+        lr=config.lr,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        grad_clip=config.grad_clip,
+        micro_batch_tokens=config.micro_batch_tokens,
+    )
+    trainer = PolicyTrainer(model, spec)
+    steps_per_epoch = math.ceil(len(samples) / config.batch_size)
+    total = steps_per_epoch * config.epochs
+    history, started = [], time.perf_counter()
+    rng = random.Random(config.seed)
+    for epoch in range(config.epochs):
+        order = samples[:]
+        rng.shuffle(order)
+        for b in range(steps_per_epoch):
+            batch = order[b * config.batch_size : (b + 1) * config.batch_size]
+            tokens = sum(s.targets.size for s in batch)
+            nll = 0.0
+            model.train()
+            for mb in micro_batches(batch, config.micro_batch_tokens):
+                for s in mb:
+                    logp = trainer.sample_logprobs(s, replay=False)
+                    loss = -logp.sum() / tokens
+                    loss.backward()
+                    nll += float(loss.detach())
+            step_metrics = trainer.apply()
+            record = {"epoch": epoch, "step": trainer.step, "loss": nll, "tokens": tokens, **step_metrics}
+            history.append(record)
+            if progress is not None:
+                progress(trainer.step, total, record)
+    elapsed = time.perf_counter() - started
+    stats = {
+        "conversations": len(samples),
+        "skipped": skipped,
+        "steps": trainer.step,
+        "epochs": config.epochs,
+        "first_loss": history[0]["loss"],
+        "final_loss": history[-1]["loss"],
+        "seconds": elapsed,
+        "config": config.__dict__,
+    }
+    save_checkpoint(model, out, tokenizer=tok.tok, meta={"sft": stats})
+    (out / "sft_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    return stats

@@ -1,0 +1,59 @@
+"""Run by tests/test_deepspeed.py under ``deepspeed --num_gpus 2`` (CPU accelerator): rank 0 leads a
+data-parallel ZeRO-2 trainer through two steps, rank 1 follows; rank 0 saves the weights."""
+
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from proto.runs import GrpoSpec, TrainerSpec
+from services.model.checkpoint import load_model
+from services.trainer.batch import BatchCounts, TrainSample
+from services.trainer.distributed import follow_rank0, make_trainer, release_followers
+
+
+def samples(vocab: int) -> tuple[list[TrainSample], BatchCounts]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i, n in enumerate((40, 25, 60, 33, 18)):
+        ids = rng.integers(0, vocab, n)
+        pos = np.arange(10, n - 1)
+        out.append(
+            TrainSample(
+                f"s{i}",
+                ids,
+                pos,
+                ids[pos + 1],
+                rng.normal(-6, 0.1, pos.size).astype(np.float32),
+                rng.normal(0, 1, pos.size).astype(np.float32),
+                None,
+            )
+        )
+    return out, BatchCounts(sequences=6, tokens=sum(s.targets.size for s in out) + 7)
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
+    ckpt, out, config = Path(args[0]), Path(args[1]), args[2]
+    deepspeed.init_distributed(dist_backend="gloo")
+    if dist.get_rank() != 0:
+        follow_rank0(device="cpu")
+        return
+    spec = TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0, deepspeed_config=config)
+    trainer = make_trainer(load_model(ckpt), spec, model_path=str(ckpt))
+    batch, counts = samples(trainer.model.config.vocab_size)
+    history = [trainer.train_step(batch, counts, GrpoSpec()) for _ in range(2)]
+    trainer.save_weights(out / "weights")
+    if hasattr(trainer, "stop"):
+        trainer.stop()
+    release_followers()
+    (out / "history.json").write_text(json.dumps(history))
+    torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, out / "params.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The command line around the trainer: runs submit/list/show/cancel, model tiny, sft."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from typer.testing import CliRunner
+
+from pbsd.cli import app
+from tests.conftest import TOKEN
+from tests.test_trainer_service import _spec
+
+runner = CliRunner()
+
+
+def test_runs_commands_against_the_api(api, tiny_world, tiny_checkpoint, tmp_path):
+    spec_file = tmp_path / "run.yaml"
+    spec = _spec(tiny_world, tiny_checkpoint)
+    spec["trainer"]["max_steps"] = 100
+    spec_file.write_text(yaml.safe_dump(spec))
+    args = ["--url", api, "--token", TOKEN]
+    submitted = runner.invoke(app, ["runs", "submit", str(spec_file), *args])
+    assert submitted.exit_code == 0, submitted.output
+    run_id = submitted.output.strip()
+    listed = runner.invoke(app, ["runs", "list", *args])
+    assert run_id in listed.output
+    shown = json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).output)
+    assert shown["id"] == run_id and shown["spec"]["trainer"]["prompts_per_step"] == 2
+    cancelled = runner.invoke(app, ["runs", "cancel", run_id, *args])
+    assert cancelled.exit_code == 0 and run_id in cancelled.output
+    denied = runner.invoke(app, ["runs", "list", "--url", api, "--token", "wrong"])
+    assert denied.exit_code == 1 and "401" in denied.output
+    spec["rollout"]["group_size"] = 0
+    spec_file.write_text(yaml.safe_dump(spec))
+    invalid = runner.invoke(app, ["runs", "submit", str(spec_file), *args])
+    assert invalid.exit_code == 1 and "rollout.group_size" in invalid.output
+
+
+def test_model_tiny_and_sft(tiny_world, tmp_path):
+    from worldgen.oracle import write_sft_data
+
+    data = tmp_path / "sft.jsonl"
+    write_sft_data(tiny_world, data, limit=12)
+    made = runner.invoke(
+        app,
+        [
+            "model",
+            "tiny",
+            "--world",
+            str(tiny_world),
+            "--out",
+            str(tmp_path / "tiny"),
+            "--sft-data",
+            str(data),
+            "--vocab-size",
+            "1024",
+            "--hidden-size",
+            "64",
+        ],
+    )
+    assert made.exit_code == 0, made.output
+    tuned = runner.invoke(
+        app,
+        [
+            "sft",
+            "--data",
+            str(data),
+            "--model",
+            str(tmp_path / "tiny"),
+            "--out",
+            str(tmp_path / "sft"),
+            "--epochs",
+            "3",
+            "--lr",
+            "3e-3",
+            "--batch-size",
+            "4",
+            "--warmup-steps",
+            "1",
+        ],
+    )
+    assert tuned.exit_code == 0, tuned.output
+    history = [json.loads(x) for x in (tmp_path / "sft" / "sft_history.jsonl").read_text().splitlines()]
+    assert len(history) == 9 and history[-1]["loss"] < history[0]["loss"]  # it learns the format
+    assert (tmp_path / "sft" / "config.json").exists() and (tmp_path / "sft" / "tokenizer.json").exists()
+
+
+def test_sft_token_layout_matches_the_rollouts(tiny_checkpoint):
+    from agent.chat import ChatTokenizer
+    from services.trainer.sft import encode_conversation
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "call"},
+        {"role": "user", "content": "result"},
+        {"role": "assistant", "content": "\\boxed{A}"},
+    ]
+    ids, mask = encode_conversation(tok, messages)
+    call, glue, answer = (
+        tok.encode("call") + [tok.end_id],
+        tok.glue_ids("result", closed=True),
+        tok.encode("\\boxed{A}") + [tok.end_id],
+    )
+    prompt = tok.prompt_ids("S", "Q")
+    assert ids == prompt + call + glue + answer  # the same ids a rollout of this conversation has
+    assert mask == [0] * len(prompt) + [1] * len(call) + [0] * len(glue) + [1] * len(answer)

@@ -1,0 +1,183 @@
+"""The policy update: direction of learning, PBSD weights per token, resume, routing replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from agent.chat import ChatTokenizer
+from proto.messages import ScoredGroup
+from proto.runs import GrpoSpec, PbsdSpec, TrainerSpec
+from services.model.checkpoint import load_model, save_checkpoint
+from services.model.routing import RouteRecorder, moe_routers, replay_routes
+from services.trainer.batch import micro_batches, samples_from_groups
+from services.trainer.policy import PolicyTrainer, warmup_factor
+from tests.test_scorer import _group
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    return ChatTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def _scored(group, weights=None, advantages=None) -> ScoredGroup:
+    adv = np.asarray(
+        advantages if advantages is not None else [1.0, -1.0, 0.5][: len(group.trajectories)], np.float32
+    )
+    w = weights or [np.ones(t.num_turns, np.float32) for t in group.trajectories]
+    return ScoredGroup(
+        group=group,
+        advantages=adv,
+        turn_evidence=tuple(np.zeros(t.num_turns, np.float32) for t in group.trajectories),
+        turn_weights=tuple(np.asarray(x, np.float32) for x in w),
+        scored=True,
+    )
+
+
+def _on_policy(trainer: PolicyTrainer, samples):
+    """The samples with their rollout log-probs replaced by the current policy's."""
+    with torch.no_grad():
+        return [
+            s.__class__(**{**s.__dict__, "old_logprobs": trainer.sample_logprobs(s, replay=False).numpy()})
+            for s in samples
+        ]
+
+
+def _mean_logprob(trainer: PolicyTrainer, sample) -> float:
+    with torch.no_grad():
+        return float(trainer.sample_logprobs(sample, replay=False).mean())
+
+
+def test_warmup_schedule_is_the_papers():
+    assert [round(warmup_factor(s, 8), 3) for s in range(10)] == [
+        0.125,
+        0.25,
+        0.375,
+        0.5,
+        0.625,
+        0.75,
+        0.875,
+        1,
+        1,
+        1,
+    ]
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_steps_move_log_probs_in_the_direction_of_the_advantage(tok, tiny_checkpoint, advantage):
+    model = load_model(tiny_checkpoint)
+    trainer = PolicyTrainer(model, TrainerSpec(lr=3e-3, warmup_steps=0, weight_decay=0.0))
+    group = _group(tok, GrpoSpec(), rewards=(1.0, 0.0))
+    scored = _scored(group, advantages=[advantage, 0.0])  # only the first trajectory carries signal
+    samples, counts = samples_from_groups([scored])
+    samples = _on_policy(trainer, samples)  # the rollout log-probs are the current policy's
+    before = _mean_logprob(trainer, samples[0])
+    history = [trainer.train_step(samples, counts, GrpoSpec()) for _ in range(5)]
+    after = _mean_logprob(trainer, samples[0])
+    assert (after - before) * advantage > 0.05  # up when rewarded, down when penalised
+    assert history[0]["grad_norm"] > 0 and history[0]["trained_sequences"] == 1 and trainer.step == 5
+    assert history[0]["clip_frac"] == 0.0  # on-policy first step: every ratio is 1
+
+
+def test_pbsd_weights_reach_the_loss_token_by_token(tok, tiny_checkpoint):
+    """At ratio 1 (first micro-step) the gradient is -sum_k c_k w_{t(k)} A grad log p_k: compare exactly."""
+    group = _group(tok, PbsdSpec(), rewards=(1.0, 0.0))
+    weights = [np.array([1.1, 0.9], np.float32), np.array([0.95, 1.05, 1.0], np.float32)]
+    scored = _scored(group, weights=weights, advantages=[0.7, -0.7])
+    model = load_model(tiny_checkpoint)
+    trainer = PolicyTrainer(model, TrainerSpec(lr=1e-3, warmup_steps=0))
+    samples, counts = samples_from_groups([scored])
+    # the samples carry w * A per token
+    for i, s in enumerate(samples):
+        t = group.trajectories[i]
+        expected = np.repeat(weights[i], [e - b for b, e in t.turn_spans]) * scored.advantages[i]
+        np.testing.assert_allclose(s.advantages, expected, rtol=1e-6)
+    samples = _on_policy(trainer, samples)  # every ratio is 1
+    trainer.accumulate(samples, counts, PbsdSpec())
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    reference = sum(
+        -(torch.as_tensor(s.advantages) * trainer.sample_logprobs(s, replay=False)).sum()
+        / (len(s.advantages) * counts.sequences)
+        for s in samples
+    )
+    reference.backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_zero_advantage_trajectories_are_counted_not_computed(tok):
+    scored = _scored(_group(tok, GrpoSpec()), advantages=[0.0, 1.0, 0.0])
+    samples, counts = samples_from_groups([scored])
+    assert counts.sequences == 3 and len(samples) == 1
+    assert counts.tokens == sum(int(t.loss_mask.sum()) for t in scored.group.trajectories)
+
+
+def test_micro_batches_respect_the_token_budget(tok):
+    samples, _ = samples_from_groups([_scored(_group(tok, GrpoSpec()))])
+    sizes = [s.tokens for s in samples]
+    batches = micro_batches(samples, max(sizes) + 1)
+    assert sum(len(b) for b in batches) == len(samples)
+    assert all(sum(s.tokens for s in b) <= max(sizes) + 1 or len(b) == 1 for b in batches)
+    assert len(micro_batches(samples, 1)) == len(samples)  # each longer than the budget: alone
+
+
+def test_checkpoint_then_resume_gives_identical_next_step(tok, tiny_checkpoint, tmp_path):
+    spec = TrainerSpec(lr=1e-3, warmup_steps=3)
+    first = _scored(_group(tok, PbsdSpec(), rewards=(1.0, 0.0, 1.0)))
+    second = _scored(_group(tok, PbsdSpec(), rewards=(0.0, 1.0, 1.0)), advantages=[-1.0, 0.5, 0.5])
+    a = PolicyTrainer(load_model(tiny_checkpoint), spec)
+    a.train_step(*samples_from_groups([first]), PbsdSpec())
+    save_checkpoint(a.model, tmp_path / "model")
+    a.save_state(tmp_path / "state.pt")
+    a.train_step(*samples_from_groups([second]), PbsdSpec())
+
+    b = PolicyTrainer(load_model(tmp_path / "model"), spec)  # a new process after a crash
+    b.load_state_file(tmp_path / "state.pt")
+    b.train_step(*samples_from_groups([second]), PbsdSpec())
+    assert b.step == a.step == 2
+    for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=n)
+
+
+def test_routing_replay_forces_the_recorded_experts_and_keeps_router_gradients(tiny_checkpoint):
+    model = load_model(tiny_checkpoint)
+    ids = torch.arange(10, 40)[None]
+    routers = moe_routers(model)
+    k = model.config.num_experts_per_tok
+    forced = torch.stack([torch.arange(k) + (j % 3) for j in range(ids.shape[1])])  # varied, distinct experts
+    forced = forced[:, None, :].expand(-1, len(routers), -1).contiguous()
+    with RouteRecorder(model) as rec, replay_routes(model, forced):
+        out = model(input_ids=ids).logits.sum()
+    np.testing.assert_array_equal(rec.take(), forced.numpy())
+    out.backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
+    # outside the block routing is fresh again
+    with RouteRecorder(model) as rec, torch.no_grad():
+        model(input_ids=ids)
+    assert not np.array_equal(rec.take(), forced.numpy())
+    assert all("forward" not in r.__dict__ for r in routers)
+
+
+def test_training_with_replay_uses_the_trajectorys_routes(tok, tiny_checkpoint):
+    from proto.messages import Trajectory
+
+    group = _group(tok, GrpoSpec(), rewards=(1.0, 0.0))
+    model = load_model(tiny_checkpoint)
+    trajs = []
+    for t in group.trajectories:
+        n = t.num_tokens - 1
+        routes = np.zeros((n, model.config.num_hidden_layers, model.config.num_experts_per_tok), np.uint8)
+        routes[..., 1] = 3
+        trajs.append(Trajectory(**{**t.model_dump(), "routed_experts": routes}))
+    scored = _scored(group.model_copy(update={"trajectories": tuple(trajs)}), advantages=[1.0, -1.0])
+    samples, counts = samples_from_groups([scored], with_routes=True)
+    trainer = PolicyTrainer(model, TrainerSpec(lr=1e-3, warmup_steps=0))
+    with RouteRecorder(model) as rec:
+        trainer.accumulate(samples[:1], counts, GrpoSpec(), replay=True)
+    got = rec.take()
+    assert got.shape[0] == samples[0].tokens and np.all(np.sort(got, axis=-1) == [0, 3])
+    with pytest.raises(ValueError, match="routed experts"):
+        samples_from_groups([_scored(group, advantages=[1.0, -1.0])], with_routes=True)

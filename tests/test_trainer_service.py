@@ -1,0 +1,244 @@
+"""The trainer service: REST API (auth, validation, cancel), the run executor on the bus, resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from agent.chat import ChatTokenizer
+from proto.messages import PromptTask, Trajectory, TrajectoryGroup
+from proto.streams import PROMPTS, SCORED, WEIGHTS
+from services.bus import Bus, ConsumerOptions
+from services.scorer.evidence import score_group
+from services.trainer.executor import RunExecutor
+from services.trainer.runs import RunStore
+from services.trainer.settings import TrainerSettings
+from tests.conftest import TOKEN
+
+
+def _spec(tiny_world, tiny_checkpoint, **trainer):
+    return {
+        "name": "t",
+        "model": {"path": str(tiny_checkpoint)},
+        "data": {"train": str(tiny_world / "questions" / "rl.jsonl"), "shuffle_seed": 3},
+        "rollout": {"group_size": 2, "max_staleness": 1, "max_turns": 2},
+        "algorithm": {"name": "grpo"},
+        "trainer": {
+            "prompts_per_step": 2,
+            "max_steps": 3,
+            "lr": 1e-3,
+            "warmup_steps": 1,
+            "checkpoint_every": 1,
+            **trainer,
+        },
+    }
+
+
+async def test_auth_validation_and_cancel(api, tiny_world, tiny_checkpoint):
+    async with httpx.AsyncClient(base_url=api) as anon:
+        assert (await anon.get("/runs")).status_code == 401
+        assert (await anon.get("/runs", headers={"Authorization": "Bearer nope"})).status_code == 401
+        assert (await anon.get("/health")).status_code == 200  # health and metrics stay open
+        assert (await anon.get("/openapi.json")).status_code == 200
+    async with httpx.AsyncClient(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        bad = _spec(tiny_world, tiny_checkpoint)
+        bad["algorithm"] = {"name": "pbsd", "delta": 0}
+        r = await http.post("/runs", json=bad)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][:4] == [
+            "body",
+            "algorithm",
+            "pbsd",
+            "delta",
+        ]
+        bad = _spec(tiny_world, tiny_checkpoint)
+        bad["data"]["train"] = "/nowhere.jsonl"
+        r = await http.post("/runs", json=bad)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "data", "train"]
+        assert (await http.get("/runs/nope")).status_code == 404
+
+
+def test_the_api_needs_a_token_unless_local(tmp_path):
+    with pytest.raises(ValueError, match="PBSD_TRAINER_API_TOKEN"):
+        TrainerSettings(runs_dir=tmp_path)
+    assert TrainerSettings(runs_dir=tmp_path, local_mode=True).api_token is None
+
+
+async def test_cancel_a_queued_run(redis_url, key_prefix, tiny_world, tiny_checkpoint):
+    import redis.asyncio as aioredis
+
+    from proto.runs import RunSpec
+
+    client = aioredis.Redis.from_url(redis_url)
+    store = RunStore(client, key_prefix)
+    record = await store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint)))
+    assert (await store.request_cancel(record.id)).state == "cancelled"
+    assert await store.next_queued() is None
+    await client.aclose()
+
+
+class FakePipeline:
+    """Plays rollout and scorer for the trainer: answers prompt tasks with scored GRPO groups
+    (sample i answers correctly when i is even), sampled with the newest published version."""
+
+    def __init__(self, bus: Bus, tok: ChatTokenizer) -> None:
+        self.bus, self.tok = bus, tok
+        self.version = 0
+        self.tasks: list[PromptTask] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        opts = ConsumerOptions(block_ms=100, claim_idle_ms=5000)
+        await asyncio.gather(
+            self.bus.consume(PROMPTS, "fake", self.handle, options=opts, stop=stop), self.follow(stop)
+        )
+
+    async def follow(self, stop):
+        async for _, event in self.bus.follow(WEIGHTS, after="0-0", block_ms=100, stop=stop):
+            self.version = event.version
+
+    async def handle(self, task: PromptTask, delivery) -> None:
+        self.tasks.append(task)
+        trajs = []
+        for i in range(task.rollout.group_size):
+            prompt = self.tok.prompt_ids("sys", task.question)
+            answer = task.answer if i % 2 == 0 else "wrong"
+            completion = self.tok.encode(f"\\boxed{{{answer}}}") + [self.tok.end_id]
+            trajs.append(
+                Trajectory(
+                    trajectory_id=f"{task.task_id}/{i}",
+                    sample_index=i,
+                    policy_version=self.version,
+                    prompt_ids=np.array(prompt, np.int32),
+                    completion_ids=np.array(completion, np.int32),
+                    loss_mask=np.ones(len(completion), np.uint8),
+                    rollout_logprobs=np.full(len(completion), -3.0, np.float32),
+                    turn_spans=((0, len(completion)),),
+                    reward=float(i % 2 == 0),
+                    finish_reason="answer",
+                )
+            )
+        group = TrajectoryGroup(
+            run_id=task.run_id,
+            task_id=task.task_id,
+            question_id=task.question_id,
+            question=task.question,
+            answer=task.answer,
+            policy_version=self.version,
+            algorithm=task.algorithm,
+            trajectories=tuple(trajs),
+        )
+        await self.bus.publish(SCORED, await score_group(group, self.tok, None))
+
+
+async def _run_until(executor: RunExecutor, store: RunStore, run_id: str, states, *, stop=None, timeout=120):
+    stop = stop or asyncio.Event()
+    task = asyncio.create_task(executor.serve(stop))
+    async with asyncio.timeout(timeout):
+        while (await store.get(run_id)).state not in states:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.1)
+    return stop, task
+
+
+async def test_a_run_trains_publishes_checkpoints_and_resumes(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    from proto.runs import RunSpec
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    settings = TrainerSettings(
+        local_mode=True,
+        redis_url=redis_url,
+        stream_prefix=key_prefix,
+        runs_dir=tmp_path / "runs",
+        claim_idle_ms=2000,
+    )
+    store = RunStore(bus.redis, key_prefix)
+    record = await store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=3)))
+    fake, fake_stop = FakePipeline(bus, tok), asyncio.Event()
+    fake_task = asyncio.create_task(fake.run(fake_stop))
+
+    # a group from an abandoned future and one of another run: both are dropped
+    future = await score_group(
+        TrajectoryGroup(
+            run_id=record.id,
+            task_id="old",
+            question_id="q",
+            question="q",
+            answer="a",
+            policy_version=99,
+            algorithm=record.spec.algorithm,
+            trajectories=(
+                Trajectory(
+                    trajectory_id="old/0",
+                    sample_index=0,
+                    policy_version=99,
+                    prompt_ids=np.array([1, 2], np.int32),
+                    completion_ids=np.array([3], np.int32),
+                    loss_mask=np.ones(1, np.uint8),
+                    rollout_logprobs=np.zeros(1, np.float32),
+                    turn_spans=((0, 1),),
+                    finish_reason="answer",
+                ),
+            ),
+        ),
+        tok,
+        None,
+    )
+
+    await bus.publish(SCORED, future)
+    data = future.model_dump()
+    data.update(message_id="foreign-1")
+    data["group"]["run_id"] = "other"
+    foreign = type(future).model_validate(data)
+    await bus.publish(SCORED, foreign)
+
+    # the trainer runs one step, then is shut down (as if killed after its checkpoint)
+    executor = RunExecutor(bus, store, settings, save_groups=True)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(executor.serve(stop))
+    async with asyncio.timeout(120):
+        while (await store.get(record.id)).step < 1:
+            await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.wait_for(serving, 120)
+    assert (await store.get(record.id)).state == "running"
+
+    # a new trainer process resumes the run from its checkpoint and finishes it
+    executor = RunExecutor(bus, store, settings, save_groups=True)
+    stop, serving = await _run_until(executor, store, record.id, ("completed", "failed"))
+    stop.set()
+    await asyncio.wait_for(serving, 60)
+    fake_stop.set()
+    await fake_task
+    done = await store.get(record.id)
+    assert done.state == "completed", done.error
+    assert done.step == 3 and done.policy_version == 3
+    history = await store.metrics(record.id)
+    assert [h["step"] for h in history] == [1.0, 2.0, 3.0]
+    last = history[-1]
+    assert last["dropped_future"] == 1.0 and last["dropped_foreign"] == 1.0
+    assert (
+        last["accuracy"] == 0.5
+        and last["groups"] == 2
+        and last["trajectories"] == 4
+        and last["grad_norm"] > 0
+    )
+    # no trajectory was trained twice, and the data order is the seeded one
+    trained = await store.trained_ids(record.id)
+    assert len(trained) == len(set(trained)) == 3 * 2 * 2 and "old/0" not in trained
+    out = tmp_path / "runs" / record.id
+    assert (out / "final" / "config.json").exists() and (
+        out / "checkpoints" / "latest"
+    ).read_text() == "step-000003"
+    assert sorted(p.name for p in (out / "groups").iterdir())[-1] == "step-000003.msgpack"
+    published = [w.version for _, w in await bus.read_all(WEIGHTS) if w.run_id == record.id]
+    assert published[0] == 0 and published[-1] == 3 and sorted(set(published)) == [0, 1, 2, 3]
+    metrics_lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics_lines[-1]["step"] == 3.0
+    indices = sorted({t.index for t in fake.tasks})
+    assert indices[:6] == list(range(6))
