@@ -79,47 +79,31 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
     )
     if spec.grad_clip is not None:
         config.setdefault("gradient_clipping", spec.grad_clip)
-    config.setdefault("zero_optimization", {"stage": 2})
+    config.setdefault("zero_optimization", {"stage": 1})  # the stage shown exact across ranks
     return config
 
 
 class DeepSpeedPolicyTrainer(PolicyTrainer):
-    def __init__(
-        self,
-        model: nn.Module,
-        spec: TrainerSpec,
-        *,
-        micro_batch_tokens: int | None = None,
-        chunk_size: int = 1024,
-        gradient_checkpointing: bool = False,
-    ) -> None:
+    def _build_optimizer(self, model: nn.Module) -> None:
         import deepspeed
 
-        self.spec = spec
-        self.micro_batch_tokens = micro_batch_tokens or spec.micro_batch_tokens
-        self.chunk_size = chunk_size
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        config = deepspeed_config(spec)
+        config = deepspeed_config(self.spec)
         schedule = None
         if "scheduler" not in config:
+            warmup = self.spec.warmup_steps
 
             def schedule(optimizer):
-                return torch.optim.lr_scheduler.LambdaLR(
-                    optimizer, lambda s: warmup_factor(s, spec.warmup_steps)
-                )
+                return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, warmup))
 
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
-            model_parameters=param_groups(model, spec.weight_decay),
+            model_parameters=param_groups(model, self.spec.weight_decay),
             config=config,
             lr_scheduler=schedule,
         )
         self.model = self.engine.module
-        self.device = self.engine.device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.step = 0
         self._remaining = 0
 
     def accumulate(

@@ -73,20 +73,22 @@ class PolicyTrainer:
         chunk_size: int = 1024,
         gradient_checkpointing: bool = False,
     ) -> None:
-        self.model = model
         self.spec = spec
         self.micro_batch_tokens = micro_batch_tokens or spec.micro_batch_tokens
         self.chunk_size = chunk_size
-        self.device = next(model.parameters()).device
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: warmup_factor(s, spec.warmup_steps)
-        )
+        self.model = model
         self.step = 0
+        self._build_optimizer(model)
+        self.device = next(self.model.parameters()).device
+
+    def _build_optimizer(self, model: nn.Module) -> None:
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, self.spec.weight_decay), lr=self.spec.lr, betas=self.spec.betas
+        )
+        warmup = self.spec.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: warmup_factor(s, warmup))
 
     # -- log-probs with gradients -------------------------------------------------------
     def sample_logprobs(self, sample: TrainSample, *, replay: bool) -> torch.Tensor:
