@@ -242,3 +242,48 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
     assert metrics_lines[-1]["step"] == 3.0
     indices = sorted({t.index for t in fake.tasks})
     assert indices[:6] == list(range(6))
+
+
+async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path):
+    from proto.runs import RunSpec
+    from services.trainer.executor import TrainState
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    store = RunStore(bus.redis, key_prefix)
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))  # max_staleness 1
+    executor = RunExecutor(bus, store, TrainerSettings(local_mode=True, runs_dir=tmp_path))
+    fake = FakePipeline(bus, tok)
+
+    async def scored(version: int, task_id: str, run_id: str = "r1"):
+        fake.version = version
+        task = PromptTask(
+            run_id=run_id,
+            task_id=task_id,
+            question_id="q",
+            question="Q?",
+            answer="A",
+            rollout=spec.rollout,
+            algorithm=spec.algorithm,
+        )
+        await fake.handle(task, None)
+        return [g for _, g in await bus.read_all(SCORED)][-1]
+
+    state = TrainState(step=5, version=5)
+    batch: set[str] = set()
+    assert await executor._accept(
+        "r1", spec, state, await scored(4, "a"), batch_ids=batch
+    )  # staleness 1: kept
+    assert not await executor._accept("r1", spec, state, await scored(3, "b"), batch_ids=batch)  # staleness 2
+    assert not await executor._accept(
+        "r1", spec, state, await scored(6, "c"), batch_ids=batch
+    )  # from the future
+    assert not await executor._accept(
+        "r1", spec, state, await scored(5, "a"), batch_ids=batch
+    )  # same ids as "a"
+    await store.mark_trained("r1", ["d/0", "d/1"])
+    assert not await executor._accept(
+        "r1", spec, state, await scored(5, "d"), batch_ids=batch
+    )  # trained before
+    assert not await executor._accept("r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch)
+    assert state.drops == {"stale": 1, "future": 1, "duplicate": 2, "foreign": 1}
+    assert state.dropped == 2  # stale and future groups get replacement prompts
