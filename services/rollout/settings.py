@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -20,7 +21,10 @@ class RolloutSettings(CommonSettings):
     sglang_urls: list[str] = Field(default_factory=list, description="SGLang servers, load-balanced")
     tools_url: str = "http://127.0.0.1:8001"
     concurrency: int = Field(default=2, ge=1, description="prompts (groups) worked on at once by this worker")
-    worker_name: str = "rollout-0"
+    worker_name: str = Field(
+        default_factory=lambda: f"rollout-{socket.gethostname()}",
+        description="consumer name in the stream group; must differ between replicas (default: from the host name)",
+    )
     date: str | None = Field(
         default=None, description="'today' in the system prompt (YYYY-MM-DD); default: today"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -26,7 +27,10 @@ class ScorerSettings(CommonSettings):
         default=None, description="pack sequences in one forward (default: with flash attention)"
     )
     sglang_urls: list[str] = Field(default_factory=list)
-    worker_name: str = "scorer-0"
+    worker_name: str = Field(
+        default_factory=lambda: f"scorer-{socket.gethostname()}",
+        description="consumer name in the stream group; must differ between replicas (default: from the host name)",
+    )
     concurrency: int = 1
     claim_idle_ms: int = 600_000
     host: str = "127.0.0.1"

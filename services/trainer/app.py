@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Response
 
 from services.bus import Bus
+from services.bus.lag import StreamLagMonitor
 from services.telemetry import add_metrics_route, setup_logging
 from services.trainer.api import router
 from services.trainer.executor import RunExecutor
@@ -19,7 +20,7 @@ from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
 
 
-def create_app(settings: TrainerSettings | None = None, *, save_groups: bool = False) -> FastAPI:
+def create_app(settings: TrainerSettings | None = None) -> FastAPI:
     settings = settings or TrainerSettings()
 
     @contextlib.asynccontextmanager
@@ -30,9 +31,12 @@ def create_app(settings: TrainerSettings | None = None, *, save_groups: bool = F
         client = aioredis.Redis.from_url(settings.redis_url)
         bus = Bus(client, prefix=settings.stream_prefix)
         store = RunStore(client, settings.stream_prefix)
-        executor = RunExecutor(bus, store, settings, save_groups=save_groups)
+        executor = RunExecutor(bus, store, settings, save_groups=settings.save_groups)
         stop = asyncio.Event()
         task = asyncio.create_task(executor.serve(stop))
+        # the trainer is the single replica, so the stream lag series are exported exactly once
+        lag = StreamLagMonitor(client, settings.stream_prefix, interval_s=settings.lag_interval_s)
+        lag_task = asyncio.create_task(lag.run(stop))
         app.state.settings, app.state.store, app.state.executor, app.state.task = (
             settings,
             store,
@@ -47,6 +51,9 @@ def create_app(settings: TrainerSettings | None = None, *, save_groups: bool = F
                 await asyncio.wait_for(task, 120)
             except (TimeoutError, asyncio.CancelledError):
                 task.cancel()
+            lag_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lag_task
             await client.aclose()
 
     app = FastAPI(

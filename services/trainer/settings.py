@@ -28,6 +28,12 @@ class TrainerSettings(CommonSettings):
     hub_models: bool = Field(
         default=False, description="accept model paths that are hub ids, not local directories"
     )
+    lag_interval_s: float = Field(
+        default=5.0, gt=0, description="how often the stream lag gauges are sampled"
+    )
+    save_groups: bool = Field(
+        default=False, description="keep every step's scored groups (reports, the credit viewer)"
+    )
 
     @model_validator(mode="after")
     def _auth(self):

@@ -1,0 +1,69 @@
+"""The stream lag exporter against a real redis-server: length, lag, pending, consumers, age."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from prometheus_client import REGISTRY
+
+from proto import examples as ex
+from proto.streams import PROMPTS, SCORED, TRAJECTORIES
+from services.bus import Bus
+from services.bus.lag import StreamLagMonitor
+
+
+def _value(name: str, **labels) -> float:
+    value = REGISTRY.get_sample_value(name, labels)
+    assert value is not None, f"{name}{labels} not exported"
+    return value
+
+
+async def test_gauges_follow_what_waits_at_each_stage(bus: Bus):
+    await bus.ensure_group(PROMPTS)
+    for _i in range(5):
+        await bus.publish(PROMPTS, ex.example_task())
+    # a consumer takes two entries and has not acknowledged them yet
+    await bus.redis.xreadgroup("rollout", "worker-a", {bus.key(PROMPTS): ">"}, count=2)
+    await asyncio.sleep(0.05)
+    monitor = StreamLagMonitor(bus.redis, bus.prefix, streams=(PROMPTS, TRAJECTORIES, SCORED))
+    await monitor.sample()
+
+    assert _value("pbsd_stream_length", stream="prompts") == 5
+    assert _value("pbsd_stream_lag", stream="prompts", group="rollout") == 3
+    assert _value("pbsd_stream_pending", stream="prompts", group="rollout") == 2
+    assert _value("pbsd_stream_consumers", stream="prompts", group="rollout") == 1
+    assert _value("pbsd_stream_oldest_pending_seconds", stream="prompts", group="rollout") >= 0.04
+    # a stream nobody has written to yet: length 0, no group series invented
+    assert _value("pbsd_stream_length", stream="scored") == 0
+
+    # the consumer acknowledges everything: lag and pending drop to zero
+    ids = [
+        i
+        for _k, entries in await bus.redis.xreadgroup("rollout", "worker-a", {bus.key(PROMPTS): ">"})
+        for i, _f in entries
+    ]
+    pending = await bus.redis.xpending_range(bus.key(PROMPTS), "rollout", "-", "+", 10)
+    await bus.redis.xack(bus.key(PROMPTS), "rollout", *[p["message_id"] for p in pending])
+    assert len(ids) == 3
+    await monitor.sample()
+    assert _value("pbsd_stream_lag", stream="prompts", group="rollout") == 0
+    assert _value("pbsd_stream_pending", stream="prompts", group="rollout") == 0
+    assert _value("pbsd_stream_oldest_pending_seconds", stream="prompts", group="rollout") == 0
+
+
+async def test_lag_is_nan_when_redis_cannot_count_it(bus: Bus):
+    await bus.ensure_group(TRAJECTORIES)
+    ids = [await bus.publish(TRAJECTORIES, ex.example_group(2, seed=i)) for i in range(3)]
+    await bus.redis.xreadgroup("scorer", "worker-a", {bus.key(TRAJECTORIES): ">"}, count=1)
+    await bus.redis.xdel(bus.key(TRAJECTORIES), ids[1])  # a hole inside the group's unread range
+    await StreamLagMonitor(bus.redis, bus.prefix, streams=(TRAJECTORIES,)).sample()
+    assert math.isnan(_value("pbsd_stream_lag", stream="trajectories", group="scorer"))
+
+
+async def test_the_monitor_loop_stops_when_asked(bus: Bus):
+    stop = asyncio.Event()
+    task = asyncio.create_task(StreamLagMonitor(bus.redis, bus.prefix, interval_s=0.05).run(stop))
+    await asyncio.sleep(0.15)
+    stop.set()
+    await asyncio.wait_for(task, 2)
