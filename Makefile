@@ -1,12 +1,15 @@
-# Two commands a newcomer needs are documented in the README: `make test` (and, once the
-# end-to-end pipeline lands, `make demo`). Each bootstraps its own environment first.
+# The two commands a newcomer needs are documented in the README: `make demo` (the main job)
+# and `make test`. Each bootstraps its own environment first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap test test-slow lint schemas bench-bus
+.PHONY: bootstrap test test-slow demo lint schemas bench-bus
 
 bootstrap:
 	./scripts/bootstrap.sh
+
+demo: bootstrap
+	$(VENV)/bin/pbsd demo $(ARGS)
 
 test: bootstrap
 	$(PY) -m pytest

@@ -48,7 +48,7 @@ _TRUNCATED_RE = re.compile(
     re.DOTALL,
 )
 
-DEFAULT_MAX_RESULT_CHARS = 20_000
+DEFAULT_MAX_RESULT_CHARS = 100_000  # as MiroFlow cuts tool results
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def format_tool_result(result: str, max_chars: int = DEFAULT_MAX_RESULT_CHARS) -
     """A successful tool result as the user message that carries it; long results are cut."""
     if len(result) <= max_chars:
         return result
-    return result[:max_chars] + f"\n[... result truncated: {len(result) - max_chars} more characters]"
+    return result[:max_chars] + "\n... [Result truncated]"
 
 
 def format_tool_failure(server_name: str, tool_name: str, error: str) -> str:

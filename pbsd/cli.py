@@ -139,8 +139,10 @@ def serve_trainer(
             follow_rank0(device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if _cuda() else "cpu")
             return
     settings = TrainerSettings()
+    if save_groups:
+        settings = settings.model_copy(update={"save_groups": True})
     uvicorn.run(
-        create_app(settings, save_groups=save_groups),
+        create_app(settings),
         host=host or settings.host,
         port=port or settings.port,
         log_level="warning",
@@ -198,6 +200,7 @@ def sft_cmd(
     micro_batch_tokens: int = typer.Option(16_384),
     max_tokens: int = typer.Option(65_536, help="longer conversations are skipped"),
     seed: int = typer.Option(0),
+    save_every_epoch: bool = typer.Option(False, help="also write <out>-epoch-<n> after each epoch"),
 ) -> None:
     """Supervised fine-tuning on assistant tokens only: the warm start before RL."""
     from tqdm import tqdm
@@ -212,6 +215,7 @@ def sft_cmd(
         micro_batch_tokens=micro_batch_tokens,
         max_tokens=max_tokens,
         seed=seed,
+        save_every_epoch=save_every_epoch,
     )
     bar = tqdm(desc="sft", unit="step")
 
@@ -298,6 +302,77 @@ def runs_cancel(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> Non
     with _api(url, token) as api:
         r = _check(api.post(f"/runs/{run_id}/cancel"))
     typer.echo(f"{r['id']} {r['state']}")
+
+
+@app.command("demo")
+def demo_cmd(
+    out: Path | None = typer.Option(None, help="output folder (default: runs/demo-<time>)"),
+    algorithm: str | None = typer.Option(
+        None, help="pbsd (default), grpo, or both (the same pipeline, compared)"
+    ),
+    steps: int | None = typer.Option(None, help="training steps"),
+    prompts_per_step: int | None = typer.Option(None),
+    group_size: int | None = typer.Option(None),
+    eval_questions: int | None = typer.Option(None, help="held-out questions evaluated before and after"),
+    max_turns: int | None = typer.Option(None),
+    max_tokens_per_turn: int | None = typer.Option(None),
+    from_scratch: bool = typer.Option(
+        False, help="rebuild the warm policy (oracle data, tokenizer, SFT) instead of using the committed one"
+    ),
+    config: Path | None = typer.Option(
+        None, help="a YAML or JSON file of demo settings (see demo/config.py)"
+    ),
+    policy: Path | None = typer.Option(None, help="start from this checkpoint instead of the warm policy"),
+) -> None:
+    """Train a tiny search agent end to end on this machine and write a report."""
+    import time
+
+    import yaml
+
+    from demo.config import DemoConfig
+    from demo.run import run_demo
+
+    values = yaml.safe_load(config.read_text()) if config else {}
+    overrides = {
+        "algorithm": algorithm,
+        "steps": steps,
+        "prompts_per_step": prompts_per_step,
+        "group_size": group_size,
+        "eval_questions": eval_questions,
+        "max_turns": max_turns,
+        "max_tokens_per_turn": max_tokens_per_turn,
+    }
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if from_scratch:
+        values["from_scratch"] = True
+    if policy is not None:
+        values["policy"] = str(policy)
+    settings = DemoConfig(**values)
+    out = out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = run_demo(settings, out)
+    k = settings.eval_samples
+    typer.echo("\n" + "=" * 72)
+    typer.echo(f"pbsd demo finished in {result['seconds'] / 60:.1f} min: {out}")
+    for name, report in result["evals"].items():
+        acc = report["accuracy"]["all"]
+        typer.echo(
+            f"  {name:14} mean@{k} {acc[f'mean@{k}']:.3f}   turns {report['mean_turns']:.1f}   "
+            f"tool calls {report['tool_calls']} ({report['tool_errors']} failed)   "
+            f"finish {report['finish_reasons']}"
+        )
+    for algo, run in result["runs"].items():
+        m = run["record"]["latest_metrics"]
+        extra = (
+            f", teacher>student {m['teacher_higher_frac']:.2f}, filtered {m['filtered_frac']:.2f}"
+            if "teacher_higher_frac" in m
+            else ""
+        )
+        typer.echo(
+            f"  {algo.upper()} run {run['id']}: {int(m.get('step', 0))} steps, last batch accuracy "
+            f"{m.get('accuracy', 0):.2f}{extra}"
+        )
+    typer.echo(f"  report: {result['report']}")
+    typer.echo("=" * 72)
 
 
 @app.command("eval")

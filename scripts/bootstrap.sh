@@ -31,18 +31,23 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "$want" > "$stamp"
 fi
 
-if ! command -v redis-server >/dev/null 2>&1; then
-    echo "bootstrap: installing redis-server from the OS packages"
+# OS packages: redis-server (the bus, for the demo and the tests) and Chromium (the credit
+# viewer's browser test). Installed only when missing.
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+if ((${#missing[@]})); then
+    echo "bootstrap: installing ${missing[*]} from the OS packages"
     sudo_cmd=()
     if [[ $(id -u) -ne 0 ]]; then
-        command -v sudo >/dev/null 2>&1 || { echo "bootstrap: redis-server is missing and neither root nor sudo is available" >&2; exit 1; }
+        command -v sudo >/dev/null 2>&1 || { echo "bootstrap: ${missing[*]} missing and neither root nor sudo is available" >&2; exit 1; }
         sudo_cmd=(sudo)
     fi
     export DEBIAN_FRONTEND=noninteractive
-    if ! "${sudo_cmd[@]}" apt-get install -y -q redis-server >/dev/null 2>&1; then
+    if ! "${sudo_cmd[@]}" apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; then
         "${sudo_cmd[@]}" apt-get update -q >/dev/null
-        "${sudo_cmd[@]}" apt-get install -y -q redis-server >/dev/null
+        "${sudo_cmd[@]}" apt-get install -y -q "${missing[@]}" >/dev/null
     fi
-    # The package may start a system instance; the project always runs its own on a free port.
+    # The packages may start system instances; the project always runs its own on free ports.
     command -v redis-server >/dev/null 2>&1 || { echo "bootstrap: redis-server still missing after install" >&2; exit 1; }
 fi

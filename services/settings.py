@@ -12,7 +12,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class CommonSettings(BaseSettings):
-    model_config = SettingsConfigDict(extra="ignore")
+    # populate_by_name: code may pass redis_url=... directly; the environment uses the aliases
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
 
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",

@@ -135,3 +135,45 @@ async def test_weight_reload_changes_outputs_and_drops_caches(setup, tmp_path):
 
 def _checkpoint_dir(model, tmp_path):
     return save_checkpoint(model, tmp_path / "v0")
+
+
+async def test_concurrent_requests_decode_together_with_the_same_results(setup):
+    """Four trajectories of different lengths in one wave give what each gives alone."""
+    import asyncio
+
+    model, tok = setup
+    prompts = [
+        tok.prompt_ids("You search.", q)
+        for q in ("Which river?", "Which city was founded first?", "Who?", "A long question " * 5)
+    ]
+    alone = []
+    for i, p in enumerate(prompts):
+        engine = InProcessEngine(model)
+        alone.append(await engine.generate(GenerationRequest(p, 12 + 3 * i, seed=i, session=f"s{i}")))
+    engine = InProcessEngine(model)
+    together = await asyncio.gather(
+        *(
+            engine.generate(GenerationRequest(p, 12 + 3 * i, seed=i, session=f"s{i}"))
+            for i, p in enumerate(prompts)
+        )
+    )
+    assert engine.waves < len(prompts)  # they shared waves
+    for a, b in zip(alone, together, strict=True):
+        assert a.output_ids == b.output_ids and a.finish == b.finish
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-4)
+    # and the caches split back per trajectory are right: a second turn continues each exactly
+    second = await asyncio.gather(
+        *(
+            engine.generate(
+                GenerationRequest(
+                    p + r.output_ids + tok.glue_ids("ok", closed=False), 6, seed=9, session=f"s{i}"
+                )
+            )
+            for i, (p, r) in enumerate(zip(prompts, together, strict=True))
+        )
+    )
+    for i, (p, r, s) in enumerate(zip(prompts, together, second, strict=True)):
+        ids = p + r.output_ids + tok.glue_ids("ok", closed=False)
+        assert s.cached_tokens == len(p) + len(r.output_ids) - 1
+        reference = _full_logprobs(model, ids + s.output_ids)[len(ids) - 1 :]
+        np.testing.assert_allclose(s.logprobs, reference, atol=2e-4, err_msg=f"trajectory {i}")

@@ -110,7 +110,9 @@ def init_tiny(world_dir, out, *, sft_data=None, spec: TinySpec = TinySpec(), dat
         path = root / "questions" / f"{split}.jsonl"
         if path.exists():
             texts += [json.loads(line)["question"] for line in path.read_text().splitlines()]
-    texts.append(system_prompt(catalogue(), date))
+    # The system prompt opens every conversation: it appears often enough here for BPE to learn its
+    # words (min_frequency 2), so it costs hundreds of tokens, not thousands.
+    texts += [system_prompt(catalogue(), date)] * 64
     if sft_data is not None:
         for line in Path(sft_data).read_text().splitlines():
             texts += [m["content"] for m in json.loads(line)["messages"][1:]]

@@ -44,6 +44,7 @@ async def eval_main(
     concurrency: int,
     date: str | None,
     seed: int | None,
+    on_done=None,
 ) -> dict[str, Any]:
     report = load_questions(questions)
     report.raise_if_empty(questions)
@@ -74,6 +75,7 @@ async def eval_main(
             limits=limits,
             concurrency=concurrency,
             seed=seed,
+            on_done=on_done,
         )
     finally:
         await tools.aclose()

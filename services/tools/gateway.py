@@ -70,7 +70,7 @@ class ToolGateway:
         *,
         search_ttl_s: int = 86_400,
         read_ttl_s: int = 7 * 86_400,
-        max_result_chars: int = 20_000,
+        max_result_chars: int = 100_000,
         call_budget: int = 300,
         budget_ttl_s: int = 6 * 3600,
     ) -> None:

@@ -26,7 +26,7 @@ class ToolsSettings(CommonSettings):
 
     search_ttl_s: int = 86_400
     read_ttl_s: int = 7 * 86_400
-    max_result_chars: int = 20_000
+    max_result_chars: int = 100_000
     call_budget: int = Field(
         default=300, description="tool calls one trajectory may make (the paper's turn limit)"
     )

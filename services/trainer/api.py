@@ -5,6 +5,7 @@
     GET  /runs/{id}              state, step, policy version, latest metrics, spec
     POST /runs/{id}/cancel       stop after the current step (a queued run never starts)
     GET  /runs/{id}/metrics      the per-step metric history (``?since=N`` skips the first N)
+    GET  /runs/{id}/viewer       the turn-level credit viewer (HTML; needs a trainer started with --save-groups)
 
 Every route needs ``Authorization: Bearer <PBSD_TRAINER_API_TOKEN>`` unless the trainer
 runs in local mode. Validation errors are 422s whose ``loc`` names the field.
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi.responses import HTMLResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from proto.runs import RunSpec
@@ -42,7 +44,8 @@ async def require_token(
     token = _settings(request).api_token
     if token is None:
         return  # local mode
-    given = credentials.credentials if credentials is not None else ""
+    # a browser opening the credit viewer cannot send a header: ?token= works too
+    given = credentials.credentials if credentials is not None else request.query_params.get("token", "")
     if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
@@ -99,3 +102,22 @@ async def run_metrics(run_id: str, request: Request, since: int = 0) -> list[dic
     if await _store(request).get(run_id) is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
     return await _store(request).metrics(run_id, since)
+
+
+@router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
+async def viewer(run_id: str, request: Request, limit: int = 400) -> HTMLResponse:
+    from agent.chat import ChatTokenizer
+    from services.trainer.viewer import load_groups, render_viewer, viewer_data
+
+    record = await _store(request).get(run_id)
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    groups = load_groups(Path(record.output_dir)) if record.output_dir else []
+    if not groups:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            "no scored groups kept for this run (start the trainer with --save-groups)",
+        )
+    tokenizer = ChatTokenizer.from_pretrained(record.spec.model.tokenizer or record.spec.model.path)
+    rows = viewer_data(groups, tokenizer, limit=limit)
+    return HTMLResponse(render_viewer(rows, f"Turn-level credit: {record.name} ({run_id})"))

@@ -77,6 +77,11 @@ def batch_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
         if groups
         else 0.0,
         "scoring_s_mean": statistics.fmean(g.scoring_s for g in groups) if groups else 0.0,
+        # busy time of each stage for this batch: a group's rollout lasts as long as its slowest sample
+        "rollout_s_sum": sum(
+            max((t.generation_s for t in g.group.trajectories), default=0.0) for g in groups
+        ),
+        "scoring_s_sum": sum(g.scoring_s for g in groups),
     }
     scored = [g.diagnostics for g in groups if g.scored]
     turns = sum(d.scored_turns for d in scored)
@@ -347,6 +352,6 @@ def _save_groups(out: Path, step: int, groups: list[ScoredGroup]) -> None:
     """The scored groups of a step, for the report and the credit viewer (msgpack, one file a step)."""
     import msgpack
 
-    (out / "groups").mkdir(exist_ok=True)
+    (out / "groups").mkdir(parents=True, exist_ok=True)
     payload = msgpack.packb([encode(g) for g in groups], use_bin_type=True)
     (out / "groups" / f"step-{step:06d}.msgpack").write_bytes(payload)

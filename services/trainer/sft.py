@@ -40,6 +40,7 @@ class SftConfig:
     max_tokens: int = 65_536  # longer conversations are skipped
     grad_clip: float = 1.0
     seed: int = 0
+    save_every_epoch: bool = False  # also write out/epoch-<n> after each epoch
 
 
 def encode_conversation(tok: ChatTokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
@@ -134,6 +135,8 @@ def run_sft(
             history.append(record)
             if progress is not None:
                 progress(trainer.step, total, record)
+        if config.save_every_epoch and epoch < config.epochs - 1:
+            save_checkpoint(model, out.parent / f"{out.name}-epoch-{epoch + 1}", tokenizer=tok.tok)
     elapsed = time.perf_counter() - started
     stats = {
         "conversations": len(samples),

@@ -1,0 +1,65 @@
+"""The demo's settings: everything ``pbsd demo`` does is sized here (defaults fit ~15 minutes on 2 cores)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["ASSETS", "DemoConfig"]
+
+# The warmed-up tiny policy committed with the repository (see assets/demo-policy/RECIPE.md).
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "demo-policy"
+
+
+Difficulty = Literal["easy", "medium", "hard"]
+
+
+class DemoConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = 0
+    algorithm: Literal["pbsd", "grpo", "both"] = "pbsd"
+    # the world
+    entities: int = 2000
+    n_rl: int = 575
+    n_val: int = 200
+    # 6000 oracle trajectories: with fewer the tiny policy memorises instead of learning to copy
+    # names from the question into its searches (1000 x 8 epochs: 0/24 on validation)
+    n_sft: int = 6000
+    difficulty: list[Difficulty] = Field(
+        default=["easy"], description="difficulties of the RL questions the tiny policy trains on"
+    )
+    eval_difficulty: list[Difficulty] = Field(
+        # validation takes the rarest answers, so with 6000 SFT questions it holds only 7 easy ones
+        default=["easy", "medium"],
+        description="difficulties of the validation questions evaluated before and after",
+    )
+    # the warm start (used with --from-scratch, or when the committed policy does not fit the world)
+    from_scratch: bool = False
+    policy: str | None = Field(
+        default=None, description="start from this checkpoint instead (must fit the world)"
+    )
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    sft_epochs: int = 2
+    sft_lr: float = 2e-3
+    sft_batch_size: int = 16
+    sft_warmup_steps: int = 10
+    sft_search_num: int = 3  # results per search in the oracle trajectories (shorter contexts)
+    # RL
+    steps: int = 6
+    prompts_per_step: int = 4
+    group_size: int = 4
+    max_turns: int = 12
+    max_tokens_per_turn: int = 160
+    max_context: int = 6144
+    lr: float = 2e-5
+    warmup_steps: int = 2
+    max_staleness: int = 1
+    rollout_concurrency: int = 4
+    # evaluation before and after
+    eval_questions: int = 24
+    eval_samples: int = 1
+    eval_top_p: float = 0.95

@@ -1,0 +1,194 @@
+"""The demo's report: ``report.html`` (readable offline, figures inline as PNG), the metrics as
+JSONL, and the turn-level credit viewer, for every run the demo made."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and in CI
+import matplotlib.pyplot as plt
+import numpy as np
+
+from agent.chat import ChatTokenizer
+from demo.config import DemoConfig
+from pbsd import credit
+from services.trainer.viewer import load_groups, render_viewer, viewer_data
+
+__all__ = ["write_report"]
+
+COLORS = {"pbsd": "#1f6feb", "grpo": "#d97706"}
+
+
+def _metrics(run_dir: Path) -> list[dict[str, float]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _png(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _series(ax, metrics: dict[str, list[dict]], key: str, label: str, style: str = "-") -> None:
+    for algo, rows in metrics.items():
+        xs = [r["step"] for r in rows if key in r]
+        ys = [r[key] for r in rows if key in r]
+        if xs:
+            ax.plot(xs, ys, style, marker="o", color=COLORS.get(algo), label=f"{algo.upper()} {label}")
+
+
+def figures(
+    out: Path, metrics: dict[str, list[dict]], evidence: np.ndarray, evals: dict[str, Any], samples: int
+) -> dict[str, str]:
+    figs = out / "figures"
+    figs.mkdir(exist_ok=True)
+    made = {}
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    _series(ax, metrics, "reward_mean", "reward")
+    _series(ax, metrics, "accuracy", "accuracy", "--")
+    ax.set(xlabel="training step", ylabel="per batch", title="Reward and accuracy")
+    ax.legend(fontsize=8)
+    made["reward_accuracy"] = _png(fig, figs / "reward_accuracy.png")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
+    _series(a1, metrics, "turns_mean", "")
+    a1.set(xlabel="training step", title="Turns per trajectory")
+    _series(a2, metrics, "tokens_mean", "all tokens")
+    _series(a2, metrics, "generated_tokens_mean", "generated", "--")
+    a2.set(xlabel="training step", title="Tokens per trajectory")
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
+    made["turns_tokens"] = _png(fig, figs / "turns_tokens.png")
+
+    pbsd = {k: v for k, v in metrics.items() if k == "pbsd"}
+    if pbsd and any("teacher_higher_frac" in r for r in pbsd["pbsd"]):
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
+        _series(a1, pbsd, "teacher_higher_frac", "")
+        a1.set(xlabel="training step", title="Turns where teacher > student")
+        _series(a2, pbsd, "mean_abs_gap", "")
+        a2.set(xlabel="training step", title="Mean |teacher - student| (per turn)")
+        made["credit_signal"] = _png(fig, figs / "credit_signal.png")
+
+    if evidence.size:
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        lim = float(np.quantile(np.abs(evidence), 0.99)) or 0.01
+        ax.hist(np.clip(evidence, -lim, lim), bins=60, color=COLORS["pbsd"])
+        ax.axvspan(
+            -credit.DEFAULT_EPS_NEG,
+            credit.DEFAULT_EPS_POS,
+            color="#999",
+            alpha=0.35,
+            label=f"deadband [-{credit.DEFAULT_EPS_NEG}, {credit.DEFAULT_EPS_POS}] (w = 1)",
+        )
+        ax.set(xlabel="turn evidence s", ylabel="turns", title="Evidence scores of every scored turn")
+        ax.legend(fontsize=8)
+        made["evidence"] = _png(fig, figs / "evidence.png")
+
+    labels, values = [], []
+    for name, report in evals.items():
+        labels.append(name)
+        values.append(report["accuracy"]["all"][f"mean@{samples}"])
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    bars = ax.bar(
+        labels,
+        values,
+        color=["#777" if n == "before" else COLORS.get(n.split("-")[-1], "#444") for n in labels],
+    )
+    ax.bar_label(bars, fmt="%.2f")
+    ax.set(
+        ylabel=f"mean@{samples}", title="Accuracy before and after RL", ylim=(0, max([*values, 0.05]) * 1.25)
+    )
+    made["before_after"] = _png(fig, figs / "before_after.png")
+    return made
+
+
+def write_report(
+    out: Path, config: DemoConfig, runs: dict[str, dict[str, Any]], evals: dict[str, Any], *, elapsed: float
+) -> Path:
+    metrics = {algo: _metrics(Path(r["dir"])) for algo, r in runs.items()}
+    evidence_parts = []
+    viewers = {}
+    tokenizer = ChatTokenizer.from_pretrained(out / "policy-sft")
+    for algo, r in runs.items():
+        run_dir = Path(r["dir"])
+        if (run_dir / "metrics.jsonl").exists():
+            shutil.copy(run_dir / "metrics.jsonl", out / f"metrics-{algo}.jsonl")
+        groups = load_groups(run_dir)
+        evidence_parts += [g.diagnostics.evidence for _, g in groups if g.scored]
+        page = render_viewer(
+            viewer_data(groups, tokenizer), f"Turn-level credit, {algo.upper()} run {r['id']}"
+        )
+        (out / f"viewer-{algo}.html").write_text(page)
+        viewers[algo] = f"viewer-{algo}.html"
+    evidence = np.concatenate(evidence_parts) if evidence_parts else np.zeros(0)
+    figs = figures(out, metrics, evidence, evals, config.eval_samples)
+
+    k = config.eval_samples
+    rows = []
+    for name, report in evals.items():
+        acc = report["accuracy"]["all"]
+        rows.append(
+            f"<tr><td>{html.escape(name)}</td><td>{acc[f'mean@{k}']:.3f}</td><td>{acc['pass@k'][str(k)]:.3f}</td>"
+            f"<td>{report['questions']}</td><td>{report['mean_turns']:.2f}</td>"
+            f"<td>{report['mean_generated_tokens']:.0f}</td><td>{html.escape(json.dumps(report['finish_reasons']))}</td></tr>"
+        )
+    run_rows = []
+    for algo, r in runs.items():
+        last = metrics[algo][-1] if metrics[algo] else {}
+        run_rows.append(
+            f"<tr><td>{algo.upper()}</td><td>{html.escape(r['id'])}</td><td>{int(last.get('step', 0))}</td>"
+            f"<td>{last.get('accuracy', 0):.3f}</td><td>{last.get('teacher_higher_frac', float('nan')):.3f}</td>"
+            f"<td>{last.get('filtered_frac', float('nan')):.3f}</td>"
+            f"<td><a href='{viewers[algo]}'>credit viewer</a> &middot; <a href='metrics-{algo}.jsonl'>metrics</a> &middot; "
+            f"<code>{html.escape(str(Path(r['dir']) / 'final'))}</code></td></tr>"
+        )
+    both = len(runs) > 1
+    note = (
+        (
+            "Both algorithms ran on the same world, from the same warm policy, with the same settings; "
+            "they differ only in the scorer's per-turn weights."
+        )
+        if both
+        else ""
+    )
+    body = "".join(
+        f"<figure><img alt='{name}' src='data:image/png;base64,{data}'><figcaption>{name.replace('_', ' ')}"
+        f"</figcaption></figure>"
+        for name, data in figs.items()
+    )
+    page = f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>pbsd demo report</title>
+<style>body{{font:14px/1.5 system-ui,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;color:#222}}
+table{{border-collapse:collapse;margin:8px 0 18px}}td,th{{border:1px solid #ddd;padding:4px 8px;text-align:left}}
+figure{{display:inline-block;margin:8px;vertical-align:top}}figcaption{{font-size:12px;color:#555;text-align:center}}
+img{{max-width:520px}}code{{font-size:12px}}</style></head><body>
+<h1>pbsd demo: a tiny search agent trained with {" and ".join(a.upper() for a in runs)}</h1>
+<p>{config.steps} steps of {config.prompts_per_step} prompts x {config.group_size} samples on the embedded world
+(seed {config.seed}, {config.entities} entities, RL on {html.escape("+".join(config.difficulty))} questions, evaluated on {html.escape("+".join(config.eval_difficulty))} validation questions), the tiny Qwen3-MoE policy
+warmed up by SFT on oracle trajectories; the four services ran as separate processes over a private Redis.
+Total time {elapsed / 60:.1f} minutes. {note}</p>
+<h2>Evaluation (mean@{k} and pass@{k} on held-out validation questions)</h2>
+<table><tr><th>policy</th><th>mean@{k}</th><th>pass@{k}</th><th>questions</th><th>turns</th><th>generated tokens</th><th>finish reasons</th></tr>
+{"".join(rows)}</table>
+<h2>Runs</h2>
+<table><tr><th>algorithm</th><th>run</th><th>steps</th><th>last batch accuracy</th><th>teacher &gt; student</th>
+<th>filtered</th><th>artefacts</th></tr>{"".join(run_rows)}</table>
+<h2>Figures</h2>{body}
+<p>Files: <code>demo-config.json</code>, <code>eval-*.json</code>, <code>metrics-*.jsonl</code>, <code>figures/*.png</code>,
+<code>viewer-*.html</code>, <code>runs/&lt;id&gt;/final</code> (the trained checkpoint), <code>logs/</code>.</p>
+</body></html>"""
+    path = out / "report.html"
+    path.write_text(page)
+    return path

@@ -1,0 +1,303 @@
+"""``pbsd demo``: train a search agent end to end on one machine, and show what PBSD did.
+
+    1. build the embedded world                                   (seeded: the same world every time)
+    2. the warmed-up tiny policy: the committed one, or built here (oracle SFT data,
+       a tokenizer and a tiny Qwen3-MoE, supervised fine-tuning) with --from-scratch
+    3. a private Redis and the four services as separate processes, each started as in
+       production (pbsd serve tools | scorer | rollout | trainer) and health-checked
+    4. evaluate the warm policy; submit the run through the trainer's REST API and follow
+       it; evaluate the trained policy (and the same for GRPO with --algorithm both)
+    5. write the report: report.html with figures, metrics JSONL, the credit viewer
+
+Every process is stopped on success, failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from demo.config import ASSETS, DemoConfig
+from services.launcher import ServiceProcess
+from services.local_redis import LocalRedis, free_port
+from services.rollout.agent import AgentLimits
+from services.rollout.runner import eval_main
+from worldgen.build import build_world
+from worldgen.formats import write_jsonl
+
+__all__ = ["run_demo"]
+
+
+def say(message: str) -> None:
+    tqdm.write(f"[demo {time.strftime('%H:%M:%S')}] {message}")
+
+
+def world_fingerprint(world: Path) -> str:
+    return json.loads((world / "manifest.json").read_text())["files"]["corpus.jsonl"]
+
+
+def prepare_policy(config: DemoConfig, world: Path, out: Path) -> Path:
+    """The warmed-up policy: the committed one when it was made from this very world, else built here."""
+    target = out / "policy-sft"
+    if config.policy:
+        say(f"using the given policy {config.policy}")
+        shutil.copytree(config.policy, target, dirs_exist_ok=True)
+        return target
+    meta_file = ASSETS / "pbsd.json"
+    if not config.from_scratch and meta_file.exists():
+        meta = json.loads(meta_file.read_text())
+        if meta.get("world_corpus_sha256") == world_fingerprint(world):
+            say(
+                f"using the committed warm policy ({ASSETS.relative_to(ASSETS.parent.parent)}; see RECIPE.md)"
+            )
+            shutil.copytree(ASSETS, target, dirs_exist_ok=True)
+            return target
+        say("the committed policy was made from another world: building one from scratch")
+    return build_policy(config, world, target)
+
+
+def build_policy(config: DemoConfig, world: Path, target: Path) -> Path:
+    """Oracle SFT data, tokenizer and tiny model, supervised fine-tuning (``--from-scratch``)."""
+    from services.model.tiny import TinySpec, init_tiny
+    from services.trainer.sft import SftConfig, run_sft
+    from worldgen.oracle import write_sft_data
+
+    work = target.parent / "warm-start"
+    work.mkdir(parents=True, exist_ok=True)
+    say("writing oracle trajectories for SFT")
+    stats = write_sft_data(world, work / "sft.jsonl", seed=config.seed, search_num=config.sft_search_num)
+    say(f"{stats['written']} trajectories ({stats['tool_calls']} tool calls, {stats['detours']} detours)")
+    spec = TinySpec(vocab_size=config.vocab_size, hidden_size=config.hidden_size, seed=config.seed)
+    init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
+    bar = tqdm(desc="SFT warm start", unit="step")
+
+    def progress(step, total, record):
+        bar.total = total
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+
+    sft = SftConfig(
+        epochs=config.sft_epochs,
+        lr=config.sft_lr,
+        batch_size=config.sft_batch_size,
+        warmup_steps=config.sft_warmup_steps,
+        seed=config.seed,
+    )
+    result = run_sft(work / "sft.jsonl", work / "tiny", target, sft, progress)
+    bar.close()
+    meta = json.loads((target / "pbsd.json").read_text())
+    meta["world_corpus_sha256"] = world_fingerprint(world)
+    (target / "pbsd.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
+    return target
+
+
+def question_files(config: DemoConfig, world: Path, out: Path) -> tuple[Path, Path]:
+    data = out / "data"
+    rl = [json.loads(x) for x in (world / "questions" / "rl.jsonl").read_text().splitlines()]
+    val = [json.loads(x) for x in (world / "questions" / "validation.jsonl").read_text().splitlines()]
+    write_jsonl(data / "rl.jsonl", [q for q in rl if q["difficulty"] in config.difficulty])
+    write_jsonl(
+        data / "eval.jsonl",
+        [q for q in val if q["difficulty"] in config.eval_difficulty][: config.eval_questions],
+    )
+    return data / "rl.jsonl", data / "eval.jsonl"
+
+
+def evaluate(
+    config: DemoConfig, policy: Path, questions: Path, world: Path, label: str, out: Path
+) -> dict[str, Any]:
+    n = sum(1 for _ in questions.read_text().splitlines()) * config.eval_samples
+    bar = tqdm(total=n, desc=f"evaluate {label}", unit="traj")
+    limits = AgentLimits(
+        max_turns=config.max_turns,
+        max_tokens_per_turn=config.max_tokens_per_turn,
+        max_context=config.max_context,
+        top_p=config.eval_top_p,
+    )
+
+    report = asyncio.run(
+        eval_main(
+            policy,
+            questions,
+            samples=config.eval_samples,
+            corpus=world / "corpus.jsonl",
+            tools_url=None,
+            sglang_urls=[],
+            limit=None,
+            limits=limits,
+            concurrency=config.rollout_concurrency,
+            date=None,
+            seed=config.seed,
+            on_done=lambda: bar.update(1),
+        )
+    )
+    bar.close()
+    (out / f"eval-{label}.json").write_text(json.dumps(report, indent=2))
+    acc = report["accuracy"]["all"][f"mean@{config.eval_samples}"]
+    say(
+        f"{label}: accuracy {acc:.3f} on {report['questions']} questions, finish reasons {report['finish_reasons']}"
+    )
+    return report
+
+
+def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path) -> dict[str, Any]:
+    return {
+        "name": f"demo-{algorithm}",
+        "model": {"path": str(policy), "dtype": "float32"},
+        "data": {"train": str(rl), "shuffle_seed": config.seed},
+        "rollout": {
+            "group_size": config.group_size,
+            "max_turns": config.max_turns,
+            "max_tokens_per_turn": config.max_tokens_per_turn,
+            "max_context": config.max_context,
+            "max_staleness": config.max_staleness,
+            "temperature": 1.0,
+            "top_p": 1.0,
+        },
+        "algorithm": {"name": algorithm},
+        "trainer": {
+            "prompts_per_step": config.prompts_per_step,
+            "max_steps": config.steps,
+            "lr": config.lr,
+            "warmup_steps": config.warmup_steps,
+            "checkpoint_every": config.steps,
+            "seed": config.seed,
+        },
+    }
+
+
+def follow_run(api: httpx.Client, run_id: str, steps: int, label: str) -> dict[str, Any]:
+    bar = tqdm(total=steps, desc=f"train {label}", unit="step")
+    seen = 0
+    while True:
+        record = api.get(f"/runs/{run_id}").raise_for_status().json()
+        if record["step"] > seen:
+            bar.update(record["step"] - seen)
+            seen = record["step"]
+            m = record["latest_metrics"]
+            bar.set_postfix(
+                acc=f"{m.get('accuracy', 0):.2f}",
+                turns=f"{m.get('turns_mean', 0):.1f}",
+                stale=f"{m.get('staleness_mean', 0):.1f}",
+            )
+        if record["state"] in ("completed", "failed", "cancelled"):
+            bar.close()
+            if record["state"] != "completed":
+                raise RuntimeError(f"run {run_id} ended {record['state']}: {record.get('error')}")
+            return record
+        time.sleep(1.0)
+
+
+def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo-config.json").write_text(config.model_dump_json(indent=2))
+    say(f"output in {out}")
+    world = out / "world"
+    if not (world / "manifest.json").exists():
+        build_world(
+            world,
+            seed=config.seed,
+            entities=config.entities,
+            n_rl=config.n_rl,
+            n_val=config.n_val,
+            n_sft=config.n_sft,
+        )
+    date = json.loads((world / "manifest.json").read_text())["date"]
+    say(
+        f"world: {config.entities} entities, questions {json.loads((world / 'manifest.json').read_text())['questions']}"
+    )
+    policy = prepare_policy(config, world, out)
+    rl, eval_questions = question_files(config, world, out)
+    algorithms = ["pbsd", "grpo"] if config.algorithm == "both" else [config.algorithm]
+
+    evals = {"before": evaluate(config, policy, eval_questions, world, "before", out)}
+    runs: dict[str, dict[str, Any]] = {}
+    token = secrets.token_urlsafe(24)
+    with contextlib.ExitStack() as stack:
+        redis_server = stack.enter_context(LocalRedis(workdir=out / "redis", persist=False))
+        common = {"REDIS_URL": redis_server.url, "PBSD_STREAM_PREFIX": "demo", "PBSD_LOG_LEVEL": "INFO"}
+        logs = out / "logs"
+        services = [
+            ServiceProcess(
+                "tools",
+                port=free_port(),
+                log=logs / "tools.log",
+                env={**common, "PBSD_TOOLS_CORPUS": str(world / "corpus.jsonl")},
+            ),
+            ServiceProcess(
+                "scorer",
+                port=free_port(),
+                log=logs / "scorer.log",
+                env={**common, "PBSD_SCORER_MODEL": str(policy)},
+            ),
+        ]
+        tools_url = services[0].url
+        services.append(
+            ServiceProcess(
+                "rollout",
+                port=free_port(),
+                log=logs / "rollout.log",
+                env={
+                    **common,
+                    "PBSD_ROLLOUT_MODEL": str(policy),
+                    "PBSD_ROLLOUT_TOOLS_URL": tools_url,
+                    "PBSD_ROLLOUT_CONCURRENCY": str(config.rollout_concurrency),
+                    "PBSD_ROLLOUT_DATE": date,
+                    "PBSD_ROLLOUT_SEED": str(config.seed),
+                },
+            )
+        )
+        trainer = ServiceProcess(
+            "trainer",
+            port=free_port(),
+            log=logs / "trainer.log",
+            env={
+                **common,
+                "PBSD_TRAINER_API_TOKEN": token,
+                "PBSD_TRAINER_RUNS_DIR": str(out / "runs"),
+                "PBSD_TRAINER_SAVE_GROUPS": "1",
+            },
+        )
+        services.append(trainer)
+        for service in tqdm(services, desc="start services", unit="service"):
+            stack.callback(service.stop)
+            service.start()
+        for service in services:
+            service.wait_healthy(timeout=600)
+        say("services up: " + ", ".join(f"{s.name} {s.url}" for s in services) + f" (logs in {logs})")
+        with httpx.Client(
+            base_url=trainer.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as api:
+            for algorithm in algorithms:
+                run_id = (
+                    api.post("/runs", json=run_spec(config, algorithm, policy, rl))
+                    .raise_for_status()
+                    .json()["id"]
+                )
+                say(f"submitted {algorithm} run {run_id}")
+                record = follow_run(api, run_id, config.steps, algorithm)
+                runs[algorithm] = {"id": run_id, "dir": str(out / "runs" / run_id), "record": record}
+                evals[f"after-{algorithm}"] = evaluate(
+                    config, out / "runs" / run_id / "final", eval_questions, world, f"after-{algorithm}", out
+                )
+    from demo.report import write_report
+
+    report = write_report(out, config, runs, evals, elapsed=time.perf_counter() - started)
+    return {
+        "out": str(out),
+        "report": str(report),
+        "runs": runs,
+        "evals": evals,
+        "seconds": time.perf_counter() - started,
+    }

@@ -1,0 +1,176 @@
+"""The turn-level credit viewer: the paper's case-study figure, interactive.
+
+For every trained trajectory it shows each assistant turn with its text, its tool call,
+its evidence score s, its weight w, and its credit label, colour-coded as in the
+paper's appendix: *high value* (s > eps+, the teacher finds the turn more likely once
+told the answer), *low value* (s < -eps-), *filtered* (inside the low-SNR deadband,
+weight exactly 1), or *unscored* (GRPO, or no aligned token). Trajectories can be
+filtered to the correct or the incorrect ones.
+
+The page is self-contained (data, style and script inline): the trainer serves it at
+``/runs/{id}/viewer`` and the demo writes it next to its report.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from agent.chat import ChatTokenizer
+from agent.toolcall import parse_tool_call
+from proto.base import decode
+from proto.messages import ScoredGroup
+from proto.runs import PbsdSpec
+
+__all__ = ["load_groups", "render_viewer", "viewer_data"]
+
+
+def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
+    """(step, scored group) for every group the trainer saved (``--save-groups``), in step order."""
+    out = []
+    for path in sorted((Path(run_dir) / "groups").glob("step-*.msgpack")):
+        step = int(path.stem.split("-")[1])
+        out += [(step, decode(ScoredGroup, raw)) for raw in msgpack.unpackb(path.read_bytes(), raw=False)]
+    return out
+
+
+def label(s: float, eps_pos: float, eps_neg: float) -> str:
+    if s is None or math.isnan(s):
+        return "unscored"
+    if s > eps_pos:
+        return "high"
+    if s < -eps_neg:
+        return "low"
+    return "filtered"
+
+
+def viewer_data(
+    groups: list[tuple[int, ScoredGroup]], tokenizer: ChatTokenizer, *, limit: int = 400
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for step, scored in groups:
+        algo = scored.group.algorithm
+        eps_pos, eps_neg = (algo.eps_pos, algo.eps_neg) if isinstance(algo, PbsdSpec) else (0.0, 0.0)
+        for i, t in enumerate(scored.group.trajectories):
+            turns = []
+            ids = t.completion_ids.tolist()
+            for k, (start, end) in enumerate(t.turn_spans):
+                text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+                call = parse_tool_call(text).call
+                after = ids[end : t.turn_spans[k + 1][0]] if k + 1 < len(t.turn_spans) else ids[end:]
+                s = float(scored.turn_evidence[i][k])
+                turns.append(
+                    {
+                        "text": text,
+                        "tool": None
+                        if call is None
+                        else {
+                            "server": call.server_name,
+                            "tool": call.tool_name,
+                            "arguments": call.arguments,
+                        },
+                        "result": tokenizer.decode(after, skip_special_tokens=True).strip(),
+                        "evidence": None if math.isnan(s) else s,
+                        "weight": float(scored.turn_weights[i][k]),
+                        "label": label(s, eps_pos, eps_neg) if scored.scored else "unscored",
+                    }
+                )
+            rows.append(
+                {
+                    "id": t.trajectory_id,
+                    "step": step,
+                    "question": scored.group.question,
+                    "answer": scored.group.answer,
+                    "final": t.final_answer,
+                    "reward": t.reward,
+                    "correct": t.reward > 0,
+                    "advantage": float(scored.advantages[i]),
+                    "finish": t.finish_reason,
+                    "algorithm": algo.name,
+                    "turns": turns,
+                }
+            )
+            if len(rows) >= limit:
+                return rows
+    return rows
+
+
+def render_viewer(rows: list[dict[str, Any]], title: str = "Turn-level credit") -> str:
+    data = json.dumps(rows).replace("</", "<\\/")
+    return _TEMPLATE.replace("{{TITLE}}", html.escape(title)).replace("{{DATA}}", data)
+
+
+_TEMPLATE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{{TITLE}}</title>
+<style>
+body{font:14px/1.45 system-ui,sans-serif;margin:0;display:flex;height:100vh;color:#222}
+#side{width:38%;overflow:auto;border-right:1px solid #ddd;padding:8px}
+#main{flex:1;overflow:auto;padding:12px 16px}
+h1{font-size:16px;margin:4px 0 8px}
+.filters label{margin-right:10px}
+table{border-collapse:collapse;width:100%;margin-top:8px}
+td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
+tr.traj{cursor:pointer} tr.traj:hover{background:#f5f5ff} tr.selected{background:#e8e8ff}
+.ok{color:#0a7a2f;font-weight:600}.bad{color:#b3261e;font-weight:600}
+.turn{border-left:6px solid #ccc;margin:10px 0;padding:6px 10px;background:#fafafa;border-radius:3px}
+.turn.high{border-color:#2e9d4f;background:#eef8f0}.turn.low{border-color:#d0443a;background:#fbeeee}
+.turn.filtered{border-color:#9e9e9e;background:#f3f3f3}.turn.unscored{border-color:#cfd8dc}
+.meta{font-size:12px;color:#555;margin-bottom:4px}
+.badge{display:inline-block;padding:0 6px;border-radius:8px;font-size:11px;color:#fff;margin-right:6px}
+.badge.high{background:#2e9d4f}.badge.low{background:#d0443a}.badge.filtered{background:#8e8e8e}.badge.unscored{background:#90a4ae}
+pre{white-space:pre-wrap;word-break:break-word;margin:4px 0;font:12px/1.4 ui-monospace,monospace}
+details pre{color:#555}
+.legend span{margin-right:12px}
+</style></head><body>
+<div id="side">
+<h1>{{TITLE}}</h1>
+<div class="legend"><span><span class="badge high">high value</span>s &gt; eps+</span><span><span class="badge low">low value</span>s &lt; -eps-</span>
+<span><span class="badge filtered">filtered</span>deadband, w = 1</span><span><span class="badge unscored">unscored</span></span></div>
+<div class="filters" data-testid="filters">
+<label><input type="radio" name="f" value="all" checked> all</label>
+<label><input type="radio" name="f" value="correct"> correct</label>
+<label><input type="radio" name="f" value="incorrect"> incorrect</label>
+<span data-testid="count"></span></div>
+<table><thead><tr><th>step</th><th>question</th><th>result</th><th>turns</th><th>A</th></tr></thead>
+<tbody id="list"></tbody></table>
+</div>
+<div id="main" data-testid="detail"><p>Select a trajectory.</p></div>
+<script id="data" type="application/json">{{DATA}}</script>
+<script>
+const rows = JSON.parse(document.getElementById('data').textContent);
+const esc = s => String(s ?? '').replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
+const fmt = (x, d) => x === null || x === undefined ? '&ndash;' : Number(x).toFixed(d);
+let filter = 'all';
+function render() {
+  const body = document.getElementById('list');
+  const shown = rows.map((r, i) => [r, i]).filter(([r]) => filter === 'all' || (filter === 'correct') === r.correct);
+  body.innerHTML = shown.map(([r, i]) => `<tr class="traj" data-index="${i}" data-correct="${r.correct}">
+    <td>${r.step}</td><td>${esc(r.question).slice(0, 90)}</td>
+    <td class="${r.correct ? 'ok' : 'bad'}">${r.correct ? '&#10003; correct' : '&#10007; ' + esc(r.finish)}</td>
+    <td>${r.turns.length}</td><td>${fmt(r.advantage, 2)}</td></tr>`).join('');
+  document.querySelector('[data-testid=count]').textContent = shown.length + ' trajectories';
+  body.querySelectorAll('tr.traj').forEach(tr => tr.onclick = () => show(Number(tr.dataset.index), tr));
+}
+function show(i, tr) {
+  document.querySelectorAll('tr.selected').forEach(x => x.classList.remove('selected'));
+  if (tr) tr.classList.add('selected');
+  const r = rows[i];
+  const turns = r.turns.map((t, k) => `<div class="turn ${t.label}" data-testid="turn" data-label="${t.label}">
+    <div class="meta"><span class="badge ${t.label}">${t.label}</span>turn ${k + 1}
+    &middot; s = ${fmt(t.evidence, 4)} &middot; w = ${fmt(t.weight, 3)}
+    ${t.tool ? '&middot; calls <b>' + esc(t.tool.tool) + '</b> ' + esc(JSON.stringify(t.tool.arguments)) : ''}</div>
+    <pre>${esc(t.text)}</pre>
+    ${t.result ? '<details><summary>tool result</summary><pre>' + esc(t.result) + '</pre></details>' : ''}</div>`).join('');
+  document.getElementById('main').innerHTML = `<h1>${esc(r.question)}</h1>
+    <p>verified answer <b>${esc(r.answer)}</b> &middot; final answer <b>${esc(r.final ?? 'none')}</b>
+    &middot; reward ${r.reward} &middot; A = ${fmt(r.advantage, 3)} &middot; ${esc(r.algorithm)} &middot; ${esc(r.id)}</p>${turns}`;
+}
+document.querySelectorAll('input[name=f]').forEach(el => el.onchange = () => { filter = el.value; render(); });
+render();
+</script></body></html>
+"""
