@@ -3,8 +3,8 @@ was busy (rollout, scoring, training), for GRPO and PBSD on the demo's setting.
 
 It runs the main job (``pbsd demo``'s own code: the world, the committed warm policy, Redis
 and the four services as processes) with both algorithms and reads the trainer's per-step
-metrics: ``step_s`` (wall time between steps), ``rollout_s_sum`` (each group's slowest
-sample, summed over the batch; divided by the rollout worker's concurrency: its busy time),
+metrics: ``step_s`` (wall time between steps), ``rollout_s_wall`` (the wall time during which
+any of the step's groups was being sampled: groups run concurrently and share the engine),
 ``scoring_s_sum`` and ``train_s``. Without overlap a step would take their sum; the ratio
 says how much of it the pipeline hides.
 
@@ -25,12 +25,12 @@ from demo.config import DemoConfig
 from demo.run import run_demo
 
 
-def summarise(run_dir: Path, concurrency: int) -> dict[str, float]:
+def summarise(run_dir: Path) -> dict[str, float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][
         1:
     ]  # the first step warms up
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
-    rollout = mean("rollout_s_sum") / concurrency
+    rollout = mean("rollout_s_wall")
     out = {
         "steps": len(rows),
         "step_s": mean("step_s"),
@@ -49,10 +49,7 @@ def main() -> None:
     config = DemoConfig(algorithm="both", steps=args.steps, eval_questions=1)
     with tempfile.TemporaryDirectory() as tmp:
         result = run_demo(config, Path(tmp) / "demo")
-        table = {
-            algo: summarise(Path(run["dir"]), config.rollout_concurrency)
-            for algo, run in result["runs"].items()
-        }
+        table = {algo: summarise(Path(run["dir"])) for algo, run in result["runs"].items()}
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     print(
         f"setting: {config.prompts_per_step} prompts x {config.group_size} samples a step, max_staleness "

@@ -48,7 +48,7 @@ from worldgen.formats import load_questions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunExecutor", "TrainState", "batch_metrics"]
+__all__ = ["RunExecutor", "TrainState", "batch_metrics", "covered_seconds"]
 
 
 @dataclass
@@ -58,6 +58,16 @@ class TrainState:
     next_index: int = 0
     dropped: int = 0
     drops: dict[str, int] = field(default_factory=dict)
+
+
+def covered_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def batch_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
@@ -80,6 +90,17 @@ def batch_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
         # busy time of each stage for this batch: a group's rollout lasts as long as its slowest sample
         "rollout_s_sum": sum(
             max((t.generation_s for t in g.group.trajectories), default=0.0) for g in groups
+        ),
+        # the wall time during which any of the batch's groups was being sampled: groups run
+        # concurrently and share the engine, so this, not the sum, is what the pipeline can hide
+        "rollout_s_wall": covered_seconds(
+            [
+                (
+                    g.group.created_at - max((t.generation_s for t in g.group.trajectories), default=0.0),
+                    g.group.created_at,
+                )
+                for g in groups
+            ]
         ),
         "scoring_s_sum": sum(g.scoring_s for g in groups),
     }
