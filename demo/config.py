@@ -49,13 +49,13 @@ class DemoConfig(BaseModel):
     sft_warmup_steps: int = 10
     sft_search_num: int = 3  # results per search in the oracle trajectories (shorter contexts)
     # RL
-    steps: int = 6
+    steps: int = 16
     prompts_per_step: int = 4
-    group_size: int = 4
+    group_size: int = 8
     max_turns: int = 12
     max_tokens_per_turn: int = 160
     max_context: int = 6144
-    lr: float = 2e-5
+    lr: float = 1e-4
     warmup_steps: int = 2
     max_staleness: int = 1
     rollout_concurrency: int = 4

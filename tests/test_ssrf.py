@@ -118,7 +118,10 @@ async def test_caps_on_redirects_size_time_type_and_encoding(sites):
     site, _ = sites
     fetcher = PlainFetcher(
         # a generous timeout: on a loaded 2-core machine inflating the bomb's first 100 kB can take >1 s
-        allow=(f"127.0.0.1:{_port(site)}",), timeout_s=10.0, max_bytes=100_000, max_redirects=3
+        allow=(f"127.0.0.1:{_port(site)}",),
+        timeout_s=10.0,
+        max_bytes=100_000,
+        max_redirects=3,
     )
     try:
         with pytest.raises(FetchError, match="more than 3 redirects"):

@@ -1,0 +1,71 @@
+"""The main job end to end with the smallest settings: real Redis, the four services as real
+processes, the committed warm policy, a PBSD run through the REST API, evaluation and report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+
+
+def _service_processes(out: Path) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if "pbsd.cli serve" in line or ("redis-server" in line and str(out) in line)]
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pbsd.cli",
+        "demo",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--eval-questions",
+        "2",
+        "--max-turns",
+        "3",
+        "--max-tokens-per-turn",
+        "48",
+    ]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "pbsd demo finished" in result.stdout
+
+    (run_dir,) = (out / "runs").iterdir()
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1.0, 2.0]  # steps happened
+    assert [m["policy_version"] for m in metrics] == [1.0, 2.0]  # and published weight versions advanced
+    assert (run_dir / "weights" / "v000002" / "config.json").exists() and (
+        run_dir / "final" / "config.json"
+    ).exists()
+    assert all("teacher_higher_frac" in m and m["scored_turns"] > 0 for m in metrics)  # evidence was computed
+    groups = [
+        g for path in sorted((run_dir / "groups").iterdir()) for g in msgpack.unpackb(path.read_bytes())
+    ]
+    assert len(groups) == 4
+
+    report = (out / "report.html").read_text()
+    assert report.count("<img") >= 4 and "data:image/png;base64," in report
+    assert (out / "viewer-pbsd.html").exists() and (out / "metrics-pbsd.jsonl").exists()
+    assert {p.name for p in (out / "figures").iterdir()} >= {
+        "reward_accuracy.png",
+        "evidence.png",
+        "before_after.png",
+    }
+    for name in ("eval-before.json", "eval-after-pbsd.json"):
+        assert json.loads((out / name).read_text())["questions"] == 2
+    assert _service_processes(out) == []  # nothing left behind
