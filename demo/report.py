@@ -20,6 +20,7 @@ import numpy as np
 from agent.chat import ChatTokenizer
 from demo.config import DemoConfig
 from pbsd import credit
+from proto.runs import PbsdSpec
 from services.trainer.viewer import load_groups, render_viewer, viewer_data
 
 __all__ = ["write_report"]
@@ -33,11 +34,12 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def _png(fig, path: Path) -> str:
+    """Render once: the PNG goes to ``path`` and, base64-encoded, inline into the report."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    path.write_bytes(buf.getvalue())
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -50,7 +52,12 @@ def _series(ax, metrics: dict[str, list[dict]], key: str, label: str, style: str
 
 
 def figures(
-    out: Path, metrics: dict[str, list[dict]], evidence: np.ndarray, evals: dict[str, Any], samples: int
+    out: Path,
+    metrics: dict[str, list[dict]],
+    evidence: np.ndarray,
+    deadband: tuple[float, float],
+    evals: dict[str, Any],
+    samples: int,
 ) -> dict[str, str]:
     figs = out / "figures"
     figs.mkdir(exist_ok=True)
@@ -86,12 +93,9 @@ def figures(
         fig, ax = plt.subplots(figsize=(6, 3.4))
         lim = float(np.quantile(np.abs(evidence), 0.99)) or 0.01
         ax.hist(np.clip(evidence, -lim, lim), bins=60, color=COLORS["pbsd"])
+        eps_pos, eps_neg = deadband
         ax.axvspan(
-            -credit.DEFAULT_EPS_NEG,
-            credit.DEFAULT_EPS_POS,
-            color="#999",
-            alpha=0.35,
-            label=f"deadband [-{credit.DEFAULT_EPS_NEG}, {credit.DEFAULT_EPS_POS}] (w = 1)",
+            -eps_neg, eps_pos, color="#999", alpha=0.35, label=f"deadband [-{eps_neg}, {eps_pos}] (w = 1)"
         )
         ax.set(xlabel="turn evidence s", ylabel="turns", title="Evidence scores of every scored turn")
         ax.legend(fontsize=8)
@@ -120,6 +124,7 @@ def write_report(
 ) -> Path:
     metrics = {algo: _metrics(Path(r["dir"])) for algo, r in runs.items()}
     evidence_parts = []
+    deadband = (credit.DEFAULT_EPS_POS, credit.DEFAULT_EPS_NEG)
     viewers = {}
     tokenizer = ChatTokenizer.from_pretrained(out / "policy-sft")
     for algo, r in runs.items():
@@ -128,13 +133,16 @@ def write_report(
             shutil.copy(run_dir / "metrics.jsonl", out / f"metrics-{algo}.jsonl")
         groups = load_groups(run_dir)
         evidence_parts += [g.diagnostics.evidence for _, g in groups if g.scored]
+        spec = next((g.group.algorithm for _, g in groups if isinstance(g.group.algorithm, PbsdSpec)), None)
+        if spec is not None:  # the run's own deadband (a run may set eps+ and eps-)
+            deadband = (spec.eps_pos, spec.eps_neg)
         page = render_viewer(
             viewer_data(groups, tokenizer), f"Turn-level credit, {algo.upper()} run {r['id']}"
         )
         (out / f"viewer-{algo}.html").write_text(page)
         viewers[algo] = f"viewer-{algo}.html"
     evidence = np.concatenate(evidence_parts) if evidence_parts else np.zeros(0)
-    figs = figures(out, metrics, evidence, evals, config.eval_samples)
+    figs = figures(out, metrics, evidence, deadband, evals, config.eval_samples)
 
     k = config.eval_samples
     rows = []

@@ -41,11 +41,7 @@ def say(message: str) -> None:
     tqdm.write(f"[demo {time.strftime('%H:%M:%S')}] {message}")
 
 
-def world_fingerprint(world: Path) -> str:
-    return json.loads((world / "manifest.json").read_text())["files"]["corpus.jsonl"]
-
-
-def prepare_policy(config: DemoConfig, world: Path, out: Path) -> Path:
+def prepare_policy(config: DemoConfig, world: Path, fingerprint: str, out: Path) -> Path:
     """The warmed-up policy: the committed one when it was made from this very world, else built here."""
     target = out / "policy-sft"
     if config.policy:
@@ -55,20 +51,20 @@ def prepare_policy(config: DemoConfig, world: Path, out: Path) -> Path:
     meta_file = ASSETS / "pbsd.json"
     if not config.from_scratch and meta_file.exists():
         meta = json.loads(meta_file.read_text())
-        if meta.get("world_corpus_sha256") == world_fingerprint(world):
+        if meta.get("world_corpus_sha256") == fingerprint:
             say(
                 f"using the committed warm policy ({ASSETS.relative_to(ASSETS.parent.parent)}; see RECIPE.md)"
             )
             shutil.copytree(ASSETS, target, dirs_exist_ok=True)
             return target
         say("the committed policy was made from another world: building one from scratch")
-    return build_policy(config, world, target)
+    return build_policy(config, world, fingerprint, target)
 
 
-def build_policy(config: DemoConfig, world: Path, target: Path) -> Path:
+def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path) -> Path:
     """Oracle SFT data, tokenizer and tiny model, supervised fine-tuning (``--from-scratch``)."""
     from services.model.tiny import TinySpec, init_tiny
-    from services.trainer.sft import SftConfig, run_sft
+    from services.trainer.sft import SftConfig, progress_bar, run_sft
     from worldgen.oracle import write_sft_data
 
     work = target.parent / "warm-start"
@@ -78,13 +74,6 @@ def build_policy(config: DemoConfig, world: Path, target: Path) -> Path:
     say(f"{stats['written']} trajectories ({stats['tool_calls']} tool calls, {stats['detours']} detours)")
     spec = TinySpec(vocab_size=config.vocab_size, hidden_size=config.hidden_size, seed=config.seed)
     init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
-    bar = tqdm(desc="SFT warm start", unit="step")
-
-    def progress(step, total, record):
-        bar.total = total
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}")
-
     sft = SftConfig(
         epochs=config.sft_epochs,
         lr=config.sft_lr,
@@ -92,10 +81,10 @@ def build_policy(config: DemoConfig, world: Path, target: Path) -> Path:
         warmup_steps=config.sft_warmup_steps,
         seed=config.seed,
     )
-    result = run_sft(work / "sft.jsonl", work / "tiny", target, sft, progress)
-    bar.close()
+    with progress_bar("SFT warm start") as progress:
+        result = run_sft(work / "sft.jsonl", work / "tiny", target, sft, progress)
     meta = json.loads((target / "pbsd.json").read_text())
-    meta["world_corpus_sha256"] = world_fingerprint(world)
+    meta["world_corpus_sha256"] = fingerprint
     (target / "pbsd.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
     return target
@@ -213,11 +202,11 @@ def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
             n_val=config.n_val,
             n_sft=config.n_sft,
         )
-    date = json.loads((world / "manifest.json").read_text())["date"]
-    say(
-        f"world: {config.entities} entities, questions {json.loads((world / 'manifest.json').read_text())['questions']}"
-    )
-    policy = prepare_policy(config, world, out)
+    manifest = json.loads((world / "manifest.json").read_text())
+    date = manifest["date"]
+    say(f"world: {config.entities} entities, questions {manifest['questions']}")
+    # the SHA-256 of the corpus tells whether the committed policy was made from this world
+    policy = prepare_policy(config, world, manifest["files"]["corpus.jsonl"], out)
     rl, eval_questions = question_files(config, world, out)
     algorithms = ["pbsd", "grpo"] if config.algorithm == "both" else [config.algorithm]
 

@@ -203,9 +203,7 @@ def sft_cmd(
     save_every_epoch: bool = typer.Option(False, help="also write <out>-epoch-<n> after each epoch"),
 ) -> None:
     """Supervised fine-tuning on assistant tokens only: the warm start before RL."""
-    from tqdm import tqdm
-
-    from services.trainer.sft import SftConfig, run_sft
+    from services.trainer.sft import SftConfig, progress_bar, run_sft
 
     config = SftConfig(
         epochs=epochs,
@@ -217,15 +215,8 @@ def sft_cmd(
         seed=seed,
         save_every_epoch=save_every_epoch,
     )
-    bar = tqdm(desc="sft", unit="step")
-
-    def progress(step, total, record):
-        bar.total = total
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}")
-
-    stats = run_sft(data, model, out, config, progress)
-    bar.close()
+    with progress_bar("sft") as progress:
+        stats = run_sft(data, model, out, config, progress)
     typer.echo(
         f"wrote {out}: {stats['steps']} steps, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
         f"in {stats['seconds']:.0f}s"

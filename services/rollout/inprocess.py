@@ -171,7 +171,6 @@ class InProcessEngine:
                 j.session, j.cached = self._start(j.request)
                 pending = j.request.input_ids[len(j.session.ids) :]
                 logits.append(self._prefill(j, pending, recorder))
-            active = list(jobs)
             for j, lg in zip(jobs, logits, strict=True):
                 self._sample(j, lg)
             active = [j for j in jobs if j.finish is None]
@@ -232,18 +231,20 @@ class InProcessEngine:
             job.finish = "length"
 
     def _decode(self, jobs: list[_Job], recorder: RouteRecorder | None) -> None:
-        """Decode the jobs together until every one has finished."""
+        """Decode the jobs together until every one has finished; a finished row takes its cache
+        out of the batch and leaves it, so later forwards run only the rows still generating."""
         lengths = [len(j.session.ids) for j in jobs]
         width = max(lengths)
         batch = _merge_caches([j.session.cache for j in jobs], lengths, width, self.model.config)
         mask = torch.zeros((len(jobs), width), dtype=torch.long, device=self.device)
         for b, n in enumerate(lengths):
             mask[b, width - n :] = 1
-        fed = [0] * len(jobs)  # decode tokens fed while the job was still running
-        while any(j.finish is None for j in jobs):
-            tokens = torch.tensor([[j.output[-1]] for j in jobs], dtype=torch.long, device=self.device)
-            positions = torch.tensor([[n + f] for n, f in zip(lengths, fed, strict=True)], device=self.device)
-            mask = torch.cat([mask, torch.ones((len(jobs), 1), dtype=torch.long, device=self.device)], dim=1)
+        starts = [width - n for n in lengths]  # each row's first real column
+        rows = list(jobs)
+        while rows:
+            tokens = torch.tensor([[j.output[-1]] for j in rows], dtype=torch.long, device=self.device)
+            positions = torch.tensor([[len(j.session.ids)] for j in rows], device=self.device)
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long, device=self.device)], dim=1)
             out = self.model(
                 input_ids=tokens,
                 position_ids=positions,
@@ -252,18 +253,23 @@ class InProcessEngine:
                 use_cache=True,
             )
             step_routes = recorder.take() if recorder is not None else None
-            running = [j.finish is None for j in jobs]
-            self.tokens_fed += sum(running)
-            for b, j in enumerate(jobs):
-                if not running[b]:
-                    continue
+            self.tokens_fed += len(rows)
+            for b, j in enumerate(rows):
                 j.session.ids.append(j.output[-1])
-                fed[b] += 1
                 if step_routes is not None:
                     j.session.routes.append(step_routes[b : b + 1])
                 self._sample(j, out.logits[b, -1].float())
-        for b, j in enumerate(jobs):
-            j.session.cache = _split_cache(batch, b, width - lengths[b], width + fed[b], self.model.config)
+            keep = [b for b, j in enumerate(rows) if j.finish is None]
+            if len(keep) == len(rows):
+                continue
+            for b, j in enumerate(rows):
+                if j.finish is not None:
+                    j.session.cache = _split_cache(batch, b, starts[b], mask.shape[1], self.model.config)
+            if keep:
+                batch.batch_select_indices(torch.tensor(keep, device=self.device))
+                mask = mask[keep]
+            rows = [rows[b] for b in keep]
+            starts = [starts[b] for b in keep]
 
     def _finish(self, job: _Job, version: int) -> None:
         r = job.request

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from agent.toolcall import format_tool_failure, format_tool_result
+from agent.toolcall import DEFAULT_MAX_RESULT_CHARS, format_tool_failure, format_tool_result
 from services.tools import metrics
 from services.tools.backends import Backend, render
 from services.tools.catalogue import READ, SEARCH, TOOLS, ToolSpec, catalogue, find_tool
@@ -70,7 +70,7 @@ class ToolGateway:
         *,
         search_ttl_s: int = 86_400,
         read_ttl_s: int = 7 * 86_400,
-        max_result_chars: int = 100_000,
+        max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
         call_budget: int = 300,
         budget_ttl_s: int = 6 * 3600,
     ) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from agent.toolcall import DEFAULT_MAX_RESULT_CHARS
 from services.settings import CommonSettings
 
 
@@ -26,7 +27,7 @@ class ToolsSettings(CommonSettings):
 
     search_ttl_s: int = 86_400
     read_ttl_s: int = 7 * 86_400
-    max_result_chars: int = 100_000
+    max_result_chars: int = DEFAULT_MAX_RESULT_CHARS
     call_budget: int = Field(
         default=300, description="tool calls one trajectory may make (the paper's turn limit)"
     )

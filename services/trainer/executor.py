@@ -70,6 +70,10 @@ def covered_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _slowest(scored: ScoredGroup) -> float:
+    return max((t.generation_s for t in scored.group.trajectories), default=0.0)
+
+
 def batch_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
     """The paper's training dynamics for one batch: reward, accuracy, turns and tokens, the credit signal."""
     trajs = [t for g in groups for t in g.group.trajectories]
@@ -87,20 +91,11 @@ def batch_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
         if groups
         else 0.0,
         "scoring_s_mean": statistics.fmean(g.scoring_s for g in groups) if groups else 0.0,
-        # busy time of each stage for this batch: a group's rollout lasts as long as its slowest sample
-        "rollout_s_sum": sum(
-            max((t.generation_s for t in g.group.trajectories), default=0.0) for g in groups
-        ),
-        # the wall time during which any of the batch's groups was being sampled: groups run
-        # concurrently and share the engine, so this, not the sum, is what the pipeline can hide
+        # the wall time during which any of the batch's groups was being sampled (a group is sampled
+        # until its slowest sample ends): groups run concurrently and share the engine, so this,
+        # not a sum, is the rollout time the pipeline can hide
         "rollout_s_wall": covered_seconds(
-            [
-                (
-                    g.group.created_at - max((t.generation_s for t in g.group.trajectories), default=0.0),
-                    g.group.created_at,
-                )
-                for g in groups
-            ]
+            [(g.group.created_at - _slowest(g), g.group.created_at) for g in groups]
         ),
         "scoring_s_sum": sum(g.scoring_s for g in groups),
     }

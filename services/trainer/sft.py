@@ -9,6 +9,7 @@ over the assistant tokens of each optimiser batch; AdamW with linear warm-up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -26,7 +27,7 @@ from services.model.checkpoint import load_model, save_checkpoint
 from services.trainer.batch import TrainSample, micro_batches
 from services.trainer.policy import PolicyTrainer
 
-__all__ = ["SftConfig", "encode_conversation", "run_sft"]
+__all__ = ["SftConfig", "encode_conversation", "progress_bar", "run_sft"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class SftConfig:
     max_tokens: int = 65_536  # longer conversations are skipped
     grad_clip: float = 1.0
     seed: int = 0
-    save_every_epoch: bool = False  # also write out/epoch-<n> after each epoch
+    save_every_epoch: bool = False  # also write <out>-epoch-<n> after each epoch but the last
 
 
 def encode_conversation(tok: ChatTokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
@@ -78,6 +79,24 @@ def _sample(ids: list[int], mask: list[int], key: str) -> TrainSample:
         advantages=np.ones(target_pos.size, np.float32),
         routes=None,
     )
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str):
+    """A terminal progress bar for :func:`run_sft`: yields its ``progress`` callback."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="step")
+
+    def progress(step: int, total: int, record: dict) -> None:
+        bar.total = total
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+
+    try:
+        yield progress
+    finally:
+        bar.close()
 
 
 def run_sft(
