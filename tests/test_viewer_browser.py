@@ -96,3 +96,20 @@ def test_viewer_needs_the_token(api, run_with_groups):
 
     run_id, _ = run_with_groups
     assert httpx.get(f"{api}/runs/{run_id}/viewer").status_code == 401
+
+
+async def test_viewer_of_a_run_without_saved_groups_is_a_404(
+    api, redis_url, key_prefix, tiny_world, tiny_checkpoint
+):
+    import httpx
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    store = RunStore(client, key_prefix)
+    record = await store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint)))
+    await store.request_cancel(record.id)
+    await client.aclose()
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        response = await http.get(f"{api}/runs/{record.id}/viewer")
+        assert response.status_code == 404 and "--save-groups" in response.json()["detail"]
+        assert (await http.get(f"{api}/runs/no-such-run/viewer")).status_code == 404

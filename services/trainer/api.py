@@ -13,6 +13,8 @@ runs in local mode. Validation errors are 422s whose ``loc`` names the field.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 from pathlib import Path
 from typing import Annotated
@@ -106,18 +108,34 @@ async def run_metrics(run_id: str, request: Request, since: int = 0) -> list[dic
 
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
 async def viewer(run_id: str, request: Request, limit: int = 400) -> HTMLResponse:
-    from agent.chat import ChatTokenizer
     from services.trainer.viewer import load_groups, render_viewer, viewer_data
 
     record = await _store(request).get(run_id)
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
-    groups = load_groups(Path(record.output_dir)) if record.output_dir else []
-    if not groups:
+
+    def render() -> str | None:
+        groups = load_groups(Path(record.output_dir)) if record.output_dir else []
+        if not groups:
+            return None
+        tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
+        rows = viewer_data(groups, tokenizer, limit=limit)
+        return render_viewer(rows, f"Turn-level credit: {record.name} ({run_id})")
+
+    # reading and decoding hundreds of trajectories is seconds of blocking work: off the event
+    # loop, which also serves the run's training loop and the other routes
+    html = await asyncio.to_thread(render)
+    if html is None:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
             "no scored groups kept for this run (start the trainer with --save-groups)",
         )
-    tokenizer = ChatTokenizer.from_pretrained(record.spec.model.tokenizer or record.spec.model.path)
-    rows = viewer_data(groups, tokenizer, limit=limit)
-    return HTMLResponse(render_viewer(rows, f"Turn-level credit: {record.name} ({run_id})"))
+    return HTMLResponse(html)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
+    """One tokenizer per model path, loaded on the first viewer request (a run's model does not change)."""
+    from agent.chat import ChatTokenizer
+
+    return ChatTokenizer.from_pretrained(path)
