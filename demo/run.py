@@ -31,7 +31,7 @@ from services.launcher import ServiceProcess
 from services.local_redis import LocalRedis, free_port
 from services.rollout.agent import AgentLimits
 from services.rollout.runner import eval_main
-from worldgen.build import build_world
+from worldgen.build import build_world, world_fingerprint
 from worldgen.formats import write_jsonl
 
 __all__ = ["run_demo"]
@@ -51,7 +51,7 @@ def prepare_policy(config: DemoConfig, world: Path, fingerprint: str, out: Path)
     meta_file = ASSETS / "pbsd.json"
     if not config.from_scratch and meta_file.exists():
         meta = json.loads(meta_file.read_text())
-        if meta.get("world_corpus_sha256") == fingerprint:
+        if meta.get("world_sha256") == fingerprint:
             say(
                 f"using the committed warm policy ({ASSETS.relative_to(ASSETS.parent.parent)}; see RECIPE.md)"
             )
@@ -84,7 +84,7 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
     with progress_bar("SFT warm start") as progress:
         result = run_sft(work / "sft.jsonl", work / "tiny", target, sft, progress)
     meta = json.loads((target / "pbsd.json").read_text())
-    meta["world_corpus_sha256"] = fingerprint
+    meta["world_sha256"] = fingerprint
     (target / "pbsd.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
     return target
@@ -205,8 +205,8 @@ def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     manifest = json.loads((world / "manifest.json").read_text())
     date = manifest["date"]
     say(f"world: {config.entities} entities, questions {manifest['questions']}")
-    # the SHA-256 of the corpus tells whether the committed policy was made from this world
-    policy = prepare_policy(config, world, manifest["files"]["corpus.jsonl"], out)
+    # the world's fingerprint tells whether the committed policy was supervised on this very world
+    policy = prepare_policy(config, world, world_fingerprint(manifest), out)
     rl, eval_questions = question_files(config, world, out)
     algorithms = ["pbsd", "grpo"] if config.algorithm == "both" else [config.algorithm]
 

@@ -141,6 +141,12 @@ class TrainerSpec(Contract):
     max_steps: PositiveInt = 100
     lr: PositiveFloat = 3e-6
     warmup_steps: Annotated[int, Field(ge=0)] = 8
+    lr_decay: Literal["constant", "cosine"] = Field(
+        default="constant",
+        description="after warm-up: hold the learning rate, or cosine-decay it to "
+        "min_lr_ratio * lr at max_steps",
+    )
+    min_lr_ratio: UnitFloat = 0.1
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     betas: tuple[UnitFloat, UnitFloat] = (0.9, 0.999)
     grad_clip: PositiveFloat | None = 1.0

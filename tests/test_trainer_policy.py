@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from proto.runs import GrpoSpec, PbsdSpec, TrainerSpec
 from services.model.checkpoint import load_model, save_checkpoint
 from services.model.routing import RouteRecorder, moe_routers, replay_routes
 from services.trainer.batch import micro_batches, samples_from_groups
-from services.trainer.policy import PolicyTrainer, warmup_factor
+from services.trainer.policy import PolicyTrainer, lr_factor, warmup_factor
 from tests.test_scorer import _group
 
 
@@ -42,6 +44,17 @@ def _on_policy(trainer: PolicyTrainer, samples):
             s.__class__(**{**s.__dict__, "old_logprobs": trainer.sample_logprobs(s, replay=False).numpy()})
             for s in samples
         ]
+
+
+def test_cosine_decay_follows_the_warmup_down_to_the_floor():
+    spec = TrainerSpec(max_steps=12, warmup_steps=2, lr_decay="cosine", min_lr_ratio=0.1)
+    f = [lr_factor(s, spec) for s in range(14)]
+    assert f[:2] == [0.5, 1.0]  # the warm-up, unchanged
+    assert f[2] == 1.0 and all(a > b for a, b in itertools.pairwise(f[2:13]))  # strictly down after it
+    assert abs(f[7] - 0.55) < 1e-9  # halfway: the midpoint between 1 and the floor
+    assert abs(f[12] - 0.1) < 1e-9 and f[13] == f[12]  # the floor at max_steps, held after
+    constant = TrainerSpec(max_steps=12, warmup_steps=2)
+    assert [lr_factor(s, constant) for s in range(14)] == [0.5] + [1.0] * 13
 
 
 def _mean_logprob(trainer: PolicyTrainer, sample) -> float:

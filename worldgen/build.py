@@ -13,6 +13,7 @@ Same seed and sizes, same bytes.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,13 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def world_fingerprint(manifest: dict) -> str:
+    """A world's identity: the SHA-256 over its files' hashes (corpus, graph and every question
+    split). A policy supervised on one world's SFT questions is tied to that world: another
+    with the same corpus but other splits could hold those very questions as validation."""
+    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
 
 
 def build_world(

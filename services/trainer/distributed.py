@@ -22,7 +22,7 @@ What the run's config file leaves out is filled from the run: AdamW with the run
 learning rate, betas and weight decay, gradient clipping, one micro-batch
 per backward (the trainer accumulates over its own token budget and marks the
 accumulation boundary itself). The warm-up is the plain-torch trainer's own schedule
-(:func:`services.trainer.policy.warmup_factor`), so both paths follow the same learning rates.
+(:func:`services.trainer.policy.lr_factor`), so both paths follow the same learning rates.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import nn
 from proto.runs import AlgorithmSpec, TrainerSpec
 from services.model.checkpoint import save_checkpoint
 from services.trainer.batch import BatchCounts, TrainSample
-from services.trainer.policy import PolicyTrainer, param_groups, warmup_factor
+from services.trainer.policy import PolicyTrainer, lr_factor, param_groups
 
 __all__ = ["DeepSpeedPolicyTrainer", "deepspeed_config", "follow_rank0", "make_trainer"]
 
@@ -90,10 +90,10 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         config = deepspeed_config(self.spec)
         schedule = None
         if "scheduler" not in config:
-            warmup = self.spec.warmup_steps
+            spec = self.spec
 
             def schedule(optimizer):
-                return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, warmup))
+                return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec))
 
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,

@@ -1,5 +1,6 @@
 """The policy update: per-token log-probs with gradients, the clipped policy-gradient loss of
-:mod:`pbsd.losses`, gradient accumulation by token budget, AdamW with warm-up.
+:mod:`pbsd.losses`, gradient accumulation by token budget, AdamW with warm-up (and, if the
+spec asks, cosine decay).
 
 The trainer is algorithm-blind: GRPO and PBSD batches differ only in the per-token
 advantages the scored groups carry, and cost the same here (PBSD's extra work is the
@@ -38,7 +39,7 @@ from services.model.checkpoint import save_checkpoint
 from services.model.routing import replay_routes
 from services.trainer.batch import BatchCounts, TrainSample, micro_batches
 
-__all__ = ["PolicyTrainer", "warmup_factor"]
+__all__ = ["PolicyTrainer", "lr_factor", "warmup_factor"]
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -46,6 +47,17 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     if warmup_steps <= 0:
         return 1.0
     return min(1.0, (step + 1) / warmup_steps)
+
+
+def lr_factor(step: int, spec: TrainerSpec) -> float:
+    """The learning-rate multiplier at optimiser step ``step``: the warm-up, then either constant or
+    a cosine from 1 down to ``min_lr_ratio`` at ``max_steps`` (held there if training goes on)."""
+    warm = warmup_factor(step, spec.warmup_steps)
+    if spec.lr_decay == "constant" or step < spec.warmup_steps:
+        return warm
+    span = max(1, spec.max_steps - spec.warmup_steps)
+    progress = min(1.0, (step - spec.warmup_steps) / span)
+    return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -87,8 +99,8 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(
             param_groups(model, self.spec.weight_decay), lr=self.spec.lr, betas=self.spec.betas
         )
-        warmup = self.spec.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: warmup_factor(s, warmup))
+        spec = self.spec
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, spec))
 
     # -- log-probs with gradients -------------------------------------------------------
     def sample_logprobs(self, sample: TrainSample, *, replay: bool) -> torch.Tensor:

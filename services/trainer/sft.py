@@ -4,7 +4,8 @@ Each conversation is laid out in tokens exactly as the rollout lays out its
 trajectories (:mod:`agent.chat`): the prompt (system and question) and the glue
 around tool results carry no loss; every assistant message, its closing
 ``<|im_end|>`` included, is learned. The loss is the mean negative log-likelihood
-over the assistant tokens of each optimiser batch; AdamW with linear warm-up.
+over the assistant tokens of each optimiser batch; AdamW with linear warm-up, then a
+constant learning rate or (``lr_decay="cosine"``) a decay to a tenth of it at the last step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ class SftConfig:
     epochs: int = 2
     lr: float = 1e-5
     warmup_steps: int = 10
+    lr_decay: Literal["constant", "cosine"] = "constant"
     weight_decay: float = 0.0
     batch_size: int = 32  # conversations per optimiser step (the paper's global batch)
     micro_batch_tokens: int = 16_384
@@ -123,16 +126,18 @@ def run_sft(
         samples.append(_sample(ids, mask, row.get("id", str(n))))
     if not samples:
         raise ValueError(f"{data}: no usable conversations")
+    steps_per_epoch = math.ceil(len(samples) / config.batch_size)
+    total = steps_per_epoch * config.epochs
     spec = TrainerSpec(
+        max_steps=total,
         lr=config.lr,
         warmup_steps=config.warmup_steps,
+        lr_decay=config.lr_decay,
         weight_decay=config.weight_decay,
         grad_clip=config.grad_clip,
         micro_batch_tokens=config.micro_batch_tokens,
     )
     trainer = PolicyTrainer(model, spec)
-    steps_per_epoch = math.ceil(len(samples) / config.batch_size)
-    total = steps_per_epoch * config.epochs
     history, started = [], time.perf_counter()
     rng = random.Random(config.seed)
     for epoch in range(config.epochs):
