@@ -188,6 +188,21 @@ def model_tiny(
     typer.echo(f"wrote {path}")
 
 
+@model_app.command("copy-probe")
+def model_copy_probe(
+    model: Path = typer.Option(..., help="the checkpoint to probe"),
+    data: Path = typer.Option(
+        ..., help="oracle conversations, e.g. `pbsd world sft-data --split validation`"
+    ),
+    limit: int | None = typer.Option(None, help="probe only the first N conversations"),
+) -> None:
+    """Teacher-forced greedy accuracy on the spans an agent must copy: queries, URLs, boxed answers."""
+    from services.trainer.copy_probe import copy_probe
+
+    for kind, r in copy_probe(model, data, limit=limit).items():
+        typer.echo(f"{kind:8s} {r['right']:5d} / {r['total']:5d}  {r['accuracy']:.3f}")
+
+
 @app.command("sft")
 def sft_cmd(
     data: Path = typer.Option(..., help="JSONL of chat conversations (e.g. from `pbsd world sft-data`)"),
