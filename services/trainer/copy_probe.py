@@ -10,6 +10,7 @@ sampled evaluation, and it says which skill is missing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -35,12 +36,14 @@ def copy_probe(model_dir: Path, data: Path, *, limit: int | None = None) -> dict
     model = load_model(model_dir)
     right = dict.fromkeys(SPANS, 0)
     total = dict.fromkeys(SPANS, 0)
-    rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][:limit]
+    with data.open(encoding="utf-8") as f:  # parse only the conversations probed
+        rows = [json.loads(line) for line in itertools.islice(filter(str.strip, f), limit)]
     for row in rows:
         ids, mask = encode_conversation(tok, row["messages"])
         with torch.no_grad():
             pred = model(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
-        starts = [i for i in range(len(mask)) if mask[i] and not mask[i - 1]]
+        # each assistant message starts where the loss mask turns on (the prompt before it is 0s)
+        starts = [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]
         for start, message in zip(starts, row["messages"][2::2], strict=True):
             text = message["content"]
             offsets = tok.tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
