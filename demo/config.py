@@ -48,6 +48,7 @@ class DemoConfig(BaseModel):
     sft_batch_size: int = 16
     sft_warmup_steps: int = 10
     sft_search_num: int = 3  # results per search in the oracle trajectories (shorter contexts)
+    sft_rename: float = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
     # RL
     steps: int = 16
     prompts_per_step: int = 4

@@ -70,7 +70,13 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
     work = target.parent / "warm-start"
     work.mkdir(parents=True, exist_ok=True)
     say("writing oracle trajectories for SFT")
-    stats = write_sft_data(world, work / "sft.jsonl", seed=config.seed, search_num=config.sft_search_num)
+    stats = write_sft_data(
+        world,
+        work / "sft.jsonl",
+        seed=config.seed,
+        search_num=config.sft_search_num,
+        rename=config.sft_rename,
+    )
     say(f"{stats['written']} trajectories ({stats['tool_calls']} tool calls, {stats['detours']} detours)")
     spec = TinySpec(vocab_size=config.vocab_size, hidden_size=config.hidden_size, seed=config.seed)
     init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)

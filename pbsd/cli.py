@@ -486,16 +486,28 @@ def world_sft_data(
         0.25, help="chance of a detour (vague search, wrong page, re-check) at each step"
     ),
     search_num: int = typer.Option(5, help="results the oracle asks of each search"),
+    rename: float = typer.Option(
+        0.0,
+        help="fraction of trajectories whose invented names are renamed consistently "
+        "(fresh per trajectory), so they can only be fitted by copying (worldgen/rename.py)",
+    ),
 ) -> None:
     """Write oracle trajectories (the scripted expert using the offline tools) for the SFT warm start."""
     from worldgen.oracle import write_sft_data
 
     stats = write_sft_data(
-        world, out, split=split, limit=limit, seed=seed, detour_rate=detour_rate, search_num=search_num
+        world,
+        out,
+        split=split,
+        limit=limit,
+        seed=seed,
+        detour_rate=detour_rate,
+        search_num=search_num,
+        rename=rename,
     )
     typer.echo(
         f"wrote {stats['written']} trajectories to {out} ({stats['skipped']} questions skipped, "
-        f"{stats['tool_calls']} tool calls, {stats['detours']} detours)"
+        f"{stats['tool_calls']} tool calls, {stats['detours']} detours, {stats['renamed']} renamed)"
     )
 
 

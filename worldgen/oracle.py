@@ -25,6 +25,7 @@ from services.tools.catalogue import READ, SEARCH, GoogleSearchArgs, ScrapeArgs,
 from worldgen.documents import article
 from worldgen.graph import Entity, Graph
 from worldgen.questions import YEAR_ATTR, Hop, Question, describe_hop, named
+from worldgen.rename import Renamer, invented_words, rename_trajectory
 
 FORWARD_GOAL = {
     "located_in": "In which country is {S}?",
@@ -302,8 +303,13 @@ def write_sft_data(
     seed: int = 0,
     detour_rate: float = 0.25,
     search_num: int = 5,
+    rename: float = 0.0,
 ) -> dict[str, int]:
-    """Solve a split's questions with the oracle and write the trajectories as JSONL chat data."""
+    """Solve a split's questions with the oracle and write the trajectories as JSONL chat data.
+
+    ``rename`` is the fraction of trajectories whose invented words are renamed
+    (``worldgen.rename``): supervision that can only be fitted by copying names.
+    """
     import json
     from pathlib import Path
 
@@ -322,13 +328,18 @@ def write_sft_data(
         search_num=search_num,
     )
     questions = load_world_questions(root, split)[:limit]
-    rows, skipped, calls, detours = [], 0, 0, 0
+    renamer = Renamer(invented_words(oracle.g), random.Random(seed)) if rename > 0 else None
+    rows, skipped, calls, detours, renamed = [], 0, 0, 0, 0
     for i, q in enumerate(questions):
         t = oracle.solve(q, f"{split}-{i:06d}")
         if t is None:
             skipped += 1
             continue
-        rows.append(t.to_json())
+        row = t.to_json()
+        if renamer is not None and renamer.rng.random() < rename:
+            row = rename_trajectory(row, renamer)
+            renamed += 1
+        rows.append(row)
         calls += t.tool_calls
         detours += t.detours
     write_jsonl(Path(out), rows)
@@ -338,4 +349,5 @@ def write_sft_data(
         "skipped": skipped,
         "tool_calls": calls,
         "detours": detours,
+        "renamed": renamed,
     }
