@@ -217,8 +217,11 @@ def sft_cmd(
     max_tokens: int = typer.Option(65_536, help="longer conversations are skipped"),
     seed: int = typer.Option(0),
     save_every_epoch: bool = typer.Option(False, help="also write <out>-epoch-<n> after each epoch"),
+    loss_on: str = typer.Option(
+        "assistant", help="assistant: learn the assistant's tokens; turns: the tool results too"
+    ),
 ) -> None:
-    """Supervised fine-tuning on assistant tokens only: the warm start before RL."""
+    """Supervised fine-tuning (assistant tokens, or every turn): the warm start before RL."""
     from services.trainer.sft import SftConfig, progress_bar, run_sft
 
     config = SftConfig(
@@ -231,6 +234,7 @@ def sft_cmd(
         max_tokens=max_tokens,
         seed=seed,
         save_every_epoch=save_every_epoch,
+        loss_on=loss_on,
     )
     with progress_bar("sft") as progress:
         stats = run_sft(data, model, out, config, progress)

@@ -107,3 +107,7 @@ def test_sft_token_layout_matches_the_rollouts(tiny_checkpoint):
     prompt = tok.prompt_ids("S", "Q")
     assert ids == prompt + call + glue + answer  # the same ids a rollout of this conversation has
     assert mask == [0] * len(prompt) + [1] * len(call) + [0] * len(glue) + [1] * len(answer)
+    # loss_on="turns" learns the tool results too (same ids), never the system prompt and question.
+    ids_turns, mask_turns = encode_conversation(tok, messages, "turns")
+    assert ids_turns == ids
+    assert mask_turns == [0] * len(prompt) + [1] * (len(call) + len(glue) + len(answer))

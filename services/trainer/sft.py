@@ -3,8 +3,11 @@
 Each conversation is laid out in tokens exactly as the rollout lays out its
 trajectories (:mod:`agent.chat`): the prompt (system and question) and the glue
 around tool results carry no loss; every assistant message, its closing
-``<|im_end|>`` included, is learned. The loss is the mean negative log-likelihood
-over the assistant tokens of each optimiser batch; AdamW with linear warm-up, then a
+``<|im_end|>`` included, is learned. With ``loss_on="turns"`` the tool results (and their
+glue) are learned too: a tiny model trained from scratch has no pre-training, and tool
+results are where names repeat most (a search result's title in its snippet, a page's
+address in its read), the signal copying grows from. The loss is the mean negative
+log-likelihood over the learned tokens of each optimiser batch; AdamW with linear warm-up, then a
 constant learning rate or (``lr_decay="cosine"``) a decay to a tenth of it at the last step.
 """
 
@@ -45,9 +48,12 @@ class SftConfig:
     grad_clip: float = 1.0
     seed: int = 0
     save_every_epoch: bool = False  # also write <out>-epoch-<n> after each epoch but the last
+    loss_on: Literal["assistant", "turns"] = "assistant"  # "turns": tool results are learned too
 
 
-def encode_conversation(tok: ChatTokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def encode_conversation(
+    tok: ChatTokenizer, messages: list[dict[str, str]], loss_on: str = "assistant"
+) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of a system / user / (assistant / user)* / assistant conversation."""
     if len(messages) < 3 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
         raise ValueError("a conversation starts with a system and a user message, then the assistant")
@@ -64,7 +70,7 @@ def encode_conversation(tok: ChatTokenizer, messages: list[dict[str, str]]) -> t
         else:
             part = tok.glue_ids(msg["content"], closed=True)
             ids += part
-            mask += [0] * len(part)
+            mask += [int(loss_on == "turns")] * len(part)
     if messages[-1]["role"] != "assistant":
         raise ValueError("a conversation ends with the assistant's answer")
     return ids, mask
@@ -119,7 +125,7 @@ def run_sft(
         if not line.strip():
             continue
         row = json.loads(line)
-        ids, mask = encode_conversation(tok, row["messages"])
+        ids, mask = encode_conversation(tok, row["messages"], config.loss_on)
         if len(ids) > config.max_tokens:
             skipped += 1
             continue
