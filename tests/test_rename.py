@@ -48,6 +48,7 @@ def test_every_trajectory_is_renamed_and_no_world_name_is_left(tiny_world, pair)
 def test_renaming_is_one_consistent_word_for_word_substitution(tiny_world, pair):
     _, _, a, b, _ = pair
     invented = invented_words(load_graph(tiny_world))
+    invented_lower = {w.lower() for w in invented}
     changed = 0
     for x, y in zip(a, b, strict=True):
         assert [m["role"] for m in x["messages"]] == [m["role"] for m in y["messages"]]
@@ -60,7 +61,7 @@ def test_renaming_is_one_consistent_word_for_word_substitution(tiny_world, pair)
             for u, v in zip(wx, wy, strict=True):
                 if u == v:
                     continue
-                assert u in invented or u.lower() in {w.lower() for w in invented}, (u, v)
+                assert u in invented or u.lower() in invented_lower, (u, v)
                 assert forward.setdefault(u, v) == v, f"{u} renamed two ways in {x['id']}"
                 changed += 1
         # Injective: two different names never collapse into one.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -111,3 +112,11 @@ def test_sft_token_layout_matches_the_rollouts(tiny_checkpoint):
     ids_turns, mask_turns = encode_conversation(tok, messages, "turns")
     assert ids_turns == ids
     assert mask_turns == [0] * len(prompt) + [1] * (len(call) + len(glue) + len(answer))
+
+
+def test_sft_config_rejects_an_unknown_loss_target():
+    from services.trainer.sft import SftConfig
+
+    assert SftConfig(loss_on="turns").loss_on == "turns"
+    with pytest.raises(ValueError, match="loss_on"):
+        SftConfig(loss_on="tools")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 
 from worldgen import documents, names, questions
@@ -65,15 +65,15 @@ class Renamer:
         self.invented = invented
         self.by_lower = {w.lower(): w for w in invented}
         self.rng = rng
+        self.maker = names.NameMaker(rng)
 
     def _fresh(self, word: str, taken: set[str]) -> str:
         ending = next((e for e in names.PLACE_ENDINGS if word.endswith(e) and len(word) > len(e) + 2), "")
         syllables = max(1, round((len(word) - len(ending)) / 4))
-        maker = names.NameMaker(self.rng)
         for _ in range(100):
-            new = maker.word(syllables) + ending
+            new = self.maker.word(syllables) + ending
             new = new.capitalize() if word[0].isupper() else new.lower()
-            if new.lower() not in taken and new not in self.invented:
+            if new.lower() not in taken:  # taken starts as the world's words: none is reused
                 taken.add(new.lower())
                 return new
         raise RuntimeError(f"could not draw a fresh word for {word!r}")
@@ -85,32 +85,36 @@ class Renamer:
             seen.extend(w for w in _WORD.findall(text) if w in self.invented)
             for url in _URL.findall(text):
                 seen.extend(self.by_lower[p] for p in url.split("/")[-1].split("-") if p in self.by_lower)
-        taken = {w.lower() for w in self.invented}
+        taken = set(self.by_lower)
         out: dict[str, str] = {}
         for w in dict.fromkeys(seen):  # first-seen order: reproducible for a given seed
             out[w] = self._fresh(w, taken)
         return out
 
     @staticmethod
-    def apply(text: str, mapping: dict[str, str]) -> str:
+    def rewriter(mapping: dict[str, str]) -> Callable[[str], str]:
+        """A function applying ``mapping`` to a text: to whole words, and lower-case inside slugs."""
         lower = {k.lower(): v.lower() for k, v in mapping.items()}
 
         def url(m: re.Match) -> str:
             head, slug = m.group(0).rsplit("/", 1)
             return head + "/" + "-".join(lower.get(p, p) for p in slug.split("-"))
 
-        text = _URL.sub(url, text)
-        return _WORD.sub(lambda m: mapping.get(m.group(0), m.group(0)), text)
+        def rewrite(text: str) -> str:
+            return _WORD.sub(lambda m: mapping.get(m.group(0), m.group(0)), _URL.sub(url, text))
+
+        return rewrite
 
 
 def rename_trajectory(row: dict, renamer: Renamer) -> dict:
     """A copy of an oracle trajectory row with its invented words renamed everywhere."""
     texts = [row["question"], row["answer"], *(m["content"] for m in row["messages"])]
     mapping = renamer.mapping(texts)
+    rewrite = renamer.rewriter(mapping)
     return {
         **row,
-        "question": renamer.apply(row["question"], mapping),
-        "answer": renamer.apply(row["answer"], mapping),
-        "messages": [{**m, "content": renamer.apply(m["content"], mapping)} for m in row["messages"]],
+        "question": rewrite(row["question"]),
+        "answer": rewrite(row["answer"]),
+        "messages": [{**m, "content": rewrite(m["content"])} for m in row["messages"]],
         "renamed": len(mapping),
     }

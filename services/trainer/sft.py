@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from services.trainer.batch import TrainSample, micro_batches
 from services.trainer.policy import PolicyTrainer
 
 __all__ = ["SftConfig", "encode_conversation", "progress_bar", "run_sft"]
+
+
+LossOn = Literal["assistant", "turns"]
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,16 @@ class SftConfig:
     grad_clip: float = 1.0
     seed: int = 0
     save_every_epoch: bool = False  # also write <out>-epoch-<n> after each epoch but the last
-    loss_on: Literal["assistant", "turns"] = "assistant"  # "turns": tool results are learned too
+    loss_on: LossOn = "assistant"  # "turns": tool results are learned too
+
+    def __post_init__(self) -> None:
+        # a dataclass does not check its Literals; a typo would silently train on the default
+        if self.loss_on not in get_args(LossOn):
+            raise ValueError(f"loss_on must be one of {get_args(LossOn)}, not {self.loss_on!r}")
 
 
 def encode_conversation(
-    tok: ChatTokenizer, messages: list[dict[str, str]], loss_on: str = "assistant"
+    tok: ChatTokenizer, messages: list[dict[str, str]], loss_on: LossOn = "assistant"
 ) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of a system / user / (assistant / user)* / assistant conversation."""
     if len(messages) < 3 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
