@@ -224,18 +224,21 @@ def sft_cmd(
     """Supervised fine-tuning (assistant tokens, or every turn): the warm start before RL."""
     from services.trainer.sft import SftConfig, progress_bar, run_sft
 
-    config = SftConfig(
-        epochs=epochs,
-        lr=lr,
-        batch_size=batch_size,
-        warmup_steps=warmup_steps,
-        lr_decay=lr_decay,
-        micro_batch_tokens=micro_batch_tokens,
-        max_tokens=max_tokens,
-        seed=seed,
-        save_every_epoch=save_every_epoch,
-        loss_on=loss_on,
-    )
+    try:
+        config = SftConfig(
+            epochs=epochs,
+            lr=lr,
+            batch_size=batch_size,
+            warmup_steps=warmup_steps,
+            lr_decay=lr_decay,
+            micro_batch_tokens=micro_batch_tokens,
+            max_tokens=max_tokens,
+            seed=seed,
+            save_every_epoch=save_every_epoch,
+            loss_on=loss_on,
+        )
+    except ValueError as e:  # the choices live in SftConfig; say it as a usage error
+        raise typer.BadParameter(str(e)) from None
     with progress_bar("sft") as progress:
         stats = run_sft(data, model, out, config, progress)
     typer.echo(

@@ -114,9 +114,30 @@ def test_sft_token_layout_matches_the_rollouts(tiny_checkpoint):
     assert mask_turns == [0] * len(prompt) + [1] * (len(call) + len(glue) + len(answer))
 
 
-def test_sft_config_rejects_an_unknown_loss_target():
+def test_sft_config_rejects_unknown_choices():
     from services.trainer.sft import SftConfig
 
     assert SftConfig(loss_on="turns").loss_on == "turns"
     with pytest.raises(ValueError, match="loss_on"):
         SftConfig(loss_on="tools")
+    with pytest.raises(ValueError, match="lr_decay"):
+        SftConfig(lr_decay="linear")
+
+
+@pytest.mark.parametrize("option", [["--loss-on", "tools"], ["--lr-decay", "linear"]])
+def test_sft_command_reports_a_bad_choice_as_a_usage_error(option, tmp_path):
+    # before any data is read: the data and model paths need not exist
+    args = [
+        "sft",
+        "--data",
+        str(tmp_path / "none.jsonl"),
+        "--model",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    result = runner.invoke(app, [*args, *option])
+    assert result.exit_code == 2, result.output
+    assert (
+        option[0].removeprefix("--").replace("-", "_") in result.output and "Traceback" not in result.output
+    )

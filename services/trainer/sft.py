@@ -36,6 +36,7 @@ __all__ = ["SftConfig", "encode_conversation", "progress_bar", "run_sft"]
 
 
 LossOn = Literal["assistant", "turns"]
+LrDecay = Literal["constant", "cosine"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class SftConfig:
     epochs: int = 2
     lr: float = 1e-5
     warmup_steps: int = 10
-    lr_decay: Literal["constant", "cosine"] = "constant"
+    lr_decay: LrDecay = "constant"
     weight_decay: float = 0.0
     batch_size: int = 32  # conversations per optimiser step (the paper's global batch)
     micro_batch_tokens: int = 16_384
@@ -54,9 +55,11 @@ class SftConfig:
     loss_on: LossOn = "assistant"  # "turns": tool results are learned too
 
     def __post_init__(self) -> None:
-        # a dataclass does not check its Literals; a typo would silently train on the default
-        if self.loss_on not in get_args(LossOn):
-            raise ValueError(f"loss_on must be one of {get_args(LossOn)}, not {self.loss_on!r}")
+        # a dataclass does not check its Literals: a typo would silently train on the default, or
+        # fail only after every conversation is encoded
+        for name, allowed in (("loss_on", LossOn), ("lr_decay", LrDecay)):
+            if getattr(self, name) not in get_args(allowed):
+                raise ValueError(f"{name} must be one of {get_args(allowed)}, not {getattr(self, name)!r}")
 
 
 def encode_conversation(
