@@ -43,6 +43,16 @@ class ChatFormat:
         close = "\n" if closed else f"{self.end}\n"
         return close + self.message("user", tool_result) + f"{self.start}assistant\n"
 
+    def unglue(self, text: str) -> str:
+        """The tool result inside ``text`` decoded from glue (the inverse of :meth:`glue`); "" if none."""
+        head = f"{self.start}user\n"
+        i = text.find(head)
+        if i < 0:
+            return ""
+        body = text[i + len(head) :]
+        tail = body.rfind(self.end)  # cut before a trajectory ended, the result may be unclosed
+        return body[:tail] if tail >= 0 else body
+
 
 CHATML = ChatFormat()
 

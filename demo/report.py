@@ -70,6 +70,23 @@ def figures(
     ax.legend(fontsize=8)
     made["reward_accuracy"] = _png(fig, figs / "reward_accuracy.png")
 
+    if any(k.startswith("grounded_") for rows in metrics.values() for r in rows for k in r):
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        for key, label, style in (
+            ("queries", "searches", "-"),
+            ("reads", "reads", "--"),
+            ("answers", "answers", ":"),
+        ):
+            _series(ax, metrics, f"grounded_{key}_frac", label, style)
+        ax.set(
+            xlabel="training step",
+            ylabel="fraction grounded",
+            title="Grounded searches, reads, answers",
+            ylim=(0, 1.05),
+        )
+        ax.legend(fontsize=8)
+        made["grounding"] = _png(fig, figs / "grounding.png")
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
     _series(a1, metrics, "turns_mean", "")
     a1.set(xlabel="training step", title="Turns per trajectory")
@@ -119,6 +136,12 @@ def figures(
     return made
 
 
+def _fraction(part: dict[str, float]) -> str:
+    return f"{int(part['grounded'])}/{int(part['total'])}" + (
+        f" ({part['fraction']:.2f})" if part["total"] else ""
+    )
+
+
 def write_report(
     out: Path, config: DemoConfig, runs: dict[str, dict[str, Any]], evals: dict[str, Any], *, elapsed: float
 ) -> Path:
@@ -151,7 +174,11 @@ def write_report(
         rows.append(
             f"<tr><td>{html.escape(name)}</td><td>{acc[f'mean@{k}']:.3f}</td><td>{acc['pass@k'][str(k)]:.3f}</td>"
             f"<td>{report['questions']}</td><td>{report['mean_turns']:.2f}</td>"
-            f"<td>{report['mean_generated_tokens']:.0f}</td><td>{html.escape(json.dumps(report['finish_reasons']))}</td></tr>"
+            f"<td>{report['mean_generated_tokens']:.0f}</td><td>{html.escape(json.dumps(report['finish_reasons']))}</td>"
+            + "".join(
+                f"<td>{_fraction(report['grounding'][kind])}</td>" for kind in ("queries", "reads", "answers")
+            )
+            + "</tr>"
         )
     run_rows = []
     for algo, r in runs.items():
@@ -188,8 +215,12 @@ img{{max-width:520px}}code{{font-size:12px}}</style></head><body>
 warmed up by SFT on oracle trajectories; the four services ran as separate processes over a private Redis.
 Total time {elapsed / 60:.1f} minutes. {note}</p>
 <h2>Evaluation (mean@{k} and pass@{k} on held-out validation questions)</h2>
-<table><tr><th>policy</th><th>mean@{k}</th><th>pass@{k}</th><th>questions</th><th>turns</th><th>generated tokens</th><th>finish reasons</th></tr>
+<table><tr><th>policy</th><th>mean@{k}</th><th>pass@{k}</th><th>questions</th><th>turns</th><th>generated tokens</th><th>finish reasons</th>
+<th>grounded searches</th><th>grounded reads</th><th>grounded answers</th></tr>
 {"".join(rows)}</table>
+<p>Grounded: a search whose names all appear in the question or an earlier tool result, a read whose address
+appeared in an earlier result, a boxed answer found in a result; the oracle scores 100% on each. A policy
+that makes names up fails here long before accuracy can move.</p>
 <h2>Runs</h2>
 <table><tr><th>algorithm</th><th>run</th><th>steps</th><th>last batch accuracy</th><th>teacher &gt; student</th>
 <th>filtered</th><th>artefacts</th></tr>{"".join(run_rows)}</table>

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from agent.grounding import describe
 from demo.config import ASSETS, DemoConfig
 from services.launcher import ServiceProcess
 from services.local_redis import LocalRedis, free_port
@@ -140,7 +141,8 @@ def evaluate(
     (out / f"eval-{label}.json").write_text(json.dumps(report, indent=2))
     acc = report["accuracy"]["all"][f"mean@{config.eval_samples}"]
     say(
-        f"{label}: accuracy {acc:.3f} on {report['questions']} questions, finish reasons {report['finish_reasons']}"
+        f"{label}: accuracy {acc:.3f} on {report['questions']} questions, finish reasons {report['finish_reasons']}, "
+        f"{describe(report['grounding'])}"
     )
     return report
 

@@ -444,10 +444,12 @@ def eval_cmd(
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
+    from agent.grounding import describe
+
     overall = report["accuracy"]["all"]
     typer.echo(
         f"mean@{samples} {overall[f'mean@{samples}']:.3f}, pass@{samples} {overall['pass@k'][str(samples)]:.3f} "
-        f"over {report['questions']} questions; report in {out}"
+        f"over {report['questions']} questions; {describe(report['grounding'])}; report in {out}"
     )
 
 

@@ -53,6 +53,8 @@ def test_demo_runs_end_to_end(tmp_path):
         run_dir / "final" / "config.json"
     ).exists()
     assert all("teacher_higher_frac" in m and m["scored_turns"] > 0 for m in metrics)  # evidence was computed
+    # grounding is measured when a batch has a search (48 tokens a turn rarely finish one)
+    assert all(0 <= m.get("grounded_queries_frac", 0) <= 1 for m in metrics)
     groups = [
         g for path in sorted((run_dir / "groups").iterdir()) for g in msgpack.unpackb(path.read_bytes())
     ]
@@ -67,5 +69,11 @@ def test_demo_runs_end_to_end(tmp_path):
         "before_after.png",
     }
     for name in ("eval-before.json", "eval-after-pbsd.json"):
-        assert json.loads((out / name).read_text())["questions"] == 2
+        evaluation = json.loads((out / name).read_text())
+        assert evaluation["questions"] == 2 and set(evaluation["grounding"]) == {
+            "queries",
+            "reads",
+            "answers",
+        }
+    assert "grounded searches" in report
     assert _service_processes(out) == []  # nothing left behind

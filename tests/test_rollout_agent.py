@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
 from agent.toolcall import format_tool_call
+from agent.transcript import turn_texts
 from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.sglang import SglangEngine
 from services.tools.catalogue import catalogue
@@ -91,6 +92,12 @@ async def test_token_exact_conversation_masks_and_spans(tok, tiny_checkpoint):
         await engine.aclose()
     assert t.finish_reason == "answer" and t.reward == 1.0 and t.final_answer == "Danube" and t.error is None
     assert t.num_turns == 2 and tools.calls == [(*SEARCH, {"q": "Vienna river"}, "t/0")]
+
+    # the viewer and the evaluation read it back as text, turn by turn
+    assert turn_texts(t.completion_ids, t.turn_spans, tok) == [
+        (turns[0], tools.answers["Vienna river"]),
+        (turns[1], ""),
+    ]
 
     # decode(ids) is the conversation, exactly as the chat template renders it
     messages = [

@@ -151,3 +151,6 @@ async def test_evaluate_reports_accuracy(tok):
     assert report["accuracy"]["easy"]["mean@2"] == 1.0 and report["accuracy"]["hard"]["mean@2"] == 0.0
     assert report["accuracy"]["all"]["pass@k"] == {"1": 0.5, "2": 0.5}
     assert report["per_question"]["q1"]["answers"] == ["Danube", "Danube"]
+    # four answers, none read anywhere (no tool was called): none grounded
+    assert report["grounding"]["answers"] == {"total": 4, "grounded": 0, "fraction": 0.0}
+    assert report["grounding"]["queries"]["total"] == 0

@@ -262,6 +262,21 @@ def credit() -> dict:
                 max_=1,
             ),
             panel(
+                "Grounded searches, reads and answers",
+                "Of the last batch's searches, page reads and boxed answers, the fraction taken from what "
+                "the agent had read: every name in a query from the question or an earlier result, a URL "
+                "from an earlier result, an answer found in a result. A small policy gets the tool format "
+                "right long before it stops making names up; this moves before accuracy does.",
+                [
+                    ("pbsd_trainer_grounded_searches_fraction", "searches"),
+                    ("pbsd_trainer_grounded_reads_fraction", "reads"),
+                    ("pbsd_trainer_grounded_answers_fraction", "answers"),
+                ],
+                unit="percentunit",
+                min_=0,
+                max_=1,
+            ),
+            panel(
                 "Turns and tokens per trajectory",
                 "Assistant turns, and tokens (all, and generated) per trajectory in the last batch. "
                 "Search agents that learn tend to search longer.",

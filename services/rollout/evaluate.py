@@ -1,4 +1,5 @@
-"""Evaluation: k samples per question, accuracy as mean@k and pass@k (k = 1..K), per difficulty.
+"""Evaluation: k samples per question, accuracy as mean@k and pass@k (k = 1..K), per difficulty,
+and how grounded the agent's searches, reads and answers are (:mod:`agent.grounding`).
 
 mean@k is the accuracy averaged over the k samples of each question, then over
 questions (the paper reports mean@4). pass@k is the unbiased estimator of Chen et
@@ -14,7 +15,9 @@ from math import comb
 from typing import Any
 
 from agent.chat import ChatTokenizer
+from agent.grounding import Grounding
 from agent.prompt import user_prompt
+from agent.transcript import turn_texts
 from proto.data import QuestionRecord
 from proto.messages import Trajectory
 from services.rollout.agent import AgentLimits, run_trajectory
@@ -98,6 +101,10 @@ async def evaluate(
     await asyncio.gather(*(one(qi, q, i) for qi, q in enumerate(questions) for i in range(samples)))
     results = {q.id: [t.reward > 0 for t in trajectories[q.id]] for q in questions}
     all_t = [t for ts in trajectories.values() for t in ts]
+    grounding = Grounding()
+    for q in questions:
+        for t in trajectories[q.id]:
+            grounding.add(q.question, turn_texts(t.completion_ids, t.turn_spans, tokenizer), t.final_answer)
     return {
         "samples": samples,
         "questions": len(questions),
@@ -107,6 +114,7 @@ async def evaluate(
         "mean_generated_tokens": statistics.fmean(int(t.loss_mask.sum()) for t in all_t) if all_t else 0.0,
         "tool_calls": sum(len(t.tool_calls) for t in all_t),
         "tool_errors": sum(not c.ok for t in all_t for c in t.tool_calls),
+        "grounding": grounding.summary(),
         "per_question": {
             q.id: {
                 "correct": results[q.id],

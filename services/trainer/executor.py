@@ -32,6 +32,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from agent.chat import ChatTokenizer
+from agent.grounding import Grounding
+from agent.transcript import turn_texts
 from proto.base import encode
 from proto.messages import ScoredGroup, WeightsPublished
 from proto.runs import RunSpec
@@ -74,8 +77,11 @@ def _slowest(scored: ScoredGroup) -> float:
     return max((t.generation_s for t in scored.group.trajectories), default=0.0)
 
 
-def batch_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
-    """The paper's training dynamics for one batch: reward, accuracy, turns and tokens, the credit signal."""
+def batch_metrics(
+    groups: list[ScoredGroup], version: int, tokenizer: ChatTokenizer | None = None
+) -> dict[str, float]:
+    """The paper's training dynamics for one batch: reward, accuracy, turns and tokens, the credit signal;
+    with ``tokenizer``, the fraction of grounded searches, reads and answers (:mod:`agent.grounding`)."""
     trajs = [t for g in groups for t in g.group.trajectories]
     valid = [t for t in trajs if t.finish_reason != "error"]
     out: dict[str, float] = {
@@ -99,6 +105,16 @@ def batch_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
         ),
         "scoring_s_sum": sum(g.scoring_s for g in groups),
     }
+    if tokenizer is not None:
+        grounding = Grounding()
+        for g in groups:
+            for t in g.group.trajectories:
+                if t.finish_reason != "error":
+                    texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)
+                    grounding.add(g.group.question, texts, t.final_answer)
+        for kind, part in grounding.summary().items():
+            if part["total"]:  # a batch with no reads says nothing about reads
+                out[f"grounded_{kind}_frac"] = part["fraction"]
     scored = [g.diagnostics for g in groups if g.scored]
     turns = sum(d.scored_turns for d in scored)
     if turns:
@@ -154,6 +170,7 @@ class RunExecutor:
         report = load_questions(spec.data.train)
         report.raise_if_empty(Path(spec.data.train))
         tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
+        chat = ChatTokenizer(tokenizer)  # reads the trajectories back as text, for the grounding metrics
 
         latest = _latest_checkpoint(out) if resume else None
         dtype = "float32" if self.settings.device == "cpu" else spec.model.dtype
@@ -244,7 +261,7 @@ class RunExecutor:
                     "step": float(state.step),
                     "policy_version": float(state.version),
                     **step_metrics,
-                    **batch_metrics(groups, state.version - 1),
+                    **batch_metrics(groups, state.version - 1, chat),
                     "step_s": now - last_step_end,
                     **{f"dropped_{k}": float(v) for k, v in state.drops.items()},
                 }
@@ -350,6 +367,9 @@ class RunExecutor:
             (m.MEAN_ABS_GAP, "mean_abs_gap"),
             (m.FILTERED, "filtered_frac"),
             (m.TOKENS_PER_S, "train_tokens_per_s"),
+            (m.GROUNDED_SEARCHES, "grounded_queries_frac"),
+            (m.GROUNDED_READS, "grounded_reads_frac"),
+            (m.GROUNDED_ANSWERS, "grounded_answers_frac"),
         ):
             if key in record:
                 gauge.set(record[key])

@@ -19,6 +19,18 @@ TEACHER_HIGHER = Gauge(
 )
 MEAN_ABS_GAP = Gauge("pbsd_trainer_mean_abs_gap", "Mean |s| over scored turns, last batch")
 FILTERED = Gauge("pbsd_trainer_filtered_fraction", "Fraction of scored turns in the deadband, last batch")
+GROUNDED_SEARCHES = Gauge(
+    "pbsd_trainer_grounded_searches_fraction",
+    "Fraction of searches in the last batch whose names all come from the question or earlier results",
+)
+GROUNDED_READS = Gauge(
+    "pbsd_trainer_grounded_reads_fraction",
+    "Fraction of page reads in the last batch whose URL an earlier result gave",
+)
+GROUNDED_ANSWERS = Gauge(
+    "pbsd_trainer_grounded_answers_fraction",
+    "Fraction of boxed answers in the last batch found in a tool result",
+)
 TOKENS_PER_S = Gauge(
     "pbsd_trainer_train_tokens_per_second", "Loss tokens trained per second of optimiser work"
 )

@@ -23,6 +23,7 @@ import msgpack
 
 from agent.chat import ChatTokenizer
 from agent.toolcall import parse_tool_call
+from agent.transcript import turn_texts
 from proto.base import decode
 from proto.messages import ScoredGroup
 from proto.runs import PbsdSpec
@@ -58,11 +59,8 @@ def viewer_data(
         eps_pos, eps_neg = (algo.eps_pos, algo.eps_neg) if isinstance(algo, PbsdSpec) else (0.0, 0.0)
         for i, t in enumerate(scored.group.trajectories):
             turns = []
-            ids = t.completion_ids.tolist()
-            for k, (start, end) in enumerate(t.turn_spans):
-                text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+            for k, (text, result) in enumerate(turn_texts(t.completion_ids, t.turn_spans, tokenizer)):
                 call = parse_tool_call(text).call
-                after = ids[end : t.turn_spans[k + 1][0]] if k + 1 < len(t.turn_spans) else ids[end:]
                 s = float(scored.turn_evidence[i][k])
                 turns.append(
                     {
@@ -74,7 +72,7 @@ def viewer_data(
                             "tool": call.tool_name,
                             "arguments": call.arguments,
                         },
-                        "result": tokenizer.decode(after, skip_special_tokens=True).strip(),
+                        "result": result,
                         "evidence": None if math.isnan(s) else s,
                         "weight": float(scored.turn_weights[i][k]),
                         "label": label(s, eps_pos, eps_neg) if scored.scored else "unscored",

@@ -1,0 +1,112 @@
+"""Grounding: does the agent copy from what it has read, or make things up?
+
+A search agent's actions should come from its context: a search query from the question or an
+earlier result, a page address from an earlier result, the final answer from a page it read.
+A weak policy (a small one early in training) gets the format right long before it does this; it
+writes plausible names that appear nowhere. These counts measure that directly, per action, so
+progress shows before accuracy moves:
+
+- a search (a call with a ``q`` argument) is grounded when every name in its query (a word that
+  starts with a capital letter or holds a digit: the part that can be made up; "painter" or
+  "founded" are the agent's own words) appears in the question or in a tool result returned
+  before the call;
+- a read (a call with a ``url`` argument) is grounded when its URL appeared, whole, in an earlier
+  result;
+- an answer is grounded when its words appear, in order and next to each other, in some result
+  (the question does not count: an answer copied from the question is not evidence).
+
+Words are maximal runs of letters and digits, compared case-insensitively. The tool results are
+the text the agent saw, so this works for any backend that returns text (the offline corpus,
+Serper and Jina).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from agent.toolcall import parse_tool_call
+
+__all__ = ["Grounding", "describe", "names", "urls", "words"]
+
+_WORD = re.compile(r"[^\W_]+")
+# \b: a scheme starts a word, so a long run of letters is scanned once, not from every position
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>()\[\]]+")
+
+
+def words(text: str) -> set[str]:
+    return {w.lower() for w in _WORD.findall(text)}
+
+
+def names(text: str) -> set[str]:
+    """The words of ``text`` that name something: capitalised, or with a digit (lower-cased)."""
+    return {w.lower() for w in _WORD.findall(text) if w[0].isupper() or any(c.isdigit() for c in w)}
+
+
+def urls(text: str) -> set[str]:
+    """The addresses in ``text`` (JSON, markdown or plain), whole: a prefix of one is not one."""
+    return {u.rstrip(".,;:") for u in _URL.findall(text)}
+
+
+def _phrase(text: str) -> str:
+    # its words, lower-cased, space-padded: "Rox" is not inside "Roxheim", "1773" is inside "in 1773."
+    return " " + " ".join(_WORD.findall(text.lower())) + " "
+
+
+@dataclass
+class Grounding:
+    """Grounded / total counts over any number of trajectories (:meth:`add` each one)."""
+
+    queries: int = 0
+    grounded_queries: int = 0
+    reads: int = 0
+    grounded_reads: int = 0
+    answers: int = 0
+    grounded_answers: int = 0
+
+    def add(
+        self,
+        question: str,
+        turns: Iterable[tuple[str, str]],
+        answer: str | None,
+    ) -> None:
+        """One trajectory: ``turns`` are (what the assistant wrote, the tool result that followed it
+        or ""), in order; ``answer`` the boxed answer, if any."""
+        seen, links, results = words(question), set(), []
+        for text, result in turns:
+            call = parse_tool_call(text).call
+            if call is not None:
+                query, url = call.arguments.get("q"), call.arguments.get("url")
+                if isinstance(query, str):
+                    self.queries += 1
+                    self.grounded_queries += bool(query.strip()) and names(query) <= seen
+                if isinstance(url, str):
+                    self.reads += 1
+                    self.grounded_reads += bool(url.strip()) and url.strip() in links
+            if result:
+                results.append(result)
+                seen |= words(result)
+                links |= urls(result)
+        if answer is not None and answer.strip():
+            self.answers += 1
+            said = _phrase(answer)
+            self.grounded_answers += bool(said.strip()) and any(said in _phrase(r) for r in results)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        def part(grounded: int, total: int) -> dict[str, float]:
+            return {"total": total, "grounded": grounded, "fraction": grounded / total if total else 0.0}
+
+        return {
+            "queries": part(self.grounded_queries, self.queries),
+            "reads": part(self.grounded_reads, self.reads),
+            "answers": part(self.grounded_answers, self.answers),
+        }
+
+
+def describe(summary: dict[str, dict[str, float]]) -> str:
+    """One line for people: ``grounded searches 28/85, reads 13/49, answers 4/6``."""
+    parts = [
+        f"{int(summary[k]['grounded'])}/{int(summary[k]['total'])}" for k in ("queries", "reads", "answers")
+    ]
+    return f"grounded searches {parts[0]}, reads {parts[1]}, answers {parts[2]}"
