@@ -60,6 +60,8 @@ class DemoConfig(BaseModel):
     warmup_steps: int = 2
     max_staleness: int = 1
     rollout_concurrency: int = 4
+    # a run with no new training step for this long is stopped as stalled (a step takes ~30 s here)
+    stall_timeout_s: float = Field(default=600.0, gt=0)
     # evaluation before and after
     eval_questions: int = 24
     eval_samples: int = 1

@@ -173,12 +173,24 @@ def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path) -> dict
     }
 
 
-def follow_run(api: httpx.Client, run_id: str, steps: int, label: str) -> dict[str, Any]:
+def follow_run(
+    api: httpx.Client,
+    run_id: str,
+    steps: int,
+    label: str,
+    services: list[ServiceProcess],
+    stall_timeout_s: float,
+) -> dict[str, Any]:
+    """Poll the run until it ends; raise if a service dies or no step comes for ``stall_timeout_s``
+    (a pipeline that stopped moving must fail the demo, not hang it)."""
     bar = tqdm(total=steps, desc=f"train {label}", unit="step")
-    seen = 0
+    seen, progressed = 0, time.monotonic()
     while True:
+        for service in services:
+            service.check_alive()
         record = api.get(f"/runs/{run_id}").raise_for_status().json()
         if record["step"] > seen:
+            progressed = time.monotonic()
             bar.update(record["step"] - seen)
             seen = record["step"]
             m = record["latest_metrics"]
@@ -192,6 +204,12 @@ def follow_run(api: httpx.Client, run_id: str, steps: int, label: str) -> dict[s
             if record["state"] != "completed":
                 raise RuntimeError(f"run {run_id} ended {record['state']}: {record.get('error')}")
             return record
+        if time.monotonic() - progressed > stall_timeout_s:
+            bar.close()
+            raise RuntimeError(
+                f"run {run_id} stalled: no training step for {stall_timeout_s:.0f}s after step {seen} "
+                f"(state {record['state']}); see the services' logs next to {services[0].log}"
+            )
         time.sleep(1.0)
 
 
@@ -283,7 +301,7 @@ def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                     .json()["id"]
                 )
                 say(f"submitted {algorithm} run {run_id}")
-                record = follow_run(api, run_id, config.steps, algorithm)
+                record = follow_run(api, run_id, config.steps, algorithm, services, config.stall_timeout_s)
                 runs[algorithm] = {"id": run_id, "dir": str(out / "runs" / run_id), "record": record}
                 evals[f"after-{algorithm}"] = evaluate(
                     config, out / "runs" / run_id / "final", eval_questions, world, f"after-{algorithm}", out

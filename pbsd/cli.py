@@ -338,6 +338,9 @@ def demo_cmd(
         None, help="a YAML or JSON file of demo settings (see demo/config.py)"
     ),
     policy: Path | None = typer.Option(None, help="start from this checkpoint instead of the warm policy"),
+    stall_timeout: float | None = typer.Option(
+        None, help="stop a run that makes no training step for this many seconds (default 600)"
+    ),
 ) -> None:
     """Train a tiny search agent end to end on this machine and write a report."""
     import time
@@ -356,6 +359,7 @@ def demo_cmd(
         "eval_questions": eval_questions,
         "max_turns": max_turns,
         "max_tokens_per_turn": max_tokens_per_turn,
+        "stall_timeout_s": stall_timeout,
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
     if from_scratch:

@@ -12,7 +12,19 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["ServiceProcess"]
+__all__ = ["ServiceProcess", "die_with_parent"]
+
+
+def die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the parent dies. A service runs in its own
+    session so that stopping it reaches its whole group; that also means nobody stops it if the
+    parent is killed outright (SIGKILL, a CI timeout) rather than exiting through its clean-up."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class ServiceProcess:
@@ -41,17 +53,22 @@ class ServiceProcess:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         return self
+
+    def check_alive(self) -> None:
+        """Raise if the process has exited (pointing at its log)."""
+        if self.process is None or self.process.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited with code {self.process.returncode if self.process else '?'}"
+                + (f"; see {self.log}" if self.log else "")
+            )
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            if self.process is None or self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with code {self.process.returncode if self.process else '?'}"
-                    + (f"; see {self.log}" if self.log else "")
-                )
+            self.check_alive()
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import redis
 
+from services.launcher import die_with_parent
+
 __all__ = ["LocalRedis", "free_port"]
 
 
@@ -87,7 +89,11 @@ class LocalRedis:
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory]
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout

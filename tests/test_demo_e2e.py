@@ -38,9 +38,11 @@ def test_demo_runs_end_to_end(tmp_path):
         "3",
         "--max-tokens-per-turn",
         "48",
+        "--stall-timeout",  # a stuck pipeline fails here with its logs' place, inside pytest's 300 s
+        "120",
     ]
     result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "pbsd demo finished" in result.stdout
