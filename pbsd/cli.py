@@ -347,6 +347,7 @@ def demo_cmd(
 
     import yaml
 
+    from agent.grounding import describe
     from demo.config import DemoConfig
     from demo.run import run_demo
 
@@ -377,7 +378,7 @@ def demo_cmd(
         typer.echo(
             f"  {name:14} mean@{k} {acc[f'mean@{k}']:.3f}   turns {report['mean_turns']:.1f}   "
             f"tool calls {report['tool_calls']} ({report['tool_errors']} failed)   "
-            f"finish {report['finish_reasons']}"
+            f"finish {report['finish_reasons']}\n  {'':14} {describe(report['grounding'])}"
         )
     for algo, run in result["runs"].items():
         m = run["record"]["latest_metrics"]

@@ -85,6 +85,12 @@ def test_model_tiny_and_sft(tiny_world, tmp_path):
     history = [json.loads(x) for x in (tmp_path / "sft" / "sft_history.jsonl").read_text().splitlines()]
     assert len(history) == 9 and history[-1]["loss"] < history[0]["loss"]  # it learns the format
     assert (tmp_path / "sft" / "config.json").exists() and (tmp_path / "sft" / "tokenizer.json").exists()
+    # both checkpoints say which library versions made them (a rebuild is compared like for like)
+    import tokenizers
+
+    built = json.loads((tmp_path / "tiny" / "pbsd.json").read_text())["libraries"]
+    tuned_with = json.loads((tmp_path / "sft" / "pbsd.json").read_text())["sft"]["libraries"]
+    assert built == tuned_with and built["tokenizers"] == tokenizers.__version__ and "torch" in built
 
 
 def test_sft_token_layout_matches_the_rollouts(tiny_checkpoint):

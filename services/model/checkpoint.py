@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-__all__ = ["DTYPES", "load_model", "load_weights_into", "save_checkpoint"]
+__all__ = ["DTYPES", "library_versions", "load_model", "load_weights_into", "save_checkpoint"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,6 +47,14 @@ def save_checkpoint(
         shutil.rmtree(path)
     tmp.rename(path)
     return path
+
+
+def library_versions() -> dict[str, str]:
+    """The libraries a checkpoint's bytes depend on (tokenizer training, initialisation, training),
+    recorded with it so that a rebuild can be compared like for like."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("torch", "transformers", "tokenizers")}
 
 
 def load_weights_into(model: PreTrainedModel, path: str | Path) -> None:

@@ -100,7 +100,7 @@ def init_tiny(world_dir, out, *, sft_data=None, spec: TinySpec = TinySpec(), dat
     from pathlib import Path
 
     from agent.prompt import system_prompt
-    from services.model.checkpoint import save_checkpoint
+    from services.model.checkpoint import library_versions, save_checkpoint
     from services.tools.catalogue import catalogue
 
     root = Path(world_dir)
@@ -119,5 +119,8 @@ def init_tiny(world_dir, out, *, sft_data=None, spec: TinySpec = TinySpec(), dat
     tokenizer = train_tokenizer(texts, spec.vocab_size)
     model = build_tiny_model(tokenizer, spec)
     return save_checkpoint(
-        model, out, tokenizer=tokenizer, meta={"tiny_spec": asdict(spec), "world": str(root)}
+        model,
+        out,
+        tokenizer=tokenizer,
+        meta={"tiny_spec": asdict(spec), "world": str(root), "libraries": library_versions()},
     )

@@ -28,7 +28,7 @@ import torch
 
 from agent.chat import ChatTokenizer
 from proto.runs import TrainerSpec
-from services.model.checkpoint import load_model, save_checkpoint
+from services.model.checkpoint import library_versions, load_model, save_checkpoint
 from services.trainer.batch import TrainSample, micro_batches
 from services.trainer.policy import PolicyTrainer
 
@@ -188,6 +188,7 @@ def run_sft(
         "final_loss": history[-1]["loss"],
         "seconds": elapsed,
         "config": config.__dict__,
+        "libraries": library_versions(),
     }
     save_checkpoint(model, out, tokenizer=tok.tok, meta={"sft": stats})
     (out / "sft_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
