@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from agent.toolcall import parse_tool_call
 
-__all__ = ["Grounding", "describe", "names", "urls", "words"]
+__all__ = ["Grounding", "Verdict", "describe", "judge", "names", "urls", "words"]
 
 _WORD = re.compile(r"[^\W_]+")
 # \b: a scheme starts a word, so a long run of letters is scanned once, not from every position
@@ -54,6 +54,36 @@ def _phrase(text: str) -> str:
     return " " + " ".join(_WORD.findall(text.lower())) + " "
 
 
+Verdict = tuple[str, bool]  # ("queries" | "reads" | "answers", grounded)
+
+
+def judge(
+    question: str, turns: Iterable[tuple[str, str]], answer: str | None
+) -> tuple[list[Verdict | None], Verdict | None]:
+    """Per turn, the verdict on its search or read (None for a turn with neither), and the verdict
+    on the trajectory's boxed answer (None without one). ``turns`` as in :meth:`Grounding.add`."""
+    seen, links, results, verdicts = words(question), set(), [], []
+    for text, result in turns:
+        call = parse_tool_call(text).call
+        verdict = None
+        if call is not None:
+            query, url = call.arguments.get("q"), call.arguments.get("url")
+            if isinstance(query, str):
+                verdict = ("queries", bool(query.strip()) and names(query) <= seen)
+            elif isinstance(url, str):
+                verdict = ("reads", bool(url.strip()) and url.strip() in links)
+        verdicts.append(verdict)
+        if result:
+            results.append(result)
+            seen |= words(result)
+            links |= urls(result)
+    answered = None
+    if answer is not None and answer.strip():
+        said = _phrase(answer)
+        answered = ("answers", bool(said.strip()) and any(said in _phrase(r) for r in results))
+    return verdicts, answered
+
+
 @dataclass
 class Grounding:
     """Grounded / total counts over any number of trajectories (:meth:`add` each one)."""
@@ -73,25 +103,12 @@ class Grounding:
     ) -> None:
         """One trajectory: ``turns`` are (what the assistant wrote, the tool result that followed it
         or ""), in order; ``answer`` the boxed answer, if any."""
-        seen, links, results = words(question), set(), []
-        for text, result in turns:
-            call = parse_tool_call(text).call
-            if call is not None:
-                query, url = call.arguments.get("q"), call.arguments.get("url")
-                if isinstance(query, str):
-                    self.queries += 1
-                    self.grounded_queries += bool(query.strip()) and names(query) <= seen
-                if isinstance(url, str):
-                    self.reads += 1
-                    self.grounded_reads += bool(url.strip()) and url.strip() in links
-            if result:
-                results.append(result)
-                seen |= words(result)
-                links |= urls(result)
-        if answer is not None and answer.strip():
-            self.answers += 1
-            said = _phrase(answer)
-            self.grounded_answers += bool(said.strip()) and any(said in _phrase(r) for r in results)
+        per_turn, answered = judge(question, turns, answer)
+        for verdict in [*per_turn, answered]:
+            if verdict is not None:
+                kind, grounded = verdict
+                setattr(self, kind, getattr(self, kind) + 1)
+                setattr(self, f"grounded_{kind}", getattr(self, f"grounded_{kind}") + grounded)
 
     def summary(self) -> dict[str, dict[str, float]]:
         def part(grounded: int, total: int) -> dict[str, float]:

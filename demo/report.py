@@ -8,6 +8,7 @@ import html
 import io
 import json
 import shutil
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from services.trainer.viewer import load_groups, render_viewer, viewer_data
 __all__ = ["write_report"]
 
 COLORS = {"pbsd": "#1f6feb", "grpo": "#d97706"}
+VIEWER_ROWS = 400  # trajectories on the viewer page (the statistics use all of them)
 
 
 def _metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -136,6 +138,30 @@ def figures(
     return made
 
 
+def evidence_by_grounding(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """PBSD's evidence s on the turns that search, read or answer, split by whether the action was
+    grounded (:mod:`agent.grounding`): does the answer-aware teacher favour actions taken from what
+    the agent read? ``rows`` from :func:`viewer_data`; unscored turns are left out."""
+    cells: dict[tuple[str, bool], list[float]] = defaultdict(list)
+    for row in rows:
+        for turn in row["turns"]:
+            if turn["grounded"] is not None and turn["evidence"] is not None and turn["label"] != "unscored":
+                cells[(turn["grounded"]["kind"], turn["grounded"]["ok"])].append(turn["evidence"])
+    names = {"queries": "search", "reads": "read", "answers": "answer"}
+    return [
+        {
+            "action": names[kind],
+            "grounded": ok,
+            "turns": len(values),
+            "mean_s": float(np.mean(values)),
+            "teacher_higher": float(np.mean(np.asarray(values) > 0)),
+        }
+        for (kind, ok), values in sorted(
+            cells.items(), key=lambda kv: (list(names).index(kv[0][0]), not kv[0][1])
+        )
+    ]
+
+
 def _fraction(part: dict[str, float]) -> str:
     return f"{int(part['grounded'])}/{int(part['total'])}" + (
         f" ({part['fraction']:.2f})" if part["total"] else ""
@@ -149,6 +175,7 @@ def write_report(
     evidence_parts = []
     deadband = (credit.DEFAULT_EPS_POS, credit.DEFAULT_EPS_NEG)
     viewers = {}
+    credit_rows: list[str] = []
     tokenizer = ChatTokenizer.from_pretrained(out / "policy-sft")
     for algo, r in runs.items():
         run_dir = Path(r["dir"])
@@ -159,9 +186,13 @@ def write_report(
         spec = next((g.group.algorithm for _, g in groups if isinstance(g.group.algorithm, PbsdSpec)), None)
         if spec is not None:  # the run's own deadband (a run may set eps+ and eps-)
             deadband = (spec.eps_pos, spec.eps_neg)
-        page = render_viewer(
-            viewer_data(groups, tokenizer), f"Turn-level credit, {algo.upper()} run {r['id']}"
-        )
+        turn_rows = viewer_data(groups, tokenizer, limit=sum(len(g.group.trajectories) for _, g in groups))
+        credit_rows += [
+            f"<tr><td>{algo.upper()}</td><td>{c['action']}</td><td>{'grounded' if c['grounded'] else 'made up'}</td>"
+            f"<td>{c['turns']}</td><td>{c['mean_s']:.4f}</td><td>{c['teacher_higher']:.2f}</td></tr>"
+            for c in evidence_by_grounding(turn_rows)
+        ]
+        page = render_viewer(turn_rows[:VIEWER_ROWS], f"Turn-level credit, {algo.upper()} run {r['id']}")
         (out / f"viewer-{algo}.html").write_text(page)
         viewers[algo] = f"viewer-{algo}.html"
     evidence = np.concatenate(evidence_parts) if evidence_parts else np.zeros(0)
@@ -199,6 +230,15 @@ def write_report(
         if both
         else ""
     )
+    credit_table = (
+        "<h2>PBSD's evidence on grounded and made-up actions</h2>"
+        "<table><tr><th>run</th><th>action</th><th></th><th>turns</th><th>mean s</th><th>teacher &gt; student</th></tr>"
+        + "".join(credit_rows)
+        + "</table><p>s is the turn's evidence (teacher minus student log-likelihood per token). If the "
+        "answer-aware teacher favours actions taken from what the agent read, grounded rows sit higher.</p>"
+        if credit_rows
+        else ""
+    )
     body = "".join(
         f"<figure><img alt='{name}' src='data:image/png;base64,{data}'><figcaption>{name.replace('_', ' ')}"
         f"</figcaption></figure>"
@@ -221,6 +261,7 @@ Total time {elapsed / 60:.1f} minutes. {note}</p>
 <p>Grounded: a search whose names all appear in the question or an earlier tool result, a read whose address
 appeared in an earlier result, a boxed answer found in a result; the oracle scores 100% on each. A policy
 that makes names up fails here long before accuracy can move.</p>
+{credit_table}
 <h2>Runs</h2>
 <table><tr><th>algorithm</th><th>run</th><th>steps</th><th>last batch accuracy</th><th>teacher &gt; student</th>
 <th>filtered</th><th>artefacts</th></tr>{"".join(run_rows)}</table>

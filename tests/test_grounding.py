@@ -140,3 +140,25 @@ def test_batch_metrics_report_grounding_per_training_step(tiny_checkpoint):
     assert not any(
         k.startswith("grounded_") for k in batch_metrics([_scored(group, advantages=[1.0, -1.0])], 0)
     )
+
+
+def test_evidence_by_grounding_splits_scored_actions():
+    from demo.report import evidence_by_grounding
+
+    def turn(kind, ok, s, label="high"):
+        return {"grounded": None if kind is None else {"kind": kind, "ok": ok}, "evidence": s, "label": label}
+
+    rows = [
+        {"turns": [turn("queries", True, 0.2), turn("reads", False, -0.1), turn(None, None, 0.5)]},
+        {"turns": [turn("queries", True, -0.1), turn("queries", False, -0.3), turn("answers", True, 0.0)]},
+        {"turns": [turn("reads", True, None), turn("reads", True, 0.4, label="unscored")]},  # left out
+    ]
+    got = evidence_by_grounding(rows)
+    assert [(c["action"], c["grounded"], c["turns"]) for c in got] == [
+        ("search", True, 2),
+        ("search", False, 1),
+        ("read", False, 1),
+        ("answer", True, 1),
+    ]
+    assert got[0]["mean_s"] == pytest.approx(0.05) and got[0]["teacher_higher"] == 0.5
+    assert got[3]["teacher_higher"] == 0.0  # s = 0 is not teacher > student

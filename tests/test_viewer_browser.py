@@ -113,3 +113,37 @@ async def test_viewer_of_a_run_without_saved_groups_is_a_404(
         response = await http.get(f"{api}/runs/{record.id}/viewer")
         assert response.status_code == 404 and "--save-groups" in response.json()["detail"]
         assert (await http.get(f"{api}/runs/no-such-run/viewer")).status_code == 404
+
+
+def test_viewer_tags_grounded_and_made_up_turns(tiny_checkpoint, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from services.trainer.viewer import render_viewer, viewer_data
+    from tests.test_grounding import _read, _search
+    from tests.test_scorer import _trajectory
+    from tests.test_trainer_policy import _scored
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    result = '{"organic": [{"link": "kb://river/danube", "snippet": "The Danube flows through Vienna."}]}'
+    made_up = _trajectory(
+        tok, [_search("Zorbel river"), _read("kb://river/danube"), "\\boxed{Danube}"], result
+    )
+    made_up = made_up.model_copy(update={"final_answer": "Danube"})
+    group = _group(tok, PbsdSpec(), rewards=(1.0,)).model_copy(update={"trajectories": (made_up,)})
+    rows = viewer_data([(1, _scored(group, advantages=[0.0]))], tok)
+    assert [t["grounded"] for t in rows[0]["turns"]] == [
+        {"kind": "queries", "ok": False},
+        {"kind": "reads", "ok": True},
+        {"kind": "answers", "ok": True},
+    ]
+
+    page_file = tmp_path / "viewer.html"
+    page_file.write_text(render_viewer(rows))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page()
+        page.goto(page_file.as_uri())
+        page.locator("tr.traj").first.click()
+        tags = page.locator("[data-testid=detail] [data-testid=turn] [data-testid=grounded]")
+        assert tags.all_inner_texts() == ["made up", "grounded", "grounded"]
+        browser.close()

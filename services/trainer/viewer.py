@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 
 from agent.chat import ChatTokenizer
+from agent.grounding import judge
 from agent.toolcall import parse_tool_call
 from agent.transcript import turn_texts
 from proto.base import decode
@@ -59,7 +60,11 @@ def viewer_data(
         eps_pos, eps_neg = (algo.eps_pos, algo.eps_neg) if isinstance(algo, PbsdSpec) else (0.0, 0.0)
         for i, t in enumerate(scored.group.trajectories):
             turns = []
-            for k, (text, result) in enumerate(turn_texts(t.completion_ids, t.turn_spans, tokenizer)):
+            texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)
+            verdicts, answered = judge(scored.group.question, texts, t.final_answer)
+            if texts and verdicts[-1] is None:
+                verdicts[-1] = answered  # the boxed answer is in the last turn
+            for k, (text, result) in enumerate(texts):
                 call = parse_tool_call(text).call
                 s = float(scored.turn_evidence[i][k])
                 turns.append(
@@ -76,6 +81,10 @@ def viewer_data(
                         "evidence": None if math.isnan(s) else s,
                         "weight": float(scored.turn_weights[i][k]),
                         "label": label(s, eps_pos, eps_neg) if scored.scored else "unscored",
+                        # does its search, read or answer come from what the agent had read?
+                        "grounded": None
+                        if verdicts[k] is None
+                        else {"kind": verdicts[k][0], "ok": verdicts[k][1]},
                     }
                 )
             rows.append(
@@ -119,6 +128,7 @@ tr.traj{cursor:pointer} tr.traj:hover{background:#f5f5ff} tr.selected{background
 .turn.high{border-color:#2e9d4f;background:#eef8f0}.turn.low{border-color:#d0443a;background:#fbeeee}
 .turn.filtered{border-color:#9e9e9e;background:#f3f3f3}.turn.unscored{border-color:#cfd8dc}
 .meta{font-size:12px;color:#555;margin-bottom:4px}
+.ground{margin-left:6px;padding:0 5px;border:1px solid;border-radius:6px;font-size:11px}.ground.yes{color:#2e7d32}.ground.no{color:#b23c17}
 .badge{display:inline-block;padding:0 6px;border-radius:8px;font-size:11px;color:#fff;margin-right:6px}
 .badge.high{background:#2e9d4f}.badge.low{background:#d0443a}.badge.filtered{background:#8e8e8e}.badge.unscored{background:#90a4ae}
 pre{white-space:pre-wrap;word-break:break-word;margin:4px 0;font:12px/1.4 ui-monospace,monospace}
@@ -161,7 +171,8 @@ function show(i, tr) {
   const turns = r.turns.map((t, k) => `<div class="turn ${t.label}" data-testid="turn" data-label="${t.label}">
     <div class="meta"><span class="badge ${t.label}">${t.label}</span>turn ${k + 1}
     &middot; s = ${fmt(t.evidence, 4)} &middot; w = ${fmt(t.weight, 3)}
-    ${t.tool ? '&middot; calls <b>' + esc(t.tool.tool) + '</b> ' + esc(JSON.stringify(t.tool.arguments)) : ''}</div>
+    ${t.tool ? '&middot; calls <b>' + esc(t.tool.tool) + '</b> ' + esc(JSON.stringify(t.tool.arguments)) : ''}
+    ${t.grounded ? `<span class="ground ${t.grounded.ok ? 'yes' : 'no'}" data-testid="grounded">${t.grounded.ok ? 'grounded' : 'made up'}</span>` : ''}</div>
     <pre>${esc(t.text)}</pre>
     ${t.result ? '<details><summary>tool result</summary><pre>' + esc(t.result) + '</pre></details>' : ''}</div>`).join('');
   document.getElementById('main').innerHTML = `<h1>${esc(r.question)}</h1>
