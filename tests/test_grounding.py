@@ -116,7 +116,7 @@ def test_turn_texts_recover_what_was_said_and_returned(tiny_checkpoint, made_up)
     assert g.summary()["queries"]["grounded"] == (0 if made_up else 1)
 
 
-def test_batch_metrics_report_grounding_per_training_step(tiny_checkpoint):
+def test_batch_metrics_report_grounding_per_training_step(tiny_checkpoint, monkeypatch):
     from agent.chat import ChatTokenizer
     from proto.runs import PbsdSpec
     from services.trainer.executor import batch_metrics
@@ -140,6 +140,10 @@ def test_batch_metrics_report_grounding_per_training_step(tiny_checkpoint):
     assert not any(
         k.startswith("grounded_") for k in batch_metrics([_scored(group, advantages=[1.0, -1.0])], 0)
     )
+    # a large batch is measured on a spread sample: here, one trajectory of two (the first)
+    monkeypatch.setattr("services.trainer.executor.GROUNDING_SAMPLE", 1)
+    sampled = batch_metrics([_scored(group, advantages=[1.0, -1.0])], 0, tok)
+    assert sampled["grounded_queries_frac"] == 1.0 and "grounded_reads_frac" not in sampled
 
 
 def test_evidence_by_grounding_splits_scored_actions():
