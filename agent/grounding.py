@@ -23,12 +23,12 @@ Serper and Jina).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from agent.toolcall import parse_tool_call
 
-__all__ = ["Grounding", "Verdict", "describe", "judge", "names", "urls", "words"]
+__all__ = ["KINDS", "Grounding", "Verdict", "describe", "judge", "names", "ratio", "urls", "words"]
 
 _WORD = re.compile(r"[^\W_]+")
 # \b: a scheme starts a word, so a long run of letters is scanned once, not from every position
@@ -54,7 +54,9 @@ def _phrase(text: str) -> str:
     return " " + " ".join(_WORD.findall(text.lower())) + " "
 
 
-Verdict = tuple[str, bool]  # ("queries" | "reads" | "answers", grounded)
+# the kinds of action judged, in report order, with the words people read for one and for many
+KINDS = {"queries": ("search", "searches"), "reads": ("read", "reads"), "answers": ("answer", "answers")}
+Verdict = tuple[str, bool]  # (a key of KINDS, grounded)
 
 
 def judge(
@@ -84,16 +86,12 @@ def judge(
     return verdicts, answered
 
 
-@dataclass
 class Grounding:
-    """Grounded / total counts over any number of trajectories (:meth:`add` each one)."""
+    """Grounded / total counts per kind over any number of trajectories (:meth:`add` each one)."""
 
-    queries: int = 0
-    grounded_queries: int = 0
-    reads: int = 0
-    grounded_reads: int = 0
-    answers: int = 0
-    grounded_answers: int = 0
+    def __init__(self) -> None:
+        self.total: Counter[str] = Counter()
+        self.grounded: Counter[str] = Counter()
 
     def add(
         self,
@@ -107,23 +105,25 @@ class Grounding:
         for verdict in [*per_turn, answered]:
             if verdict is not None:
                 kind, grounded = verdict
-                setattr(self, kind, getattr(self, kind) + 1)
-                setattr(self, f"grounded_{kind}", getattr(self, f"grounded_{kind}") + grounded)
+                self.total[kind] += 1
+                self.grounded[kind] += grounded
 
     def summary(self) -> dict[str, dict[str, float]]:
-        def part(grounded: int, total: int) -> dict[str, float]:
-            return {"total": total, "grounded": grounded, "fraction": grounded / total if total else 0.0}
-
         return {
-            "queries": part(self.grounded_queries, self.queries),
-            "reads": part(self.grounded_reads, self.reads),
-            "answers": part(self.grounded_answers, self.answers),
+            kind: {
+                "total": self.total[kind],
+                "grounded": self.grounded[kind],
+                "fraction": self.grounded[kind] / self.total[kind] if self.total[kind] else 0.0,
+            }
+            for kind in KINDS
         }
+
+
+def ratio(part: dict[str, float]) -> str:
+    """``grounded/total`` of one kind of :meth:`Grounding.summary`."""
+    return f"{int(part['grounded'])}/{int(part['total'])}"
 
 
 def describe(summary: dict[str, dict[str, float]]) -> str:
     """One line for people: ``grounded searches 28/85, reads 13/49, answers 4/6``."""
-    parts = [
-        f"{int(summary[k]['grounded'])}/{int(summary[k]['total'])}" for k in ("queries", "reads", "answers")
-    ]
-    return f"grounded searches {parts[0]}, reads {parts[1]}, answers {parts[2]}"
+    return "grounded " + ", ".join(f"{many} {ratio(summary[k])}" for k, (_, many) in KINDS.items())

@@ -22,7 +22,7 @@ def turn_texts(
     tokenizer: ChatTokenizer,
 ) -> list[tuple[str, str]]:
     """``[(assistant text, following tool result or "")]``, one per turn."""
-    ids = list(np.asarray(completion_ids).tolist())
+    ids = np.asarray(completion_ids).tolist()
     out = []
     for k, (start, end) in enumerate(turn_spans):
         stop = turn_spans[k + 1][0] if k + 1 < len(turn_spans) else len(ids)

@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from agent.chat import ChatTokenizer
+from agent.grounding import KINDS, ratio
 from demo.config import DemoConfig
 from pbsd import credit
 from proto.runs import PbsdSpec
@@ -74,11 +75,7 @@ def figures(
 
     if any(k.startswith("grounded_") for rows in metrics.values() for r in rows for k in r):
         fig, ax = plt.subplots(figsize=(6, 3.4))
-        for key, label, style in (
-            ("queries", "searches", "-"),
-            ("reads", "reads", "--"),
-            ("answers", "answers", ":"),
-        ):
+        for (key, (_, label)), style in zip(KINDS.items(), ("-", "--", ":"), strict=True):
             _series(ax, metrics, f"grounded_{key}_frac", label, style)
         ax.set(
             xlabel="training step",
@@ -147,25 +144,22 @@ def evidence_by_grounding(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for turn in row["turns"]:
             if turn["grounded"] is not None and turn["evidence"] is not None and turn["label"] != "unscored":
                 cells[(turn["grounded"]["kind"], turn["grounded"]["ok"])].append(turn["evidence"])
-    names = {"queries": "search", "reads": "read", "answers": "answer"}
     return [
         {
-            "action": names[kind],
+            "action": KINDS[kind][0],
             "grounded": ok,
             "turns": len(values),
             "mean_s": float(np.mean(values)),
             "teacher_higher": float(np.mean(np.asarray(values) > 0)),
         }
         for (kind, ok), values in sorted(
-            cells.items(), key=lambda kv: (list(names).index(kv[0][0]), not kv[0][1])
+            cells.items(), key=lambda kv: (list(KINDS).index(kv[0][0]), not kv[0][1])
         )
     ]
 
 
 def _fraction(part: dict[str, float]) -> str:
-    return f"{int(part['grounded'])}/{int(part['total'])}" + (
-        f" ({part['fraction']:.2f})" if part["total"] else ""
-    )
+    return ratio(part) + (f" ({part['fraction']:.2f})" if part["total"] else "")
 
 
 def write_report(
@@ -206,9 +200,7 @@ def write_report(
             f"<tr><td>{html.escape(name)}</td><td>{acc[f'mean@{k}']:.3f}</td><td>{acc['pass@k'][str(k)]:.3f}</td>"
             f"<td>{report['questions']}</td><td>{report['mean_turns']:.2f}</td>"
             f"<td>{report['mean_generated_tokens']:.0f}</td><td>{html.escape(json.dumps(report['finish_reasons']))}</td>"
-            + "".join(
-                f"<td>{_fraction(report['grounding'][kind])}</td>" for kind in ("queries", "reads", "answers")
-            )
+            + "".join(f"<td>{_fraction(report['grounding'][kind])}</td>" for kind in KINDS)
             + "</tr>"
         )
     run_rows = []

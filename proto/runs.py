@@ -21,6 +21,7 @@ __all__ = [
     "AlgorithmSpec",
     "DataSpec",
     "GrpoSpec",
+    "LrDecay",
     "ModelSpec",
     "PbsdSpec",
     "RolloutSpec",
@@ -40,6 +41,7 @@ DEFAULT_TEACHER_TEMPLATE = (
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 UnitFloat = Annotated[float, Field(ge=0, le=1)]
+LrDecay = Literal["constant", "cosine"]  # after warm-up (also pbsd sft's --lr-decay)
 
 
 class ModelSpec(Contract):
@@ -141,7 +143,7 @@ class TrainerSpec(Contract):
     max_steps: PositiveInt = 100
     lr: PositiveFloat = 3e-6
     warmup_steps: Annotated[int, Field(ge=0)] = 8
-    lr_decay: Literal["constant", "cosine"] = Field(
+    lr_decay: LrDecay = Field(
         default="constant",
         description="after warm-up: hold the learning rate, or cosine-decay it to "
         "min_lr_ratio * lr at max_steps",

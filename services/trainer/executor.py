@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import shutil
 import statistics
 import time
@@ -116,7 +117,8 @@ def batch_metrics(
             (g.group.question, t) for g in groups for t in g.group.trajectories if t.finish_reason != "error"
         ]
         grounding = Grounding()
-        for question, t in pairs[:: -(-len(pairs) // GROUNDING_SAMPLE) or 1]:
+        stride = max(1, math.ceil(len(pairs) / GROUNDING_SAMPLE))
+        for question, t in pairs[::stride]:
             grounding.add(question, turn_texts(t.completion_ids, t.turn_spans, tokenizer), t.final_answer)
         for kind, part in grounding.summary().items():
             if part["total"]:  # a batch with no reads says nothing about reads

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from agent.chat import ChatTokenizer
-from proto.runs import TrainerSpec
+from proto.runs import LrDecay, TrainerSpec
 from services.model.checkpoint import library_versions, load_model, save_checkpoint
 from services.trainer.batch import TrainSample, micro_batches
 from services.trainer.policy import PolicyTrainer
@@ -36,7 +36,6 @@ __all__ = ["SftConfig", "encode_conversation", "progress_bar", "run_sft"]
 
 
 LossOn = Literal["assistant", "turns"]
-LrDecay = Literal["constant", "cosine"]
 
 
 @dataclass(frozen=True)
