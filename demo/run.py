@@ -64,6 +64,7 @@ def prepare_policy(config: DemoConfig, world: Path, fingerprint: str, out: Path)
 
 def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path) -> Path:
     """Oracle SFT data, tokenizer and tiny model, supervised fine-tuning (``--from-scratch``)."""
+    from services.model.checkpoint import stamp_world
     from services.model.tiny import TinySpec, init_tiny
     from services.trainer.sft import SftConfig, progress_bar, run_sft
     from worldgen.oracle import write_sft_data
@@ -90,9 +91,7 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
     )
     with progress_bar("SFT warm start") as progress:
         result = run_sft(work / "sft.jsonl", work / "tiny", target, sft, progress)
-    meta = json.loads((target / "pbsd.json").read_text())
-    meta["world_sha256"] = fingerprint
-    (target / "pbsd.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    stamp_world(target, fingerprint)
     say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
     return target
 

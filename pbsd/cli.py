@@ -489,6 +489,30 @@ def world_build(
     typer.echo(f"wrote {out}: {len(result.graph.entities)} entities, questions: {sizes} ({timing})")
 
 
+@world_app.command("fingerprint")
+def world_fingerprint_cmd(
+    world: Path = typer.Option(..., "--world", help="a directory written by `pbsd world build`"),
+    stamp: Path | None = typer.Option(
+        None, help="a checkpoint supervised on this world: record the fingerprint in its pbsd.json"
+    ),
+) -> None:
+    """Print the world's fingerprint (SHA-256 over its files' hashes); `pbsd demo` reuses a warm
+    policy only when its pbsd.json names the fingerprint of the world the demo builds."""
+    import json
+
+    from worldgen.build import world_fingerprint
+
+    manifest = world / "manifest.json"
+    if not manifest.exists():
+        raise typer.BadParameter(f"{manifest} not found: not a world", param_hint="--world")
+    fingerprint = world_fingerprint(json.loads(manifest.read_text()))
+    if stamp is not None:
+        from services.model.checkpoint import stamp_world
+
+        stamp_world(stamp, fingerprint)
+    typer.echo(fingerprint)
+
+
 @world_app.command("sft-data")
 def world_sft_data(
     world: Path = typer.Option(..., "--world", help="a directory written by `pbsd world build`"),

@@ -91,6 +91,18 @@ def test_model_tiny_and_sft(tiny_world, tmp_path):
     built = json.loads((tmp_path / "tiny" / "pbsd.json").read_text())["libraries"]
     tuned_with = json.loads((tmp_path / "sft" / "pbsd.json").read_text())["sft"]["libraries"]
     assert built == tuned_with and built["tokenizers"] == tokenizers.__version__ and "torch" in built
+    # the recipe's last step ties the tuned policy to its world, as `pbsd demo --from-scratch` does
+    from worldgen.build import world_fingerprint
+
+    stamped = runner.invoke(
+        app, ["world", "fingerprint", "--world", str(tiny_world), "--stamp", str(tmp_path / "sft")]
+    )
+    assert stamped.exit_code == 0, stamped.output
+    fingerprint = world_fingerprint(json.loads((tiny_world / "manifest.json").read_text()))
+    meta = json.loads((tmp_path / "sft" / "pbsd.json").read_text())
+    assert stamped.output.strip() == meta["world_sha256"] == fingerprint and meta["sft"]["libraries"] == built
+    not_a_world = runner.invoke(app, ["world", "fingerprint", "--world", str(tmp_path / "sft")])
+    assert not_a_world.exit_code == 2 and "not a world" in not_a_world.output
 
 
 def test_sft_token_layout_matches_the_rollouts(tiny_checkpoint):
