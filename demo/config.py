@@ -66,3 +66,16 @@ class DemoConfig(BaseModel):
     eval_questions: int = 24
     eval_samples: int = 1
     eval_top_p: float = 0.95
+
+    def sft_config(self):
+        """The warm start's SFT settings (``services.trainer.sft.SftConfig``; imported here, not at
+        the top, because it loads torch)."""
+        from services.trainer.sft import SftConfig
+
+        return SftConfig(
+            epochs=self.sft_epochs,
+            lr=self.sft_lr,
+            batch_size=self.sft_batch_size,
+            warmup_steps=self.sft_warmup_steps,
+            seed=self.seed,
+        )

@@ -66,7 +66,7 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
     """Oracle SFT data, tokenizer and tiny model, supervised fine-tuning (``--from-scratch``)."""
     from services.model.checkpoint import stamp_world
     from services.model.tiny import TinySpec, init_tiny
-    from services.trainer.sft import SftConfig, progress_bar, run_sft
+    from services.trainer.sft import progress_bar, run_sft
     from worldgen.oracle import write_sft_data
 
     work = target.parent / "warm-start"
@@ -82,15 +82,8 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
     say(f"{stats['written']} trajectories ({stats['tool_calls']} tool calls, {stats['detours']} detours)")
     spec = TinySpec(vocab_size=config.vocab_size, hidden_size=config.hidden_size, seed=config.seed)
     init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
-    sft = SftConfig(
-        epochs=config.sft_epochs,
-        lr=config.sft_lr,
-        batch_size=config.sft_batch_size,
-        warmup_steps=config.sft_warmup_steps,
-        seed=config.seed,
-    )
     with progress_bar("SFT warm start") as progress:
-        result = run_sft(work / "sft.jsonl", work / "tiny", target, sft, progress)
+        result = run_sft(work / "sft.jsonl", work / "tiny", target, config.sft_config(), progress)
     stamp_world(target, fingerprint)
     say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
     return target
@@ -207,13 +200,14 @@ def follow_run(
             bar.close()
             raise RuntimeError(
                 f"run {run_id} stalled: no training step for {stall_timeout_s:.0f}s after step {seen} "
-                f"(state {record['state']}); see the services' logs next to {services[0].log}"
+                f"(state {record['state']}); see the services' logs in {services[0].log.parent}"
             )
         time.sleep(1.0)
 
 
 def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     started = time.perf_counter()
+    out = out.absolute()  # the services and Redis get paths under it, whatever their working directory
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo-config.json").write_text(config.model_dump_json(indent=2))
     say(f"output in {out}")

@@ -53,7 +53,9 @@ class LocalRedis:
         self.persist = persist
         self.maxmemory = maxmemory
         self._own_dir = workdir is None
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pbsd-redis-"))
+        # absolute: redis-server changes into --dir before it opens --logfile, so a relative
+        # workdir would put the log file under workdir/workdir and the server would not start
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pbsd-redis-")).absolute()
         self.process: subprocess.Popen | None = None
 
     @property

@@ -25,7 +25,7 @@ def test_demo_runs_end_to_end(tmp_path):
         "pbsd.cli",
         "demo",
         "--out",
-        str(out),
+        "demo",  # relative, as `make demo`'s default runs/demo-<time> is
         "--steps",
         "2",
         "--prompts-per-step",
@@ -42,7 +42,12 @@ def test_demo_runs_end_to_end(tmp_path):
         "120",
     ]
     result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "pbsd demo finished" in result.stdout

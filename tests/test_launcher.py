@@ -89,3 +89,18 @@ def test_follow_run_returns_a_completed_run(tmp_path):
     finally:
         service.process.kill()
         service.process.wait()
+
+
+def test_local_redis_starts_in_a_relative_workdir(tmp_path, monkeypatch):
+    # `make demo` writes under runs/demo-<time>, a relative path: redis-server changes into --dir
+    # before opening --logfile, so a relative log path used to stop it from starting at all
+    from pathlib import Path
+
+    import redis
+
+    from services.local_redis import LocalRedis
+
+    monkeypatch.chdir(tmp_path)
+    with LocalRedis(workdir=Path("runs") / "redis") as server:
+        assert redis.Redis.from_url(server.url).ping()
+        assert (tmp_path / "runs" / "redis" / "redis.log").exists()
