@@ -287,3 +287,32 @@ async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
     assert not await executor._accept("r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch)
     assert state.drops == {"stale": 1, "future": 1, "duplicate": 2, "foreign": 1}
     assert state.dropped == 2  # stale and future groups get replacement prompts
+
+
+def test_the_run_watcher_ends_even_when_its_cancellation_is_lost():
+    """After the last step the executor stops its watcher; once, a demo run hung there for good
+    with the watcher still polling, its cancellation lost inside a Redis call. Here a store that
+    swallows the cancellation stands in for that call."""
+    import contextlib
+
+    from services.trainer.executor import RunExecutor, _stop_watching
+
+    class SwallowingStore:
+        calls = 0
+
+        async def get(self, run_id):
+            SwallowingStore.calls += 1
+            with contextlib.suppress(asyncio.CancelledError):  # lost: goes on as if never cancelled
+                await asyncio.sleep(0.2)
+            return None
+
+    async def scenario():
+        executor = RunExecutor.__new__(RunExecutor)
+        executor.store = SwallowingStore()
+        cancel, stop = asyncio.Event(), asyncio.Event()
+        watcher = asyncio.create_task(executor._watch("run", cancel, stop))
+        await asyncio.sleep(0.05)  # the watcher is inside store.get
+        await asyncio.wait_for(_stop_watching(watcher, cancel), timeout=5)
+        assert watcher.done() and cancel.is_set() and SwallowingStore.calls == 1
+
+    asyncio.run(scenario())

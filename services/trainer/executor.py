@@ -55,6 +55,17 @@ log = logging.getLogger(__name__)
 __all__ = ["RunExecutor", "TrainState", "batch_metrics", "covered_seconds"]
 
 
+async def _stop_watching(watcher: asyncio.Task, cancel: asyncio.Event) -> None:
+    """End the run's watcher. Setting ``cancel`` first matters: a demo run once hung here for good
+    after its last step, the watcher still polling Redis twice a second, because the task's
+    cancellation was lost inside a Redis call; with ``cancel`` set its loop ends on the next turn
+    whether or not the cancellation arrives."""
+    cancel.set()
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -279,9 +290,7 @@ class RunExecutor:
                 await self._record(run_id, out, state, record_metrics)
                 await controller.top_up(state.step, state.dropped)
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            await _stop_watching(watcher, cancel)
         if hasattr(trainer, "stop"):
             trainer.stop()  # the other DeepSpeed ranks leave this run's trainer
         if finished == "interrupted":
@@ -328,6 +337,7 @@ class RunExecutor:
         return controller.next_index > consumed
 
     async def _watch(self, run_id: str, cancel: asyncio.Event, stop: asyncio.Event) -> None:
+        """Set ``cancel`` when the run is cancelled or the trainer stops; ends once ``cancel`` is set."""
         while not cancel.is_set():
             record = await self.store.get(run_id)
             if stop.is_set() or (record is not None and record.state == "cancelling"):
