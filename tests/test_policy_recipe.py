@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from dataclasses import asdict
 
 from demo.config import ASSETS, DemoConfig
+from services.trainer.sft import SftConfig
 
 
 def recipe_commands() -> dict[str, dict[str, str]]:
@@ -40,22 +42,16 @@ def test_recipe_asset_and_demo_defaults_agree():
     assert sft["--model"] == commands["model tiny"]["--out"]
     assert commands["world fingerprint"]["--stamp"] == sft["--out"] == ASSETS.name
 
+    recipe = SftConfig(
+        epochs=int(sft["--epochs"]),
+        lr=float(sft["--lr"]),
+        batch_size=int(sft["--batch-size"]),
+        warmup_steps=int(sft["--warmup-steps"]),
+    )  # the recipe passes no --seed: every command's default is 0
+    demo = c.sft_config()
     meta = json.loads((ASSETS / "pbsd.json").read_text())
-    made_with = meta["sft"]["config"]
-    recipe = {
-        "epochs": int(sft["--epochs"]),
-        "lr": float(sft["--lr"]),
-        "batch_size": int(sft["--batch-size"]),
-        "warmup_steps": int(sft["--warmup-steps"]),
-        "seed": 0,  # the recipe passes no --seed: every command's default is 0
-    }
-    demo = {
-        "epochs": c.sft_epochs,
-        "lr": c.sft_lr,
-        "batch_size": c.sft_batch_size,
-        "warmup_steps": c.sft_warmup_steps,
-        "seed": c.seed,
-    }
-    assert {k: made_with[k] for k in recipe} == recipe == demo
+    # every setting, defaults included: a changed default would make the recipe another recipe
+    assert meta["sft"]["config"] == asdict(recipe) == asdict(demo)
+    assert meta["sft"]["libraries"].keys() == {"torch", "transformers", "tokenizers"}
     model = json.loads((ASSETS / "config.json").read_text())
     assert (model["vocab_size"], model["hidden_size"]) == (c.vocab_size, c.hidden_size)
