@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from services.trainer.sft import SftConfig
 
 __all__ = ["ASSETS", "DemoConfig"]
 
@@ -67,9 +70,9 @@ class DemoConfig(BaseModel):
     eval_samples: int = 1
     eval_top_p: float = 0.95
 
-    def sft_config(self):
-        """The warm start's SFT settings (``services.trainer.sft.SftConfig``; imported here, not at
-        the top, because it loads torch)."""
+    def sft_config(self) -> SftConfig:
+        """The warm start's SFT settings (SftConfig is imported here, not at the top: its module
+        loads torch)."""
         from services.trainer.sft import SftConfig
 
         return SftConfig(

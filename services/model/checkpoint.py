@@ -57,14 +57,13 @@ def library_versions() -> dict[str, str]:
     return {name: version(name) for name in ("torch", "transformers", "tokenizers")}
 
 
-def stamp_world(path: str | Path, fingerprint: str) -> dict:
+def stamp_world(path: str | Path, fingerprint: str) -> None:
     """Record in ``path``'s ``pbsd.json`` which world (``worldgen.build.world_fingerprint``) the
     checkpoint was supervised on; the demo reuses a warm policy only for that very world."""
     meta_file = Path(path) / "pbsd.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
     meta["world_sha256"] = fingerprint
     meta_file.write_text(json.dumps(meta, indent=2, sort_keys=True))
-    return meta
 
 
 def load_weights_into(model: PreTrainedModel, path: str | Path) -> None:
