@@ -196,7 +196,7 @@ def model_copy_probe(
     ),
     limit: int | None = typer.Option(None, help="probe only the first N conversations"),
 ) -> None:
-    """Teacher-forced greedy accuracy on the spans an agent must copy: queries, URLs, boxed answers."""
+    """Teacher-forced greedy accuracy on the spans an episode hinges on: queries, URLs, read requests, boxed answers."""
     from services.trainer.copy_probe import copy_probe
 
     for kind, r in copy_probe(model, data, limit=limit).items():

@@ -27,7 +27,8 @@ def test_the_committed_policy_copies_some_spans_of_held_out_conversations(tmp_pa
         expected = sum(len(pattern.findall(m["content"])) for r in rows for m in r["messages"][2::2])
         assert result[kind]["total"] == expected > 0
     assert result["answer"]["total"] == len(rows)
-    # measured 2026-11-23 on 40 conversations: queries 0.72, URLs 0.58, answers 0.28; a warm start
-    # that cannot copy at all (RECIPE.md's failed variant) scores ~0 on each
-    assert result["query"]["accuracy"] > 0.3 and result["url"]["accuracy"] > 0.3
+    # measured 2026-11-23 on 40 conversations: queries 0.72, URLs 0.58, requests 0.73, answers 0.28
+    # (on these 16: 0.77, 0.62, 0.81, 0.25); a warm start that cannot copy at all (RECIPE.md's
+    # failed variant) scores ~0 on each
+    assert all(result[k]["accuracy"] > 0.3 for k in ("query", "url", "request"))
     assert all(0 <= r["right"] <= r["total"] for r in result.values())
