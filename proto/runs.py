@@ -64,7 +64,11 @@ class DataSpec(Contract):
 
 class RolloutSpec(Contract):
     group_size: PositiveInt = Field(default=8, description="G, trajectories sampled per prompt")
-    temperature: Annotated[float, Field(ge=0)] = 1.0
+    temperature: Annotated[float, Field(gt=0)] = Field(
+        default=1.0,
+        description="sampling temperature; the trainer's log-probs are of softmax(logits / T) to match the "
+        "engine's, and the scorer's evidence stays the model's own likelihood (T = 1)",
+    )
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     eval_top_p: Annotated[float, Field(gt=0, le=1)] = 0.95
     max_turns: PositiveInt = 300

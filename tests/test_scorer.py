@@ -80,6 +80,11 @@ def _group(tok, algorithm, rewards=(1.0, 0.0, 1.0), finishes=None) -> Trajectory
         _trajectory(tok, turns[i % 3], i=i, reward=r, finish=f)
         for i, (r, f) in enumerate(zip(rewards, finishes, strict=True))
     )
+    return group_of(trajs, algorithm)
+
+
+def group_of(trajectories, algorithm) -> TrajectoryGroup:
+    """The group of ``trajectories``, sampled for the Vienna question of version 0."""
     return TrajectoryGroup(
         run_id="r",
         task_id="r:0",
@@ -88,7 +93,7 @@ def _group(tok, algorithm, rewards=(1.0, 0.0, 1.0), finishes=None) -> Trajectory
         answer="Danube",
         policy_version=0,
         algorithm=algorithm,
-        trajectories=trajs,
+        trajectories=tuple(trajectories),
     )
 
 

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from agent.chat import ChatTokenizer
-from proto.messages import ScoredGroup
+from agent.prompt import user_prompt
+from proto.messages import ScoredGroup, Trajectory
 from proto.runs import GrpoSpec, PbsdSpec, TrainerSpec
 from services.model.checkpoint import load_model, save_checkpoint
 from services.model.routing import RouteRecorder, moe_routers, replay_routes
+from services.rollout.engine import GenerationRequest
+from services.rollout.inprocess import InProcessEngine
 from services.trainer.batch import micro_batches, samples_from_groups
 from services.trainer.policy import PolicyTrainer, lr_factor, warmup_factor
-from tests.test_scorer import _group
+from tests.test_scorer import _group, group_of
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +122,45 @@ def test_pbsd_weights_reach_the_loss_token_by_token(tok, tiny_checkpoint):
     for n, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_the_trainer_recomputes_the_engines_log_probs_at_the_sampling_temperature(
+    tok, tiny_checkpoint, temperature
+):
+    """Sampled by the real engine at T, a trajectory's first-step ratios must all be 1: the trainer
+    scores softmax(logits / T) as the engine did (with T ignored, 0.13 nats off here)."""
+    model = load_model(tiny_checkpoint)
+    engine = InProcessEngine(model)
+    prompt = tok.prompt_ids("You are a search agent.", user_prompt("Which river flows through Vienna?"))
+    trajectories = []
+    for i in range(2):
+        out = await engine.generate(GenerationRequest(prompt, 24, temperature=temperature, seed=i))
+        n = len(out.output_ids)
+        trajectories.append(
+            Trajectory(
+                trajectory_id=f"t/{i}",
+                sample_index=i,
+                policy_version=0,
+                prompt_ids=np.array(prompt, np.int32),
+                completion_ids=np.array(out.output_ids, np.int32),
+                loss_mask=np.ones(n, np.uint8),
+                rollout_logprobs=np.array(out.logprobs, np.float32),
+                turn_spans=((0, n),),
+                reward=float(i == 0),
+                finish_reason="max_tokens",
+            )
+        )
+    group = group_of(trajectories, GrpoSpec())
+    samples, _ = samples_from_groups([_scored(group, advantages=[1.0, -1.0])], temperature=temperature)
+    trainer = PolicyTrainer(model, TrainerSpec())
+    for sample in samples:
+        assert sample.temperature == temperature
+        with torch.no_grad():
+            recomputed = trainer.sample_logprobs(sample, replay=False).numpy()
+        np.testing.assert_allclose(recomputed, sample.old_logprobs, atol=2e-4)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        samples_from_groups([_scored(group, advantages=[1.0, -1.0])], temperature=0.0)
 
 
 def test_zero_advantage_trajectories_are_counted_not_computed(tok):

@@ -12,6 +12,12 @@ of 1, evidence NaN, so both algorithms share every other line of the pipeline.
 
 Trajectories that ended in an error (engine or gateway failure) carry no signal about
 the policy: they are left out of the group statistics and get A = 0, w = 1.
+
+Both passes score the model's own likelihood (temperature 1) whatever temperature the
+rollout sampled at: s is how much the privileged context changes the model's belief in a
+turn, which a sampling temperature would only rescale; it is also what SGLang's prompt
+log-probs are (they are not temperature-scaled by default). The trainer, whose ratios
+must match the engine's sampling log-probs, is the one that divides by T.
 """
 
 from __future__ import annotations

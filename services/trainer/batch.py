@@ -28,6 +28,9 @@ class TrainSample:
     old_logprobs: np.ndarray  # rollout log-probs of the loss tokens
     advantages: np.ndarray  # per loss token
     routes: np.ndarray | None  # [len(input_ids), layers, top_k] recorded experts, for routing replay
+    # the sampling temperature ``old_logprobs`` are under: the engine's log-probs are of
+    # softmax(logits / T), so the trainer's must be too, or every ratio starts away from 1
+    temperature: float = 1.0
 
     @property
     def tokens(self) -> int:
@@ -43,8 +46,11 @@ class BatchCounts:
 
 
 def samples_from_groups(
-    groups: list[ScoredGroup], *, with_routes: bool = False
+    groups: list[ScoredGroup], *, with_routes: bool = False, temperature: float = 1.0
 ) -> tuple[list[TrainSample], BatchCounts]:
+    """The trainable samples of ``groups`` (sampled at ``temperature``) and the batch's normalisers."""
+    if temperature <= 0:
+        raise ValueError(f"training needs a sampling temperature > 0, got {temperature}")
     samples: list[TrainSample] = []
     sequences = tokens = 0
     for scored in groups:
@@ -73,6 +79,7 @@ def samples_from_groups(
                     old_logprobs=t.rollout_logprobs[completion_loss].astype(np.float32),
                     advantages=advantages.astype(np.float32),
                     routes=routes,
+                    temperature=temperature,
                 )
             )
     return samples, BatchCounts(sequences=sequences, tokens=tokens)

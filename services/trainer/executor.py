@@ -253,7 +253,9 @@ class RunExecutor:
                     await controller.top_up(state.step, state.dropped)
                     continue
                 groups = held.messages
-                samples, counts = samples_from_groups(groups, with_routes=spec.trainer.routing_replay)
+                samples, counts = samples_from_groups(
+                    groups, with_routes=spec.trainer.routing_replay, temperature=spec.rollout.temperature
+                )
                 step_metrics = await asyncio.to_thread(
                     trainer.train_step, samples, counts, spec.algorithm, replay=spec.trainer.routing_replay
                 )

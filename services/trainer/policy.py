@@ -69,9 +69,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-def _chunk_logprobs(head: nn.Module, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(
+    head: nn.Module, rows: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     # the head is called as a module (not through its weight) so that ZeRO-3 gathers it
     logits = head(rows).float()
+    if temperature != 1.0:  # as the rollout engine sampled: softmax(logits / T)
+        logits = logits / temperature
     return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
@@ -121,6 +125,7 @@ class PolicyTrainer:
                 model.lm_head,
                 rows[i : i + self.chunk_size],
                 targets[i : i + self.chunk_size],
+                sample.temperature,
                 use_reentrant=False,
             )
             for i in range(0, rows.shape[0], self.chunk_size)
