@@ -90,7 +90,14 @@ class _PolicyGradientSpec(Contract):
         "seq-mean-token-mean"
     )
     loss_agg_constant: PositiveFloat | None = None
-    kl_coef: Annotated[float, Field(ge=0)] = 0.0
+    kl_coef: Annotated[float, Field(ge=0)] = Field(
+        default=0.0,
+        description="beta of a KL penalty to the run's initial policy (the paper uses none); > 0 "
+        "loads that policy beside the trainer's and trains zero-advantage trajectories on it",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        default="k3", description="Schulman's estimator of KL(pi_theta || pi_ref) per token"
+    )
     tis_cap: PositiveFloat | None = Field(
         default=None, description="truncated importance-sampling cap C (off when None)"
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from proto.runs import GrpoSpec, TrainerSpec
+from proto.runs import TrainerSpec
 from services.model.checkpoint import load_model
 from services.trainer.policy import PolicyTrainer
 
@@ -50,16 +50,19 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     distributed = torch.load(tmp_path / "params.pt")
 
     sys.path.insert(0, str(script.parent))
-    from deepspeed_dp import samples
+    from deepspeed_dp import ALGORITHM, samples
 
     reference = PolicyTrainer(
-        load_model(tiny_checkpoint), TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0)
+        load_model(tiny_checkpoint),
+        TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0),
+        reference_path=str(tiny_checkpoint),
     )
     batch, counts = samples(reference.model.config.vocab_size)
     for _ in range(2):
-        reference.train_step(batch, counts, GrpoSpec())
+        reference.train_step(batch, counts, ALGORITHM)
     for name, param in reference.model.named_parameters():
         torch.testing.assert_close(distributed[name], param.detach(), rtol=1e-4, atol=1e-6, msg=name)
     assert (tmp_path / "weights" / "config.json").exists()
     history = json.loads((tmp_path / "history.json").read_text())
     assert len(history) == 2 and history[0]["grad_norm"] > 0
+    assert history[0]["kl_ref"] < 1e-6 < history[1]["kl_ref"]  # the first step starts at the reference

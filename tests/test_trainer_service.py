@@ -158,7 +158,10 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
         claim_idle_ms=2000,
     )
     store = RunStore(bus.redis, key_prefix)
-    record = await store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=3)))
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=3)
+    spec["rollout"]["temperature"] = 0.8
+    spec["algorithm"]["kl_coef"] = 0.05  # the reference is the initial policy, also after the resume
+    record = await store.create(RunSpec.model_validate(spec))
     fake, fake_stop = FakePipeline(bus, tok), asyncio.Event()
     fake_task = asyncio.create_task(fake.run(fake_stop))
 
@@ -220,6 +223,7 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
     assert done.step == 3 and done.policy_version == 3
     history = await store.metrics(record.id)
     assert [h["step"] for h in history] == [1.0, 2.0, 3.0]
+    assert history[0]["kl_ref"] < 1e-6 and all(h["kl_ref"] > 1e-6 for h in history[1:])
     last = history[-1]
     assert last["dropped_future"] == 1.0 and last["dropped_foreign"] == 1.0
     assert (

@@ -288,12 +288,14 @@ def credit() -> dict:
             ),
             panel(
                 "Policy loss, clipping, gradient norm",
-                "The clipped surrogate loss, the fraction of tokens outside the trust region, and the "
-                "gradient norm before clipping.",
+                "The clipped surrogate loss, the fraction of tokens outside the trust region, the "
+                "gradient norm before clipping, and the mean per-token KL to the initial policy "
+                "(runs with kl_coef > 0; the paper uses none).",
                 [
                     ("pbsd_trainer_loss", "loss"),
                     ("pbsd_trainer_clip_fraction", "clip fraction"),
                     ("pbsd_trainer_grad_norm", "grad norm"),
+                    ("pbsd_trainer_kl_ref", "KL to reference"),
                 ],
             ),
             row("PBSD's evidence and weights"),

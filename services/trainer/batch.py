@@ -46,9 +46,15 @@ class BatchCounts:
 
 
 def samples_from_groups(
-    groups: list[ScoredGroup], *, with_routes: bool = False, temperature: float = 1.0
+    groups: list[ScoredGroup],
+    *,
+    with_routes: bool = False,
+    temperature: float = 1.0,
+    keep_zero_advantage: bool = False,
 ) -> tuple[list[TrainSample], BatchCounts]:
-    """The trainable samples of ``groups`` (sampled at ``temperature``) and the batch's normalisers."""
+    """The trainable samples of ``groups`` (sampled at ``temperature``) and the batch's normalisers.
+    A trajectory whose advantages are all zero adds nothing to the policy-gradient loss and is
+    left out, unless ``keep_zero_advantage`` (a KL penalty still has a gradient there)."""
     if temperature <= 0:
         raise ValueError(f"training needs a sampling temperature > 0, got {temperature}")
     samples: list[TrainSample] = []
@@ -61,7 +67,7 @@ def samples_from_groups(
             sequences += 1
             tokens += completion_loss.size
             advantages = scored.token_advantages(i)[completion_loss]
-            if not np.any(advantages):
+            if not keep_zero_advantage and not np.any(advantages):
                 continue  # exactly zero loss and gradient: counted above, not computed
             full = np.concatenate([t.prompt_ids, t.completion_ids]).astype(np.int64)
             target_pos = completion_loss + t.prompt_ids.size

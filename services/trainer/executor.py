@@ -202,6 +202,8 @@ class RunExecutor:
             model_path=str(latest / "model" if latest else spec.model.path),
             chunk_size=self.settings.chunk_size,
             gradient_checkpointing=self.settings.gradient_checkpointing,
+            # the KL penalty's reference is the run's initial policy, also after a resume
+            reference_path=spec.model.path if spec.algorithm.kl_coef > 0 else None,
         )
         state = TrainState()
         initial_weights = spec.model.path
@@ -254,7 +256,10 @@ class RunExecutor:
                     continue
                 groups = held.messages
                 samples, counts = samples_from_groups(
-                    groups, with_routes=spec.trainer.routing_replay, temperature=spec.rollout.temperature
+                    groups,
+                    with_routes=spec.trainer.routing_replay,
+                    temperature=spec.rollout.temperature,
+                    keep_zero_advantage=spec.algorithm.kl_coef > 0,
                 )
                 step_metrics = await asyncio.to_thread(
                     trainer.train_step, samples, counts, spec.algorithm, replay=spec.trainer.routing_replay
@@ -380,6 +385,7 @@ class RunExecutor:
             (m.LOSS, "loss"),
             (m.CLIP_FRAC, "clip_frac"),
             (m.GRAD_NORM, "grad_norm"),
+            (m.KL_REF, "kl_ref"),
             (m.REWARD, "reward_mean"),
             (m.ACCURACY, "accuracy"),
             (m.TURNS, "turns_mean"),

@@ -7,6 +7,9 @@ POLICY_VERSION = Gauge("pbsd_trainer_policy_version", "Latest published policy v
 LOSS = Gauge("pbsd_trainer_loss", "Policy loss of the last step")
 CLIP_FRAC = Gauge("pbsd_trainer_clip_fraction", "Fraction of loss tokens clipped in the last step")
 GRAD_NORM = Gauge("pbsd_trainer_grad_norm", "Gradient norm before clipping, last step")
+KL_REF = Gauge(
+    "pbsd_trainer_kl_ref", "Mean per-token KL to the reference policy, last step (runs with kl_coef > 0)"
+)
 REWARD = Gauge("pbsd_trainer_reward_mean", "Mean reward of the last batch")
 ACCURACY = Gauge("pbsd_trainer_accuracy", "Fraction of correct trajectories in the last batch")
 TURNS = Gauge("pbsd_trainer_turns_per_trajectory", "Mean assistant turns per trajectory, last batch")

@@ -15,7 +15,11 @@ scorer's). One optimiser step per batch of groups::
 Ratios are against the rollout log-probs (on-policy). With ``tis_cap`` the ratio is
 taken against the current policy instead and each token's term is weighted by the
 truncated importance ratio min(pi_theta / pi_rollout, C) (truncated importance
-sampling for the rollout-trainer mismatch). Log-probs come from the LM head a chunk of
+sampling for the rollout-trainer mismatch). With ``kl_coef`` > 0 each token also pays
+kl_coef * KL(pi_theta || pi_ref) (the spec's estimator, :func:`pbsd.losses.kl_penalty`)
+against a frozen reference policy, the run's initial weights, loaded beside the policy (a
+full copy on every rank, also under ZeRO-3); zero-advantage trajectories then still train,
+on the KL term alone. Log-probs come from the LM head a chunk of
 rows at a time under activation checkpointing, so a 64K-token trajectory never holds
 its full-vocabulary logits for the backward pass.
 """
@@ -35,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pbsd.losses import clipped_policy_loss
 from proto.runs import AlgorithmSpec, TrainerSpec
-from services.model.checkpoint import save_checkpoint
+from services.model.checkpoint import DTYPES, load_model, save_checkpoint
 from services.model.routing import replay_routes
 from services.trainer.batch import BatchCounts, TrainSample, micro_batches
 
@@ -88,6 +92,7 @@ class PolicyTrainer:
         micro_batch_tokens: int | None = None,
         chunk_size: int = 1024,
         gradient_checkpointing: bool = False,
+        reference_path: str | None = None,
     ) -> None:
         self.spec = spec
         self.micro_batch_tokens = micro_batch_tokens or spec.micro_batch_tokens
@@ -98,6 +103,11 @@ class PolicyTrainer:
         self.step = 0
         self._build_optimizer(model)
         self.device = next(self.model.parameters()).device
+        self.reference: nn.Module | None = None
+        if reference_path is not None:  # frozen: no gradients, no optimiser state, never saved
+            dtype = {v: k for k, v in DTYPES.items()}[next(self.model.parameters()).dtype]
+            self.reference = load_model(reference_path, dtype=dtype, device=str(self.device))
+            self.reference.requires_grad_(False).eval()
 
     def _build_optimizer(self, model: nn.Module) -> None:
         self.optimizer = torch.optim.AdamW(
@@ -108,7 +118,16 @@ class PolicyTrainer:
 
     # -- log-probs with gradients -------------------------------------------------------
     def sample_logprobs(self, sample: TrainSample, *, replay: bool) -> torch.Tensor:
-        model = self.model
+        return self._logprobs(self.model, sample, replay=replay)
+
+    def reference_logprobs(self, sample: TrainSample) -> torch.Tensor:
+        """log pi_ref of the loss tokens (routing computed fresh: the reference is another model)."""
+        if self.reference is None:
+            raise ValueError("kl_coef > 0 needs a reference policy (PolicyTrainer(reference_path=...))")
+        with torch.no_grad():
+            return self._logprobs(self.reference, sample, replay=False)
+
+    def _logprobs(self, model: nn.Module, sample: TrainSample, *, replay: bool) -> torch.Tensor:
         ids = torch.as_tensor(sample.input_ids, device=self.device)[None]
         pos = torch.arange(ids.shape[1], device=self.device)[None]
         if replay:
@@ -167,7 +186,9 @@ class PolicyTrainer:
             "clip_frac_high": 0.0,
             "approx_kl_old": 0.0,
             "ratio_mean": 0.0,
+            "kl_ref": 0.0,
         }
+        kl = algorithm.kl_coef > 0
         tokens_done = 0
         for mb in micro_batches(samples, self.micro_batch_tokens):
             for sample in mb:  # one sequence per forward: no padding, no cross-sequence attention
@@ -191,6 +212,9 @@ class PolicyTrainer:
                     constant=algorithm.loss_agg_constant,
                     rollout_logprobs=rollout,
                     tis_cap=algorithm.tis_cap,
+                    ref_logprobs=self.reference_logprobs(sample) if kl else None,
+                    kl_coef=algorithm.kl_coef,
+                    kl_estimator=algorithm.kl_estimator,
                 )
                 self._backward(out.loss)
                 sums["loss"] += float(out.loss.detach())
@@ -203,7 +227,9 @@ class PolicyTrainer:
             "trained_tokens": float(tokens_done),
             "trained_sequences": float(len(samples)),
         }
-        for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean"):
+        for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean") + (
+            ("kl_ref",) if kl else ()
+        ):
             metrics[k] = sums[k] / tokens_done if tokens_done else 0.0
         return metrics
 

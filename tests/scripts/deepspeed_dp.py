@@ -15,6 +15,9 @@ from services.model.checkpoint import load_model
 from services.trainer.batch import BatchCounts, TrainSample
 from services.trainer.distributed import follow_rank0, make_trainer, release_followers
 
+# with a KL penalty, so that each rank's reference policy (loaded from the same path) takes part
+ALGORITHM = GrpoSpec(kl_coef=0.1)
+
 
 def samples(vocab: int) -> tuple[list[TrainSample], BatchCounts]:
     rng = np.random.default_rng(0)
@@ -44,9 +47,9 @@ def main() -> None:
         follow_rank0(device="cpu")
         return
     spec = TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0, deepspeed_config=config)
-    trainer = make_trainer(load_model(ckpt), spec, model_path=str(ckpt))
+    trainer = make_trainer(load_model(ckpt), spec, model_path=str(ckpt), reference_path=str(ckpt))
     batch, counts = samples(trainer.model.config.vocab_size)
-    history = [trainer.train_step(batch, counts, GrpoSpec()) for _ in range(2)]
+    history = [trainer.train_step(batch, counts, ALGORITHM) for _ in range(2)]
     trainer.save_weights(out / "weights")
     if hasattr(trainer, "stop"):
         trainer.stop()
