@@ -311,6 +311,21 @@ def runs_show(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
         typer.echo(json.dumps(_check(api.get(f"/runs/{run_id}")), indent=2))
 
 
+@runs_app.command("evals")
+def runs_evals(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
+    """A run's validation rounds (runs with data.validation): mean@k and pass@k by policy version."""
+    with _api(url, token) as api:
+        rounds = _check(api.get(f"/runs/{run_id}/evals"))
+    if not rounds:
+        typer.echo("no validation round recorded (does the run have data.validation?)")
+    for r in rounds:
+        k, acc = r["samples"], r["accuracy"]["all"]
+        typer.echo(
+            f"v{r['version']:<5} step {r['step']:>5}  mean@{k} {acc[f'mean@{k}']:.3f}  "
+            f"pass@{k} {acc['pass@k'][str(k)]:.3f}  on {r['questions']} questions"
+        )
+
+
 @runs_app.command("cancel")
 def runs_cancel(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
     """Stop a run after its current step."""

@@ -68,6 +68,11 @@ class PromptTask(Message):
     )
     rollout: RolloutSpec = RolloutSpec()
     algorithm: AlgorithmSpec
+    purpose: Literal["train", "eval"] = Field(
+        default="train",
+        description="eval: a validation prompt, sampled with policy version >= step; its group goes to "
+        "the evals stream (to the trainer, unscored) instead of the trajectories stream",
+    )
     created_at: float = Field(default_factory=_now)
 
 

@@ -54,7 +54,14 @@ class ModelSpec(Contract):
 
 class DataSpec(Contract):
     train: str = Field(min_length=1, description="question file (JSONL or Parquet) for RL")
-    validation: str | None = Field(default=None, description="held-out question file for evaluation")
+    validation: str | None = Field(
+        default=None,
+        description="held-out question file: the rollout workers evaluate the policy on it before the "
+        "first step, every trainer.eval_every steps and after the last (mean@k and pass@k in evals.jsonl)",
+    )
+    max_validation_questions: PositiveInt | None = Field(
+        default=None, description="evaluate only the first N validation questions"
+    )
     epochs: PositiveInt = 1
     shuffle_seed: int = 0
     max_questions: PositiveInt | None = Field(
@@ -70,7 +77,12 @@ class RolloutSpec(Contract):
         "engine's, and the scorer's evidence stays the model's own likelihood (T = 1)",
     )
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    eval_top_p: Annotated[float, Field(gt=0, le=1)] = 0.95
+    eval_top_p: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.95, description="top-p of validation samples (the paper evaluates with 0.95)"
+    )
+    eval_samples: PositiveInt = Field(
+        default=4, description="samples per validation question: k of mean@k (the paper reports mean@4)"
+    )
     max_turns: PositiveInt = 300
     max_tokens_per_turn: PositiveInt = 16_384
     max_context: PositiveInt = 65_536
@@ -168,6 +180,11 @@ class TrainerSpec(Contract):
     )
     publish_every: PositiveInt = 1
     checkpoint_every: PositiveInt = 10
+    eval_every: Annotated[int, Field(ge=0)] = Field(
+        default=0,
+        description="with data.validation: also evaluate every N steps (0: only before the first "
+        "step and after the last)",
+    )
     seed: int = 0
     routing_replay: bool = Field(
         default=False, description="R3: force the rollout's experts in the policy forward"

@@ -3,6 +3,7 @@
     prompts       trainer (run controller) -> rollout workers      group "rollout"
     trajectories  rollout workers -> evidence scorers              group "scorer"
     scored        evidence scorers -> trainer                      group "trainer"
+    evals         rollout workers -> trainer (validation groups)   group "trainer"
     weights       trainer -> every rollout worker and scorer       broadcast (no group)
     dead-letters  any consumer -> operators                        read by hand / dashboards
 
@@ -18,7 +19,16 @@ from pydantic import BaseModel
 
 from proto.messages import DeadLetter, PromptTask, ScoredGroup, TrajectoryGroup, WeightsPublished
 
-__all__ = ["ALL_STREAMS", "DEAD_LETTERS", "PROMPTS", "SCORED", "TRAJECTORIES", "WEIGHTS", "StreamDef"]
+__all__ = [
+    "ALL_STREAMS",
+    "DEAD_LETTERS",
+    "EVALS",
+    "PROMPTS",
+    "SCORED",
+    "TRAJECTORIES",
+    "WEIGHTS",
+    "StreamDef",
+]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -36,7 +46,8 @@ class StreamDef(Generic[M]):
 PROMPTS = StreamDef("prompts", PromptTask, group="rollout")
 TRAJECTORIES = StreamDef("trajectories", TrajectoryGroup, group="scorer")
 SCORED = StreamDef("scored", ScoredGroup, group="trainer")
+EVALS = StreamDef("evals", TrajectoryGroup, group="trainer")
 WEIGHTS = StreamDef("weights", WeightsPublished, group=None)
 DEAD_LETTERS = StreamDef("dead-letters", DeadLetter, group=None)
 
-ALL_STREAMS: tuple[StreamDef, ...] = (PROMPTS, TRAJECTORIES, SCORED, WEIGHTS, DEAD_LETTERS)
+ALL_STREAMS: tuple[StreamDef, ...] = (PROMPTS, TRAJECTORIES, SCORED, EVALS, WEIGHTS, DEAD_LETTERS)

@@ -9,7 +9,7 @@ import httpx
 
 from proto.messages import PromptTask
 from proto.runs import GrpoSpec, RolloutSpec
-from proto.streams import PROMPTS, TRAJECTORIES
+from proto.streams import EVALS, PROMPTS, TRAJECTORIES
 from services.rollout.app import create_app as rollout_app
 from services.rollout.settings import RolloutSettings
 from services.tools.app import create_app as tools_app
@@ -47,12 +47,25 @@ async def test_service_turns_a_prompt_into_a_group(
                     while not (got := await bus.read_all(TRAJECTORIES)):
                         await asyncio.sleep(0.1)
                 group = got[0][1]
+                # a validation prompt: sampled alike, sent to the trainer on the evals stream, unscored
+                await bus.publish(
+                    PROMPTS,
+                    task.model_copy(
+                        update={"message_id": "m-eval", "task_id": "r:eval:x:0:0", "purpose": "eval"}
+                    ),
+                )
+                async with asyncio.timeout(60):
+                    while not (evals := await bus.read_all(EVALS)):
+                        await asyncio.sleep(0.1)
+                assert len(await bus.read_all(TRAJECTORIES)) == 1
+                assert evals[0][1].task_id == "r:eval:x:0:0" and len(evals[0][1].trajectories) == 2
                 metrics = (await http.get("/metrics")).text
     assert len(group.trajectories) == 2
     for t in group.trajectories:  # a random tiny model rambles until the per-turn budget
         assert t.finish_reason in ("max_tokens", "answer") and t.turn_spans[0][1] - t.turn_spans[0][0] <= 12
         assert t.loss_mask.sum() == sum(e - s for s, e in t.turn_spans)
     assert "pbsd_rollout_trajectories_total" in metrics and "pbsd_rollout_generated_tokens_total" in metrics
+    assert "pbsd_rollout_eval_groups_total 1.0" in metrics
 
 
 def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -15,7 +16,19 @@ from tests.test_trainer_service import _spec
 runner = CliRunner()
 
 
-def test_runs_commands_against_the_api(api, tiny_world, tiny_checkpoint, tmp_path):
+async def _add_eval_round(redis_url: str, prefix: str, run_id: str) -> None:
+    import redis.asyncio as aioredis
+
+    from services.trainer.runs import RunStore
+
+    client = aioredis.from_url(redis_url)
+    accuracy = {"all": {"questions": 8, "mean@4": 0.25, "pass@k": {"1": 0.25, "4": 0.5}}}
+    record = {"version": 3, "step": 3, "samples": 4, "questions": 8, "accuracy": accuracy}
+    await RunStore(client, prefix).add_metrics(run_id, record, series="evals")
+    await client.aclose()
+
+
+def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path):
     spec_file = tmp_path / "run.yaml"
     spec = _spec(tiny_world, tiny_checkpoint)
     spec["trainer"]["max_steps"] = 100
@@ -28,6 +41,11 @@ def test_runs_commands_against_the_api(api, tiny_world, tiny_checkpoint, tmp_pat
     assert run_id in listed.output
     shown = json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).output)
     assert shown["id"] == run_id and shown["spec"]["trainer"]["prompts_per_step"] == 2
+    none = runner.invoke(app, ["runs", "evals", run_id, *args])
+    assert none.exit_code == 0 and "no validation round" in none.output
+    asyncio.run(_add_eval_round(redis_url, key_prefix, run_id))
+    rounds = runner.invoke(app, ["runs", "evals", run_id, *args])
+    assert "v3     step     3  mean@4 0.250  pass@4 0.500  on 8 questions" in rounds.output, rounds.output
     cancelled = runner.invoke(app, ["runs", "cancel", run_id, *args])
     assert cancelled.exit_code == 0 and run_id in cancelled.output
     denied = runner.invoke(app, ["runs", "list", "--url", api, "--token", "wrong"])

@@ -11,7 +11,7 @@ import pytest
 
 from agent.chat import ChatTokenizer
 from proto.messages import PromptTask, Trajectory, TrajectoryGroup
-from proto.streams import PROMPTS, SCORED, WEIGHTS
+from proto.streams import EVALS, PROMPTS, SCORED, WEIGHTS
 from services.bus import Bus, ConsumerOptions
 from services.scorer.evidence import score_group
 from services.trainer.executor import RunExecutor
@@ -59,6 +59,7 @@ async def test_auth_validation_and_cancel(api, tiny_world, tiny_checkpoint):
         r = await http.post("/runs", json=bad)
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "data", "train"]
         assert (await http.get("/runs/nope")).status_code == 404
+        assert (await http.get("/runs/nope/evals")).status_code == 404
 
 
 def test_the_api_needs_a_token_unless_local(tmp_path):
@@ -82,7 +83,8 @@ async def test_cancel_a_queued_run(redis_url, key_prefix, tiny_world, tiny_check
 
 class FakePipeline:
     """Plays rollout and scorer for the trainer: answers prompt tasks with scored GRPO groups
-    (sample i answers correctly when i is even), sampled with the newest published version."""
+    (sample i answers correctly when i is even), sampled with the newest published version;
+    a validation task's group goes unscored to the evals stream, as a rollout worker sends it."""
 
     def __init__(self, bus: Bus, tok: ChatTokenizer) -> None:
         self.bus, self.tok = bus, tok
@@ -130,6 +132,9 @@ class FakePipeline:
             algorithm=task.algorithm,
             trajectories=tuple(trajs),
         )
+        if task.purpose == "eval":
+            await self.bus.publish(EVALS, group)
+            return
         await self.bus.publish(SCORED, await score_group(group, self.tok, None))
 
 
@@ -142,6 +147,18 @@ async def _run_until(executor: RunExecutor, store: RunStore, run_id: str, states
                 task.result()
             await asyncio.sleep(0.1)
     return stop, task
+
+
+async def _finish(executor: RunExecutor, store: RunStore, run_id: str, fake_task, fake_stop):
+    """Serve until the run ends, stop the trainer and the fake pipeline; the run must have completed."""
+    stop, serving = await _run_until(executor, store, run_id, ("completed", "failed"))
+    stop.set()
+    await asyncio.wait_for(serving, 60)
+    fake_stop.set()
+    await fake_task
+    done = await store.get(run_id)
+    assert done.state == "completed", done.error
+    return done
 
 
 async def test_a_run_trains_publishes_checkpoints_and_resumes(
@@ -212,14 +229,9 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
     assert (await store.get(record.id)).state == "running"
 
     # a new trainer process resumes the run from its checkpoint and finishes it
-    executor = RunExecutor(bus, store, settings, save_groups=True)
-    stop, serving = await _run_until(executor, store, record.id, ("completed", "failed"))
-    stop.set()
-    await asyncio.wait_for(serving, 60)
-    fake_stop.set()
-    await fake_task
-    done = await store.get(record.id)
-    assert done.state == "completed", done.error
+    done = await _finish(
+        RunExecutor(bus, store, settings, save_groups=True), store, record.id, fake_task, fake_stop
+    )
     assert done.step == 3 and done.policy_version == 3
     history = await store.metrics(record.id)
     assert [h["step"] for h in history] == [1.0, 2.0, 3.0]
@@ -299,7 +311,7 @@ def test_the_run_watcher_ends_even_when_its_cancellation_is_lost():
     swallows the cancellation stands in for that call."""
     import contextlib
 
-    from services.trainer.executor import RunExecutor, _stop_watching
+    from services.trainer.executor import RunExecutor, _stop_task
 
     class SwallowingStore:
         calls = 0
@@ -316,7 +328,47 @@ def test_the_run_watcher_ends_even_when_its_cancellation_is_lost():
         cancel, stop = asyncio.Event(), asyncio.Event()
         watcher = asyncio.create_task(executor._watch("run", cancel, stop))
         await asyncio.sleep(0.05)  # the watcher is inside store.get
-        await asyncio.wait_for(_stop_watching(watcher, cancel), timeout=5)
+        await asyncio.wait_for(_stop_task(watcher, cancel), timeout=5)
         assert watcher.done() and cancel.is_set() and SwallowingStore.calls == 1
 
     asyncio.run(scenario())
+
+
+async def test_a_run_with_validation_evaluates_before_during_and_after(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """data.validation: rounds at versions 0, 2 (eval_every) and 3 (the last), each with every
+    question and eval_samples samples at eval_top_p, recorded where the API and evals.jsonl show them."""
+    from proto.runs import RunSpec
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    settings = TrainerSettings(
+        local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
+    )
+    store = RunStore(bus.redis, key_prefix)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=3, eval_every=2, publish_every=3)
+    spec["data"].update(
+        validation=str(tiny_world / "questions" / "validation.jsonl"), max_validation_questions=5
+    )
+    spec["rollout"].update(eval_samples=2, eval_top_p=0.9)
+    record = await store.create(RunSpec.model_validate(spec))
+    fake, fake_stop = FakePipeline(bus, tok), asyncio.Event()
+    fake_task = asyncio.create_task(fake.run(fake_stop))
+    await _finish(RunExecutor(bus, store, settings), store, record.id, fake_task, fake_stop)
+    evals = await store.metrics(record.id, series="evals")
+    assert [(e["version"], e["step"]) for e in evals] == [(0, 0), (2, 2), (3, 3)]
+    for e in evals:
+        # the fake answers right with every even sample: 1 of 2 on each of the 5 questions
+        assert e["questions"] == 5 and e["samples"] == 2 and e["failed"] == 0
+        assert e["accuracy"]["all"]["mean@2"] == 0.5 and e["accuracy"]["all"]["pass@k"]["2"] == 1.0
+        assert min(e["versions_used"]) >= e["version"]
+    tasks = [t for t in fake.tasks if t.purpose == "eval"]
+    assert len(tasks) == 15 and {
+        (t.rollout.group_size, t.rollout.top_p, t.rollout.max_staleness) for t in tasks
+    } == {(2, 0.9, 0)}
+    assert all(t.purpose == "train" for t in fake.tasks if ":eval:" not in t.task_id)
+    # version 2 was published for its round although publish_every is 3
+    published = sorted({w.version for _, w in await bus.read_all(WEIGHTS) if w.run_id == record.id})
+    assert published == [0, 2, 3]
+    lines = (tmp_path / "runs" / record.id / "evals.jsonl").read_text().splitlines()
+    assert [json.loads(x)["version"] for x in lines] == [0, 2, 3]

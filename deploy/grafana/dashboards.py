@@ -255,8 +255,14 @@ def credit() -> dict:
             row("Learning"),
             panel(
                 "Reward and accuracy",
-                "Mean reward and the fraction of correct trajectories in the last trained batch.",
-                [("pbsd_trainer_reward_mean", "reward"), ("pbsd_trainer_accuracy", "accuracy")],
+                "Mean reward and the fraction of correct trajectories in the last trained batch, and "
+                "mean@k on the validation questions at the last evaluation round (runs with "
+                "data.validation).",
+                [
+                    ("pbsd_trainer_reward_mean", "reward"),
+                    ("pbsd_trainer_accuracy", "accuracy"),
+                    ("pbsd_trainer_val_accuracy", "validation mean@k"),
+                ],
                 unit="percentunit",
                 min_=0,
                 max_=1,

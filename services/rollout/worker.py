@@ -9,6 +9,9 @@ with its cause; the trainer decides what to drop.
 Staleness: a prompt meant for training step s is only started once the engine holds
 policy version >= s - max_staleness; until then the worker waits for the next weights
 event instead of flooding the stream with stale groups.
+
+A validation prompt (``purpose == "eval"``, published by the trainer with its own sampling
+settings) is sampled the same way and its group goes to the evals stream, for the trainer.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
 from proto.base import derived_id
 from proto.messages import PromptTask, Trajectory, TrajectoryGroup, WeightsPublished
-from proto.streams import PROMPTS, TRAJECTORIES
+from proto.streams import EVALS, PROMPTS, TRAJECTORIES
 from services.bus import Bus, ConsumerOptions, Delivery
 from services.policy_worker import PolicyWorker
 from services.rollout import metrics
@@ -85,6 +88,10 @@ class RolloutWorker(PolicyWorker):
     async def handle(self, task: PromptTask, delivery: Delivery) -> None:
         await self.wait_for_version(task.step - task.rollout.max_staleness)
         group = await self.sample_group(task)
+        if task.purpose == "eval":  # a validation prompt: straight to the trainer, nothing to score
+            await self.bus.publish(EVALS, group)
+            metrics.EVAL_GROUPS.inc()
+            return
         metrics.STALENESS.observe(max(0, task.step - group.policy_version))
         await self.bus.publish(TRAJECTORIES, group)
         metrics.GROUPS.inc()

@@ -5,6 +5,7 @@
     GET  /runs/{id}              state, step, policy version, latest metrics, spec
     POST /runs/{id}/cancel       stop after the current step (a queued run never starts)
     GET  /runs/{id}/metrics      the per-step metric history (``?since=N`` skips the first N)
+    GET  /runs/{id}/evals        the validation rounds (runs with ``data.validation``), the same way
     GET  /runs/{id}/viewer       the turn-level credit viewer (HTML; needs a trainer started with --save-groups)
 
 Every route needs ``Authorization: Bearer <PBSD_TRAINER_API_TOKEN>`` unless the trainer
@@ -17,7 +18,7 @@ import asyncio
 import functools
 import hmac
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import HTMLResponse
@@ -100,10 +101,19 @@ async def cancel(run_id: str, request: Request) -> RunRecord:
 
 
 @router.get("/runs/{run_id}/metrics")
-async def run_metrics(run_id: str, request: Request, since: int = 0) -> list[dict[str, float]]:
+async def run_metrics(run_id: str, request: Request, since: int = 0) -> list[dict[str, Any]]:
+    return await _series(request, run_id, since, "metrics")
+
+
+@router.get("/runs/{run_id}/evals")
+async def run_evals(run_id: str, request: Request, since: int = 0) -> list[dict[str, Any]]:
+    return await _series(request, run_id, since, "evals")
+
+
+async def _series(request: Request, run_id: str, since: int, series: str) -> list[dict[str, Any]]:
     if await _store(request).get(run_id) is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
-    return await _store(request).metrics(run_id, since)
+    return await _store(request).metrics(run_id, since, series=series)
 
 
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)

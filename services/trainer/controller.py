@@ -22,7 +22,12 @@ from proto.runs import RunSpec
 from proto.streams import PROMPTS
 from services.bus import Bus
 
-__all__ = ["PromptController"]
+__all__ = ["PromptController", "question_task"]
+
+
+def question_task(q: QuestionRecord, **fields) -> PromptTask:
+    """The prompt task that asks ``q`` (training or validation: ``fields`` say which and when)."""
+    return PromptTask(question_id=q.id, question=q.question, answer=q.answer, aliases=q.aliases, **fields)
 
 
 class PromptController:
@@ -55,14 +60,11 @@ class PromptController:
         d = len(self.questions)
         epoch, position = divmod(index, d)
         q = self.questions[int(self.order(epoch)[position])]
-        return PromptTask(
+        return question_task(
+            q,
             message_id=derived_id(self.run_id, "prompt", str(index)),
             run_id=self.run_id,
             task_id=f"{self.run_id}:{index}",
-            question_id=q.id,
-            question=q.question,
-            answer=q.answer,
-            aliases=q.aliases,
             epoch=epoch,
             index=index,
             step=min(

@@ -1,14 +1,18 @@
 """The run executor: one run from its first prompt to its last checkpoint.
 
-    publish policy version 0 (the run's model); publish the first prompts
+    publish policy version 0 (the run's model); with data.validation, evaluate it
+    publish the first prompts
     repeat until max_steps, the end of the data, or a cancel:
         collect prompts_per_step scored groups (held, not yet acknowledged), dropping
             groups of another run, groups older than max_staleness versions (or from a
             future the trainer never reached, after a resume), and trajectories already trained
-        one optimiser step; version += 1; publish the new weights
+        one optimiser step; version += 1; publish the new weights (every publish_every
+            steps, and whenever a validation round is due)
         remember the trained trajectory ids, then acknowledge the groups
         every checkpoint_every steps a full checkpoint; metrics for the step
+        every eval_every steps a validation round (services.trainer.evaluation)
         publish more prompts (one replacement for every dropped group)
+    with data.validation, evaluate the last version and wait for it
 
 A trainer killed mid-run resumes from its last full checkpoint when it starts again:
 model, optimiser, schedule, RNG, data position and the trained-id set are restored,
@@ -36,7 +40,7 @@ from transformers import AutoTokenizer
 from agent.chat import ChatTokenizer
 from agent.grounding import Grounding
 from agent.transcript import turn_texts
-from proto.base import encode
+from proto.base import encode, new_id
 from proto.messages import ScoredGroup, WeightsPublished
 from proto.runs import RunSpec
 from proto.streams import SCORED, WEIGHTS
@@ -46,6 +50,7 @@ from services.trainer import metrics as m
 from services.trainer.batch import samples_from_groups
 from services.trainer.controller import PromptController
 from services.trainer.distributed import make_trainer
+from services.trainer.evaluation import Evaluator
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
 from worldgen.formats import load_questions
@@ -55,15 +60,16 @@ log = logging.getLogger(__name__)
 __all__ = ["RunExecutor", "TrainState", "batch_metrics", "covered_seconds"]
 
 
-async def _stop_watching(watcher: asyncio.Task, cancel: asyncio.Event) -> None:
-    """End the run's watcher. Setting ``cancel`` first matters: a demo run once hung here for good
-    after its last step, the watcher still polling Redis twice a second, because the task's
-    cancellation was lost inside a Redis call; with ``cancel`` set its loop ends on the next turn
-    whether or not the cancellation arrives."""
-    cancel.set()
-    watcher.cancel()
+async def _stop_task(task: asyncio.Task, stop: asyncio.Event) -> None:
+    """End a loop that runs beside the run (its watcher, the validation consumer). Setting its
+    ``stop`` event first matters: a demo run once hung here for good after its last step, the
+    watcher still polling Redis twice a second, because the task's cancellation was lost inside
+    a Redis call; with the event set its loop ends on the next turn whether or not the
+    cancellation arrives."""
+    stop.set()
+    task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        await watcher
+        await task
 
 
 @dataclass
@@ -220,11 +226,26 @@ class RunExecutor:
         await self._publish_weights(run_id, state, initial_weights)
 
         controller = PromptController(self.bus, run_id, spec, report.items, next_index=state.next_index)
+        options = ConsumerOptions(block_ms=500, claim_idle_ms=self.settings.claim_idle_ms)
+        evaluator, evaluating, eval_stop = None, None, asyncio.Event()
+        if spec.data.validation:
+            evaluator = Evaluator(
+                self.bus,
+                self.store,
+                run_id,
+                spec,
+                load_questions(spec.data.validation).items,
+                out,
+                nonce=new_id()[:8],
+            )
+            evaluating = asyncio.create_task(evaluator.consume(eval_stop, options))
+            if state.step == 0:
+                await evaluator.start_round(state.version, state.step)
         await controller.top_up(state.step, state.dropped)
         cancel = asyncio.Event()
         watcher = asyncio.create_task(self._watch(run_id, cancel, stop))
-        options = ConsumerOptions(block_ms=500, claim_idle_ms=self.settings.claim_idle_ms)
         last_step_end = time.perf_counter()
+        published = state.version
         finished = "completed"
         try:
             while state.step < spec.trainer.max_steps:
@@ -266,14 +287,16 @@ class RunExecutor:
                 )
                 state.step += 1
                 state.version += 1
-                if state.step % spec.trainer.publish_every == 0 or state.step == spec.trainer.max_steps:
-                    path = trainer.save_weights(
-                        out / "weights" / f"v{state.version:06d}",
-                        tokenizer=tokenizer,
-                        meta={"run_id": run_id, "version": state.version, "step": state.step},
-                    )
-                    await self._publish_weights(run_id, state, str(path))
-                    self._prune_weights(out)
+                eval_due = evaluator is not None and evaluator.due(state.step)
+                if (
+                    state.step % spec.trainer.publish_every == 0
+                    or state.step == spec.trainer.max_steps
+                    or eval_due  # the rollout workers evaluate the published version
+                ):
+                    await self._publish_new_weights(run_id, out, tokenizer, trainer, state)
+                    published = state.version
+                if eval_due and state.step < spec.trainer.max_steps:
+                    await evaluator.start_round(state.version, state.step)
                 await self.store.mark_trained(
                     run_id, [t.trajectory_id for g in groups for t in g.group.trajectories]
                 )
@@ -296,8 +319,16 @@ class RunExecutor:
                 last_step_end = now
                 await self._record(run_id, out, state, record_metrics)
                 await controller.top_up(state.step, state.dropped)
+            if evaluator is not None and finished == "completed":  # the last round, then done
+                if published != state.version:  # the data ran out between two publications
+                    await self._publish_new_weights(run_id, out, tokenizer, trainer, state)
+                await evaluator.start_round(state.version, state.step)
+                if not await evaluator.wait(cancel):
+                    finished = "interrupted" if stop.is_set() else "cancelled"
         finally:
-            await _stop_watching(watcher, cancel)
+            await _stop_task(watcher, cancel)
+            if evaluating is not None:
+                await _stop_task(evaluating, eval_stop)
         if hasattr(trainer, "stop"):
             trainer.stop()  # the other DeepSpeed ranks leave this run's trainer
         if finished == "interrupted":
@@ -351,6 +382,15 @@ class RunExecutor:
                 cancel.set()
                 return
             await asyncio.sleep(0.5)
+
+    async def _publish_new_weights(self, run_id, out, tokenizer, trainer, state) -> None:
+        path = trainer.save_weights(
+            out / "weights" / f"v{state.version:06d}",
+            tokenizer=tokenizer,
+            meta={"run_id": run_id, "version": state.version, "step": state.step},
+        )
+        await self._publish_weights(run_id, state, str(path))
+        self._prune_weights(out)
 
     async def _publish_weights(self, run_id: str, state: TrainState, path: str) -> None:
         await self.bus.publish(

@@ -7,6 +7,7 @@ POLICY_VERSION = Gauge("pbsd_trainer_policy_version", "Latest published policy v
 LOSS = Gauge("pbsd_trainer_loss", "Policy loss of the last step")
 CLIP_FRAC = Gauge("pbsd_trainer_clip_fraction", "Fraction of loss tokens clipped in the last step")
 GRAD_NORM = Gauge("pbsd_trainer_grad_norm", "Gradient norm before clipping, last step")
+VAL_ACCURACY = Gauge("pbsd_trainer_val_accuracy", "mean@k on the run's validation questions, last round")
 KL_REF = Gauge(
     "pbsd_trainer_kl_ref", "Mean per-token KL to the reference policy, last step (runs with kl_coef > 0)"
 )

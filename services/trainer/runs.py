@@ -4,6 +4,7 @@
 {prefix}:runs:queue           list of run ids waiting to start (FIFO)
 {prefix}:run:{id}             hash: spec, state, step, policy_version, timestamps, error, latest metrics, ...
 {prefix}:run:{id}:metrics     list of per-step metric records (JSON)
+{prefix}:run:{id}:evals       list of validation rounds (JSON; runs with data.validation)
 {prefix}:run:{id}:trained     set of trajectory ids already trained on (duplicates are dropped)
 """
 
@@ -96,11 +97,12 @@ class RunStore:
             await self.update(run_id, state="cancelling")
         return await self.get(run_id)
 
-    async def add_metrics(self, run_id: str, record: dict[str, float]) -> None:
-        await self.redis.rpush(self._key(run_id, ":metrics"), json.dumps(record))
+    async def add_metrics(self, run_id: str, record: dict[str, Any], *, series: str = "metrics") -> None:
+        """Append to one of the run's series: ``metrics`` (one record a step) or ``evals`` (a round)."""
+        await self.redis.rpush(self._key(run_id, f":{series}"), json.dumps(record))
 
-    async def metrics(self, run_id: str, since: int = 0) -> list[dict[str, float]]:
-        return [json.loads(x) for x in await self.redis.lrange(self._key(run_id, ":metrics"), since, -1)]
+    async def metrics(self, run_id: str, since: int = 0, *, series: str = "metrics") -> list[dict[str, Any]]:
+        return [json.loads(x) for x in await self.redis.lrange(self._key(run_id, f":{series}"), since, -1)]
 
     async def mark_trained(self, run_id: str, trajectory_ids: list[str]) -> None:
         if trajectory_ids:

@@ -1,0 +1,159 @@
+"""Validation during a run: the rollout workers sample the held-out questions, the trainer counts.
+
+A round evaluates one policy version ``v``: one prompt task per validation question, with
+``purpose="eval"``, ``rollout.eval_samples`` samples at ``rollout.eval_top_p``, and step ``v``
+with no staleness allowed (so no worker samples it with a policy older than ``v``; a worker
+already past ``v`` uses its newer one, and the record says which versions answered). The
+groups come back on the evals stream, unscored. When every question of a round is back, its
+record goes to ``evals.jsonl`` in the run's folder, the run store (``GET /runs/{id}/evals``)
+and Prometheus: mean@k and pass@k overall and per difficulty, exactly as ``pbsd eval``
+reports them (:func:`services.rollout.evaluate.summarise`), failed samples counted wrong.
+
+Rounds: before the first step (version 0), every ``trainer.eval_every`` steps, and after the
+last step; the run completes once the last round is in. Task ids carry a per-execution
+nonce: a resumed run evaluates afresh instead of colliding with what an earlier execution
+published (evaluation has no side effect worth deduplicating).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from proto.base import derived_id
+from proto.data import QuestionRecord
+from proto.messages import TrajectoryGroup
+from proto.runs import RunSpec
+from proto.streams import EVALS, PROMPTS
+from services.bus import Bus, ConsumerOptions, Delivery
+from services.rollout.evaluate import summarise
+from services.trainer import metrics as m
+from services.trainer.controller import question_task
+from services.trainer.runs import RunStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Evaluator"]
+
+
+class Evaluator:
+    def __init__(
+        self,
+        bus: Bus,
+        store: RunStore,
+        run_id: str,
+        spec: RunSpec,
+        questions: list[QuestionRecord],
+        out: Path,
+        *,
+        nonce: str,
+    ) -> None:
+        if not questions:
+            raise ValueError("the run's validation file has no questions")
+        self.bus = bus
+        self.store = store
+        self.run_id = run_id
+        self.spec = spec
+        self.questions = questions[: spec.data.max_validation_questions]
+        self.out = out
+        self.nonce = nonce
+        self.rollout = spec.rollout.model_copy(
+            update={
+                "group_size": spec.rollout.eval_samples,
+                "top_p": spec.rollout.eval_top_p,
+                "max_staleness": 0,
+            }
+        )
+        self.pending: dict[int, dict[str, TrajectoryGroup]] = {}  # version -> question id -> group
+        self.steps: dict[int, int] = {}  # version -> the step it was taken after
+        self.done = asyncio.Condition()
+        self.recorded: list[dict[str, Any]] = []
+
+    def due(self, step: int) -> bool:
+        every = self.spec.trainer.eval_every
+        return every > 0 and step % every == 0
+
+    async def start_round(self, version: int, step: int) -> None:
+        if version in self.pending or any(r["version"] == version for r in self.recorded):
+            return
+        self.pending[version] = {}
+        self.steps[version] = step
+        for i, q in enumerate(self.questions):
+            await self.bus.publish(
+                PROMPTS,
+                question_task(
+                    q,
+                    message_id=derived_id(self.run_id, "eval", self.nonce, str(version), str(i)),
+                    run_id=self.run_id,
+                    task_id=f"{self.run_id}:eval:{self.nonce}:{version}:{i}",
+                    index=i,
+                    step=version,
+                    rollout=self.rollout,
+                    algorithm=self.spec.algorithm,
+                    purpose="eval",
+                ),
+            )
+        log.info("run %s: evaluating version %d on %d questions", self.run_id, version, len(self.questions))
+
+    async def consume(self, stop: asyncio.Event, options: ConsumerOptions) -> None:
+        """Collect validation groups until ``stop``; runs beside the training loop."""
+        await self.bus.consume(
+            EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=stop
+        )
+
+    async def _handle(self, group: TrajectoryGroup, delivery: Delivery) -> None:
+        prefix = f"{self.run_id}:eval:{self.nonce}:"
+        if not group.task_id.startswith(prefix):
+            return  # another run's, or an earlier execution's: acknowledged and forgotten
+        version = int(group.task_id[len(prefix) :].split(":")[0])
+        round_ = self.pending.get(version)
+        if round_ is None:
+            return
+        round_[group.question_id] = group
+        if len(round_) == len(self.questions):
+            await self._record(version, self.pending.pop(version))
+
+    async def _record(self, version: int, groups: dict[str, TrajectoryGroup]) -> None:
+        k = self.spec.rollout.eval_samples
+        results = {qid: [t.reward > 0 for t in g.trajectories] for qid, g in groups.items()}
+        trajectories = [t for g in groups.values() for t in g.trajectories]
+        record = {
+            "version": version,
+            "step": self.steps.pop(version),
+            "versions_used": sorted({t.policy_version for t in trajectories}),
+            "samples": k,
+            "questions": len(groups),
+            "accuracy": summarise(results, {q.id: q.difficulty for q in self.questions}, k),
+            "failed": sum(t.finish_reason == "error" for t in trajectories),
+            "mean_turns": statistics.fmean(t.num_turns for t in trajectories),
+        }
+        self.recorded.append(record)
+        await self.store.add_metrics(self.run_id, record, series="evals")
+        with (self.out / "evals.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        m.VAL_ACCURACY.set(record["accuracy"]["all"][f"mean@{k}"])
+        log.info(
+            "run %s: version %d scores mean@%d %.3f on %d questions",
+            self.run_id,
+            version,
+            k,
+            record["accuracy"]["all"][f"mean@{k}"],
+            len(groups),
+        )
+        async with self.done:
+            self.done.notify_all()
+
+    async def wait(self, cancel: asyncio.Event) -> bool:
+        """Until every started round is recorded (True), or ``cancel`` is set first (False)."""
+        while self.pending:
+            if cancel.is_set():
+                return False
+            async with self.done:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.done.wait(), 0.5)
+        return True
