@@ -68,6 +68,11 @@ class PromptTask(Message):
     )
     rollout: RolloutSpec = RolloutSpec()
     algorithm: AlgorithmSpec
+    seed: int | None = Field(
+        default=None,
+        description="the run's sampling seed (trainer.seed): sample i of this prompt is seeded from "
+        "seed + i + 1000 * index, whichever worker takes it; None: the worker's own setting",
+    )
     purpose: Literal["train", "eval"] = Field(
         default="train",
         description="eval: a validation prompt, sampled with policy version >= step; its group goes to "

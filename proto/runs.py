@@ -185,7 +185,12 @@ class TrainerSpec(Contract):
         description="with data.validation: also evaluate every N steps (0: only before the first "
         "step and after the last)",
     )
-    seed: int = 0
+    seed: int = Field(
+        default=0,
+        description="seeds the trainer's RNGs at the start of a run and every sample the rollout "
+        "workers draw for it (prompt tasks carry it), so a run's trajectories do not depend on "
+        "which worker took which prompt",
+    )
     routing_replay: bool = Field(
         default=False, description="R3: force the rollout's experts in the policy forward"
     )

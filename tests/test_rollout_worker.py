@@ -154,3 +154,27 @@ async def test_evaluate_reports_accuracy(tok):
     # four answers, none read anywhere (no tool was called): none grounded
     assert report["grounding"]["answers"] == {"total": 4, "grounded": 0, "fraction": 0.0}
     assert report["grounding"]["queries"]["total"] == 0
+
+
+async def test_the_runs_seed_fixes_the_samples_whichever_worker_draws_them(bus, tok, tiny_checkpoint):
+    """A task carrying the run's seed samples the same trajectories on workers with different seed
+    settings; a task without one falls back to each worker's setting."""
+    from services.model.checkpoint import load_model
+    from services.rollout.inprocess import InProcessEngine
+
+    engine = InProcessEngine(load_model(tiny_checkpoint))
+    rollout = RolloutSpec(group_size=2, max_turns=2, max_tokens_per_turn=16)
+    seeded = _task().model_copy(update={"seed": 3, "rollout": rollout})
+    unseeded = seeded.model_copy(update={"seed": None})
+
+    async def completions(task: PromptTask, worker_seed: int | None) -> list[list[int]]:
+        worker = RolloutWorker(bus, engine, FixedTools(), tok, date="2025-06-01", seed=worker_seed)
+        await worker.prepare()
+        group = await worker.sample_group(task)
+        return [t.completion_ids.tolist() for t in group.trajectories]
+
+    run_seeded = await completions(seeded, None)
+    assert run_seeded == await completions(seeded, 11)
+    assert run_seeded[0] != run_seeded[1]  # each sample of the prompt has its own seed
+    assert await completions(unseeded, 11) == await completions(unseeded, 11)
+    assert await completions(unseeded, 11) != await completions(unseeded, 12)

@@ -334,7 +334,7 @@ def test_the_run_watcher_ends_even_when_its_cancellation_is_lost():
     asyncio.run(scenario())
 
 
-async def test_a_run_with_validation_evaluates_before_during_and_after(
+async def test_a_run_with_validation_evaluates_before_during_and_after_with_the_runs_seed(
     bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
 ):
     """data.validation: rounds at versions 0, 2 (eval_every) and 3 (the last), each with every
@@ -346,7 +346,7 @@ async def test_a_run_with_validation_evaluates_before_during_and_after(
         local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
     )
     store = RunStore(bus.redis, key_prefix)
-    spec = _spec(tiny_world, tiny_checkpoint, max_steps=3, eval_every=2, publish_every=3)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=3, eval_every=2, publish_every=3, seed=5)
     spec["data"].update(
         validation=str(tiny_world / "questions" / "validation.jsonl"), max_validation_questions=5
     )
@@ -367,6 +367,7 @@ async def test_a_run_with_validation_evaluates_before_during_and_after(
         (t.rollout.group_size, t.rollout.top_p, t.rollout.max_staleness) for t in tasks
     } == {(2, 0.9, 0)}
     assert all(t.purpose == "train" for t in fake.tasks if ":eval:" not in t.task_id)
+    assert {t.seed for t in fake.tasks} == {5}  # every sample of the run is seeded from trainer.seed
     # version 2 was published for its round although publish_every is 3
     published = sorted({w.version for _, w in await bus.read_all(WEIGHTS) if w.run_id == record.id})
     assert published == [0, 2, 3]

@@ -122,7 +122,8 @@ class RolloutWorker(PolicyWorker):
 
     async def _sample(self, task: PromptTask, index: int, limits: AgentLimits) -> Trajectory:
         trajectory_id = f"{task.task_id}/{index}"
-        seed = None if self.seed is None else self.seed + index + 1000 * task.index
+        base = task.seed if task.seed is not None else self.seed  # the run's seed wins
+        seed = None if base is None else base + index + 1000 * task.index
         t = await run_trajectory(
             self.engine,
             self.tools,

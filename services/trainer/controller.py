@@ -72,6 +72,7 @@ class PromptController:
             ),
             rollout=self.spec.rollout,
             algorithm=self.spec.algorithm,
+            seed=self.spec.trainer.seed,
         )
 
     def allowed(self, step: int, dropped: int) -> int:

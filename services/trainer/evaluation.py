@@ -91,7 +91,8 @@ class Evaluator:
                     message_id=derived_id(self.run_id, "eval", self.nonce, str(version), str(i)),
                     run_id=self.run_id,
                     task_id=f"{self.run_id}:eval:{self.nonce}:{version}:{i}",
-                    index=i,
+                    index=i,  # with the run's seed: each round samples question i with the same seeds
+                    seed=self.spec.trainer.seed,
                     step=version,
                     rollout=self.rollout,
                     algorithm=self.spec.algorithm,

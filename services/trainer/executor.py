@@ -28,6 +28,7 @@ import functools
 import json
 import logging
 import math
+import random
 import shutil
 import statistics
 import time
@@ -35,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from transformers import AutoTokenizer
 
 from agent.chat import ChatTokenizer
@@ -199,6 +202,10 @@ class RunExecutor:
 
         latest = _latest_checkpoint(out) if resume else None
         dtype = "float32" if self.settings.device == "cpu" else spec.model.dtype
+        if not latest:  # a resumed run restores its checkpoint's RNG states instead
+            random.seed(spec.trainer.seed)
+            np.random.seed(spec.trainer.seed)
+            torch.manual_seed(spec.trainer.seed)
         model = load_model(
             latest / "model" if latest else spec.model.path, dtype=dtype, device=self.settings.device
         )
