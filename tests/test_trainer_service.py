@@ -149,6 +149,22 @@ async def _run_until(executor: RunExecutor, store: RunStore, run_id: str, states
     return stop, task
 
 
+def _one_token(trajectory_id: str, *, policy_version: int = 0, reward: float = 0.0) -> Trajectory:
+    """A trajectory of one generated token after a two-token prompt."""
+    return Trajectory(
+        trajectory_id=trajectory_id,
+        sample_index=0,
+        policy_version=policy_version,
+        prompt_ids=np.array([1, 2], np.int32),
+        completion_ids=np.array([3], np.int32),
+        loss_mask=np.ones(1, np.uint8),
+        rollout_logprobs=np.zeros(1, np.float32),
+        turn_spans=((0, 1),),
+        reward=reward,
+        finish_reason="answer",
+    )
+
+
 async def _finish(executor: RunExecutor, store: RunStore, run_id: str, fake_task, fake_stop):
     """Serve until the run ends, stop the trainer and the fake pipeline; the run must have completed."""
     stop, serving = await _run_until(executor, store, run_id, ("completed", "failed"))
@@ -192,19 +208,7 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
             answer="a",
             policy_version=99,
             algorithm=record.spec.algorithm,
-            trajectories=(
-                Trajectory(
-                    trajectory_id="old/0",
-                    sample_index=0,
-                    policy_version=99,
-                    prompt_ids=np.array([1, 2], np.int32),
-                    completion_ids=np.array([3], np.int32),
-                    loss_mask=np.ones(1, np.uint8),
-                    rollout_logprobs=np.zeros(1, np.float32),
-                    turn_spans=((0, 1),),
-                    finish_reason="answer",
-                ),
-            ),
+            trajectories=(_one_token("old/0", policy_version=99),),
         ),
         tok,
         None,
@@ -373,3 +377,42 @@ async def test_a_run_with_validation_evaluates_before_during_and_after_with_the_
     assert published == [0, 2, 3]
     lines = (tmp_path / "runs" / record.id / "evals.jsonl").read_text().splitlines()
     assert [json.loads(x)["version"] for x in lines] == [0, 2, 3]
+
+
+async def test_validation_rounds_count_questions_by_position_and_fail_without_a_consumer(
+    bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    from proto.data import QuestionRecord
+    from proto.runs import GrpoSpec, RunSpec
+    from services.trainer.evaluation import Evaluator
+
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))
+    spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"eval_samples": 1})})
+    twins = [QuestionRecord(id="q", question=f"Question {i}?", answer="a") for i in range(2)]  # one id twice
+    evaluator = Evaluator(bus, RunStore(bus.redis, key_prefix), "r", spec, twins, tmp_path, nonce="n")
+    stop, cancel = asyncio.Event(), asyncio.Event()
+    evaluator.start(stop, ConsumerOptions(block_ms=50))
+    await evaluator.start_round(0, 0)
+    for i in range(2):
+        trajectory = _one_token(f"r:eval:n:0:{i}/0", reward=float(i))
+        group = TrajectoryGroup(
+            run_id="r",
+            task_id=f"r:eval:n:0:{i}",
+            question_id="q",
+            question=twins[i].question,
+            answer="a",
+            policy_version=0,
+            algorithm=GrpoSpec(),
+            trajectories=(trajectory,),
+        )
+        await bus.publish(EVALS, group)
+    assert await asyncio.wait_for(evaluator.wait(cancel), 20)
+    assert (
+        evaluator.recorded[0]["questions"] == 2 and evaluator.recorded[0]["accuracy"]["all"]["mean@1"] == 0.5
+    )
+    # a consumer that died leaves the run with an error, not waiting for ever
+    stop.set()
+    await evaluator.task
+    await evaluator.start_round(1, 1)
+    with pytest.raises(RuntimeError, match="validation consumer stopped"):
+        await asyncio.wait_for(evaluator.wait(cancel), 5)

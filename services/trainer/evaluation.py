@@ -69,10 +69,11 @@ class Evaluator:
                 "max_staleness": 0,
             }
         )
-        self.pending: dict[int, dict[str, TrajectoryGroup]] = {}  # version -> question id -> group
+        self.pending: dict[int, dict[int, TrajectoryGroup]] = {}  # version -> question index -> group
         self.steps: dict[int, int] = {}  # version -> the step it was taken after
         self.done = asyncio.Condition()
         self.recorded: list[dict[str, Any]] = []
+        self.task: asyncio.Task | None = None
 
     def due(self, step: int) -> bool:
         every = self.spec.trainer.eval_every
@@ -101,27 +102,28 @@ class Evaluator:
             )
         log.info("run %s: evaluating version %d on %d questions", self.run_id, version, len(self.questions))
 
-    async def consume(self, stop: asyncio.Event, options: ConsumerOptions) -> None:
-        """Collect validation groups until ``stop``; runs beside the training loop."""
-        await self.bus.consume(
-            EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=stop
+    def start(self, stop: asyncio.Event, options: ConsumerOptions) -> asyncio.Task:
+        """Collect validation groups beside the training loop, until ``stop``."""
+        self.task = asyncio.create_task(
+            self.bus.consume(EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=stop)
         )
+        return self.task
 
     async def _handle(self, group: TrajectoryGroup, delivery: Delivery) -> None:
         prefix = f"{self.run_id}:eval:{self.nonce}:"
         if not group.task_id.startswith(prefix):
             return  # another run's, or an earlier execution's: acknowledged and forgotten
-        version = int(group.task_id[len(prefix) :].split(":")[0])
+        version, index = (int(x) for x in group.task_id[len(prefix) :].split(":"))
         round_ = self.pending.get(version)
         if round_ is None:
             return
-        round_[group.question_id] = group
+        round_[index] = group  # by position: a validation file may repeat an id
         if len(round_) == len(self.questions):
             await self._record(version, self.pending.pop(version))
 
-    async def _record(self, version: int, groups: dict[str, TrajectoryGroup]) -> None:
+    async def _record(self, version: int, groups: dict[int, TrajectoryGroup]) -> None:
         k = self.spec.rollout.eval_samples
-        results = {qid: [t.reward > 0 for t in g.trajectories] for qid, g in groups.items()}
+        results = {str(i): [t.reward > 0 for t in g.trajectories] for i, g in groups.items()}
         trajectories = [t for g in groups.values() for t in g.trajectories]
         record = {
             "version": version,
@@ -129,7 +131,7 @@ class Evaluator:
             "versions_used": sorted({t.policy_version for t in trajectories}),
             "samples": k,
             "questions": len(groups),
-            "accuracy": summarise(results, {q.id: q.difficulty for q in self.questions}, k),
+            "accuracy": summarise(results, {str(i): q.difficulty for i, q in enumerate(self.questions)}, k),
             "failed": sum(t.finish_reason == "error" for t in trajectories),
             "mean_turns": statistics.fmean(t.num_turns for t in trajectories),
         }
@@ -150,10 +152,14 @@ class Evaluator:
             self.done.notify_all()
 
     async def wait(self, cancel: asyncio.Event) -> bool:
-        """Until every started round is recorded (True), or ``cancel`` is set first (False)."""
+        """Until every started round is recorded (True), or ``cancel`` is set first (False). Raises
+        what ended the collecting task, if it died (a run must not wait for groups nobody reads)."""
         while self.pending:
             if cancel.is_set():
                 return False
+            if self.task is not None and self.task.done():
+                error = None if self.task.cancelled() else self.task.exception()
+                raise RuntimeError("the validation consumer stopped with rounds outstanding") from error
             async with self.done:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.done.wait(), 0.5)

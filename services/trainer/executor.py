@@ -245,7 +245,7 @@ class RunExecutor:
                 out,
                 nonce=new_id()[:8],
             )
-            evaluating = asyncio.create_task(evaluator.consume(eval_stop, options))
+            evaluating = evaluator.start(eval_stop, options)
             if state.step == 0:
                 await evaluator.start_round(state.version, state.step)
         await controller.top_up(state.step, state.dropped)
