@@ -221,6 +221,15 @@ def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
             n_val=config.n_val,
             n_sft=config.n_sft,
         )
+    asked = {k: getattr(config, k) for k in ("seed", "entities", "n_rl", "n_val", "n_sft")}
+    made = world / "demo-world.json"  # what the demo asked for when it built this world
+    if made.exists() and json.loads(made.read_text()) != asked:
+        # a world left in --out by an earlier demo with other settings: never train on it silently
+        raise SystemExit(
+            f"{world} was built for {json.loads(made.read_text())}, not for {asked}; "
+            "use another --out or delete that folder"
+        )
+    made.write_text(json.dumps(asked))
     manifest = json.loads((world / "manifest.json").read_text())
     date = manifest["date"]
     say(f"world: {config.entities} entities, questions {manifest['questions']}")

@@ -110,12 +110,25 @@ def serve_scorer(
     )
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @serve_app.command("trainer")
 def serve_trainer(
     host: str | None = typer.Option(None, help="bind address (default: PBSD_TRAINER_HOST or 127.0.0.1)"),
     port: int | None = typer.Option(None, help="port of the REST API (default: PBSD_TRAINER_PORT or 8000)"),
-    save_groups: bool = typer.Option(
-        False, help="keep every step's scored groups (for reports and the credit viewer)"
+    save_groups: bool | None = typer.Option(
+        None,
+        help="keep every step's scored groups (for reports and the credit viewer); "
+        "default: PBSD_TRAINER_SAVE_GROUPS",
     ),
     local_rank: int | None = typer.Option(
         None, "--local_rank", hidden=True, help="set by the DeepSpeed launcher"
@@ -139,11 +152,18 @@ def serve_trainer(
             follow_rank0(device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if _cuda() else "cpu")
             return
     settings = TrainerSettings()
-    if save_groups:
-        settings = settings.model_copy(update={"save_groups": True})
+    if save_groups is not None:  # the flag, either way, over the environment
+        settings = settings.model_copy(update={"save_groups": save_groups})
+    host = host or settings.host
+    if settings.api_token is None and not _loopback(host):
+        raise typer.BadParameter(
+            f"an API without a token (PBSD_TRAINER_LOCAL_MODE) binds to loopback only, not {host}: "
+            "set PBSD_TRAINER_API_TOKEN to serve it on the network",
+            param_hint="--host",
+        )
     uvicorn.run(
         create_app(settings),
-        host=host or settings.host,
+        host=host,
         port=port or settings.port,
         log_level="warning",
     )
@@ -431,7 +451,8 @@ def eval_cmd(
     date: str | None = typer.Option(None, help="'today' in the system prompt"),
     seed: int | None = typer.Option(None),
 ) -> None:
-    """Evaluate a policy: accuracy as mean@k and pass@k, per difficulty, with a JSON report."""
+    """Evaluate a policy: accuracy as mean@k and pass@k, per difficulty, with a JSON report (with
+    PBSD_JUDGE_BASE_URL set, also as graded by that LLM judge)."""
     import asyncio
     import json
 
@@ -471,6 +492,10 @@ def eval_cmd(
         f"mean@{samples} {overall[f'mean@{samples}']:.3f}, pass@{samples} {overall['pass@k'][str(samples)]:.3f} "
         f"over {report['questions']} questions; {describe(report['grounding'])}; report in {out}"
     )
+    if "judged_accuracy" in report:
+        typer.echo(
+            f"judged (PBSD_JUDGE_MODEL): mean@{samples} {report['judged_accuracy']['all'][f'mean@{samples}']:.3f}"
+        )
 
 
 @world_app.command("build")

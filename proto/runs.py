@@ -48,8 +48,16 @@ class ModelSpec(Contract):
     path: str = Field(
         min_length=1, description="Hugging Face checkpoint directory (or hub id where the hub is reachable)"
     )
-    tokenizer: str | None = Field(default=None, description="tokenizer directory; defaults to the model path")
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    tokenizer: str | None = Field(
+        default=None,
+        description="the trainer's tokenizer directory (defaults to the model path); rollout workers and "
+        "scorers tokenize with the checkpoint they serve (PBSD_ROLLOUT_MODEL, PBSD_SCORER_MODEL)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="bfloat16",
+        description="the trainer's dtype on a GPU (a CPU trainer computes in float32); rollout and "
+        "scorer use their own PBSD_*_DTYPE",
+    )
 
 
 class DataSpec(Contract):
@@ -178,7 +186,11 @@ class TrainerSpec(Contract):
     micro_batch_tokens: PositiveInt = Field(
         default=65_536, description="token budget of one forward/backward"
     )
-    publish_every: PositiveInt = 1
+    publish_every: PositiveInt = Field(
+        default=1,
+        description="publish new weights every N steps; at most rollout.max_staleness + 1, or the rollout "
+        "workers would wait for a version that is never published",
+    )
     checkpoint_every: PositiveInt = 10
     eval_every: Annotated[int, Field(ge=0)] = Field(
         default=0,
@@ -215,4 +227,11 @@ class RunSpec(Message):
             raise ValueError("rollout.max_tokens_per_turn cannot exceed rollout.max_context")
         if self.trainer.routing_replay and not self.rollout.return_routed_experts:
             raise ValueError("trainer.routing_replay needs rollout.return_routed_experts")
+        if self.trainer.publish_every > self.rollout.max_staleness + 1:
+            # the prompts of step s need version >= s - max_staleness, and between publications
+            # the newest version out lags the trainer's by up to publish_every - 1
+            raise ValueError(
+                f"trainer.publish_every ({self.trainer.publish_every}) cannot exceed rollout.max_staleness + 1 "
+                f"({self.rollout.max_staleness + 1}): the run would stall waiting for unpublished weights"
+            )
         return self

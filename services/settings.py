@@ -12,8 +12,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class CommonSettings(BaseSettings):
-    # populate_by_name: code may pass redis_url=... directly; the environment uses the aliases
-    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
+    # populate_by_name: code may pass redis_url=... directly; the environment uses the aliases.
+    # env_ignore_empty: compose's ${VAR:-} and example secrets set "" for what a deployment leaves
+    # out; "" must mean unset (an empty API key is no key: no "Bearer " header, no passed checks)
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, env_ignore_empty=True)
 
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",

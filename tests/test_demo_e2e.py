@@ -84,3 +84,20 @@ def test_demo_runs_end_to_end(tmp_path):
         }
     assert "grounded searches" in report
     assert _service_processes(out) == []  # nothing left behind
+
+
+def test_a_world_left_by_a_demo_with_other_settings_is_refused(tmp_path):
+    """--out reused with other world settings: the demo stops before training on the old world."""
+    import pytest
+
+    from demo.config import DemoConfig
+    from demo.run import run_demo
+
+    world = tmp_path / "world"
+    world.mkdir()
+    (world / "manifest.json").write_text("{}")
+    (world / "demo-world.json").write_text(
+        json.dumps({"seed": 0, "entities": 300, "n_rl": 20, "n_val": 10, "n_sft": 30})
+    )
+    with pytest.raises(SystemExit, match=r"was built for .*'entities': 300"):
+        run_demo(DemoConfig(), tmp_path)

@@ -168,6 +168,8 @@ def test_run_spec_defaults_are_the_papers():
         ({"algorithm": {"name": "pbsd", "teacher_template": "no fields"}}, "teacher_template"),
         ({"rollout": {"max_tokens_per_turn": 100, "max_context": 10}}, "max_tokens_per_turn"),
         ({"trainer": {"routing_replay": True}}, "return_routed_experts"),
+        ({"trainer": {"publish_every": 3}}, "publish_every .3. cannot exceed rollout.max_staleness . 1 .2."),
+        ({"rollout": {"temperature": 0}}, "rollout.temperature"),
         ({"trainer": {"lr": -1}}, "trainer.lr"),
     ],
 )

@@ -154,6 +154,42 @@ async def test_evaluate_reports_accuracy(tok):
     # four answers, none read anywhere (no tool was called): none grounded
     assert report["grounding"]["answers"] == {"total": 4, "grounded": 0, "fraction": 0.0}
     assert report["grounding"]["queries"]["total"] == 0
+    assert "judged_accuracy" not in report
+
+
+async def test_evaluate_with_a_judge_grades_every_final_message(tok):
+    """BrowseComp's grader over an OpenAI-compatible server: its verdicts, not exact match, make
+    judged_accuracy (here it accepts the first answer and rejects the second)."""
+    from proto.data import QuestionRecord
+    from services.llm import ChatClient, LlmSettings
+    from services.llm.judge import LlmJudge
+    from tests.openai_fake import make_app as make_openai
+
+    questions = [QuestionRecord(id="q1", question="Which river?", answer="Danube", difficulty="easy")]
+    grader = make_openai(["correct: yes", "correct: no"])
+    with serve(make_sglang(scripted(tok, ["\\boxed{Danube}"]))) as url, serve(grader) as judge_url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        judge = LlmJudge(ChatClient(LlmSettings(f"{judge_url}/v1", "grader", None), name="judge"))
+        report = await evaluate(
+            engine,
+            FixedTools(),
+            tok,
+            questions,
+            system="s",
+            samples=2,
+            limits=AgentLimits(max_turns=3),
+            judge=judge,
+            concurrency=1,
+        )
+        await engine.aclose()
+        await judge.aclose()
+    assert report["accuracy"]["all"]["mean@2"] == 1.0  # exact match: both right
+    assert report["judged_accuracy"]["all"]["mean@2"] == 0.5 and report["per_question"]["q1"]["judged"] == [
+        True,
+        False,
+    ]
+    prompts = [r["body"]["messages"][0]["content"] for r in grader.state.requests]
+    assert len(prompts) == 2 and all("[response]: \\boxed{Danube}" in p for p in prompts)
 
 
 async def test_the_runs_seed_fixes_the_samples_whichever_worker_draws_them(bus, tok, tiny_checkpoint):

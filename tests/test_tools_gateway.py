@@ -192,3 +192,16 @@ def test_settings_fail_fast():
         ToolsSettings(backend="offline")
     s = ToolsSettings(backend="web", serper_api_key="serper-secret-1", redis_url="redis://:hunter2@h:6379/0")
     assert "serper-secret-1" not in repr(s) and "hunter2" not in repr(s)
+
+
+def test_empty_environment_values_are_unset(monkeypatch):
+    """Compose's ${VAR:-} and the example secrets set "" for a key a deployment leaves out: that is no
+    key (no "Bearer " header to Jina, no passing the web backend's check), not an empty one."""
+    for name in ("SERPER_API_KEY", "JINA_API_KEY", "SUMMARISER_API_KEY", "SUMMARISER_BASE_URL"):
+        monkeypatch.setenv(f"PBSD_TOOLS_{name}", "")
+    monkeypatch.setenv("PBSD_TOOLS_BACKEND", "web")
+    with pytest.raises(ValueError, match="SERPER_API_KEY"):
+        ToolsSettings()
+    monkeypatch.setenv("PBSD_TOOLS_SERPER_API_KEY", "k")
+    s = ToolsSettings()
+    assert s.jina_api_key is None and s.summariser_api_key is None and s.summariser_base_url is None

@@ -251,3 +251,25 @@ async def test_reads_of_internal_addresses_never_reach_jina():
 
 def test_render_is_the_agent_text():
     assert json.loads(render({"organic": []})) == {"organic": []}
+
+
+async def test_summaries_in_flight_are_capped_by_the_summariser_concurrency():
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.tools.web import Page
+
+    class SlowModel:  # stands in for the chat client: counts the calls running at once
+        running = peak = 0
+
+        async def complete(self, messages, **kw):
+            SlowModel.running += 1
+            SlowModel.peak = max(SlowModel.peak, SlowModel.running)
+            await asyncio.sleep(0.02)
+            SlowModel.running -= 1
+            return SimpleNamespace(text=json.dumps({"evidence": "e", "summary": "s"}))
+
+    summariser = LlmSummariser(SlowModel(), concurrency=2)
+    page = Page(url="https://example.org", title="t", content="text", source="http")
+    results = await asyncio.gather(*(summariser.summarise(page, "goal") for _ in range(6)))
+    assert results == [("e", "s")] * 6 and SlowModel.peak == 2

@@ -177,3 +177,10 @@ def test_sft_command_reports_a_bad_choice_as_a_usage_error(option, tmp_path):
     assert (
         option[0].removeprefix("--").replace("-", "_") in result.output and "Traceback" not in result.output
     )
+
+
+def test_a_trainer_without_a_token_serves_on_loopback_only(monkeypatch):
+    monkeypatch.delenv("PBSD_TRAINER_API_TOKEN", raising=False)
+    monkeypatch.setenv("PBSD_TRAINER_LOCAL_MODE", "1")
+    refused = runner.invoke(app, ["serve", "trainer", "--host", "0.0.0.0"])
+    assert refused.exit_code == 2 and "loopback only" in refused.output

@@ -351,6 +351,7 @@ async def test_a_run_with_validation_evaluates_before_during_and_after_with_the_
     )
     store = RunStore(bus.redis, key_prefix)
     spec = _spec(tiny_world, tiny_checkpoint, max_steps=3, eval_every=2, publish_every=3, seed=5)
+    spec["rollout"]["max_staleness"] = 2  # publishing every 3rd version needs 2 versions of slack
     spec["data"].update(
         validation=str(tiny_world / "questions" / "validation.jsonl"), max_validation_questions=5
     )

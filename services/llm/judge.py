@@ -47,7 +47,7 @@ _EXTRACTED = re.compile(r"extracted_final_answer:\s*(.+)")
 class JudgeSettings(BaseSettings):
     """``PBSD_JUDGE_BASE_URL``, ``PBSD_JUDGE_MODEL``, ``PBSD_JUDGE_API_KEY``."""
 
-    model_config = SettingsConfigDict(env_prefix="PBSD_JUDGE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PBSD_JUDGE_", extra="ignore", env_ignore_empty=True)
 
     base_url: str | None = None
     model: str = "gpt-4.1-2025-04-14"

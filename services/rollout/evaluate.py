@@ -20,6 +20,7 @@ from agent.prompt import user_prompt
 from agent.transcript import turn_texts
 from proto.data import QuestionRecord
 from proto.messages import Trajectory
+from services.llm.judge import LlmJudge
 from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.engine import Engine
 from services.tools.client import Tools
@@ -69,9 +70,12 @@ async def evaluate(
     concurrency: int = 4,
     seed: int | None = None,
     on_done=None,
+    judge: LlmJudge | None = None,
 ) -> dict[str, Any]:
     """Run every question ``samples`` times and report accuracy; ``on_done()`` after each trajectory.
-    Default limits sample as the paper evaluates: temperature 1.0, top-p 0.95."""
+    Default limits sample as the paper evaluates: temperature 1.0, top-p 0.95. With a ``judge``
+    every sample's final message is also graded by it (BrowseComp's grader), reported as
+    ``judged_accuracy`` beside the exact-match ``accuracy``."""
     limits = limits or AgentLimits(top_p=0.95)
     semaphore = asyncio.Semaphore(concurrency)
     trajectories: dict[str, list[Trajectory]] = defaultdict(list)
@@ -100,6 +104,7 @@ async def evaluate(
 
     await asyncio.gather(*(one(qi, q, i) for qi, q in enumerate(questions) for i in range(samples)))
     results = {q.id: [t.reward > 0 for t in trajectories[q.id]] for q in questions}
+    judged = await _judge_all(judge, questions, trajectories, tokenizer, semaphore) if judge else None
     all_t = [t for ts in trajectories.values() for t in ts]
     grounding = Grounding()
     for q in questions:
@@ -109,6 +114,11 @@ async def evaluate(
         "samples": samples,
         "questions": len(questions),
         "accuracy": summarise(results, {q.id: q.difficulty for q in questions}, samples),
+        **(
+            {"judged_accuracy": summarise(judged, {q.id: q.difficulty for q in questions}, samples)}
+            if judged is not None
+            else {}
+        ),
         "finish_reasons": dict(Counter(t.finish_reason for t in all_t)),
         "mean_turns": statistics.fmean(t.num_turns for t in all_t) if all_t else 0.0,
         "mean_generated_tokens": statistics.fmean(int(t.loss_mask.sum()) for t in all_t) if all_t else 0.0,
@@ -120,7 +130,31 @@ async def evaluate(
                 "correct": results[q.id],
                 "answers": [t.final_answer for t in trajectories[q.id]],
                 "difficulty": q.difficulty,
+                **({"judged": judged[q.id]} if judged is not None else {}),
             }
             for q in questions
         },
     }
+
+
+async def _judge_all(
+    judge: LlmJudge,
+    questions: list[QuestionRecord],
+    trajectories: dict[str, list[Trajectory]],
+    tokenizer: ChatTokenizer,
+    semaphore: asyncio.Semaphore,
+) -> dict[str, list[bool]]:
+    """The judge's verdict on each sample's final message (a sample that wrote none is wrong)."""
+
+    async def one(q: QuestionRecord, t: Trajectory) -> bool:
+        turns = turn_texts(t.completion_ids, t.turn_spans, tokenizer)
+        if not turns or t.finish_reason == "error":
+            return False
+        async with semaphore:
+            return (await judge.judge(q.question, turns[-1][0], q.answer)).correct
+
+    verdicts = await asyncio.gather(*(one(q, t) for q in questions for t in trajectories[q.id]))
+    out, it = {}, iter(verdicts)
+    for q in questions:
+        out[q.id] = [next(it) for _ in trajectories[q.id]]
+    return out

@@ -8,6 +8,7 @@ from typing import Any
 
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt
+from services.llm.judge import JudgeSettings, LlmJudge
 from services.rollout.agent import AgentLimits
 from services.rollout.evaluate import evaluate
 from services.tools.client import GatewayClient, LocalTools, Tools
@@ -64,6 +65,8 @@ async def eval_main(
         engine = InProcessEngine(load_model(model))
     tokenizer = ChatTokenizer.from_pretrained(model)
     system = system_prompt(await tools.catalogue(), date or world_date(questions))
+    judging = JudgeSettings()  # PBSD_JUDGE_BASE_URL set: BrowseComp's grader beside exact match
+    judge = LlmJudge.from_settings(judging) if judging.enabled else None
     try:
         result = await evaluate(
             engine,
@@ -76,10 +79,13 @@ async def eval_main(
             concurrency=concurrency,
             seed=seed,
             on_done=on_done,
+            judge=judge,
         )
     finally:
         await tools.aclose()
         await engine.aclose()
+        if judge is not None:
+            await judge.aclose()
     result["bad_lines"] = [{"line": n, "problem": m} for n, m in report.problems]
     result["model"] = str(model)
     result["questions_file"] = str(questions)

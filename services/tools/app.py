@@ -80,6 +80,8 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient):
             ),
             base_url=settings.jina_url,
             api_key=settings.jina_api_key,
+            # Jina's own page-load deadline, inside ours: it answers before our client gives up
+            timeout_s=max(1, int(settings.upstream_timeout_s) - 5),
         )
     summariser = None
     if settings.summariser_base_url:
@@ -92,6 +94,7 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient):
         summariser = LlmSummariser(
             ChatClient(llm, http=http, name="summariser"),
             max_content_chars=settings.summariser_max_content_chars,
+            concurrency=settings.summariser_concurrency,
         )
     return WebBackend(serper, jina, fetcher, summariser)
 

@@ -46,7 +46,7 @@ class ToolsSettings(CommonSettings):
     )
     summariser_model: str = "gpt-oss-120b"
     summariser_api_key: SecretStr | None = None
-    summariser_concurrency: int = 32
+    summariser_concurrency: int = Field(default=32, ge=1, description="summaries in flight at once")
     summariser_max_content_chars: int = 120_000
     fetch_max_bytes: int = 5_000_000
     fetch_timeout_s: float = 20.0

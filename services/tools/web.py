@@ -8,6 +8,7 @@ them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -161,13 +162,24 @@ class LlmSummariser:
     """Evidence and summary for a goal from an OpenAI-compatible model; long pages are cut."""
 
     def __init__(
-        self, client: ChatClient, *, max_content_chars: int = 120_000, max_attempts: int = 3
+        self,
+        client: ChatClient,
+        *,
+        max_content_chars: int = 120_000,
+        max_attempts: int = 3,
+        concurrency: int = 32,
     ) -> None:
         self.client = client
         self.max_content_chars = max_content_chars
         self.max_attempts = max_attempts
+        # a summary holds up to 120K characters of page in the model's context: cap how many run at once
+        self.slots = asyncio.Semaphore(concurrency)
 
     async def summarise(self, page: Page, goal: str) -> tuple[str, str]:
+        async with self.slots:
+            return await self._summarise(page, goal)
+
+    async def _summarise(self, page: Page, goal: str) -> tuple[str, str]:
         limit = self.max_content_chars
         for _attempt in range(self.max_attempts):
             content = page.content[:limit]

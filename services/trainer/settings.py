@@ -15,7 +15,8 @@ class TrainerSettings(CommonSettings):
 
     api_token: SecretStr | None = Field(default=None, description="bearer token for the REST API")
     local_mode: bool = Field(
-        default=False, description="allow running without an API token (loopback use only)"
+        default=False,
+        description="allow running without an API token; `pbsd serve trainer` then binds to loopback only",
     )
     host: str = "127.0.0.1"
     port: int = 8000
@@ -23,7 +24,7 @@ class TrainerSettings(CommonSettings):
     device: str = "cpu"
     gradient_checkpointing: bool = False
     chunk_size: int = Field(default=1024, description="rows of full-vocabulary logits alive at once")
-    keep_weights: int = Field(default=3, description="published weight versions kept on disk")
+    keep_weights: int = Field(default=3, ge=1, description="published weight versions kept on disk")
     claim_idle_ms: int = 1_800_000
     hub_models: bool = Field(
         default=False, description="accept model paths that are hub ids, not local directories"
