@@ -207,7 +207,10 @@ class TrainerSpec(Contract):
         default=False, description="R3: force the rollout's experts in the policy forward"
     )
     deepspeed_config: str | None = Field(
-        default=None, description="DeepSpeed JSON config; plain torch when None"
+        default=None,
+        description="DeepSpeed JSON config; plain torch when None. What it leaves out comes from this "
+        "spec; an optimizer, scheduler or gradient_clipping it does set wins over lr, betas, "
+        "weight_decay, the warm-up/decay schedule and grad_clip",
     )
 
 
