@@ -13,6 +13,10 @@ is a list of ``[logprob, token_id, text|null]``, ``finish_reason`` is
 ``[tokens - 1 - routed_experts_start_len, layers, top_k]``, ``weight_version`` the
 server's tag of the loaded weights.
 
+The output log-probs are of softmax(logits / T), SGLang's default, and the trainer's ratios
+assume it (it divides by the run's temperature too): do not start the servers with
+``SGLANG_RETURN_ORIGINAL_LOGPROB``, which reports them before temperature scaling.
+
 Several servers are load-balanced with session affinity (a trajectory's turns go to
 the same server, where its prefix is cached); a server that fails is skipped for a
 cool-down and the request goes to the next one.
