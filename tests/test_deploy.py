@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import time
 from importlib.resources import files
 from pathlib import Path
 
@@ -406,59 +407,95 @@ def test_dashboards_are_generated_from_their_source():
                 assert p["targets"] and p["description"] and p["datasource"]["uid"] == "pbsd-prometheus"
 
 
-@pytest.mark.timeout(300)
-def test_every_dashboard_metric_is_exported_by_a_running_service(
-    redis_url, key_prefix, tiny_checkpoint, tiny_world, tmp_path
-):
+@pytest.fixture(scope="module")
+def pipeline(redis_server, tiny_checkpoint, tiny_world, tmp_path_factory):
+    """The four services as processes, as in production, on one Redis (trainer in local mode)."""
+    tmp = tmp_path_factory.mktemp("pipeline")
     common = {
-        "REDIS_URL": redis_url,
-        "PBSD_STREAM_PREFIX": key_prefix,
+        "REDIS_URL": redis_server.url,
+        "PBSD_STREAM_PREFIX": f"p{free_port()}",
         "PBSD_LOG_LEVEL": "WARNING",
         "OMP_NUM_THREADS": "1",
     }
     tools = ServiceProcess(
         "tools",
         port=free_port(),
-        log=tmp_path / "tools.log",
+        log=tmp / "tools.log",
         env={**common, "PBSD_TOOLS_CORPUS": str(tiny_world / "corpus.jsonl")},
     )
-    services = [
-        tools,
-        ServiceProcess(
+    services = {
+        "tools": tools,
+        "rollout": ServiceProcess(
             "rollout",
             port=free_port(),
-            log=tmp_path / "rollout.log",
+            log=tmp / "rollout.log",
             env={**common, "PBSD_ROLLOUT_MODEL": str(tiny_checkpoint), "PBSD_ROLLOUT_TOOLS_URL": tools.url},
         ),
-        ServiceProcess(
+        "scorer": ServiceProcess(
             "scorer",
             port=free_port(),
-            log=tmp_path / "scorer.log",
+            log=tmp / "scorer.log",
             env={**common, "PBSD_SCORER_MODEL": str(tiny_checkpoint)},
         ),
-        ServiceProcess(
+        "trainer": ServiceProcess(
             "trainer",
             port=free_port(),
-            log=tmp_path / "trainer.log",
+            log=tmp / "trainer.log",
             env={
                 **common,
                 "PBSD_TRAINER_LOCAL_MODE": "1",
-                "PBSD_TRAINER_RUNS_DIR": str(tmp_path / "runs"),
+                "PBSD_TRAINER_RUNS_DIR": str(tmp / "runs"),
                 "PBSD_TRAINER_LAG_INTERVAL_S": "0.2",
             },
         ),
-    ]
-    exported: set[str] = set()
+    }
     try:
-        for s in services:
+        for s in services.values():
             s.start()
-        for s in services:
+        for s in services.values():
             s.wait_healthy(timeout=240)
-        for s in services:
-            exported |= exported_names(httpx.get(f"{s.url}/metrics", timeout=10).text)
+        yield services
     finally:
-        for s in services:
+        for s in services.values():
             s.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_run_with_validation_through_the_services_as_processes(pipeline, tiny_world, tiny_checkpoint):
+    """data.validation end to end: the trainer publishes validation prompts, the rollout process
+    samples them with the published version and sends them back on the evals stream."""
+    spec = {
+        "name": "validated",
+        "model": {"path": str(tiny_checkpoint), "dtype": "float32"},
+        "data": {
+            "train": str(tiny_world / "questions" / "rl.jsonl"),
+            "validation": str(tiny_world / "questions" / "validation.jsonl"),
+            "max_validation_questions": 2,
+        },
+        "rollout": {"group_size": 2, "max_turns": 2, "max_tokens_per_turn": 16, "eval_samples": 1},
+        "algorithm": {"name": "pbsd"},
+        "trainer": {"prompts_per_step": 1, "max_steps": 1, "lr": 1e-4, "warmup_steps": 0},
+    }
+    with httpx.Client(base_url=pipeline["trainer"].url, timeout=30) as api:
+        run_id = api.post("/runs", json=spec).raise_for_status().json()["id"]
+        deadline = time.monotonic() + 240
+        while (state := api.get(f"/runs/{run_id}").json()["state"]) not in ("completed", "failed"):
+            assert time.monotonic() < deadline, "the run did not finish"
+            time.sleep(0.5)
+        assert state == "completed", api.get(f"/runs/{run_id}").json()["error"]
+        rounds = api.get(f"/runs/{run_id}/evals").json()
+    assert [(r["version"], r["versions_used"], r["questions"], r["samples"]) for r in rounds] == [
+        (0, [0], 2, 1),
+        (1, [1], 2, 1),
+    ]
+    assert all(r["failed"] == 0 for r in rounds)
+
+
+@pytest.mark.timeout(300)
+def test_every_dashboard_metric_is_exported_by_a_running_service(pipeline):
+    exported: set[str] = set()
+    for s in pipeline.values():
+        exported |= exported_names(httpx.get(f"{s.url}/metrics", timeout=10).text)
     exported |= exported_names((ROOT / "tests/fixtures/sglang_metrics.txt").read_text())
     missing = {}
     for name, dashboard in load_dashboards().items():
