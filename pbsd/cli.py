@@ -324,7 +324,7 @@ def runs_list(url: str = _URL, token: str | None = _TOKEN) -> None:
 
 @runs_app.command("show")
 def runs_show(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
-    """A run's state and latest metrics, as JSON."""
+    """A run's state, latest metrics and latest validation round, as JSON."""
     import json
 
     with _api(url, token) as api:

@@ -376,6 +376,7 @@ async def test_a_run_with_validation_evaluates_before_during_and_after_with_the_
     # version 2 was published for its round although publish_every is 3
     published = sorted({w.version for _, w in await bus.read_all(WEIGHTS) if w.run_id == record.id})
     assert published == [0, 2, 3]
+    assert (await store.get(record.id)).latest_eval == evals[-1]  # what `pbsd runs show` prints
     lines = (tmp_path / "runs" / record.id / "evals.jsonl").read_text().splitlines()
     assert [json.loads(x)["version"] for x in lines] == [0, 2, 3]
 

@@ -2,7 +2,7 @@
 
     POST /runs                   a run specification -> {"id", "state"}      (201)
     GET  /runs                   every run, newest first
-    GET  /runs/{id}              state, step, policy version, latest metrics, spec
+    GET  /runs/{id}              state, step, policy version, latest metrics and validation round, spec
     POST /runs/{id}/cancel       stop after the current step (a queued run never starts)
     GET  /runs/{id}/metrics      the per-step metric history (``?since=N`` skips the first N)
     GET  /runs/{id}/evals        the validation rounds (runs with ``data.validation``), the same way

@@ -137,6 +137,7 @@ class Evaluator:
         }
         self.recorded.append(record)
         await self.store.add_metrics(self.run_id, record, series="evals")
+        await self.store.update(self.run_id, latest_eval=record)
         with (self.out / "evals.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
         m.VAL_ACCURACY.set(record["accuracy"]["all"][f"mean@{k}"])

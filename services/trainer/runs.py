@@ -37,6 +37,7 @@ class RunRecord(BaseModel):
     updated_at: float
     error: str | None = None
     latest_metrics: dict[str, float] = {}
+    latest_eval: dict[str, Any] = {}  # the last validation round (runs with data.validation)
     output_dir: str | None = None
     spec: RunSpec
 
@@ -139,6 +140,7 @@ def _to_hash(record: RunRecord) -> dict[str, str]:
         "updated_at": repr(record.updated_at),
         "error": record.error or "",
         "latest_metrics": json.dumps(record.latest_metrics),
+        "latest_eval": json.dumps(record.latest_eval),
         "output_dir": record.output_dir or "",
         "spec": record.spec.model_dump_json(),
     }
@@ -159,6 +161,7 @@ def _from_hash(data: dict) -> RunRecord:
         updated_at=float(d["updated_at"]),
         error=d.get("error") or None,
         latest_metrics=json.loads(d.get("latest_metrics") or "{}"),
+        latest_eval=json.loads(d.get("latest_eval") or "{}"),
         output_dir=d.get("output_dir") or None,
         spec=RunSpec.model_validate_json(d["spec"]),
     )
