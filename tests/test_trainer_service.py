@@ -418,3 +418,16 @@ async def test_validation_rounds_count_questions_by_position_and_fail_without_a_
     await evaluator.start_round(1, 1)
     with pytest.raises(RuntimeError, match="validation consumer stopped"):
         await asyncio.wait_for(evaluator.wait(cancel), 5)
+
+
+def test_batch_metrics_say_how_far_the_evidence_scorer_lagged(tiny_checkpoint):
+    from proto.runs import PbsdSpec
+    from services.trainer.executor import batch_metrics
+    from tests.test_scorer import _group
+    from tests.test_trainer_policy import _scored
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    scored = _scored(_group(tok, PbsdSpec()))
+    groups = [scored.model_copy(update={"scorer_policy_version": v}) for v in (1, 3)]
+    assert batch_metrics(groups, 3)["scorer_lag_mean"] == 1.0  # (3 - 1 + 3 - 3) / 2
+    assert "scorer_lag_mean" not in batch_metrics([scored], 3)  # no scorer version recorded

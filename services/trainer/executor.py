@@ -143,6 +143,13 @@ def batch_metrics(
         for kind, part in grounding.summary().items():
             if part["total"]:  # a batch with no reads says nothing about reads
                 out[f"grounded_{kind}_frac"] = part["fraction"]
+    # how many versions the evidence scorer's weights were behind the trainer's (it scores with
+    # the latest weights it has loaded; a lagging scorer is otherwise invisible)
+    lags = [
+        version - g.scorer_policy_version for g in groups if g.scored and g.scorer_policy_version is not None
+    ]
+    if lags:
+        out["scorer_lag_mean"] = statistics.fmean(lags)
     scored = [g.diagnostics for g in groups if g.scored]
     turns = sum(d.scored_turns for d in scored)
     if turns:
