@@ -230,6 +230,8 @@ class RunSpec(Message):
             raise ValueError("rollout.max_tokens_per_turn cannot exceed rollout.max_context")
         if self.trainer.routing_replay and not self.rollout.return_routed_experts:
             raise ValueError("trainer.routing_replay needs rollout.return_routed_experts")
+        if self.trainer.eval_every and not self.data.validation:
+            raise ValueError("trainer.eval_every needs data.validation (the questions to evaluate on)")
         if self.trainer.publish_every > self.rollout.max_staleness + 1:
             # the prompts of step s need version >= s - max_staleness, and between publications
             # the newest version out lags the trainer's by up to publish_every - 1
