@@ -223,11 +223,11 @@ def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
         )
     asked = {k: getattr(config, k) for k in ("seed", "entities", "n_rl", "n_val", "n_sft")}
     made = world / "demo-world.json"  # what the demo asked for when it built this world
-    if made.exists() and json.loads(made.read_text()) != asked:
+    built_for = json.loads(made.read_text()) if made.exists() else asked
+    if built_for != asked:
         # a world left in --out by an earlier demo with other settings: never train on it silently
         raise SystemExit(
-            f"{world} was built for {json.loads(made.read_text())}, not for {asked}; "
-            "use another --out or delete that folder"
+            f"{world} was built for {built_for}, not for {asked}; use another --out or delete that folder"
         )
     made.write_text(json.dumps(asked))
     manifest = json.loads((world / "manifest.json").read_text())

@@ -392,8 +392,8 @@ async def test_validation_rounds_count_questions_by_position_and_fail_without_a_
     spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"eval_samples": 1})})
     twins = [QuestionRecord(id="q", question=f"Question {i}?", answer="a") for i in range(2)]  # one id twice
     evaluator = Evaluator(bus, RunStore(bus.redis, key_prefix), "r", spec, twins, tmp_path, nonce="n")
-    stop, cancel = asyncio.Event(), asyncio.Event()
-    evaluator.start(stop, ConsumerOptions(block_ms=50))
+    cancel = asyncio.Event()
+    evaluator.start(ConsumerOptions(block_ms=50))
     await evaluator.start_round(0, 0)
     for i in range(2):
         trajectory = _one_token(f"r:eval:n:0:{i}/0", reward=float(i))
@@ -413,7 +413,7 @@ async def test_validation_rounds_count_questions_by_position_and_fail_without_a_
         evaluator.recorded[0]["questions"] == 2 and evaluator.recorded[0]["accuracy"]["all"]["mean@1"] == 0.5
     )
     # a consumer that died leaves the run with an error, not waiting for ever
-    stop.set()
+    evaluator.stop.set()
     await evaluator.task
     await evaluator.start_round(1, 1)
     with pytest.raises(RuntimeError, match="validation consumer stopped"):

@@ -104,21 +104,20 @@ async def evaluate(
 
     await asyncio.gather(*(one(qi, q, i) for qi, q in enumerate(questions) for i in range(samples)))
     results = {q.id: [t.reward > 0 for t in trajectories[q.id]] for q in questions}
-    judged = await _judge_all(judge, questions, trajectories, tokenizer, semaphore) if judge else None
     all_t = [t for ts in trajectories.values() for t in ts]
+    # each trajectory read back as text once: for grounding and, if asked, for the judge
+    texts = {t.trajectory_id: turn_texts(t.completion_ids, t.turn_spans, tokenizer) for t in all_t}
+    judged = await _judge_all(judge, questions, trajectories, texts, semaphore) if judge else None
     grounding = Grounding()
     for q in questions:
         for t in trajectories[q.id]:
-            grounding.add(q.question, turn_texts(t.completion_ids, t.turn_spans, tokenizer), t.final_answer)
+            grounding.add(q.question, texts[t.trajectory_id], t.final_answer)
+    difficulty = {q.id: q.difficulty for q in questions}
     return {
         "samples": samples,
         "questions": len(questions),
-        "accuracy": summarise(results, {q.id: q.difficulty for q in questions}, samples),
-        **(
-            {"judged_accuracy": summarise(judged, {q.id: q.difficulty for q in questions}, samples)}
-            if judged is not None
-            else {}
-        ),
+        "accuracy": summarise(results, difficulty, samples),
+        **({"judged_accuracy": summarise(judged, difficulty, samples)} if judged is not None else {}),
         "finish_reasons": dict(Counter(t.finish_reason for t in all_t)),
         "mean_turns": statistics.fmean(t.num_turns for t in all_t) if all_t else 0.0,
         "mean_generated_tokens": statistics.fmean(int(t.loss_mask.sum()) for t in all_t) if all_t else 0.0,
@@ -141,13 +140,13 @@ async def _judge_all(
     judge: LlmJudge,
     questions: list[QuestionRecord],
     trajectories: dict[str, list[Trajectory]],
-    tokenizer: ChatTokenizer,
+    texts: dict[str, list[tuple[str, str]]],
     semaphore: asyncio.Semaphore,
 ) -> dict[str, list[bool]]:
     """The judge's verdict on each sample's final message (a sample that wrote none is wrong)."""
 
     async def one(q: QuestionRecord, t: Trajectory) -> bool:
-        turns = turn_texts(t.completion_ids, t.turn_spans, tokenizer)
+        turns = texts[t.trajectory_id]
         if not turns or t.finish_reason == "error":
             return False
         async with semaphore:

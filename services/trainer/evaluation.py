@@ -74,6 +74,7 @@ class Evaluator:
         self.done = asyncio.Condition()
         self.recorded: list[dict[str, Any]] = []
         self.task: asyncio.Task | None = None
+        self.stop = asyncio.Event()  # ends the collecting task (see start)
 
     def due(self, step: int) -> bool:
         every = self.spec.trainer.eval_every
@@ -102,12 +103,13 @@ class Evaluator:
             )
         log.info("run %s: evaluating version %d on %d questions", self.run_id, version, len(self.questions))
 
-    def start(self, stop: asyncio.Event, options: ConsumerOptions) -> asyncio.Task:
-        """Collect validation groups beside the training loop, until ``stop``."""
+    def start(self, options: ConsumerOptions) -> None:
+        """Collect validation groups in ``self.task``, beside the training loop, until ``self.stop``."""
         self.task = asyncio.create_task(
-            self.bus.consume(EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=stop)
+            self.bus.consume(
+                EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=self.stop
+            )
         )
-        return self.task
 
     async def _handle(self, group: TrajectoryGroup, delivery: Delivery) -> None:
         prefix = f"{self.run_id}:eval:{self.nonce}:"

@@ -241,7 +241,7 @@ class RunExecutor:
 
         controller = PromptController(self.bus, run_id, spec, report.items, next_index=state.next_index)
         options = ConsumerOptions(block_ms=500, claim_idle_ms=self.settings.claim_idle_ms)
-        evaluator, evaluating, eval_stop = None, None, asyncio.Event()
+        evaluator = None
         if spec.data.validation:
             evaluator = Evaluator(
                 self.bus,
@@ -252,7 +252,7 @@ class RunExecutor:
                 out,
                 nonce=new_id()[:8],
             )
-            evaluating = evaluator.start(eval_stop, options)
+            evaluator.start(options)
             if state.step == 0:
                 await evaluator.start_round(state.version, state.step)
         await controller.top_up(state.step, state.dropped)
@@ -341,8 +341,8 @@ class RunExecutor:
                     finished = "interrupted" if stop.is_set() else "cancelled"
         finally:
             await _stop_task(watcher, cancel)
-            if evaluating is not None:
-                await _stop_task(evaluating, eval_stop)
+            if evaluator is not None:
+                await _stop_task(evaluator.task, evaluator.stop)
         if hasattr(trainer, "stop"):
             trainer.stop()  # the other DeepSpeed ranks leave this run's trainer
         if finished == "interrupted":
