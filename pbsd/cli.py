@@ -192,6 +192,9 @@ def model_tiny(
     experts: int = typer.Option(8),
     top_k: int = typer.Option(2),
     seed: int = typer.Option(0),
+    entity_tokens: bool = typer.Option(
+        False, help="one token per entity name and page address, beside the BPE vocabulary"
+    ),
 ) -> None:
     """Build the tiny Qwen3-MoE policy and its BPE tokenizer from a world (nothing is downloaded)."""
     from services.model.tiny import TinySpec, init_tiny
@@ -203,6 +206,7 @@ def model_tiny(
         num_experts=experts,
         num_experts_per_tok=top_k,
         seed=seed,
+        entity_tokens=entity_tokens,
     )
     path = init_tiny(world, out, sft_data=sft_data, spec=spec)
     typer.echo(f"wrote {path}")

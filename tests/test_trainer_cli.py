@@ -184,3 +184,28 @@ def test_a_trainer_without_a_token_serves_on_loopback_only(monkeypatch):
     monkeypatch.setenv("PBSD_TRAINER_LOCAL_MODE", "1")
     refused = runner.invoke(app, ["serve", "trainer", "--host", "0.0.0.0"])
     assert refused.exit_code == 2 and "loopback only" in refused.output
+
+
+def test_model_tiny_entity_tokens_make_every_name_and_address_one_token(tiny_world, tmp_path):
+    from agent.chat import ChatTokenizer
+
+    made = runner.invoke(
+        app,
+        ["model", "tiny", "--world", str(tiny_world), "--out", str(tmp_path / "tiny"), "--vocab-size", "1024"]
+        + ["--hidden-size", "64", "--entity-tokens"],
+    )
+    assert made.exit_code == 0, made.output
+    tokenizer = ChatTokenizer.from_pretrained(tmp_path / "tiny")  # as the agent and the trainer load it
+    entities = [json.loads(x) for x in (tiny_world / "entities.jsonl").read_text().splitlines()]
+    whole = {e["name"] for e in entities} | {f"kb://{e['id']}" for e in entities}
+    assert len(tokenizer.tok) == 1024 + len(whole)
+    config = json.loads((tmp_path / "tiny" / "config.json").read_text())
+    assert config["vocab_size"] == len(tokenizer.tok) and config["pbsd_tiny_spec"]["entity_tokens"]
+    for w in whole:
+        # one token wherever it stands: after a space, in quotes, in a tool call's JSON
+        assert len(tokenizer.encode(w)) == 1, w
+        assert len(tokenizer.encode(f'{{"q": "{w}"}}')) == len(tokenizer.encode('{"q": "x"}')), w
+    # and text decodes back byte for byte, the agent's and the scorer's round trip
+    for doc in (tiny_world / "corpus.jsonl").read_text().splitlines()[:50]:
+        text = json.loads(doc)["text"]
+        assert tokenizer.decode(tokenizer.encode(text)) == text

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "TinySpec", "build_tiny_model", "train_tokenizer"]
@@ -38,10 +38,20 @@ class TinySpec:
     max_position_embeddings: int = 16_384
     rope_theta: float = 100_000.0
     seed: int = 0
+    # One token per entity name and per page address (kb://type/slug) on top of the BPE vocabulary:
+    # copying a name from the question or a page is then copying one token, which one attention
+    # head can learn; a name split into BPE pieces needs an induction circuit (a previous-token
+    # head composed with a matching head), which a 2-layer model trained on 2 CPU cores for an
+    # hour never formed (assets/demo-policy/RECIPE.md).
+    entity_tokens: bool = False
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> PreTrainedTokenizerFast:
-    """A byte-level BPE with ChatML special tokens, trained on ``texts``."""
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 4096, whole: Iterable[str] = ()
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with ChatML special tokens, trained on ``texts``; each string in ``whole``
+    becomes one more (non-special) token, matched before BPE wherever it occurs (longest first), so
+    it always encodes to that one token and decodes back to itself."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -53,6 +63,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> PreTrainedT
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    # sorted: the ids do not depend on the order the caller found the strings in
+    tok.add_tokens([AddedToken(w, normalized=False) for w in sorted(set(whole))])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -116,7 +128,12 @@ def init_tiny(world_dir, out, *, sft_data=None, spec: TinySpec = TinySpec(), dat
     if sft_data is not None:
         for line in Path(sft_data).read_text().splitlines():
             texts += [m["content"] for m in json.loads(line)["messages"][1:]]
-    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    whole = []
+    if spec.entity_tokens:
+        for line in (root / "entities.jsonl").read_text().splitlines():
+            entity = json.loads(line)
+            whole += [entity["name"], f"kb://{entity['id']}"]
+    tokenizer = train_tokenizer(texts, spec.vocab_size, whole)
     model = build_tiny_model(tokenizer, spec)
     return save_checkpoint(
         model,
