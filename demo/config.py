@@ -17,6 +17,17 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets" / "demo-policy"
 
 
 Difficulty = Literal["easy", "medium", "hard"]
+WARM_START = (
+    "vocab_size",
+    "hidden_size",
+    "entity_tokens",
+    "sft_epochs",
+    "sft_lr",
+    "sft_batch_size",
+    "sft_warmup_steps",
+    "sft_search_num",
+    "sft_rename",
+)
 
 
 class DemoConfig(BaseModel):
@@ -39,7 +50,8 @@ class DemoConfig(BaseModel):
         default=["easy", "medium"],
         description="difficulties of the validation questions evaluated before and after",
     )
-    # the warm start (used with --from-scratch, or when the committed policy does not fit the world)
+    # the warm start (used with --from-scratch, or when the committed policy does not fit the world
+    # or these settings: see warm_start)
     from_scratch: bool = False
     policy: str | None = Field(
         default=None, description="start from this checkpoint instead (must fit the world)"
@@ -52,6 +64,7 @@ class DemoConfig(BaseModel):
     sft_warmup_steps: int = 10
     sft_search_num: int = 3  # results per search in the oracle trajectories (shorter contexts)
     sft_rename: float = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
+    entity_tokens: bool = False  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
     # RL
     steps: int = 16
     prompts_per_step: int = 4
@@ -69,6 +82,12 @@ class DemoConfig(BaseModel):
     eval_questions: int = 24
     eval_samples: int = 1
     eval_top_p: float = 0.95
+
+    def warm_start(self) -> dict[str, object]:
+        """The settings that shape the warm policy beyond the world itself (the world has its own
+        fingerprint): the committed policy stands in for a rebuild only where all of them are the
+        defaults it was made with (tests/test_policy_recipe.py ties those to the asset)."""
+        return {k: getattr(self, k) for k in WARM_START}
 
     def sft_config(self) -> SftConfig:
         """The warm start's SFT settings (SftConfig is imported here, not at the top: its module

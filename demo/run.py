@@ -49,17 +49,34 @@ def prepare_policy(config: DemoConfig, world: Path, fingerprint: str, out: Path)
         say(f"using the given policy {config.policy}")
         shutil.copytree(config.policy, target, dirs_exist_ok=True)
         return target
-    meta_file = ASSETS / "pbsd.json"
-    if not config.from_scratch and meta_file.exists():
-        meta = json.loads(meta_file.read_text())
-        if meta.get("world_sha256") == fingerprint:
+    if not config.from_scratch:
+        misfit = committed_policy_misfit(config, fingerprint)
+        if misfit is None:
             say(
                 f"using the committed warm policy ({ASSETS.relative_to(ASSETS.parent.parent)}; see RECIPE.md)"
             )
             shutil.copytree(ASSETS, target, dirs_exist_ok=True)
             return target
-        say("the committed policy was made from another world: building one from scratch")
+        say(f"the committed policy {misfit}: building one from scratch")
     return build_policy(config, world, fingerprint, target)
+
+
+def committed_policy_misfit(config: DemoConfig, fingerprint: str) -> str | None:
+    """Why the committed policy cannot stand in for what ``config`` would build (None: it can)."""
+    meta_file = ASSETS / "pbsd.json"
+    if not meta_file.exists():
+        return "is missing"
+    if json.loads(meta_file.read_text()).get("world_sha256") != fingerprint:
+        return "was made from another world"
+    made_with = DemoConfig().warm_start()
+    changed = {k: v for k, v in config.warm_start().items() if v != made_with[k]}
+    if changed:
+        return (
+            "was made with other warm-start settings ("
+            + ", ".join(f"{k} {made_with[k]} -> {v}" for k, v in changed.items())
+            + ")"
+        )
+    return None
 
 
 def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path) -> Path:
@@ -80,7 +97,12 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
         rename=config.sft_rename,
     )
     say(f"{stats['written']} trajectories ({stats['tool_calls']} tool calls, {stats['detours']} detours)")
-    spec = TinySpec(vocab_size=config.vocab_size, hidden_size=config.hidden_size, seed=config.seed)
+    spec = TinySpec(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        seed=config.seed,
+        entity_tokens=config.entity_tokens,
+    )
     init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
     with progress_bar("SFT warm start") as progress:
         result = run_sft(work / "sft.jsonl", work / "tiny", target, config.sft_config(), progress)

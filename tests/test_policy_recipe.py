@@ -55,3 +55,20 @@ def test_recipe_asset_and_demo_defaults_agree():
     assert meta["sft"]["libraries"].keys() == {"torch", "transformers", "tokenizers"}
     model = json.loads((ASSETS / "config.json").read_text())
     assert (model["vocab_size"], model["hidden_size"]) == (c.vocab_size, c.hidden_size)
+    assert model["pbsd_tiny_spec"].get("entity_tokens", False) == c.entity_tokens
+
+
+def test_the_committed_policy_stands_in_only_for_its_own_recipe():
+    """A demo whose warm-start settings differ from the asset's builds its own policy instead of
+    silently using the committed one (the settings would be accepted and ignored)."""
+    from demo.run import committed_policy_misfit
+
+    world = json.loads((ASSETS / "pbsd.json").read_text())["world_sha256"]
+    assert committed_policy_misfit(DemoConfig(), world) is None
+    # RL and evaluation settings do not touch the warm start
+    assert committed_policy_misfit(DemoConfig(steps=3, lr=1e-5, eval_questions=4), world) is None
+    assert committed_policy_misfit(DemoConfig(), "0" * 64) == "was made from another world"
+    misfit = committed_policy_misfit(DemoConfig(sft_epochs=3, entity_tokens=True), world)
+    assert (
+        misfit == "was made with other warm-start settings (entity_tokens False -> True, sft_epochs 2 -> 3)"
+    )
