@@ -79,10 +79,11 @@ class DataSpec(Contract):
 
 class RolloutSpec(Contract):
     group_size: PositiveInt = Field(default=8, description="G, trajectories sampled per prompt")
-    temperature: Annotated[float, Field(gt=0)] = Field(
+    temperature: Annotated[float, Field(ge=1e-5)] = Field(
         default=1.0,
         description="sampling temperature; the trainer's log-probs are of softmax(logits / T) to match the "
-        "engine's, and the scorer's evidence stays the model's own likelihood (T = 1)",
+        "engine's, and the scorer's evidence stays the model's own likelihood (T = 1). At least 1e-5: "
+        "below 1e-6 SGLang samples greedily and reports log-probs at T = 1, which no T would match",
     )
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     eval_top_p: Annotated[float, Field(gt=0, le=1)] = Field(
@@ -201,7 +202,8 @@ class TrainerSpec(Contract):
         default=0,
         description="seeds the trainer's RNGs at the start of a run and every sample the rollout "
         "workers draw for it (prompt tasks carry it), so a run's trajectories do not depend on "
-        "which worker took which prompt",
+        "which worker took which prompt (SGLang servers honour sampling seeds only when started "
+        "with --enable-deterministic-inference)",
     )
     routing_replay: bool = Field(
         default=False, description="R3: force the rollout's experts in the policy forward"

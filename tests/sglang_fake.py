@@ -3,16 +3,20 @@
 Field names and shapes follow SGLang's ``GenerateReqInput`` and the tokenizer
 manager's response: ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
 "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
-"weight_version", "output_token_logprobs": [[logprob, token_id, null], ...],
+"weight_version", "weight_versions", "output_token_logprobs": [[logprob, token_id, null], ...],
 "routed_experts": base64(int32[tokens - 1 - start, layers, top_k])}}``, with
 ``finish_reason`` ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}``
-or ``{"type": "abort", "message": ...}``.
+or ``{"type": "abort", "message": "Aborted", "status_code": null, "err_type": null}``.
+
+As strict as sglang 0.5.23 where a client could get it wrong: unknown ``sampling_params``
+keys and pause modes are refused with 400, a failed weight update is a 400 with
+``{"success": false, ...}``, and ``/get_model_info`` is the deprecated twin of
+``/model_info`` (``legacy=True``: a server that has only the old route).
 """
 
 from __future__ import annotations
 
 import base64
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +29,40 @@ from fastapi.responses import JSONResponse
 Policy = Callable[[list[int]], list[int]]
 
 LAYERS, TOP_K = 2, 2
+# sglang/api/v1/api_types.py SamplingParams (unknown keys rejected), sglang 0.5.23
+SAMPLING_KEYS = frozenset(
+    [
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "n",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "stream_interval",
+        "logit_bias",
+        "sampling_seed",
+        "custom_params",
+        "beam_width",
+        "watermark",
+        "choice",
+    ]
+)
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def routes_for(positions: range) -> np.ndarray:
@@ -39,9 +77,17 @@ def prompt_logprob(token: int, position: int) -> float:
 
 
 def make_sglang(
-    policy: Policy, *, script: list[Any] | None = None, logprob: float = -0.5, version: int = 0
+    policy: Policy,
+    *,
+    script: list[Any] | None = None,
+    logprob: float = -0.5,
+    version: int = 0,
+    legacy: bool = False,
 ) -> FastAPI:
-    """``script`` items are used one per /generate call first: an int status, "abort", or "ok"."""
+    """``script`` items are used one per /generate call first: an int status, "abort", "updated"
+    (the weights were updated mid-turn: the first half of the output came from the version
+    before), or "ok". A weight update from a path containing "missing" fails; one containing
+    "busy" loads the weights but reports failure, as a refused cache flush does."""
     app = FastAPI()
     app.state.requests = []
     app.state.control = []
@@ -59,6 +105,10 @@ def make_sglang(
             return JSONResponse({"error": {"message": f"internal error {item}"}}, status_code=item)
         ids = body["input_ids"]
         sp = body.get("sampling_params", {})
+        if unknown := set(sp) - SAMPLING_KEYS:
+            return JSONResponse(
+                {"error": {"message": f"unknown sampling_params {sorted(unknown)}"}}, status_code=400
+            )
         max_new = sp.get("max_new_tokens", 128)
         stops = set(sp.get("stop_token_ids") or [])
         wanted = policy(ids)
@@ -72,10 +122,7 @@ def make_sglang(
                 break
         if item == "abort":
             out = out[: len(out) // 2]
-            finish = {
-                "type": "abort",
-                "message": "Abort request by the scheduler (weights are being updated)",
-            }
+            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         meta = {
             "id": rid,
             "finish_reason": finish,
@@ -84,7 +131,14 @@ def make_sglang(
             "cached_tokens": max(0, len(ids) - 8),
             "e2e_latency": 0.001,
             "weight_version": str(app.state.version),
+            "weight_versions": [{"version": str(app.state.version), "start": 0, "end": len(out)}],
         }
+        if item == "updated":
+            half = len(out) // 2
+            meta["weight_versions"] = [
+                {"version": str(app.state.version - 1), "start": 0, "end": half},
+                {"version": str(app.state.version), "start": half, "end": len(out)},
+            ]
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[logprob, t, None] for t in out]
             start = body.get("logprob_start_len", -1)
@@ -107,14 +161,17 @@ def make_sglang(
     async def health_generate():
         return {}
 
-    @app.get("/get_model_info")
-    async def model_info():
+    def model_info():
         return {
             "model_path": "/models/fake",
             "tokenizer_path": "/models/fake",
             "is_generation": True,
             "weight_version": str(app.state.version),
         }
+
+    app.get("/get_model_info")(model_info)
+    if not legacy:
+        app.get("/model_info")(model_info)
 
     @app.post("/flush_cache")
     async def flush():
@@ -123,28 +180,42 @@ def make_sglang(
 
     @app.post("/pause_generation")
     async def pause(request: Request):
-        app.state.control.append(("pause_generation", await request.json()))
+        body = await request.json()
+        app.state.control.append(("pause_generation", body))
+        if body.get("mode", "abort") not in PAUSE_MODES:
+            return JSONResponse({"detail": f"mode must be one of {PAUSE_MODES}"}, status_code=400)
         app.state.paused = True
-        return {}
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def cont(request: Request):
         app.state.control.append(("continue_generation", await request.json()))
         app.state.paused = False
-        return {}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.post("/update_weights_from_disk")
     async def update(request: Request):
         body = await request.json()
         app.state.control.append(("update_weights_from_disk", body))
         if "missing" in body["model_path"]:
-            return {
-                "success": False,
-                "message": f"Failed to load {body['model_path']}: no such file",
-                "num_paused_requests": 0,
-            }
+            return JSONResponse(
+                {
+                    "success": False,
+                    "message": f"Failed to load {body['model_path']}: no such file",
+                    "num_paused_requests": 0,
+                },
+                status_code=400,
+            )
         app.state.version = int(body.get("weight_version", app.state.version))
-        time.sleep(0)
+        if "busy" in body["model_path"]:  # loaded, then the cache flush was refused
+            return JSONResponse(
+                {
+                    "success": False,
+                    "message": "Failed to flush cache after updating weights",
+                    "num_paused_requests": 0,
+                },
+                status_code=400,
+            )
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     return app

@@ -170,6 +170,7 @@ def test_run_spec_defaults_are_the_papers():
         ({"trainer": {"routing_replay": True}}, "return_routed_experts"),
         ({"trainer": {"publish_every": 3}}, "publish_every .3. cannot exceed rollout.max_staleness . 1 .2."),
         ({"rollout": {"temperature": 0}}, "rollout.temperature"),
+        ({"rollout": {"temperature": 1e-7}}, "rollout.temperature"),  # SGLang: greedy, log-probs at T=1
         ({"trainer": {"eval_every": 5}}, "eval_every needs data.validation"),
         ({"trainer": {"lr": -1}}, "trainer.lr"),
     ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from services.rollout.engine import EngineError, GenerationRequest
@@ -42,7 +43,19 @@ async def test_abort_is_reported_not_raised():
         engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
         r = await engine.generate(GenerationRequest([1], 16))
         await engine.aclose()
-    assert r.finish == "abort" and "weights are being updated" in r.message
+    assert (r.finish, r.message) == ("abort", "Aborted")
+
+
+async def test_a_turn_sampled_across_a_weight_update_has_the_oldest_version():
+    """After a retract-mode update SGLang finishes the turn with the new weights and reports the
+    spans of each version: the turn is as stale as its oldest token."""
+    app = make_sglang(echo_policy, script=["updated", "ok"], version=4)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        mixed = await engine.generate(GenerationRequest([1, 2, 3], 16, stop_token_ids=(2,)))
+        whole = await engine.generate(GenerationRequest([1, 2, 3], 16, stop_token_ids=(2,)))
+        await engine.aclose()
+    assert (mixed.weight_version, whole.weight_version) == (3, 4)
 
 
 async def test_5xx_fails_over_to_the_next_server_and_cools_down():
@@ -97,8 +110,31 @@ async def test_weight_update_pauses_loads_and_continues():
             }
         r = await engine.generate(GenerationRequest([1], 4))
         assert r.weight_version == 4
-        with pytest.raises(EngineError, match="refused the weights"):
+        with pytest.raises(EngineError, match="refused the weights at /ckpt/missing: HTTP 400"):
             await engine.update_weights("/ckpt/missing", 5)
         assert apps[0].state.control[-1][0] == "continue_generation"  # never left paused
         assert engine.weight_version == 4
+        # SGLang reports failure when the cache flush after a load is refused, but serves the new
+        # weights: the engine asks what is served instead of believing in the old version
+        await engine.update_weights("/ckpt/busy/v6", 6)
+        assert engine.weight_version == 6 and all(app.state.version == 6 for app in apps)
         await engine.aclose()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+async def test_model_info_falls_back_to_the_deprecated_route(legacy):
+    app = make_sglang(echo_policy, version=2, legacy=legacy)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        info = await engine.model_info()
+        await engine.aclose()
+    assert info["weight_version"] == "2"
+
+
+async def test_the_fake_refuses_what_sglang_refuses():
+    """The fake is as strict as the server where it matters, so the tests above mean something."""
+    app = make_sglang(echo_policy)
+    with serve(app) as url, httpx.Client(base_url=url) as http:
+        bad = {"input_ids": [1], "sampling_params": {"max_tokens": 4}}  # OpenAI's name, not SGLang's
+        assert http.post("/generate", json=bad).status_code == 400
+        assert http.post("/pause_generation", json={"mode": "drain"}).status_code == 400

@@ -29,7 +29,11 @@ class RolloutSettings(CommonSettings):
         default=None, description="'today' in the system prompt (YYYY-MM-DD); default: today"
     )
     seed: int | None = Field(
-        default=None, description="fixed sampling seeds (tests, reproductions); random when unset"
+        default=None,
+        description=(
+            "fixed sampling seeds (tests, reproductions); random when unset. SGLang honours them "
+            "only when started with --enable-deterministic-inference"
+        ),
     )
     claim_idle_ms: int = 600_000
     host: str = "127.0.0.1"

@@ -2,16 +2,24 @@
 
 Request (SGLang's ``GenerateReqInput``): ``input_ids``, ``sampling_params``
 (``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids``,
-``skip_special_tokens: false``, ``no_stop_trim: true``, ``sampling_seed``),
+``skip_special_tokens: false``, ``no_stop_trim: true``, ``sampling_seed``: honoured only by
+servers started with ``--enable-deterministic-inference``, ignored otherwise),
 ``return_logprob: true`` (``logprob_start_len`` -1: output tokens only),
-``return_routed_experts`` with ``routed_experts_start_len``, ``rid``.
+``return_routed_experts`` with ``routed_experts_start_len``.
 
 Response: ``{"text", "output_ids", "meta_info"}``; ``meta_info.output_token_logprobs``
 is a list of ``[logprob, token_id, text|null]``, ``finish_reason`` is
 ``{"type": "stop", "matched": id|str}``, ``{"type": "length", "length": n}`` or
 ``{"type": "abort", "message": ...}``, ``routed_experts`` is base64 of int32
 ``[tokens - 1 - routed_experts_start_len, layers, top_k]``, ``weight_version`` the
-server's tag of the loaded weights.
+server's tag of the weights that sampled the last token, and ``weight_versions`` the spans
+``[{"version", "start", "end"}]`` of output tokens each version sampled.
+
+A weight update pauses the servers with ``retract``: running requests give up their KV cache
+and are prefilled again under the new weights, keeping the tokens and log-probs sampled so
+far. Such a turn mixes versions; it is labelled with the oldest (its staleness is that of its
+oldest token), and its routed experts all come from the new weights, since SGLang reads them
+from the re-prefilled cache.
 
 The output log-probs are of softmax(logits / T), SGLang's default, and the trainer's ratios
 assume it (it divides by the run's temperature too): do not start the servers with
@@ -34,6 +42,7 @@ import httpx
 import numpy as np
 
 from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
+from services.sglang_control import WeightsRefused, load_weights_from_disk, model_info
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
 log = logging.getLogger(__name__)
@@ -62,10 +71,8 @@ class SglangEngine:
         self.retry = retry or RetryPolicy(max_attempts=3, base_delay_s=1.0)
         self.cooldown_s = cooldown_s
         self.pause_mode = pause_mode
-        self.layers, self.top_k = (
-            layers,
-            top_k,
-        )  # shape of routed experts, read from /get_model_info when unset
+        # the shape of the routed experts: SGLang's /model_info does not report it, so give one
+        self.layers, self.top_k = layers, top_k
         self.weight_version = 0
         self._down_until: dict[str, float] = {}
         self._update_lock = asyncio.Lock()
@@ -139,17 +146,23 @@ class SglangEngine:
         routes = None
         if request.return_routed_experts and kind != "abort":
             routes = self._routes(meta.get("routed_experts"), request, len(output_ids))
-        version = meta.get("weight_version")
         return GenerationResult(
             output_ids,
             logprobs,
             kind,
-            int(version) if str(version).isdigit() else self.weight_version,
+            self._version(meta),
             routes,
             cached_tokens=int(meta.get("cached_tokens", 0)),
             message=str(finish.get("message", "")),
             latency_s=latency,
         )
+
+    def _version(self, meta: dict) -> int:
+        """The oldest weights that sampled any token of this turn (see the module docstring);
+        ours where the server's tag is not a version number (``"default"`` before any update)."""
+        tags = [span.get("version") for span in meta.get("weight_versions") or []]
+        versions = [int(t) for t in [*tags, meta.get("weight_version")] if str(t).isdigit()]
+        return min(versions) if versions else self.weight_version
 
     def _routes(self, encoded: str | None, request: GenerationRequest, n_out: int) -> np.ndarray:
         if not encoded:
@@ -170,13 +183,9 @@ class SglangEngine:
             for url in self.urls:
                 await self._post(url, "/pause_generation", {"mode": self.pause_mode})
                 try:
-                    reply = await self._post(
-                        url,
-                        "/update_weights_from_disk",
-                        {"model_path": path, "weight_version": str(version), "flush_cache": True},
-                    )
-                    if not reply.get("success", False):
-                        raise EngineError(f"{url} refused the weights at {path}: {reply.get('message')}")
+                    await load_weights_from_disk(self.http, url, path, version, self.retry)
+                except WeightsRefused as exc:
+                    raise EngineError(str(exc)) from None
                 finally:
                     await self._post(url, "/continue_generation", {})
             self.weight_version = version
@@ -204,6 +213,4 @@ class SglangEngine:
         return ok
 
     async def model_info(self) -> dict:
-        r = await self.http.get(f"{self.urls[0]}/get_model_info")
-        r.raise_for_status()
-        return r.json()
+        return await model_info(self.http, self.urls[0], self.retry)

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from services.model.checkpoint import load_weights_into
 from services.scorer.logprobs import sequence_logprobs
+from services.sglang_control import WeightsRefused, load_weights_from_disk
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
 __all__ = ["LocalScorer", "SglangScorer"]
@@ -108,10 +109,8 @@ class SglangScorer:
 
     async def update_weights(self, path: str, version: int) -> None:
         for url in self.urls:
-            r = await self.http.post(
-                f"{url}/update_weights_from_disk",
-                json={"model_path": path, "weight_version": str(version), "flush_cache": True},
-            )
-            if r.status_code >= 400 or not r.json().get("success", False):
-                raise UpstreamError(f"sglang {url}", f"could not load {path}")
+            try:
+                await load_weights_from_disk(self.http, url, path, version, self.retry)
+            except WeightsRefused as exc:
+                raise UpstreamError(f"sglang {url}", str(exc)) from None
         self.version = version
