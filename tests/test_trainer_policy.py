@@ -242,11 +242,11 @@ def test_routing_replay_forces_the_recorded_experts_and_keeps_router_gradients(t
     assert all("forward" not in r.__dict__ for r in routers)
 
 
-def test_training_with_replay_uses_the_trajectorys_routes(tok, tiny_checkpoint):
+def _routed_samples(tok, model):
+    """A scored group whose trajectories carry routes (experts 0 and 3 for every token)."""
     from proto.messages import Trajectory
 
     group = _group(tok, GrpoSpec(), rewards=(1.0, 0.0))
-    model = load_model(tiny_checkpoint)
     trajs = []
     for t in group.trajectories:
         n = t.num_tokens - 1
@@ -254,7 +254,12 @@ def test_training_with_replay_uses_the_trajectorys_routes(tok, tiny_checkpoint):
         routes[..., 1] = 3
         trajs.append(Trajectory(**{**t.model_dump(), "routed_experts": routes}))
     scored = _scored(group.model_copy(update={"trajectories": tuple(trajs)}), advantages=[1.0, -1.0])
-    samples, counts = samples_from_groups([scored], with_routes=True)
+    return group, samples_from_groups([scored], with_routes=True)
+
+
+def test_training_with_replay_uses_the_trajectorys_routes(tok, tiny_checkpoint):
+    model = load_model(tiny_checkpoint)
+    group, (samples, counts) = _routed_samples(tok, model)
     trainer = PolicyTrainer(model, TrainerSpec(lr=1e-3, warmup_steps=0))
     with RouteRecorder(model) as rec:
         trainer.accumulate(samples[:1], counts, GrpoSpec(), replay=True)
@@ -262,3 +267,21 @@ def test_training_with_replay_uses_the_trajectorys_routes(tok, tiny_checkpoint):
     assert got.shape[0] == samples[0].tokens and np.all(np.sort(got, axis=-1) == [0, 3])
     with pytest.raises(ValueError, match="routed experts"):
         samples_from_groups([_scored(group, advantages=[1.0, -1.0])], with_routes=True)
+
+
+def test_replay_holds_through_the_backward_of_gradient_checkpointing(tok, tiny_checkpoint):
+    """Checkpointing runs each layer's forward again in the backward: it must take the replayed
+    experts too (it used to route fresh there: a CheckpointError, or gradients through other
+    experts), so the gradients equal those of the same update without checkpointing."""
+    grads = []
+    for checkpointing in (False, True):
+        model = load_model(tiny_checkpoint)
+        _, (samples, counts) = _routed_samples(tok, model)
+        trainer = PolicyTrainer(
+            model, TrainerSpec(lr=1e-3, warmup_steps=0), gradient_checkpointing=checkpointing
+        )
+        trainer.accumulate(samples, counts, GrpoSpec(), replay=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("experts" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-7, msg=name)

@@ -26,6 +26,7 @@ its full-vocabulary logits for the backward pass.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -118,24 +119,30 @@ class PolicyTrainer:
 
     # -- log-probs with gradients -------------------------------------------------------
     def sample_logprobs(self, sample: TrainSample, *, replay: bool) -> torch.Tensor:
-        return self._logprobs(self.model, sample, replay=replay)
+        """log pi of the loss tokens. With ``replay`` the routes are forced for the forward only:
+        a caller that backpropagates with gradient checkpointing on must hold :meth:`routing`
+        open through its backward, as :meth:`accumulate` does."""
+        with self.routing(sample, replay=replay):
+            return self._logprobs(self.model, sample)
+
+    def routing(self, sample: TrainSample, *, replay: bool) -> contextlib.AbstractContextManager:
+        """R3: within the block the policy's routers use the experts the rollout engine chose."""
+        if not replay:
+            return contextlib.nullcontext()
+        routes = torch.as_tensor(np.asarray(sample.routes, dtype=np.int64), device=self.device)
+        return replay_routes(self.model, routes[: len(sample.input_ids)])
 
     def reference_logprobs(self, sample: TrainSample) -> torch.Tensor:
         """log pi_ref of the loss tokens (routing computed fresh: the reference is another model)."""
         if self.reference is None:
             raise ValueError("kl_coef > 0 needs a reference policy (PolicyTrainer(reference_path=...))")
         with torch.no_grad():
-            return self._logprobs(self.reference, sample, replay=False)
+            return self._logprobs(self.reference, sample)
 
-    def _logprobs(self, model: nn.Module, sample: TrainSample, *, replay: bool) -> torch.Tensor:
+    def _logprobs(self, model: nn.Module, sample: TrainSample) -> torch.Tensor:
         ids = torch.as_tensor(sample.input_ids, device=self.device)[None]
         pos = torch.arange(ids.shape[1], device=self.device)[None]
-        if replay:
-            routes = torch.as_tensor(np.asarray(sample.routes, dtype=np.int64), device=self.device)
-            with replay_routes(model, routes[: ids.shape[1]]):
-                hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
-        else:
-            hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
         rows = hidden[torch.as_tensor(sample.positions, device=self.device)]
         targets = torch.as_tensor(sample.targets, device=self.device)
         parts = [
@@ -192,31 +199,34 @@ class PolicyTrainer:
         tokens_done = 0
         for mb in micro_batches(samples, self.micro_batch_tokens):
             for sample in mb:  # one sequence per forward: no padding, no cross-sequence attention
-                logp = self.sample_logprobs(sample, replay=replay)
-                old = torch.as_tensor(sample.old_logprobs, device=self.device)
-                rollout = old
-                if algorithm.tis_cap is not None:
-                    old = logp.detach()
-                n = logp.shape[0]
-                out = clipped_policy_loss(
-                    logp,
-                    old,
-                    torch.as_tensor(sample.advantages, device=self.device),
-                    torch.ones(n, dtype=torch.bool, device=self.device),
-                    eps_low=algorithm.eps_low,
-                    eps_high=algorithm.eps_high,
-                    agg=algorithm.loss_agg,
-                    seq_ids=torch.zeros(n, dtype=torch.long, device=self.device),
-                    num_tokens=counts.tokens,
-                    num_sequences=counts.sequences,
-                    constant=algorithm.loss_agg_constant,
-                    rollout_logprobs=rollout,
-                    tis_cap=algorithm.tis_cap,
-                    ref_logprobs=self.reference_logprobs(sample) if kl else None,
-                    kl_coef=algorithm.kl_coef,
-                    kl_estimator=algorithm.kl_estimator,
-                )
-                self._backward(out.loss)
+                # forward AND backward inside the replay: with gradient checkpointing the backward
+                # runs each layer's forward again, and it must route to the same experts
+                with self.routing(sample, replay=replay):
+                    logp = self._logprobs(self.model, sample)
+                    old = torch.as_tensor(sample.old_logprobs, device=self.device)
+                    rollout = old
+                    if algorithm.tis_cap is not None:
+                        old = logp.detach()
+                    n = logp.shape[0]
+                    out = clipped_policy_loss(
+                        logp,
+                        old,
+                        torch.as_tensor(sample.advantages, device=self.device),
+                        torch.ones(n, dtype=torch.bool, device=self.device),
+                        eps_low=algorithm.eps_low,
+                        eps_high=algorithm.eps_high,
+                        agg=algorithm.loss_agg,
+                        seq_ids=torch.zeros(n, dtype=torch.long, device=self.device),
+                        num_tokens=counts.tokens,
+                        num_sequences=counts.sequences,
+                        constant=algorithm.loss_agg_constant,
+                        rollout_logprobs=rollout,
+                        tis_cap=algorithm.tis_cap,
+                        ref_logprobs=self.reference_logprobs(sample) if kl else None,
+                        kl_coef=algorithm.kl_coef,
+                        kl_estimator=algorithm.kl_estimator,
+                    )
+                    self._backward(out.loss)
                 sums["loss"] += float(out.loss.detach())
                 for k, v in out.metrics().items():
                     if k != "loss" and k in sums:
