@@ -142,7 +142,8 @@ def serve_trainer(
     from services.trainer.app import create_app
     from services.trainer.settings import TrainerSettings
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by the DeepSpeed launcher
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by the DeepSpeed launcher
+    if distributed:
         import deepspeed
 
         deepspeed.init_distributed()
@@ -161,12 +162,18 @@ def serve_trainer(
             "set PBSD_TRAINER_API_TOKEN to serve it on the network",
             param_hint="--host",
         )
-    uvicorn.run(
-        create_app(settings),
-        host=host,
-        port=port or settings.port,
-        log_level="warning",
-    )
+    try:
+        uvicorn.run(
+            create_app(settings),
+            host=host,
+            port=port or settings.port,
+            log_level="warning",
+        )
+    finally:
+        if distributed:  # the other ranks wait in follow_rank0 for rank 0's next command
+            from services.trainer.distributed import release_followers
+
+            release_followers()
 
 
 def _cuda() -> bool:

@@ -1,5 +1,7 @@
-"""DeepSpeed data parallelism (ZeRO-2, two processes on the CPU accelerator) makes exactly the update a
-single plain-torch process makes on the whole batch. Slow: DeepSpeed builds its CPU ops on first use."""
+"""DeepSpeed data parallelism (ZeRO-1 and ZeRO-3 on two processes, ZeRO-2 on one, CPU accelerator)
+makes exactly the update a single plain-torch process makes on the whole batch, takes no step on an
+empty batch, reports the whole batch's metrics, and resumes every rank's state. Slow: DeepSpeed
+builds its CPU ops on first use."""
 
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ import pytest
 import torch
 
 from proto.runs import TrainerSpec
+from services.local_redis import free_port
 from services.model.checkpoint import load_model
 from services.trainer.policy import PolicyTrainer
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("stage", "ranks"), [(1, 2), (2, 1)])
+@pytest.mark.parametrize(("stage", "ranks"), [(1, 2), (2, 1), (2, 2), (3, 2)])
 def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ranks):
     pytest.importorskip("deepspeed")
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
@@ -35,7 +38,7 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
             "--num_gpus",
             str(ranks),
             "--master_port",
-            str(29533 + stage),
+            str(free_port()),  # not a fixed port: a run just before may still hold it
             str(script),
             str(tiny_checkpoint),
             str(tmp_path),
@@ -47,7 +50,7 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
         timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    distributed = torch.load(tmp_path / "params.pt")
+    distributed = load_model(tmp_path / "weights")
 
     sys.path.insert(0, str(script.parent))
     from deepspeed_dp import ALGORITHM, samples
@@ -58,11 +61,19 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
         reference_path=str(tiny_checkpoint),
     )
     batch, counts = samples(reference.model.config.vocab_size)
-    for _ in range(2):
-        reference.train_step(batch, counts, ALGORITHM)
+    expected = [reference.train_step(batch, counts, ALGORITHM) for _ in range(2)]
+    reference.train_step([], counts, ALGORITHM)
+    mine = dict(distributed.named_parameters())
     for name, param in reference.model.named_parameters():
-        torch.testing.assert_close(distributed[name], param.detach(), rtol=1e-4, atol=1e-6, msg=name)
-    assert (tmp_path / "weights" / "config.json").exists()
+        torch.testing.assert_close(mine[name], param.detach(), rtol=1e-4, atol=1e-6, msg=name)
     history = json.loads((tmp_path / "history.json").read_text())
-    assert len(history) == 2 and history[0]["grad_norm"] > 0
+    assert len(history) == 3 and history[0]["grad_norm"] > 0 and history[2]["grad_norm"] == 0
     assert history[0]["kl_ref"] < 1e-6 < history[1]["kl_ref"]  # the first step starts at the reference
+    for got, want in zip(history, expected, strict=False):  # the whole batch's figures, every rank's share
+        assert got["trained_tokens"] == want["trained_tokens"] == sum(s.targets.size for s in batch)
+        for key in ("loss", "clip_frac", "kl_ref", "ratio_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+    # a resumed trainer (every rank loads its own optimiser partition) repeats the same step exactly
+    a, b = (dict(load_model(tmp_path / d).named_parameters()) for d in ("resumed-a", "resumed-b"))
+    for name, param in a.items():
+        torch.testing.assert_close(b[name], param, rtol=0, atol=0, msg=name)

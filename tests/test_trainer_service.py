@@ -86,10 +86,12 @@ class FakePipeline:
     (sample i answers correctly when i is even), sampled with the newest published version;
     a validation task's group goes unscored to the evals stream, as a rollout worker sends it."""
 
-    def __init__(self, bus: Bus, tok: ChatTokenizer) -> None:
+    def __init__(self, bus: Bus, tok: ChatTokenizer, *, hold_after: int | None = None) -> None:
         self.bus, self.tok = bus, tok
         self.version = 0
         self.tasks: list[PromptTask] = []
+        # answer no task past the first ``hold_after`` until ``release`` is set
+        self.hold_after, self.release = hold_after, asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         opts = ConsumerOptions(block_ms=100, claim_idle_ms=5000)
@@ -102,6 +104,8 @@ class FakePipeline:
             self.version = event.version
 
     async def handle(self, task: PromptTask, delivery) -> None:
+        if self.hold_after is not None and len(self.tasks) >= self.hold_after:
+            await self.release.wait()
         self.tasks.append(task)
         trajs = []
         for i in range(task.rollout.group_size):
@@ -177,10 +181,36 @@ async def _finish(executor: RunExecutor, store: RunStore, run_id: str, fake_task
     return done
 
 
+class _StopsLikeRank0:
+    """Stands in for DeepSpeed's rank-0 trainer: once ``stop`` has sent the other ranks away, a save
+    (a collective they must join) can no longer happen."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.stopped = trainer, False
+
+    def __getattr__(self, name):
+        return getattr(self.trainer, name)
+
+    def save_weights(self, *args, **kwargs):
+        assert not self.stopped, "weights saved after the other ranks left the run"
+        return self.trainer.save_weights(*args, **kwargs)
+
+    def save_state(self, *args, **kwargs):
+        assert not self.stopped, "state saved after the other ranks left the run"
+        return self.trainer.save_state(*args, **kwargs)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
 async def test_a_run_trains_publishes_checkpoints_and_resumes(
-    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, monkeypatch
 ):
     from proto.runs import RunSpec
+    from services.trainer import executor as executor_module
+
+    make = executor_module.make_trainer
+    monkeypatch.setattr(executor_module, "make_trainer", lambda *a, **k: _StopsLikeRank0(make(*a, **k)))
 
     tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
     settings = TrainerSettings(
@@ -195,7 +225,8 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
     spec["rollout"]["temperature"] = 0.8
     spec["algorithm"]["kl_coef"] = 0.05  # the reference is the initial policy, also after the resume
     record = await store.create(RunSpec.model_validate(spec))
-    fake, fake_stop = FakePipeline(bus, tok), asyncio.Event()
+    # the pipeline answers one step's prompts, then holds until the trainer has been shut down
+    fake, fake_stop = FakePipeline(bus, tok, hold_after=2), asyncio.Event()
     fake_task = asyncio.create_task(fake.run(fake_stop))
 
     # a group from an abandoned future and one of another run: both are dropped
@@ -231,6 +262,7 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
     stop.set()
     await asyncio.wait_for(serving, 120)
     assert (await store.get(record.id)).state == "running"
+    fake.release.set()
 
     # a new trainer process resumes the run from its checkpoint and finishes it
     done = await _finish(

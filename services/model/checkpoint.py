@@ -13,9 +13,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-__all__ = ["DTYPES", "library_versions", "load_model", "load_weights_into", "save_checkpoint"]
+__all__ = ["DTYPES", "dtype_name", "library_versions", "load_model", "load_weights_into", "save_checkpoint"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(model: torch.nn.Module) -> str:
+    """The DTYPES name of ``model``'s parameters (what load_model takes to load it alike)."""
+    return {v: k for k, v in DTYPES.items()}[next(model.parameters()).dtype]
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
@@ -26,17 +31,23 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu")
 
 
 def save_checkpoint(
-    model: PreTrainedModel, path: str | Path, *, tokenizer=None, meta: dict | None = None
+    model: PreTrainedModel,
+    path: str | Path,
+    *,
+    tokenizer=None,
+    meta: dict | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``model`` (and ``tokenizer``) as safetensors; ``meta`` goes to ``pbsd.json``. Atomic: written
-    to a temporary sibling and renamed, so a reader never sees half a checkpoint."""
+    to a temporary sibling and renamed, so a reader never sees half a checkpoint. ``state_dict``
+    replaces the model's own tensors (ZeRO-3 gathers them elsewhere)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     if tmp.exists():
         import shutil
 
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if meta is not None:

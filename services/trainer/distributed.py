@@ -1,4 +1,4 @@
-"""DeepSpeed for GPU training: ZeRO stage 2 or 3, bf16, the run's DeepSpeed config file.
+"""DeepSpeed for GPU training: ZeRO stages 1 to 3, with the run's DeepSpeed config file.
 
 Launch the trainer the usual DeepSpeed way, one process per GPU::
 
@@ -6,23 +6,32 @@ Launch the trainer the usual DeepSpeed way, one process per GPU::
 
 Rank 0 is the trainer the rest of the pipeline talks to (REST API, run controller,
 bus); every other rank runs :func:`follow_rank0`, which receives rank 0's commands
-(a training step, saving weights, a checkpoint) and takes part in them. A step's
-trajectories are split across ranks (rank r takes every world-th sample); each rank's
-loss keeps the batch-wide normalisers and is scaled by the world size, because
-DeepSpeed averages the gradients it all-reduces, so the update equals the one a
-single process would make on the whole batch.
+(build a run's trainer, a training step, saving weights or state, loading state) and
+takes part in them, until rank 0 shuts down and releases it. A step's trajectories are
+split across ranks (rank r takes every world-th sample); each rank's loss keeps the
+batch-wide normalisers and is scaled by the world size, because DeepSpeed averages the
+gradients it all-reduces, so the update equals the one a single process would make on
+the whole batch. Every pass goes through the engine's forward (ZeRO-3 counts its
+micro-steps there) and every rank runs as many passes as the busiest one; a batch with
+nothing to train takes no step at all, as in plain torch. Metrics are the whole batch's.
 
-Verified (on the CPU accelerator, two ranks): ZeRO stage 0 and 1 make exactly the
-single-process update; stage 2 does on one rank. Stage 2 and 3 across several ranks
-run, but their update was not shown equal to the single-process one (stage 2 differs
-when ranks accumulate over several backwards): prefer stage 1 for exactness until that
-is resolved.
+Verified on the CPU accelerator (tests/test_deepspeed.py, slow): ZeRO stages 1, 2 and 3 on
+two ranks with a batch that does not split evenly, and stage 2 on one, make exactly the
+single-process update, skip the empty step, report the whole batch's loss and token counts,
+and repeat a step exactly after every rank reloads its saved state. Not verified: NCCL on
+GPUs, and more than two ranks.
+
+Under ZeRO-3 the 16-bit weights are gathered module by module onto rank 0 to be saved.
+The KL penalty's reference policy (``kl_coef`` > 0; the paper uses none) is a full,
+unsharded copy on every rank at every stage: for a model that only fits sharded, wrap it
+in its own optimiser-free DeepSpeed engine (as TRL's ``prepare_deepspeed`` does) first.
 
 What the run's config file leaves out is filled from the run: AdamW with the run's
 learning rate, betas and weight decay, gradient clipping, one micro-batch
 per backward (the trainer accumulates over its own token budget and marks the
 accumulation boundary itself). The warm-up is the plain-torch trainer's own schedule
 (:func:`services.trainer.policy.lr_factor`), so both paths follow the same learning rates.
+Ranks load the model in rank 0's dtype; mixed precision is the config's ``bf16`` section.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from proto.runs import AlgorithmSpec, TrainerSpec
-from services.model.checkpoint import save_checkpoint
+from services.model.checkpoint import dtype_name, save_checkpoint
 from services.trainer.batch import BatchCounts, TrainSample
 from services.trainer.policy import PolicyTrainer, lr_factor, param_groups
 
@@ -52,7 +61,7 @@ def make_trainer(
     if not spec.deepspeed_config:
         return PolicyTrainer(model, spec, **kwargs)
     if _world() > 1:
-        dist.broadcast_object_list([("init", model_path, spec, kwargs)], src=0)
+        dist.broadcast_object_list([("init", model_path, dtype_name(model), spec, kwargs)], src=0)
         return Rank0Trainer(DeepSpeedPolicyTrainer(model, spec, **kwargs))
     return DeepSpeedPolicyTrainer(model, spec, **kwargs)
 
@@ -79,8 +88,25 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
     )
     if spec.grad_clip is not None:
         config.setdefault("gradient_clipping", spec.grad_clip)
-    config.setdefault("zero_optimization", {"stage": 1})  # the stage shown exact across ranks
+    config.setdefault("zero_optimization", {"stage": 1})
     return config
+
+
+class _PolicyForward(nn.Module):
+    """What the engine runs forward: the policy's log-probs of one sample's loss tokens.
+
+    ZeRO-3 counts micro-steps, prefetches parameters and prepares each backward inside the
+    engine's forward; passes that call the model's parts directly leave every backward
+    overwriting, not adding to, the gradient partitions. So the trainer's passes go through
+    ``engine(sample)``, which calls this."""
+
+    def __init__(self, policy: nn.Module, logprobs) -> None:
+        super().__init__()
+        self.policy = policy
+        self._logprobs = logprobs
+
+    def forward(self, sample: TrainSample) -> torch.Tensor:
+        return self._logprobs(self.policy, sample)
 
 
 class DeepSpeedPolicyTrainer(PolicyTrainer):
@@ -96,15 +122,20 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
                 return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec))
 
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model,
+            model=_PolicyForward(model, self._logprobs),
             model_parameters=param_groups(model, self.spec.weight_decay),
             config=config,
             lr_scheduler=schedule,
         )
-        self.model = self.engine.module
+        self.model = self.engine.module.policy
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.stage = _zero_stage(self.engine)
         self._remaining = 0
+        self._empty = False
+
+    def _policy_logprobs(self, sample: TrainSample) -> torch.Tensor:
+        return self.engine(sample)
 
     def accumulate(
         self,
@@ -114,41 +145,72 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         *,
         replay: bool = False,
     ) -> dict[str, float]:
-        # ZeRO reduces gradients at every backward, and bucket by bucket as each backward produces
-        # them: every rank runs the same number of backwards, and each touches every parameter (a
-        # zero for the experts its tokens did not route to), so the ranks' reductions line up.
+        # Every rank gets the whole batch (so they all agree on what follows) and takes every
+        # world-th sample. ZeRO reduces gradients at every backward, and ZeRO-3 gathers parameters
+        # in every forward, across all ranks: every rank runs the same number of forwards and
+        # backwards, a rank that runs out pads with a zero-weighted pass over the batch's first
+        # sample, and an empty batch (no trainable sample anywhere) runs none and takes no step.
+        self._empty = not samples
+        if self._empty:
+            return {"loss": 0.0, "trained_tokens": 0.0, "trained_sequences": 0.0}
         mine = samples[self.rank :: self.world]
-        rounds = -(-len(samples) // self.world) if samples else 1
-        self._remaining = rounds
+        self._remaining = -(-len(samples) // self.world)
         metrics = super().accumulate(mine, counts, algorithm, replay=replay)
         while self._remaining > 0:
-            self._backward(torch.zeros((), device=self.device))
-        return metrics
+            with self.routing(samples[0], replay=replay):
+                self._backward(self._policy_logprobs(samples[0]).sum() * 0.0)
+        return self._all_ranks(metrics)
+
+    def _all_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The batch's metrics from every rank's share: sums add up, per-token means are re-weighted."""
+        if self.world == 1:
+            return metrics
+        means = [k for k in metrics if k not in ("loss", "trained_tokens", "trained_sequences")]
+        tokens = metrics["trained_tokens"]
+        values = [
+            metrics["loss"],
+            tokens,
+            metrics["trained_sequences"],
+            *(metrics[k] * tokens for k in means),
+        ]
+        total = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        loss, tokens, sequences, *weighted = total.tolist()
+        out = {"loss": loss, "trained_tokens": tokens, "trained_sequences": sequences}
+        out.update({k: (v / tokens if tokens else 0.0) for k, v in zip(means, weighted, strict=True)})
+        return out
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._remaining -= 1
-        touch = sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
+        if self.stage < 3:
+            # ZeRO-1/2 reduce gradients bucket by bucket: make every backward touch every parameter
+            # (a zero for experts no token routed to) so the ranks' buckets line up. ZeRO-3 reduces
+            # per parameter from its own hooks, and its parameters are partitions outside a forward.
+            loss = loss + sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
         self.engine.set_gradient_accumulation_boundary(self._remaining <= 0)
-        self.engine.backward((loss + touch) * self.world, scale_wrt_gas=False)
+        self.engine.backward(loss * self.world, scale_wrt_gas=False)
 
     def apply(self) -> dict[str, float]:
         lr = self.optimizer.param_groups[0]["lr"]
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
         self.step += 1
         self.model.eval()
+        if self._empty:  # as the plain optimiser does without gradients: no decay, no momentum
+            self.scheduler.step()
+            return {"grad_norm": 0.0, "lr": lr}
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
         return {"grad_norm": float(norm) if norm is not None else 0.0, "lr": lr}
 
     def save_weights(self, path: Path, *, tokenizer=None, meta: dict | None = None) -> Path:
-        """Gathers ZeRO-3 partitions first; only rank 0 writes (every rank must call it)."""
-        import deepspeed
-
-        params = list(self.model.parameters())
-        with deepspeed.zero.GatheredParameters(
-            params, modifier_rank=None, enabled=_zero_stage(self.engine) == 3
-        ):
-            if self.rank == 0:
-                save_checkpoint(self.model, path, tokenizer=tokenizer, meta=meta)
+        """Only rank 0 writes (every rank must call it). Under ZeRO-3 the 16-bit weights are
+        gathered one module at a time onto rank 0's CPU, never the whole model on every GPU."""
+        state = None
+        if self.stage == 3:
+            prefix = "policy."
+            gathered = self.engine._zero3_consolidated_16bit_state_dict()
+            state = {k.removeprefix(prefix): v for k, v in (gathered or {}).items()}
+        if self.rank == 0:
+            save_checkpoint(self.model, path, tokenizer=tokenizer, meta=meta, state_dict=state)
         if dist.is_initialized():
             dist.barrier()
         return Path(path)
@@ -160,6 +222,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             Path(path).write_text(json.dumps({"deepspeed": str(directory), "step": self.step}))
 
     def load_state_file(self, path: Path) -> None:
+        """Every rank loads its own optimiser partition and schedule (rank 0 announces it)."""
         pointer = json.loads(Path(path).read_text())
         _, client = self.engine.load_checkpoint(pointer["deepspeed"], tag="state")
         self.step = int((client or {}).get("step", pointer["step"]))
@@ -195,14 +258,21 @@ class Rank0Trainer:
         self._announce("save_state", str(path))
         return self.trainer.save_state(path)
 
+    def load_state_file(self, path):
+        self._announce("load_state", str(path))
+        return self.trainer.load_state_file(path)
+
     def stop(self) -> None:
         self._announce("stop")
 
 
 def release_followers() -> None:
-    """Rank 0 shutting down: the other ranks leave :func:`follow_rank0`."""
+    """Rank 0 shutting down: the other ranks leave :func:`follow_rank0`, and every rank takes its
+    process group down (one left to the interpreter's exit can abort it: "terminate called without
+    an active exception")."""
     if _world() > 1:
         dist.broadcast_object_list([("exit",)], src=0)
+        dist.destroy_process_group()
 
 
 def follow_rank0(device: str = "cuda") -> None:
@@ -216,11 +286,12 @@ def follow_rank0(device: str = "cuda") -> None:
         dist.broadcast_object_list(box, src=0)
         command = box[0]
         if command[0] == "exit":
+            dist.destroy_process_group()
             return
         if command[0] == "init":
-            _, model_path, spec, kwargs = command
+            _, model_path, dtype, spec, kwargs = command  # rank 0's dtype: the ranks' tensors must agree
             trainer = DeepSpeedPolicyTrainer(
-                load_model(model_path, dtype="float32", device=device), spec, **kwargs
+                load_model(model_path, dtype=dtype, device=device), spec, **kwargs
             )
         elif command[0] == "stop":
             trainer = None
@@ -233,6 +304,8 @@ def follow_rank0(device: str = "cuda") -> None:
             trainer.save_weights(Path(command[1]))
         elif command[0] == "save_state":
             trainer.save_state(Path(command[1]))
+        elif command[0] == "load_state":
+            trainer.load_state_file(Path(command[1]))
 
 
 def local_rank() -> int:

@@ -343,17 +343,20 @@ class RunExecutor:
             await _stop_task(watcher, cancel)
             if evaluator is not None:
                 await _stop_task(evaluator.task, evaluator.stop)
-        if hasattr(trainer, "stop"):
-            trainer.stop()  # the other DeepSpeed ranks leave this run's trainer
-        if finished == "interrupted":
+        try:
             await self._checkpoint(run_id, out, tokenizer, trainer, state, controller)
-            return  # the trainer is shutting down: the run stays "running" and resumes on restart
-        await self._checkpoint(run_id, out, tokenizer, trainer, state, controller)
-        trainer.save_weights(
-            out / "final",
-            tokenizer=tokenizer,
-            meta={"run_id": run_id, "version": state.version, "step": state.step},
-        )
+            if finished == "interrupted":
+                return  # the trainer is shutting down: the run stays "running" and resumes on restart
+            trainer.save_weights(
+                out / "final",
+                tokenizer=tokenizer,
+                meta={"run_id": run_id, "version": state.version, "step": state.step},
+            )
+        finally:
+            # only now do the other DeepSpeed ranks leave this run's trainer: every save above is
+            # a collective they take part in
+            if hasattr(trainer, "stop"):
+                trainer.stop()
         await self.store.update(run_id, state=finished)
 
     async def _accept(

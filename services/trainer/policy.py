@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pbsd.losses import clipped_policy_loss
 from proto.runs import AlgorithmSpec, TrainerSpec
-from services.model.checkpoint import DTYPES, load_model, save_checkpoint
+from services.model.checkpoint import dtype_name, load_model, save_checkpoint
 from services.model.routing import replay_routes
 from services.trainer.batch import BatchCounts, TrainSample, micro_batches
 
@@ -106,8 +106,7 @@ class PolicyTrainer:
         self.device = next(self.model.parameters()).device
         self.reference: nn.Module | None = None
         if reference_path is not None:  # frozen: no gradients, no optimiser state, never saved
-            dtype = {v: k for k, v in DTYPES.items()}[next(self.model.parameters()).dtype]
-            self.reference = load_model(reference_path, dtype=dtype, device=str(self.device))
+            self.reference = load_model(reference_path, dtype=dtype_name(self.model), device=str(self.device))
             self.reference.requires_grad_(False).eval()
 
     def _build_optimizer(self, model: nn.Module) -> None:
@@ -123,7 +122,10 @@ class PolicyTrainer:
         a caller that backpropagates with gradient checkpointing on must hold :meth:`routing`
         open through its backward, as :meth:`accumulate` does."""
         with self.routing(sample, replay=replay):
-            return self._logprobs(self.model, sample)
+            return self._policy_logprobs(sample)
+
+    def _policy_logprobs(self, sample: TrainSample) -> torch.Tensor:
+        return self._logprobs(self.model, sample)
 
     def routing(self, sample: TrainSample, *, replay: bool) -> contextlib.AbstractContextManager:
         """R3: within the block the policy's routers use the experts the rollout engine chose."""
@@ -202,7 +204,7 @@ class PolicyTrainer:
                 # forward AND backward inside the replay: with gradient checkpointing the backward
                 # runs each layer's forward again, and it must route to the same experts
                 with self.routing(sample, replay=replay):
-                    logp = self._logprobs(self.model, sample)
+                    logp = self._policy_logprobs(sample)
                     old = torch.as_tensor(sample.old_logprobs, device=self.device)
                     rollout = old
                     if algorithm.tis_cap is not None:

@@ -1,5 +1,7 @@
-"""Run by tests/test_deepspeed.py under ``deepspeed --num_gpus 2`` (CPU accelerator): rank 0 leads a
-data-parallel ZeRO-2 trainer through two steps, rank 1 follows; rank 0 saves the weights."""
+"""Run by tests/test_deepspeed.py under ``deepspeed --num_gpus N`` (CPU accelerator): rank 0 leads a
+data-parallel ZeRO trainer through two steps and an empty one, the other ranks follow; rank 0 saves
+the weights (``weights``). Then a resume: the state is saved, a step taken and saved
+(``resumed-a``), the state loaded back and the same step taken again (``resumed-b``)."""
 
 import json
 import sys
@@ -7,7 +9,6 @@ from pathlib import Path
 
 import deepspeed
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from proto.runs import GrpoSpec, TrainerSpec
@@ -50,12 +51,18 @@ def main() -> None:
     trainer = make_trainer(load_model(ckpt), spec, model_path=str(ckpt), reference_path=str(ckpt))
     batch, counts = samples(trainer.model.config.vocab_size)
     history = [trainer.train_step(batch, counts, ALGORITHM) for _ in range(2)]
+    history.append(trainer.train_step([], counts, ALGORITHM))  # nothing trainable: no update at all
     trainer.save_weights(out / "weights")
+    trainer.save_state(out / "state.pt")
+    trainer.train_step(batch, counts, ALGORITHM)
+    trainer.save_weights(out / "resumed-a")
+    trainer.load_state_file(out / "state.pt")
+    trainer.train_step(batch, counts, ALGORITHM)
+    trainer.save_weights(out / "resumed-b")
     if hasattr(trainer, "stop"):
         trainer.stop()
     release_followers()
     (out / "history.json").write_text(json.dumps(history))
-    torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, out / "params.pt")
 
 
 if __name__ == "__main__":
