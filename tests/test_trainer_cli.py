@@ -109,6 +109,14 @@ def test_model_tiny_and_sft(tiny_world, tmp_path):
     built = json.loads((tmp_path / "tiny" / "pbsd.json").read_text())["libraries"]
     tuned_with = json.loads((tmp_path / "sft" / "pbsd.json").read_text())["sft"]["libraries"]
     assert built == tuned_with and built["tokenizers"] == tokenizers.__version__ and "torch" in built
+    # and which text: the SFT data's digest, and the tokenizer's training text's (a rebuild on
+    # another machine can see other BPE rankings in the oracle's searches)
+    import hashlib
+
+    sft_meta = json.loads((tmp_path / "sft" / "pbsd.json").read_text())["sft"]
+    assert sft_meta["data_sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    digest = json.loads((tmp_path / "tiny" / "pbsd.json").read_text())["tokenizer_text_sha256"]
+    assert len(digest) == 64 and digest != sft_meta["data_sha256"]
     # the recipe's last step ties the tuned policy to its world, as `pbsd demo --from-scratch` does
     from worldgen.build import world_fingerprint
 

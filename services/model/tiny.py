@@ -8,6 +8,7 @@ class a real Qwen3-30B-A3B checkpoint loads into, just with 2 layers and 8 exper
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -105,6 +106,13 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, spec: TinySpec = TinySp
     return model.eval()
 
 
+def _digest(texts: list[str]) -> str:
+    h = hashlib.sha256()
+    for text in texts:
+        h.update(text.encode() + b"\x00")
+    return h.hexdigest()
+
+
 def init_tiny(world_dir, out, *, sft_data=None, spec: TinySpec = TinySpec(), date: str | None = None):
     """Train the tokenizer on a world (its corpus, questions, the system prompt, and SFT conversations
     when given), build the tiny model, and save both as a checkpoint at ``out``."""
@@ -139,5 +147,11 @@ def init_tiny(world_dir, out, *, sft_data=None, spec: TinySpec = TinySpec(), dat
         model,
         out,
         tokenizer=tokenizer,
-        meta={"tiny_spec": asdict(spec), "world": str(root), "libraries": library_versions()},
+        meta={
+            "tiny_spec": asdict(spec),
+            "world": str(root),
+            "libraries": library_versions(),
+            # what the tokenizer learnt its merges from: a rebuild with another digest saw other text
+            "tokenizer_text_sha256": _digest(texts),
+        },
     )

@@ -14,6 +14,7 @@ constant learning rate or (``lr_decay="cosine"``) a decay to a tenth of it at th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import random
@@ -188,6 +189,9 @@ def run_sft(
         "seconds": elapsed,
         "config": config.__dict__,
         "libraries": library_versions(),
+        # the oracle's search results are BM25 rankings: the data can differ between machines,
+        # and this says whether a rebuild saw the same conversations
+        "data_sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
     }
     save_checkpoint(model, out, tokenizer=tok.tok, meta={"sft": stats})
     (out / "sft_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
