@@ -29,7 +29,8 @@ def completion(content: str, model: str = "judge-model") -> dict[str, Any]:
 
 def make_app(script: list[Any] | None = None, default: str = "ok") -> FastAPI:
     """``script`` items, used in order, then ``default``: a string (answered as content), an int
-    status (with an OpenAI error body), ``("retry-after", seconds)`` for a 429, or ``"malformed"``."""
+    status (with an OpenAI error body; a 400 says the context is too long, as vLLM does),
+    ``("error", status, message)``, ``("retry-after", seconds)`` for a 429, or ``"malformed"``."""
     app = FastAPI()
     app.state.requests = []
     queue = deque(script or [])
@@ -46,8 +47,15 @@ def make_app(script: list[Any] | None = None, default: str = "ok") -> FastAPI:
                 headers={"Retry-After": str(item[1])},
             )
         if isinstance(item, int):
+            message = (
+                "This model's maximum context length is 32768 tokens. However, you requested 40000 tokens."
+                if item == 400
+                else f"upstream error {item}"
+            )
+            return JSONResponse({"error": {"message": message, "type": "server_error"}}, status_code=item)
+        if isinstance(item, tuple) and item[0] == "error":
             return JSONResponse(
-                {"error": {"message": f"upstream error {item}", "type": "server_error"}}, status_code=item
+                {"error": {"message": item[2], "type": "invalid_request_error"}}, status_code=item[1]
             )
         if item == "malformed":
             return PlainTextResponse("<html>gateway</html>", status_code=200)

@@ -43,7 +43,7 @@ def _backend(http, serper_base, *, jina_base=None, summariser_base=None, site=No
         Upstream("serper", limits, sleep=sleeps),
         base_url=serper_base,
         api_key=SecretStr(SERPER_KEY),
-        blocked_hosts=("huggingface.co/datasets",),
+        blocked_hosts=("huggingface.co/datasets", "huggingface.co/spaces"),
     )
     jina = (
         JinaReader(
@@ -72,6 +72,13 @@ async def test_serper_search_keeps_results_drops_leaks_and_sends_the_key():
     assert [r["position"] for r in out["organic"]] == [1, 2]
     assert out["organic"][1]["date"] == "Oct 1, 2025"
     assert out["answerBox"]["answer"] == "2,850 km" and out["knowledgeGraph"]["type"] == "River"
+    # a box quoting a dataset page leaks as much as the page itself
+    leaky = {"organic": [], "answerBox": {"answer": "x", "link": "https://huggingface.co/datasets/a/b"}}
+    backend.searcher.http = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, json=leaky))
+    )
+    assert "answerBox" not in await backend.search(GoogleSearchArgs(q="q"))
+    await backend.searcher.http.aclose()
     sent = app.state.requests[0]
     assert sent["headers"]["x-api-key"] == SERPER_KEY
     assert sent["body"] == {
@@ -140,6 +147,22 @@ async def test_breaker_opens_fails_fast_then_closes():
             assert upstream.breaker.state is BreakerState.CLOSED
 
 
+@pytest.mark.parametrize(("status", "opens"), [(403, True), (402, True), (404, False)])
+async def test_a_refused_key_opens_the_breaker_a_bad_request_does_not(status, opens):
+    """Serper's 403 {"message": "Unauthorized."} or Jina's 402 fail every request that follows;
+    a 404 is the request's own fault. The upstream's words reach the error."""
+    limits = UpstreamLimits(failure_threshold=2, reset_after_s=30, retry=RetryPolicy(max_attempts=1))
+    body = {"message": "Unauthorized.", "statusCode": status}
+    transport = httpx.MockTransport(lambda r: httpx.Response(status, json=body))
+    async with httpx.AsyncClient(transport=transport) as http:
+        upstream = Upstream("serper", limits)
+        serper = SerperSearch(http, upstream, base_url="https://serper.test/search", api_key=SecretStr("k"))
+        for _ in range(2):
+            with pytest.raises(UpstreamError, match=f"HTTP {status}: .*Unauthorized"):
+                await serper.search(GoogleSearchArgs(q="x"))
+    assert (upstream.breaker.state is BreakerState.OPEN) == opens
+
+
 def test_breaker_failed_trial_reopens():
     now = [0.0]
     b = CircuitBreaker("t", failure_threshold=1, reset_after_s=10, clock=lambda: now[0])
@@ -201,10 +224,10 @@ async def test_jina_json_and_summariser_evidence():
     }
     req = jina_app.state.requests[0]
     assert req["target"] == "https://example.org/vienna"
-    assert (
-        req["headers"]["authorization"] == f"Bearer {JINA_KEY}"
-        and req["headers"]["x-return-format"] == "markdown"
-    )
+    assert req["headers"]["authorization"] == f"Bearer {JINA_KEY}"
+    # the Reader's defaults: its article extraction (X-Return-Format markdown would skip it) and its
+    # own deadline (an X-Timeout of 20 s or more makes it wait for the network to go idle)
+    assert "x-return-format" not in req["headers"] and "x-timeout" not in req["headers"]
     prompt = llm_app.state.requests[0]["body"]["messages"][0]["content"]
     assert "The Danube flows through Vienna." in prompt and "Which river?" in prompt
 
@@ -221,6 +244,43 @@ async def test_summariser_shrinks_long_pages_and_retries_empty_answers():
     assert out["extracted_info"] == {"evidence": "E", "summary": "S"}
     sizes = [len(r["body"]["messages"][0]["content"]) for r in llm_app.state.requests]
     assert sizes[0] > sizes[1] > sizes[2]  # each retry sends a shorter page
+
+
+async def test_a_summariser_400_that_is_not_about_length_fails_at_once():
+    """Only a context-length 400 is worth a shorter page; any other fails alike on every page."""
+    refusal = ("error", 400, "Unsupported value: 'temperature' does not support 0.0 with this model.")
+    llm_app = make_openai([refusal] * 4)
+    with serve(make_jina()) as jina, serve(llm_app) as llm:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina, summariser_base=llm)
+            with pytest.raises(UpstreamError, match="Unsupported value"):
+                await backend.read(ScrapeArgs(url="https://example.org/x", info_to_extract="goal"))
+    assert len(llm_app.state.requests) == 1
+
+
+async def test_a_page_jina_could_not_load_is_not_summarised_as_read():
+    """Jina answers 200 with the target's error page and a warning: the read falls back to a plain
+    fetch (here the site is down too), so the agent sees a failed read, not a summary of a 404."""
+    jina_app = make_jina(["target-404"])
+    with serve(jina_app) as jina:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina)
+            out = await backend.read(ScrapeArgs(url="http://127.0.0.1:9/gone", info_to_extract="goal"))
+    assert len(jina_app.state.requests) <= 1 and not out["success"] and out["error"]
+
+
+async def test_pages_that_would_leak_benchmark_answers_are_never_read():
+    jina_app = make_jina()
+    with serve(jina_app) as jina:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina)
+            for url in (
+                "https://huggingface.co/datasets/openai/browsecomp",
+                "https://huggingface.co/spaces/some/leaderboard",
+            ):
+                out = await backend.read(ScrapeArgs(url=url, info_to_extract="the answer"))
+                assert not out["success"] and "leak" in out["error"]
+    assert jina_app.state.requests == []
 
 
 @pytest.mark.parametrize("jina_failure", [402, 422, 524])

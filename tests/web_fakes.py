@@ -135,20 +135,14 @@ def make_jina(script: list[Any] | None = None) -> FastAPI:
         if isinstance(item, int):
             return JSONResponse({"code": item, "message": "error"}, status_code=item)
         content = f"# Page about {target}\n\nThe Danube flows through Vienna. It is 2,850 km long."
+        warning = None
+        if item == "target-404":  # the Reader answers 200 with the site's error page and a warning
+            content, warning = "# 404 Not Found", "Target URL returned error 404: Not Found"
         if "application/json" in request.headers.get("accept", ""):
-            return JSONResponse(
-                {
-                    "code": 200,
-                    "status": 20000,
-                    "data": {
-                        "title": "Danube",
-                        "description": "river",
-                        "url": target,
-                        "content": content,
-                        "usage": {"tokens": 42},
-                    },
-                }
-            )
+            data = {"title": "Danube", "description": "river", "url": target, "content": content}
+            if warning:
+                data["warning"] = warning
+            return JSONResponse({"code": 200, "status": 20000, "data": {**data, "usage": {"tokens": 42}}})
         return PlainTextResponse(f"Title: Danube\n\nURL Source: {target}\n\nMarkdown Content:\n{content}")
 
     return app

@@ -80,8 +80,8 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient):
             ),
             base_url=settings.jina_url,
             api_key=settings.jina_api_key,
-            # Jina's own page-load deadline, inside ours: it answers before our client gives up
-            timeout_s=max(1, int(settings.upstream_timeout_s) - 5),
+            # no X-Timeout (nor do MiroThinker and Tongyi send one): from 20 s on the Reader waits for
+            # the page's network to go idle, slowing every read; our client's timeout bounds it
         )
     summariser = None
     if settings.summariser_base_url:

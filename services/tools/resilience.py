@@ -165,10 +165,17 @@ class Upstream:
                 )
             metrics.UPSTREAM_REQUESTS.labels(self.name, str(response.status_code)).inc()
             if response.status_code not in ok_statuses:
-                raise UpstreamError(self.name, f"HTTP {response.status_code}", status=response.status_code)
+                # the upstream's own words ("Unauthorized.", "Insufficient balance") say what is wrong
+                said = " ".join(response.text[:200].split())
+                raise UpstreamError(
+                    self.name,
+                    f"HTTP {response.status_code}" + (f": {said}" if said else ""),
+                    status=response.status_code,
+                )
         except UpstreamError as exc:
-            # A 4xx other than throttling is the request's fault, not the upstream's health.
-            if exc.status is None or exc.status >= 500 or exc.status == 429:
+            # A 4xx other than throttling is the request's fault, not the upstream's health; except a
+            # refused key or an empty balance (401, 402, 403), which fail every request that follows.
+            if exc.status is None or exc.status >= 500 or exc.status in (401, 402, 403, 429):
                 self.breaker.failure()
             else:
                 self.breaker.success()

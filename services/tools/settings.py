@@ -55,8 +55,9 @@ class ToolsSettings(CommonSettings):
         default_factory=list, description="host:port pairs exempt from the SSRF address rules"
     )
     blocked_result_hosts: list[str] = Field(
-        default_factory=lambda: ["huggingface.co/datasets", "browsecomp"],
-        description="search results whose link contains one of these are dropped (benchmark leaks)",
+        default_factory=lambda: ["huggingface.co/datasets", "huggingface.co/spaces", "browsecomp"],
+        description="links containing one of these (benchmark leaks) are dropped from search results "
+        "and refused as pages to read",
     )
 
     @model_validator(mode="after")

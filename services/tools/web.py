@@ -88,19 +88,23 @@ class SerperSearch:
             raise UpstreamError("serper", f"malformed search response ({exc})") from None
         results = []
         for item in organic:
-            if not isinstance(item, dict) or not item.get("link") or self._blocked(item["link"]):
+            if not isinstance(item, dict) or not item.get("link") or self.blocked(item["link"]):
                 continue
             hit = {k: item[k] for k in ("title", "link", "snippet", "date") if item.get(k)}
             hit["position"] = len(results) + 1
             results.append(hit)
         out: dict[str, Any] = {"organic": results}
         for key in ("answerBox", "knowledgeGraph"):
-            if isinstance(data.get(key), dict):
-                out[key] = data[key]
+            box = data.get(key)
+            # a box quoting a dataset page (its link or source) would leak as much as the page
+            if isinstance(box, dict) and not any(
+                isinstance(v, str) and self.blocked(v) for v in box.values()
+            ):
+                out[key] = box
         return out
 
-    def _blocked(self, link: str) -> bool:
-        """Hosts that would leak benchmark answers (dataset pages) are dropped."""
+    def blocked(self, link: str) -> bool:
+        """Hosts that would leak benchmark answers (dataset pages): dropped from results, never read."""
         target = link.lower()
         return any(b in target for b in self.blocked_hosts)
 
@@ -115,9 +119,13 @@ class JinaReader:
         *,
         base_url: str,
         api_key: SecretStr | None,
-        timeout_s: int = 60,
-        return_format: str = "markdown",
+        timeout_s: int | None = None,
+        return_format: str | None = None,
     ) -> None:
+        """``return_format`` None keeps the Reader's default (``content``: the article extracted
+        from the page, where ``markdown`` converts the whole page, menus and footers included);
+        ``timeout_s`` None sends no ``X-Timeout``: from 20 s on the Reader waits for the page's
+        network to go idle, which slows every read (our own client timeout still bounds it)."""
         self.http = http
         self.upstream = upstream
         self.base_url = base_url.rstrip("/")
@@ -126,11 +134,11 @@ class JinaReader:
         self.return_format = return_format
 
     async def read(self, url: str) -> Page:
-        headers = {
-            "Accept": "application/json",
-            "X-Return-Format": self.return_format,
-            "X-Timeout": str(self.timeout_s),
-        }
+        headers = {"Accept": "application/json"}
+        if self.return_format is not None:
+            headers["X-Return-Format"] = self.return_format
+        if self.timeout_s is not None:
+            headers["X-Timeout"] = str(self.timeout_s)
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
         response = await self.upstream.call(lambda: self.http.get(f"{self.base_url}/{url}", headers=headers))
@@ -142,9 +150,17 @@ def _parse_jina(url: str, response: httpx.Response) -> Page:
     if "json" in ctype:
         try:
             data = response.json()["data"]
-            return Page(data.get("url") or url, data.get("title") or "", str(data["content"]), "jina")
+            page = Page(data.get("url") or url, data.get("title") or "", str(data["content"]), "jina")
         except (ValueError, KeyError, TypeError):
             raise UpstreamError("jina", "malformed reader response") from None
+        # The Reader answers 200 for a target that failed, with the error page as content and a
+        # warning ("Target URL returned error 404: Not Found"): that is no page to summarise.
+        warning = str(data.get("warning") or "")
+        if "returned error" in warning:
+            raise UpstreamError("jina", warning[:200])
+        if not page.content.strip():
+            raise UpstreamError("jina", "empty reader response")
+        return page
     text = response.text
     title, content = "", text
     if text.startswith("Title:"):
@@ -189,15 +205,21 @@ class LlmSummariser:
                     temperature=0.0,
                 )
             except UpstreamError as exc:
-                if exc.status == 400:  # most often the context length: shrink and retry
+                if exc.status == 400 and _too_long(str(exc)):  # the page overflows the context
                     limit = int(limit * 0.5)
                     continue
-                raise
+                raise  # another 400 (a bad model name, an unsupported parameter) fails alike on any page
             evidence, summary = _parse_summary(result.text)
             if summary or evidence:
                 return evidence, summary
             limit = int(limit * 0.7)  # an empty answer: retry on a shorter page, as Tongyi's reader does
         raise UpstreamError("summariser", "no usable summary after shrinking the page")
+
+
+def _too_long(message: str) -> bool:
+    """An OpenAI-compatible 400 about the context length (vLLM, SGLang and OpenAI say it so)."""
+    text = message.lower()
+    return any(w in text for w in ("context", "too long", "maximum", "max_tokens", "token limit"))
 
 
 def _parse_summary(text: str) -> tuple[str, str]:
@@ -244,6 +266,8 @@ class WebBackend:
         return await self.searcher.search(args)
 
     async def read(self, args: ScrapeArgs) -> dict[str, Any]:
+        if self.searcher.blocked(args.url):  # a page the search results would never have shown
+            return read_result(args.url, error=f"refused to read {args.url}: it would leak benchmark answers")
         try:
             _scheme, host, port = check_url(args.url)
             # Resolve and check here too, so that not even Jina is asked for an internal address.
