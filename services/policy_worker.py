@@ -26,6 +26,7 @@ class PolicyWorker(abc.ABC):
     """Subclasses set ``stream``, and implement ``version``, ``load_weights`` and ``handle``."""
 
     stream: StreamDef
+    load_retry_delays_s: tuple[float, ...] = (2.0, 4.0)  # a failed load is tried again after these
 
     def __init__(
         self, bus: Bus, *, name: str, concurrency: int = 1, options: ConsumerOptions | None = None
@@ -35,6 +36,11 @@ class PolicyWorker(abc.ABC):
         self.concurrency = concurrency
         self.options = options or ConsumerOptions(claim_idle_ms=600_000)
         self.ready = asyncio.Event()
+        # the newest weights event seen (its stream id and run), loaded or not, and the run of the
+        # weights loaded: a prompt of another run must not be sampled with them
+        self.newest: tuple[str, str] | None = None
+        self.loaded_run: str | None = None
+        self.weights_changed = asyncio.Condition()
 
     @property
     @abc.abstractmethod
@@ -55,13 +61,46 @@ class PolicyWorker(abc.ABC):
     async def apply_weights(self, event: WeightsPublished) -> None:
         log.info("%s loading policy version %d from %s", self.name, event.version, event.path)
         await self.load_weights(event)
+        self.loaded_run = event.run_id
+
+    def run_is_over(self, run_id: str, published_at: str) -> bool:
+        """Whether a message of ``run_id`` published at stream id ``published_at`` belongs to a run that
+        has ended: weights of another run were published after it. Runs follow one another and each
+        publishes its weights before its prompts, so a prompt newer than the newest weights is still
+        current even when those weights are of the run before."""
+        if self.newest is None or self.newest[1] == run_id:
+            return False
+        return _stream_id(self.newest[0]) > _stream_id(published_at)
+
+    async def _see(self, entry_id: str, event: WeightsPublished) -> None:
+        """Bring the model to ``event`` if it is another version or run; a failed load is logged and
+        retried a few times, and never ends the following (the next publication is taken as usual)."""
+        self.newest = (entry_id, event.run_id)
+        if event.version != self.version or event.run_id != self.loaded_run:
+            attempts = 1 + len(self.load_retry_delays_s)
+            for attempt, delay in enumerate((*self.load_retry_delays_s, None), start=1):
+                try:
+                    await self.apply_weights(event)
+                    break
+                except Exception:
+                    log.exception(
+                        "%s could not load policy version %d (attempt %d of %d)",
+                        self.name,
+                        event.version,
+                        attempt,
+                        attempts,
+                    )
+                    if delay is not None:
+                        await asyncio.sleep(delay)
+        async with self.weights_changed:
+            self.weights_changed.notify_all()
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.prepare()
         latest = await self.bus.latest(WEIGHTS)  # catch up with what was published while we were away
         cursor = latest[0] if latest else "0-0"
-        if latest and latest[1].version != self.version:
-            await self.apply_weights(latest[1])
+        if latest:
+            await self._see(*latest)
         follower = asyncio.create_task(self._follow(cursor, stop))
         self.ready.set()
         try:
@@ -79,9 +118,24 @@ class PolicyWorker(abc.ABC):
                 await follower
 
     async def _follow(self, cursor: str, stop: asyncio.Event) -> None:
-        async for _entry, event in self.bus.follow(WEIGHTS, after=cursor, stop=stop):
-            if event.version != self.version:
-                await self.apply_weights(event)
+        """Every publication, for the worker's whole life: a lost connection is retried, not fatal
+        (a follower that died would leave the worker at its old version for good)."""
+        while not stop.is_set():
+            try:
+                async for entry, event in self.bus.follow(WEIGHTS, after=cursor, stop=stop):
+                    await self._see(entry, event)
+                    cursor = entry
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s lost the weights stream; following again in 1 s", self.name)
+                await asyncio.sleep(1.0)
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def worker_app(

@@ -17,6 +17,7 @@ from services.rollout.agent import AgentLimits
 from services.rollout.evaluate import evaluate, pass_at_k, summarise
 from services.rollout.sglang import SglangEngine
 from services.rollout.worker import RolloutWorker
+from services.upstream import RetryPolicy
 from tests.servers import serve
 from tests.sglang_fake import LAYERS, TOP_K, make_sglang
 from tests.test_rollout_agent import SEARCH, FixedTools, scripted
@@ -24,10 +25,10 @@ from tests.test_rollout_agent import SEARCH, FixedTools, scripted
 FAST = ConsumerOptions(block_ms=50, claim_idle_ms=5000)
 
 
-def _task(step: int = 0, group_size: int = 3, staleness: int = 1) -> PromptTask:
+def _task(step: int = 0, group_size: int = 3, staleness: int = 1, run_id: str = "r") -> PromptTask:
     return PromptTask(
-        run_id="r",
-        task_id=f"r:0:{step}",
+        run_id=run_id,
+        task_id=f"{run_id}:0:{step}",
         question_id="q1",
         question="Which river flows through Vienna?",
         answer="Danube",
@@ -116,6 +117,47 @@ async def test_staleness_waits_for_the_next_weights(bus, tok):
         "/ckpt/v1",
         "/ckpt/v2",
     ]
+
+
+async def test_a_new_runs_prompts_wait_for_its_weights_and_an_ended_runs_are_dropped(bus, tok):
+    """Run "a" ended at version 5 with prompts still out (they wait for version 6); run "b" starts:
+    its first prompt must not be sampled with a's weights, and a's leftovers must not hold the
+    sampling slots (both slots would wait for good, and b would never get a group)."""
+    app = make_sglang(scripted(tok, ["\\boxed{Danube}"]), version=0)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="a", version=5, step=5, path="/ckpt/a/v5"))
+        worker, stop, task = await _start(bus, engine, tok)
+        for step in (7, 8):  # more leftovers than the worker has slots
+            await bus.publish(PROMPTS, _task(step=step, group_size=1, run_id="a"))
+        await asyncio.sleep(0.5)
+        assert await bus.read_all(TRAJECTORIES) == []  # waiting for a's version 6
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="b", version=0, step=0, path="/ckpt/b/v0"))
+        await bus.publish(PROMPTS, _task(step=0, group_size=1, run_id="b"))
+        (group,) = await _groups(bus, 1)
+        stop.set()
+        await task
+        await engine.aclose()
+    assert group.run_id == "b" and group.policy_version == 0 and worker.loaded_run == "b"
+    loads = [c[1]["model_path"] for c in app.state.control if c[0] == "update_weights_from_disk"]
+    assert loads == ["/ckpt/a/v5", "/ckpt/b/v0"]  # b's version 0 is loaded although a's was 5
+
+
+async def test_a_failed_weight_load_does_not_end_the_following(bus, tok):
+    app = make_sglang(scripted(tok, ["\\boxed{Danube}"]), version=0)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K, retry=RetryPolicy(max_attempts=1))
+        worker, stop, task = await _start(bus, engine, tok)
+        worker.load_retry_delays_s = (0.05,)
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=1, step=1, path="/ckpt/missing/v1"))
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=2, step=2, path="/ckpt/v2"))
+        async with asyncio.timeout(30):
+            while engine.weight_version != 2:
+                await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        await engine.aclose()
+    assert worker.loaded_run == "r"
 
 
 def test_pass_at_k_by_hand():

@@ -40,3 +40,6 @@ STALENESS = Histogram(
     buckets=(0, 1, 2, 3, 4, 8, 16),
 )
 WAITING = Gauge("pbsd_rollout_waiting_for_weights", "Prompts held back until a newer policy version arrives")
+STALE_TASKS = Counter(
+    "pbsd_rollout_stale_tasks_total", "Prompts dropped because their run had ended (newer run's weights seen)"
+)

@@ -58,7 +58,6 @@ class RolloutWorker(PolicyWorker):
         self.tokenizer = tokenizer
         self.date = date
         self.seed = seed
-        self._version_changed = asyncio.Condition()
         self.system: str | None = None
 
     @property
@@ -71,22 +70,36 @@ class RolloutWorker(PolicyWorker):
     async def load_weights(self, event: WeightsPublished) -> None:
         await self.engine.update_weights(event.path, event.version)
         metrics.POLICY_VERSION.set(event.version)
-        async with self._version_changed:
-            self._version_changed.notify_all()
 
-    async def wait_for_version(self, version: int) -> None:
-        if self.engine.weight_version >= version:
-            return
+    async def wait_for_version(self, task: PromptTask, delivery: Delivery) -> bool:
+        """Wait until the engine holds this task's run's weights at a version recent enough for it;
+        False (the task is dropped) once its run has ended: a run's leftover prompts would otherwise
+        hold a sampling slot each for good, waiting for a version that never comes."""
+        version = task.step - task.rollout.max_staleness
+
+        def ready() -> bool:  # with nothing published yet, the model the engine started with
+            same_run = self.newest is None or self.loaded_run == task.run_id
+            return same_run and self.engine.weight_version >= version
+
+        def over() -> bool:
+            return self.run_is_over(task.run_id, delivery.entry_id)
+
+        if ready() or over():
+            return not over()
         metrics.WAITING.inc()
         try:
-            async with self._version_changed:
-                await self._version_changed.wait_for(lambda: self.engine.weight_version >= version)
+            async with self.weights_changed:
+                await self.weights_changed.wait_for(lambda: ready() or over())
         finally:
             metrics.WAITING.dec()
+        return not over()
 
     # -- one prompt -------------------------------------------------------------------
     async def handle(self, task: PromptTask, delivery: Delivery) -> None:
-        await self.wait_for_version(task.step - task.rollout.max_staleness)
+        if not await self.wait_for_version(task, delivery):
+            log.info("dropped a prompt of run %s, which has ended (task %s)", task.run_id, task.task_id)
+            metrics.STALE_TASKS.inc()
+            return
         group = await self.sample_group(task)
         if task.purpose == "eval":  # a validation prompt: straight to the trainer, nothing to score
             await self.bus.publish(EVALS, group)
