@@ -83,14 +83,34 @@ class ChatTokenizer:
         """Ids of ``text``; special tokens written in it (``<|im_start|>``) become their ids."""
         return self.tok.encode(text, add_special_tokens=False)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of message content: a special token written in it (a web page quoting
+        ``<|im_end|>``) stays characters, so no content can forge a turn or role boundary."""
+        return self.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def prompt_ids(self, system: str, user: str) -> list[int]:
-        return self.encode(self.fmt.prompt(system, user))
+        f = self.fmt
+        return [
+            *self.encode(f"{f.start}system\n"),
+            *self.encode_text(system),
+            *self.encode(f"{f.end}\n{f.start}user\n"),
+            *self.encode_text(user),
+            *self.encode(f"{f.end}\n{f.start}assistant\n"),
+        ]
 
     def glue_ids(self, tool_result: str, *, closed: bool) -> list[int]:
-        return self.encode(self.fmt.glue(tool_result, closed=closed))
+        """:meth:`ChatFormat.glue`'s text, the markers as special tokens and the result as text (the
+        pieces meet at special tokens or a newline, so they tokenise as the whole would)."""
+        f = self.fmt
+        close = "\n" if closed else f"{f.end}\n"
+        return [
+            *self.encode(f"{close}{f.start}user\n"),
+            *self.encode_text(tool_result),
+            *self.encode(f"{f.end}\n{f.start}assistant\n"),
+        ]
 
     @property
     def vocab_size(self) -> int:
