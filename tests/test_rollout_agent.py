@@ -219,6 +219,20 @@ async def test_engine_failures_are_kept_with_their_cause(tok):
         assert t.finish_reason == "error" and cause in t.error and t.reward == 0.0
 
 
+async def test_an_engine_that_raises_something_else_fails_the_sample_not_the_group(tok):
+    """An in-process engine passes a batch's torch error to every request in it: each sample
+    ends as an error with the cause, as an EngineError would, instead of failing the prompt."""
+
+    class Broken:
+        weight_version = 0
+
+        async def generate(self, request):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+
+    t = await _run(Broken(), FixedTools(), tok)
+    assert t.finish_reason == "error" and "RuntimeError: CUDA error" in t.error and t.reward == 0.0
+
+
 async def test_gateway_down_is_an_error_with_its_cause(tok):
     turns = ["search\n" + format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
     with serve(make_sglang(scripted(tok, turns))) as url:

@@ -14,6 +14,7 @@ them; nothing is re-tokenised. The reward is the verifier's on the last message.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from proto.messages import ToolCall, Trajectory
 from services.rollout import metrics
 from services.rollout.engine import Engine, EngineError, GenerationRequest
 from services.tools.client import Tools
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AgentLimits", "run_trajectory"]
 
@@ -108,6 +111,12 @@ async def run_trajectory(
             result = await engine.generate(request)
         except EngineError as exc:
             finish, error = "error", f"engine failed: {exc}"
+            break
+        except (
+            Exception
+        ) as exc:  # what an engine let through (a torch error): this sample fails, not its group
+            log.exception("engine raised on %s", trajectory_id)
+            finish, error = "error", f"engine failed: {type(exc).__name__}: {exc}"
             break
         if result.finish == "abort":
             finish, error = "error", f"engine aborted the request: {result.message or 'no reason given'}"
