@@ -287,6 +287,24 @@ async def test_collect_holds_messages_until_commit_and_acks_rejects(bus: Bus):
     assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
 
 
+async def test_a_restarted_collector_gets_its_own_held_messages_back_at_once(bus: Bus):
+    """A trainer that stops mid-batch leaves its groups pending; restarted under the same consumer
+    name it reads them back first, without waiting claim_idle_ms for them to look abandoned."""
+    for i in range(3):
+        await bus.publish(PROMPTS, ex.example_task(i))
+
+    async def accept(task):
+        return True
+
+    slow = ConsumerOptions(block_ms=50, claim_idle_ms=600_000)
+    held = await bus.collect(PROMPTS, "trainer-r", 2, accept, options=slow)
+    held.stop_heartbeat()  # shut down without committing
+    again = await bus.collect(PROMPTS, "trainer-r", 3, accept, options=slow)
+    assert sorted(m.index for m in again.messages) == [0, 1, 2]
+    await bus.commit(again)
+    assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+
+
 async def test_collected_messages_of_a_dead_collector_are_reclaimed(bus: Bus):
     for i in range(2):
         await bus.publish(PROMPTS, ex.example_task(i))

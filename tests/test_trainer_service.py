@@ -296,6 +296,32 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
     assert indices[:6] == list(range(6))
 
 
+async def test_the_last_groups_of_the_data_make_a_smaller_last_step(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """Three questions, two prompts a step: the second step trains the one group left instead of
+    waiting for good for a second one that no prompt can bring."""
+    from proto.runs import RunSpec
+
+    questions = tmp_path / "three.jsonl"
+    lines = (tiny_world / "questions" / "rl.jsonl").read_text().splitlines()[:3]
+    questions.write_text("\n".join(lines) + "\n")
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    settings = TrainerSettings(
+        local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
+    )
+    store = RunStore(bus.redis, key_prefix)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=5)
+    spec["data"]["train"] = str(questions)
+    record = await store.create(RunSpec.model_validate(spec))
+    fake, fake_stop = FakePipeline(bus, tok), asyncio.Event()
+    fake_task = asyncio.create_task(fake.run(fake_stop))
+    done = await _finish(RunExecutor(bus, store, settings), store, record.id, fake_task, fake_stop)
+    history = await store.metrics(record.id)
+    assert done.step == 2 and [h["groups"] for h in history] == [2, 1]
+    assert len(await store.trained_ids(record.id)) == 3 * 2
+
+
 async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path):
     from proto.runs import RunSpec
     from services.trainer.executor import TrainState

@@ -63,6 +63,17 @@ log = logging.getLogger(__name__)
 __all__ = ["RunExecutor", "TrainState", "batch_metrics", "covered_seconds"]
 
 
+def _trained_prompts(controller: PromptController, state: TrainState) -> int:
+    if state.trained_prompts is not None:
+        return state.trained_prompts
+    return state.step * controller.spec.trainer.prompts_per_step
+
+
+async def _mirror(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
+
+
 async def _stop_task(task: asyncio.Task, stop: asyncio.Event) -> None:
     """End a loop that runs beside the run (its watcher, the validation consumer). Setting its
     ``stop`` event first matters: a demo run once hung here for good after its last step, the
@@ -82,6 +93,9 @@ class TrainState:
     next_index: int = 0
     dropped: int = 0
     drops: dict[str, int] = field(default_factory=dict)
+    # prompts trained on: step x prompts_per_step, but for a last, smaller batch at the end of the
+    # data (None in checkpoints written before it was recorded: every step was whole then)
+    trained_prompts: int | None = None
 
 
 def covered_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -276,19 +290,43 @@ class RunExecutor:
                     break
                 waited = time.perf_counter()
                 batch_ids: set[str] = set()
-                held = await self.bus.collect(
-                    SCORED,
-                    f"trainer-{run_id}",
-                    spec.trainer.prompts_per_step,
-                    functools.partial(self._accept, run_id, spec, state, batch_ids=batch_ids),
-                    options=options,
-                    stop=cancel,
-                )
+                want, halt = spec.trainer.prompts_per_step, asyncio.Event()
+                if controller.next_index >= controller.total:
+                    # the data is out: the last groups make a smaller batch, and collecting ends
+                    # once none can arrive any more (a group dropped now is not replaced)
+                    want = min(want, self._outstanding(controller, state))
+                accept = functools.partial(self._accept, run_id, spec, state, batch_ids=batch_ids)
+                kept: list[ScoredGroup] = []
+
+                async def keep(scored: ScoredGroup, accept=accept, kept=kept, halt=halt) -> bool:
+                    ok = await accept(scored)
+                    if ok:
+                        kept.append(scored)
+                    if controller.next_index >= controller.total and len(kept) >= self._outstanding(
+                        controller, state
+                    ):
+                        halt.set()  # every group that can still come is in: no more to wait for
+                    return ok
+
+                mirror = asyncio.create_task(_mirror(cancel, halt))
+                try:
+                    held = await self.bus.collect(
+                        SCORED, f"trainer-{run_id}", want, keep, options=options, stop=halt
+                    )
+                finally:
+                    mirror.cancel()
                 m.WAIT_SECONDS.observe(time.perf_counter() - waited)
-                if len(held.items) < spec.trainer.prompts_per_step:  # cancelled while collecting
-                    await self.bus.commit(held)
-                    await controller.top_up(state.step, state.dropped)
+                if cancel.is_set() and len(held.items) < want:
+                    if stop.is_set():
+                        # shutting down to resume: leave the groups pending, the restarted trainer
+                        # reads them back first (acknowledging them would lose them)
+                        held.stop_heartbeat()
+                    else:  # the run is cancelled: nothing will train on them
+                        await self.bus.commit(held)
                     continue
+                if not held.items:
+                    await self.bus.commit(held)
+                    continue  # the last groups were dropped: the loop's check ends the run
                 groups = held.messages
                 samples, counts = samples_from_groups(
                     groups,
@@ -299,6 +337,7 @@ class RunExecutor:
                 step_metrics = await asyncio.to_thread(
                     trainer.train_step, samples, counts, spec.algorithm, replay=spec.trainer.routing_replay
                 )
+                state.trained_prompts = _trained_prompts(controller, state) + len(groups)
                 state.step += 1
                 state.version += 1
                 eval_due = evaluator is not None and evaluator.due(state.step)
@@ -388,8 +427,12 @@ class RunExecutor:
 
     async def _groups_may_arrive(self, controller: PromptController, state: TrainState) -> bool:
         """Whether prompts are still out: published but neither trained nor dropped."""
-        consumed = state.step * controller.spec.trainer.prompts_per_step + state.dropped
-        return controller.next_index > consumed
+        return self._outstanding(controller, state) > 0
+
+    @staticmethod
+    def _outstanding(controller: PromptController, state: TrainState) -> int:
+        """Prompts published but neither trained on nor dropped."""
+        return controller.next_index - _trained_prompts(controller, state) - state.dropped
 
     async def _watch(self, run_id: str, cancel: asyncio.Event, stop: asyncio.Event) -> None:
         """Set ``cancel`` when the run is cancelled or the trainer stops; ends once ``cancel`` is set."""
