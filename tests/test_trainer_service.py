@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -294,6 +295,42 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
     assert metrics_lines[-1]["step"] == 3.0
     indices = sorted({t.index for t in fake.tasks})
     assert indices[:6] == list(range(6))
+
+
+async def test_a_run_resumed_after_a_crash_trains_on_every_prompt(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """The trainer dies after step 3 with its last checkpoint at step 2. Step 3's groups were
+    trained and acknowledged, and the rollout would never sample their prompts again under the
+    same ids: the resumed run publishes the prompts that were out at the checkpoint anew, so they
+    are trained on in the surviving timeline, where they used to be skipped."""
+    from proto.runs import RunSpec
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    settings = TrainerSettings(
+        local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
+    )
+    store = RunStore(bus.redis, key_prefix)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=2)
+    record = await store.create(RunSpec.model_validate(spec))
+    fake, fake_stop = FakePipeline(bus, tok, hold_after=6), asyncio.Event()  # steps 1-3 only
+    fake_task = asyncio.create_task(fake.run(fake_stop))
+    serving = asyncio.create_task(RunExecutor(bus, store, settings).serve(asyncio.Event()))
+    async with asyncio.timeout(120):
+        while (await store.get(record.id)).step < 3:
+            await asyncio.sleep(0.05)
+    serving.cancel()  # a crash: no checkpoint after step 2's
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+    out = tmp_path / "runs" / record.id
+    assert (out / "checkpoints" / "latest").read_text() == "step-000002"
+    fake.release.set()
+    done = await _finish(RunExecutor(bus, store, settings), store, record.id, fake_task, fake_stop)
+    assert done.step == 4
+    trained = await store.trained_ids(record.id)
+    prompts = {int(t.split(":")[-1].split("/")[0]) for t in trained}
+    # 4 and 5 were step 3's: trained again after the resume (they used to be skipped for good)
+    assert {0, 1, 2, 3, 4, 5} <= prompts and len(prompts) == 8 and len(trained) == len(set(trained)) == 16
 
 
 async def test_the_last_groups_of_the_data_make_a_smaller_last_step(

@@ -7,8 +7,10 @@ seeded by ``shuffle_seed + e``; prompt ``index`` is position ``index mod D`` of 
 bounded: it only publishes up to the prompts the next ``max_staleness + 1`` steps
 need, plus one for every group the trainer had to drop.
 
-Task and message ids depend only on the run and the index, so publishing a prompt
-twice (after a restart) is harmless: consumers process each id once.
+Task ids depend only on the run and the index (trajectory ids, and so the trainer's
+"trained once" check, follow from them), so publishing a prompt twice is harmless:
+consumers process each message id once. Message ids also carry the run's timeline, a
+nonce that a resume after a crash starts anew (see :meth:`PromptController.republish`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ def question_task(q: QuestionRecord, **fields) -> PromptTask:
 
 class PromptController:
     def __init__(
-        self, bus: Bus, run_id: str, spec: RunSpec, questions: list[QuestionRecord], *, next_index: int = 0
+        self,
+        bus: Bus,
+        run_id: str,
+        spec: RunSpec,
+        questions: list[QuestionRecord],
+        *,
+        next_index: int = 0,
+        timeline: str = "",
     ) -> None:
         if not questions:
             raise ValueError("the run has no questions")
@@ -41,6 +50,7 @@ class PromptController:
         self.spec = spec
         self.questions = questions[: spec.data.max_questions] if spec.data.max_questions else questions
         self.next_index = next_index
+        self.timeline = timeline
         self._orders: dict[int, np.ndarray] = {}
 
     @property
@@ -62,7 +72,9 @@ class PromptController:
         q = self.questions[int(self.order(epoch)[position])]
         return question_task(
             q,
-            message_id=derived_id(self.run_id, "prompt", str(index)),
+            message_id=derived_id(
+                self.run_id, "prompt", str(index), *([self.timeline] if self.timeline else [])
+            ),
             run_id=self.run_id,
             task_id=f"{self.run_id}:{index}",
             epoch=epoch,
@@ -79,6 +91,14 @@ class PromptController:
         """How many prompts may be out by the time ``step`` trains."""
         per_step = self.spec.trainer.prompts_per_step
         return min(self.total, (step + 1 + self.spec.rollout.max_staleness) * per_step + dropped)
+
+    async def republish(self, indices: list[int], step: int) -> None:
+        """After a crash, the prompts that were out at the checkpoint: groups sampled from them may
+        have been trained on in steps the checkpoint lost (and acknowledged), or dropped without
+        their replacement surviving. Under the new timeline's message ids the rollout samples them
+        again; a group that does arrive twice is the same trajectories, trained once."""
+        for index in indices:
+            await self.bus.publish(PROMPTS, self.task(index, step))
 
     async def top_up(self, step: int, dropped: int) -> int:
         """Publish prompts up to the allowance; returns how many were published."""

@@ -69,6 +69,15 @@ def _trained_prompts(controller: PromptController, state: TrainState) -> int:
     return state.step * controller.spec.trainer.prompts_per_step
 
 
+def _prompt_index(task_or_trajectory_id: str) -> int | None:
+    """The prompt index in ``{run_id}:{index}`` or ``{run_id}:{index}/{sample}`` (controller ids);
+    None for an id the controller did not make."""
+    try:
+        return int(task_or_trajectory_id.rsplit(":", 1)[1].split("/", 1)[0])
+    except (IndexError, ValueError):
+        return None
+
+
 async def _mirror(source: asyncio.Event, target: asyncio.Event) -> None:
     await source.wait()
     target.set()
@@ -96,6 +105,7 @@ class TrainState:
     # prompts trained on: step x prompts_per_step, but for a last, smaller batch at the end of the
     # data (None in checkpoints written before it was recorded: every step was whole then)
     trained_prompts: int | None = None
+    dropped_indices: list[int] = field(default_factory=list)  # the prompts of the groups dropped
 
 
 def covered_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -240,11 +250,13 @@ class RunExecutor:
             reference_path=spec.model.path if spec.algorithm.kl_coef > 0 else None,
         )
         state = TrainState()
+        crashed = False
         initial_weights = spec.model.path
         if latest:
             trainer.load_state_file(latest / "state.pt")
             saved = json.loads((latest / "trainer.json").read_text())
             state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
+            crashed = not saved.get("interrupted", False)  # steps after the checkpoint were lost
             await self.store.reset_trained(run_id, saved.get("trained_ids", []))
             initial_weights = str(latest / "model")
             log.info("run %s resumes from %s at step %d", run_id, latest.name, state.step)
@@ -253,7 +265,22 @@ class RunExecutor:
         )
         await self._publish_weights(run_id, state, initial_weights)
 
-        controller = PromptController(self.bus, run_id, spec, report.items, next_index=state.next_index)
+        controller = PromptController(
+            self.bus,
+            run_id,
+            spec,
+            report.items,
+            next_index=state.next_index,
+            timeline=new_id()[:8] if crashed else "",
+        )
+        if crashed:
+            trained = {_prompt_index(t) for t in saved.get("trained_ids", [])}
+            done = trained | set(state.dropped_indices)
+            out_at_checkpoint = [i for i in range(controller.next_index) if i not in done]
+            await controller.republish(out_at_checkpoint, state.step)
+            log.info(
+                "run %s: %d prompts out at the checkpoint published again", run_id, len(out_at_checkpoint)
+            )
         options = ConsumerOptions(block_ms=500, claim_idle_ms=self.settings.claim_idle_ms)
         evaluator = None
         if spec.data.validation:
@@ -383,7 +410,9 @@ class RunExecutor:
             if evaluator is not None:
                 await _stop_task(evaluator.task, evaluator.stop)
         try:
-            await self._checkpoint(run_id, out, tokenizer, trainer, state, controller)
+            await self._checkpoint(
+                run_id, out, tokenizer, trainer, state, controller, interrupted=finished == "interrupted"
+            )
             if finished == "interrupted":
                 return  # the trainer is shutting down: the run stays "running" and resumes on restart
             trainer.save_weights(
@@ -422,6 +451,8 @@ class RunExecutor:
         state.drops[reason] = state.drops.get(reason, 0) + 1
         if reason in ("stale", "future"):
             state.dropped += 1  # its prompt needs a replacement
+            if (index := _prompt_index(group.task_id)) is not None:
+                state.dropped_indices.append(index)
         log.info("dropping a %s group (%s)", reason, group.task_id)
         return False
 
@@ -463,12 +494,17 @@ class RunExecutor:
         for old in versions[: -self.settings.keep_weights]:
             shutil.rmtree(old, ignore_errors=True)
 
-    async def _checkpoint(self, run_id, out, tokenizer, trainer, state, controller) -> None:
+    async def _checkpoint(
+        self, run_id, out, tokenizer, trainer, state, controller, *, interrupted=False
+    ) -> None:
+        """``interrupted``: taken as the trainer shuts down, so nothing happened after it (a resume
+        from any other checkpoint may have lost steps, and publishes the prompts out again)."""
         path = out / "checkpoints" / f"step-{state.step:06d}"
         trainer.save_weights(path / "model", tokenizer=tokenizer)
         trainer.save_state(path / "state.pt")
         saved = {
             **asdict(state),
+            "interrupted": interrupted,
             "next_index": controller.next_index,
             "trained_ids": await self.store.trained_ids(run_id),
         }
