@@ -48,6 +48,43 @@ async def test_round_trip_and_ack(bus: Bus):
     assert summary["pending"] == 0
 
 
+async def test_a_consumer_rides_out_a_redis_restart():
+    """Redis goes away for a while and comes back empty (no persistence: the consumer group is
+    gone too): the consumer waits instead of dying, makes the group again and goes on."""
+    import redis.asyncio as aioredis
+
+    from services.local_redis import LocalRedis, free_port
+
+    port = free_port()
+    server = LocalRedis(port=port).__enter__()
+    bus = Bus(aioredis.Redis.from_url(server.url), prefix="outage")
+    got: list[int] = []
+
+    async def handler(message, delivery):
+        got.append(message.index)
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume(PROMPTS, "c", handler, options=FAST, stop=stop))
+    try:
+        await bus.publish(PROMPTS, ex.example_task(0))
+        async with asyncio.timeout(10):
+            while got != [0]:
+                await asyncio.sleep(0.02)
+        server.__exit__(None, None, None)
+        await asyncio.sleep(1.5)
+        assert not task.done()  # it used to die of the ConnectionError here
+        server = LocalRedis(port=port).__enter__()
+        await bus.publish(PROMPTS, ex.example_task(1))
+        async with asyncio.timeout(30):
+            while got != [0, 1]:
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await bus.redis.aclose()
+        server.__exit__(None, None, None)
+
+
 async def test_publish_checks_the_type(bus: Bus):
     with pytest.raises(TypeError, match="carries TrajectoryGroup"):
         await bus.publish(TRAJECTORIES, ex.example_task())

@@ -12,7 +12,9 @@ from typing import Any, Generic, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proto.base import Message, decode, encode
 from proto.messages import DeadLetter
@@ -78,6 +80,41 @@ class Held(Generic[M]):
 
     def stop_heartbeat(self) -> None:
         self._beat.cancel()
+
+
+class _Outage:
+    """Riding out a Redis outage in a consumer's loop instead of dying of it: wait with backoff
+    (0.5 s doubling to 10 s) and try again; an entry being handled when it struck stays pending
+    and comes back (at-least-once). A Redis restarted without persistence has lost the consumer
+    group (NOGROUP): it is created again. Any other error is raised."""
+
+    def __init__(self, bus: Bus, stream: StreamDef, group: str) -> None:
+        self.bus, self.stream, self.group = bus, stream, group
+        self.delay = 0.5
+
+    def over(self) -> None:
+        self.delay = 0.5
+
+    async def wait(self, exc: Exception, stop: asyncio.Event | None) -> None:
+        if isinstance(exc, ResponseError):
+            if "NOGROUP" not in str(exc):
+                raise exc
+            log.warning(
+                "the group %s of %s is gone (Redis restarted empty?): creating it again",
+                self.group,
+                self.stream.name,
+            )
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+                await self.bus.ensure_group(self.stream, self.group)
+                return
+        else:
+            log.warning(
+                "Redis is unreachable for %s (%s); trying again in %.1f s", self.stream.name, exc, self.delay
+            )
+        metrics.OUTAGES.labels(self.stream.name).inc()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for((stop or asyncio.Event()).wait(), self.delay)
+        self.delay = min(self.delay * 2, 10.0)
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:
@@ -194,14 +231,19 @@ class Bus:
         group = group or stream.group
         await self.ensure_group(stream, group)
         cursor = _Cursor()
+        outage = _Outage(self, stream, group)
         while stop is None or not stop.is_set():
-            batch = await self._fetch(stream, group, consumer, options, cursor, options.count)
-            for entry_id, fields, reclaimed in batch:
-                admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
-                if admitted is not None:
-                    await self._handle(stream, group, consumer, entry_id, admitted, handler, options)
-            if batch:
-                await self._maybe_trim(stream, options)
+            try:
+                batch = await self._fetch(stream, group, consumer, options, cursor, options.count)
+                for entry_id, fields, reclaimed in batch:
+                    admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
+                    if admitted is not None:
+                        await self._handle(stream, group, consumer, entry_id, admitted, handler, options)
+                if batch:
+                    await self._maybe_trim(stream, options)
+                outage.over()
+            except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
+                await outage.wait(exc, stop)
 
     async def collect(
         self,
@@ -221,11 +263,18 @@ class Bus:
         await self.ensure_group(stream, group)
         held = Held(self, stream, group, consumer, options)
         cursor = _Cursor()
+        outage = _Outage(self, stream, group)
         try:
             while len(held.items) < want and (stop is None or not stop.is_set()):
-                for entry_id, fields, reclaimed in await self._fetch(
-                    stream, group, consumer, options, cursor, want - len(held.items)
-                ):
+                try:
+                    fetched = await self._fetch(
+                        stream, group, consumer, options, cursor, want - len(held.items)
+                    )
+                    outage.over()
+                except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
+                    await outage.wait(exc, stop)
+                    continue
+                for entry_id, fields, reclaimed in fetched:
                     admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
                     if admitted is None:
                         continue

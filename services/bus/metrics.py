@@ -27,3 +27,8 @@ HANDLER_SECONDS = Histogram(
     ["stream", "group"],
     buckets=(0.005, 0.02, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
+OUTAGES = Counter(
+    "pbsd_bus_outage_waits_total",
+    "Waits of a consumer for Redis to come back (or its group to be remade)",
+    ["stream"],
+)
