@@ -282,6 +282,30 @@ async def test_maxlen_bounds_a_stream_without_consumers(redis_url, key_prefix):
         await bus.close()
 
 
+async def test_a_pending_entry_trimmed_away_is_a_dead_letter(redis_url, key_prefix):
+    """Past MAXLEN Redis trims entries a dead consumer still held: they cannot be processed any
+    more, but their loss is recorded, not silent."""
+    bus = Bus.from_url(redis_url, prefix=key_prefix + "-trim", maxlen=10)
+    try:
+        await bus.ensure_group(PROMPTS)
+        await bus.publish(PROMPTS, ex.example_task(0))
+        await bus.redis.xreadgroup("rollout", "dead", {bus.key(PROMPTS): ">"}, count=1)  # then dies
+        for i in range(1, 400):
+            await bus.publish(PROMPTS, ex.example_task(i))
+        await bus.redis.xtrim(bus.key(PROMPTS), maxlen=10)  # what MAXLEN ~ does, exactly
+        handled: list[int] = []
+
+        async def handler(message, delivery):
+            handled.append(message.index)
+
+        await asyncio.sleep(0.35)  # the dead consumer's entry is idle past claim_idle_ms
+        await _run_until(bus, PROMPTS, handler, lambda: len(handled) >= 10, options=FAST)
+        letters = [m for _, m in await bus.read_all(DEAD_LETTERS)]
+        assert [(d.stream, d.payload, "trimmed" in d.cause) for d in letters] == [("prompts", b"", True)]
+    finally:
+        await bus.close()
+
+
 async def test_follow_sees_every_broadcast(bus: Bus):
     await bus.publish(WEIGHTS, ex.example_weights(1))
     seen = []

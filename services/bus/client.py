@@ -322,7 +322,7 @@ class Bus:
         now = time.monotonic()
         if now >= cursor.next_claim:
             cursor.position, claimed = await self._autoclaim(
-                key, group, consumer, options, cursor.position, count
+                stream, group, consumer, options, cursor.position, count
             )
             if cursor.position == "0-0":
                 cursor.next_claim = now + options.claim_idle_ms / 2000
@@ -333,13 +333,24 @@ class Bus:
         return [(_s(i), f, False) for _k, entries in reply or [] for i, f in entries]
 
     async def _autoclaim(
-        self, key: str, group: str, consumer: str, options: ConsumerOptions, cursor: str, count: int
+        self, stream: StreamDef, group: str, consumer: str, options: ConsumerOptions, cursor: str, count: int
     ) -> tuple[str, list[tuple[str, dict]]]:
         reply = await self.redis.xautoclaim(
-            key, group, consumer, options.claim_idle_ms, start_id=cursor, count=count
+            self.key(stream), group, consumer, options.claim_idle_ms, start_id=cursor, count=count
         )
         next_cursor, entries = _s(reply[0]), reply[1]
-        # Entries trimmed while pending come back without fields: nothing left to process.
+        # Entries trimmed away while pending (a backlog past MAXLEN) are gone: Redis 7 lists their
+        # ids third and drops them from the pending list. Never silent: each is a dead letter.
+        for entry_id in reply[2] if len(reply) > 2 else []:
+            await self._dead_letter(
+                stream,
+                group,
+                _s(entry_id),
+                b"",
+                "trimmed from the stream (MAXLEN) before it was processed; the payload is lost",
+                0,
+                "trimmed",
+            )
         return next_cursor, [(_s(i), f) for i, f in entries if f]
 
     async def _deliveries(self, key: str, group: str, entry_id: str) -> int:
