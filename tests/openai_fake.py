@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 
-def completion(content: str, model: str = "judge-model") -> dict[str, Any]:
+def completion(content: str | None, model: str = "judge-model") -> dict[str, Any]:
     return {
         "id": "chatcmpl-test",
         "object": "chat.completion",
@@ -30,7 +30,8 @@ def completion(content: str, model: str = "judge-model") -> dict[str, Any]:
 def make_app(script: list[Any] | None = None, default: str = "ok") -> FastAPI:
     """``script`` items, used in order, then ``default``: a string (answered as content), an int
     status (with an OpenAI error body; a 400 says the context is too long, as vLLM does),
-    ``("error", status, message)``, ``("retry-after", seconds)`` for a 429, or ``"malformed"``."""
+    ``("error", status, message)``, ``("retry-after", seconds)`` for a 429, ``"malformed"``, or
+    ``None`` (a null content, as reasoning models answer when they said it all in their reasoning)."""
     app = FastAPI()
     app.state.requests = []
     queue = deque(script or [])
@@ -40,6 +41,8 @@ def make_app(script: list[Any] | None = None, default: str = "ok") -> FastAPI:
         body = await request.json()
         app.state.requests.append({"body": body, "headers": dict(request.headers)})
         item = queue.popleft() if queue else default
+        if item is None:
+            return JSONResponse(completion(None, body.get("model", "m")))
         if isinstance(item, tuple) and item[0] == "retry-after":
             return JSONResponse(
                 {"error": {"message": "Rate limit reached", "type": "requests"}},

@@ -16,7 +16,7 @@ from services.tools.fetch import PlainFetcher
 from services.tools.gateway import ToolGateway
 from services.tools.resilience import BreakerState, CircuitBreaker, RateLimiter, Upstream, UpstreamLimits
 from services.tools.store import MemoryStore
-from services.tools.web import JinaReader, LlmSummariser, SerperSearch, WebBackend
+from services.tools.web import JinaReader, LlmSummariser, Page, SerperSearch, WebBackend
 from services.upstream import RetryPolicy, UpstreamError
 from tests.openai_fake import make_app as make_openai
 from tests.servers import serve
@@ -244,6 +244,19 @@ async def test_summariser_shrinks_long_pages_and_retries_empty_answers():
     assert out["extracted_info"] == {"evidence": "E", "summary": "S"}
     sizes = [len(r["body"]["messages"][0]["content"]) for r in llm_app.state.requests]
     assert sizes[0] > sizes[1] > sizes[2]  # each retry sends a shorter page
+
+
+async def test_a_null_summary_is_retried_and_the_temperature_can_be_left_out():
+    """A reasoning model may answer null content: retried on a shorter page, as an empty answer is.
+    With the temperature omitted the request carries none."""
+    llm_app = make_openai([None, '{"evidence": "E", "summary": "S"}'])
+    with serve(llm_app) as llm:
+        async with httpx.AsyncClient() as http:
+            summariser = LlmSummariser(
+                ChatClient(LlmSettings(f"{llm}/v1", "o4-mini", None), http=http), temperature=None
+            )
+            got = await summariser.summarise(Page("u", "t", "x" * 100, "jina"), "goal")
+    assert got == ("E", "S") and all("temperature" not in r["body"] for r in llm_app.state.requests)
 
 
 async def test_a_summariser_400_that_is_not_about_length_fails_at_once():

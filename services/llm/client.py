@@ -49,12 +49,16 @@ class ChatClient:
         self,
         messages: list[dict[str, str]],
         *,
-        temperature: float = 0.0,
+        temperature: float | None = 0.0,
         max_tokens: int | None = None,
         **extra: Any,
     ) -> ChatResult:
+        """``temperature`` None sends none (models that take only their default refuse any other).
+        A null ``content`` (a reasoning model that said everything in its reasoning) is ""."""
         s = self.settings
-        body: dict[str, Any] = {"model": s.model, "messages": messages, "temperature": temperature, **extra}
+        body: dict[str, Any] = {"model": s.model, "messages": messages, **extra}
+        if temperature is not None:
+            body["temperature"] = temperature
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         headers = {"Content-Type": "application/json"}
@@ -77,6 +81,8 @@ class ChatClient:
             text = choice["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise UpstreamError(self.name, f"malformed chat completion ({type(exc).__name__})") from None
+        if text is None:
+            text = ""
         if not isinstance(text, str):
             raise UpstreamError(self.name, "malformed chat completion (content is not a string)")
         usage = data.get("usage") or {}

@@ -95,6 +95,7 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient):
             ChatClient(llm, http=http, name="summariser"),
             max_content_chars=settings.summariser_max_content_chars,
             concurrency=settings.summariser_concurrency,
+            temperature=None if settings.summariser_omit_temperature else settings.summariser_temperature,
         )
     return WebBackend(serper, jina, fetcher, summariser)
 

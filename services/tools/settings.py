@@ -48,6 +48,11 @@ class ToolsSettings(CommonSettings):
     summariser_api_key: SecretStr | None = None
     summariser_concurrency: int = Field(default=32, ge=1, description="summaries in flight at once")
     summariser_max_content_chars: int = 120_000
+    summariser_temperature: float = 0.0
+    summariser_omit_temperature: bool = Field(
+        default=False,
+        description="send no temperature (OpenAI's reasoning models refuse any but their default)",
+    )
     fetch_max_bytes: int = 5_000_000
     fetch_timeout_s: float = 20.0
     upstream_timeout_s: float = 60.0

@@ -184,8 +184,10 @@ class LlmSummariser:
         max_content_chars: int = 120_000,
         max_attempts: int = 3,
         concurrency: int = 32,
+        temperature: float | None = 0.0,
     ) -> None:
         self.client = client
+        self.temperature = temperature
         self.max_content_chars = max_content_chars
         self.max_attempts = max_attempts
         # a summary holds up to 120K characters of page in the model's context: cap how many run at once
@@ -202,7 +204,7 @@ class LlmSummariser:
             try:
                 result = await self.client.complete(
                     [{"role": "user", "content": SUMMARY_PROMPT.format(content=content, goal=goal)}],
-                    temperature=0.0,
+                    temperature=self.temperature,
                 )
             except UpstreamError as exc:
                 if exc.status == 400 and _too_long(str(exc)):  # the page overflows the context
