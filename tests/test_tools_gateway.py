@@ -167,6 +167,18 @@ async def test_identical_calls_in_flight_are_merged(world):
     assert sum(o.merged for o in outs) == 4 and len({o.text for o in outs}) == 1
 
 
+async def test_a_call_past_its_deadline_is_a_failed_call_not_a_hung_one(world):
+    """Retries and fallbacks can outlast the rollout client's timeout (Jina, a plain fetch, four
+    summariser attempts): the gateway answers a failed call at its deadline, and caches nothing."""
+    gw = ToolGateway(
+        SlowBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl")), MemoryStore(), deadline_s=0.05
+    )
+    out = await gw.call(*SEARCH, {"q": "festival"})
+    assert not out.ok and "no answer within 0.05 s" in out.text and out.error
+    gw.deadline_s = 5.0
+    assert (await gw.call(*SEARCH, {"q": "festival"})).ok  # nothing cached from the timed-out call
+
+
 async def test_cache_expiry_and_truncation(world):
     now = [0.0]
     store = MemoryStore(clock=lambda: now[0])

@@ -117,6 +117,7 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
             read_ttl_s=settings.read_ttl_s,
             max_result_chars=settings.max_result_chars,
             call_budget=settings.call_budget,
+            deadline_s=settings.call_deadline_s,
         )
         try:
             yield

@@ -73,8 +73,13 @@ class ToolGateway:
         max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
         call_budget: int = 300,
         budget_ttl_s: int = 6 * 3600,
+        deadline_s: float = 240.0,
     ) -> None:
         self.backend = backend
+        # one call's limit, retries and fallbacks included, inside the rollout client's 300 s: past
+        # it the agent gets a failed call and goes on, instead of its client timing out and the
+        # whole trajectory ending as an error
+        self.deadline_s = deadline_s
         self.store = store
         self.ttl = {SEARCH.name: search_ttl_s, READ.name: read_ttl_s}
         self.max_result_chars = max_result_chars
@@ -168,10 +173,15 @@ class ToolGateway:
 
     async def _run(self, spec: ToolSpec, args: BaseModel, key: str) -> tuple[bool, str, str | None]:
         try:
-            result = await (self.backend.search(args) if spec is SEARCH else self.backend.read(args))
+            async with asyncio.timeout(self.deadline_s):
+                result = await (self.backend.search(args) if spec is SEARCH else self.backend.read(args))
         except UpstreamError as exc:
             log.warning("%s failed: %s", spec.name, exc)
             return False, format_tool_failure(spec.server_name, spec.name, str(exc)), str(exc)
+        except TimeoutError:
+            error = f"no answer within {self.deadline_s:g} s"
+            log.warning("%s failed: %s", spec.name, error)
+            return False, format_tool_failure(spec.server_name, spec.name, error), error
         text = render(result)
         if spec is SEARCH or result.get("success"):  # failed reads may be transient: never cached
             await self.store.set(key, text, self.ttl[spec.name])

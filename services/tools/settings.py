@@ -28,6 +28,12 @@ class ToolsSettings(CommonSettings):
     search_ttl_s: int = 86_400
     read_ttl_s: int = 7 * 86_400
     max_result_chars: int = DEFAULT_MAX_RESULT_CHARS
+    call_deadline_s: float = Field(
+        default=240.0,
+        gt=0,
+        description="one tool call's limit, retries and fallbacks included; keep it under the rollout "
+        "client's 300 s so a slow read is a failed call, not a failed trajectory",
+    )
     call_budget: int = Field(
         default=300, description="tool calls one trajectory may make (the paper's turn limit)"
     )
