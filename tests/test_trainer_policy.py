@@ -242,6 +242,27 @@ def test_routing_replay_forces_the_recorded_experts_and_keeps_router_gradients(t
     assert all("forward" not in r.__dict__ for r in routers)
 
 
+def test_replay_takes_sglangs_column_per_decoder_layer_when_some_layers_are_dense(tiny_checkpoint):
+    """SGLang returns a route column for every decoder layer; with mlp_only_layers some layers have
+    no router, and replay picks the MoE layers' columns (it used to refuse the shape)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig.from_pretrained(tiny_checkpoint)
+    config.num_hidden_layers, config.mlp_only_layers = 3, [0]
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    assert len(moe_routers(model)) == 2
+    ids = torch.arange(10, 30)[None]
+    k = config.num_experts_per_tok
+    per_layer = torch.stack([torch.arange(k) + (j % 3) for j in range(ids.shape[1])])
+    routes = torch.stack([torch.full_like(per_layer, -1), per_layer, per_layer + 1], dim=1)  # 0: dense
+    with RouteRecorder(model) as rec, replay_routes(model, routes), torch.no_grad():
+        model(input_ids=ids)
+    np.testing.assert_array_equal(rec.take(), routes[:, 1:, :].numpy())
+    with pytest.raises(ValueError, match="MoE layers"), replay_routes(model, routes[:, :1, :]):
+        pass
+
+
 def _routed_samples(tok, model):
     """A scored group whose trajectories carry routes (experts 0 and 3 for every token)."""
     from proto.messages import Trajectory

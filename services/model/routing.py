@@ -20,6 +20,7 @@ The scorer never enters it.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -71,15 +72,25 @@ class RouteRecorder:
 def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
     """Within the block, every router of ``model`` uses ``routes[token, layer]`` as its experts.
 
-    ``routes``: ``[tokens, moe_layers, top_k]`` for the flattened tokens of the next forward.
+    ``routes``: ``[tokens, moe_layers, top_k]`` for the flattened tokens of the next forward, or
+    ``[tokens, num_hidden_layers, top_k]`` as SGLang returns them, a column for every decoder layer
+    (a dense layer's, in a model with ``mlp_only_layers`` or ``decoder_sparse_step``, unused).
     """
     routers = moe_routers(model)
-    if routes.dim() != 3 or routes.shape[1] != len(routers):
-        raise ValueError(f"routes must be [tokens, {len(routers)} layers, top_k], got {tuple(routes.shape)}")
+    columns = list(range(len(routers)))
+    if routes.dim() == 3 and routes.shape[1] != len(routers):
+        columns = [_layer_index(model, r) for r in routers]
+        if routes.shape[1] != getattr(getattr(model, "config", None), "num_hidden_layers", None):
+            columns = []
+    if routes.dim() != 3 or len(columns) != len(routers):
+        raise ValueError(
+            f"routes must be [tokens, {len(routers)} MoE layers (or every decoder layer), top_k], "
+            f"got {tuple(routes.shape)}"
+        )
     originals = []
-    for layer, router in enumerate(routers):
+    for column, router in zip(columns, routers, strict=True):
         originals.append(router.forward)
-        router.forward = _replaying_forward(router, routes[:, layer, :])
+        router.forward = _replaying_forward(router, routes[:, column, :])
     try:
         yield
     finally:
@@ -88,6 +99,16 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
             del router.forward
             if router.forward != original:
                 router.forward = original
+
+
+def _layer_index(model: nn.Module, router: nn.Module) -> int:
+    """The decoder layer a router belongs to, from its module name (``model.layers.{i}.mlp.gate``)."""
+    for name, module in model.named_modules():
+        if module is router:
+            match = re.search(r"layers\.(\d+)\.", name)
+            if match:
+                return int(match.group(1))
+    raise ValueError(f"cannot tell which decoder layer router {type(router).__name__} belongs to")
 
 
 def _replaying_forward(router: nn.Module, indices: torch.Tensor):
