@@ -31,17 +31,33 @@ class ChatFormat:
     end: str = "<|im_end|>"
 
     def message(self, role: str, content: str) -> str:
-        return f"{self.start}{role}\n{content}{self.end}\n"
+        return _text(self._message(role, content))
 
     def prompt(self, system: str, user: str) -> str:
         """The first context: system and user messages, then the opening of the assistant's turn."""
-        return self.message("system", system) + self.message("user", user) + f"{self.start}assistant\n"
+        return _text(self.prompt_parts(system, user))
 
     def glue(self, tool_result: str, *, closed: bool) -> str:
         """What follows an assistant turn: the tool result as a user message, then the next turn's opening.
         ``closed``: the assistant turn already ended with the end token (its usual stop token)."""
+        return _text(self.glue_parts(tool_result, closed=closed))
+
+    # The same texts as pieces ``(text, is_content)``: content is what a message says (a question, a
+    # tool result), the rest is the format's own markup. A tokenizer encodes them apart, so content
+    # can never become a marker.
+    def _message(self, role: str, content: str) -> list[tuple[str, bool]]:
+        return [(f"{self.start}{role}\n", False), (content, True), (f"{self.end}\n", False)]
+
+    def prompt_parts(self, system: str, user: str) -> list[tuple[str, bool]]:
+        return [
+            *self._message("system", system),
+            *self._message("user", user),
+            (f"{self.start}assistant\n", False),
+        ]
+
+    def glue_parts(self, tool_result: str, *, closed: bool) -> list[tuple[str, bool]]:
         close = "\n" if closed else f"{self.end}\n"
-        return close + self.message("user", tool_result) + f"{self.start}assistant\n"
+        return [(close, False), *self._message("user", tool_result), (f"{self.start}assistant\n", False)]
 
     def unglue(self, text: str) -> str:
         """The tool result inside ``text`` decoded from glue (the inverse of :meth:`glue`); "" if none."""
@@ -52,6 +68,10 @@ class ChatFormat:
         body = text[i + len(head) :]
         tail = body.rfind(self.end)  # cut before a trajectory ended, the result may be unclosed
         return body[:tail] if tail >= 0 else body
+
+
+def _text(parts: list[tuple[str, bool]]) -> str:
+    return "".join(text for text, _ in parts)
 
 
 CHATML = ChatFormat()
@@ -92,25 +112,18 @@ class ChatTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def prompt_ids(self, system: str, user: str) -> list[int]:
-        f = self.fmt
-        return [
-            *self.encode(f"{f.start}system\n"),
-            *self.encode_text(system),
-            *self.encode(f"{f.end}\n{f.start}user\n"),
-            *self.encode_text(user),
-            *self.encode(f"{f.end}\n{f.start}assistant\n"),
-        ]
+        return self._encode_parts(self.fmt.prompt_parts(system, user))
 
     def glue_ids(self, tool_result: str, *, closed: bool) -> list[int]:
-        """:meth:`ChatFormat.glue`'s text, the markers as special tokens and the result as text (the
-        pieces meet at special tokens or a newline, so they tokenise as the whole would)."""
-        f = self.fmt
-        close = "\n" if closed else f"{f.end}\n"
-        return [
-            *self.encode(f"{close}{f.start}user\n"),
-            *self.encode_text(tool_result),
-            *self.encode(f"{f.end}\n{f.start}assistant\n"),
-        ]
+        return self._encode_parts(self.fmt.glue_parts(tool_result, closed=closed))
+
+    def _encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Markup with its special tokens, content as text. The pieces meet at special tokens or a
+        newline, so for content without markers this is the ids of the whole text."""
+        ids: list[int] = []
+        for text, content in parts:
+            ids += self.encode_text(text) if content else self.encode(text)
+        return ids
 
     @property
     def vocab_size(self) -> int:

@@ -282,20 +282,6 @@ async def test_a_page_jina_could_not_load_is_not_summarised_as_read():
     assert len(jina_app.state.requests) <= 1 and not out["success"] and out["error"]
 
 
-async def test_pages_that_would_leak_benchmark_answers_are_never_read():
-    jina_app = make_jina()
-    with serve(jina_app) as jina:
-        async with httpx.AsyncClient() as http:
-            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina)
-            for url in (
-                "https://huggingface.co/datasets/openai/browsecomp",
-                "https://huggingface.co/spaces/some/leaderboard",
-            ):
-                out = await backend.read(ScrapeArgs(url=url, info_to_extract="the answer"))
-                assert not out["success"] and "leak" in out["error"]
-    assert jina_app.state.requests == []
-
-
 @pytest.mark.parametrize("jina_failure", [402, 422, 524])
 async def test_jina_failure_falls_back_to_a_plain_fetch(jina_failure):
     with serve(make_jina([jina_failure] * 3)) as jina, serve(make_site()) as site:
@@ -307,18 +293,21 @@ async def test_jina_failure_falls_back_to_a_plain_fetch(jina_failure):
     assert out["success"] and "The Danube flows through Vienna." in out["extracted_info"]["evidence"]
 
 
-async def test_reads_of_internal_addresses_never_reach_jina():
+async def test_reads_of_internal_addresses_and_benchmark_leaks_never_reach_jina():
     jina_app = make_jina()
     with serve(jina_app) as jina:
         async with httpx.AsyncClient() as http:
             backend = _backend(http, "http://127.0.0.1:9", jina_base=jina)
-            for url in (
-                "http://169.254.169.254/latest/meta-data/",
-                "http://127.0.0.1:6379/",
-                "file:///etc/passwd",
+            for url, why in (
+                ("http://169.254.169.254/latest/meta-data/", "refused"),
+                ("http://127.0.0.1:6379/", "refused"),
+                ("file:///etc/passwd", "refused"),
+                # a page the search results would never have shown: it would leak the answers
+                ("https://huggingface.co/datasets/openai/browsecomp", "leak"),
+                ("https://huggingface.co/spaces/some/leaderboard", "leak"),
             ):
                 out = await backend.read(ScrapeArgs(url=url, info_to_extract="secrets"))
-                assert not out["success"] and "refused" in out["error"]
+                assert not out["success"] and why in out["error"], url
     assert jina_app.state.requests == []
 
 

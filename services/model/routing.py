@@ -32,7 +32,11 @@ __all__ = ["RouteRecorder", "moe_routers", "replay_routes"]
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The top-k router of every MoE layer, in layer order (Qwen3-MoE's ``mlp.gate``)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for m in model.modules() if _is_router(m)]
+
+
+def _is_router(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("TopKRouter")
 
 
 class RouteRecorder:
@@ -77,12 +81,12 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
     (a dense layer's, in a model with ``mlp_only_layers`` or ``decoder_sparse_step``, unused).
     """
     routers = moe_routers(model)
-    columns = list(range(len(routers)))
-    if routes.dim() == 3 and routes.shape[1] != len(routers):
-        columns = [_layer_index(model, r) for r in routers]
-        if routes.shape[1] != getattr(getattr(model, "config", None), "num_hidden_layers", None):
-            columns = []
-    if routes.dim() != 3 or len(columns) != len(routers):
+    width = routes.shape[1] if routes.dim() == 3 else None
+    if width == len(routers):
+        columns = list(range(len(routers)))
+    elif width is not None and width == getattr(getattr(model, "config", None), "num_hidden_layers", None):
+        columns = _router_layers(model)
+    else:
         raise ValueError(
             f"routes must be [tokens, {len(routers)} MoE layers (or every decoder layer), top_k], "
             f"got {tuple(routes.shape)}"
@@ -101,14 +105,16 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
                 router.forward = original
 
 
-def _layer_index(model: nn.Module, router: nn.Module) -> int:
-    """The decoder layer a router belongs to, from its module name (``model.layers.{i}.mlp.gate``)."""
+def _router_layers(model: nn.Module) -> list[int]:
+    """The decoder layer of each router, in :func:`moe_routers`' order (``model.layers.{i}.mlp.gate``)."""
+    layers = []
     for name, module in model.named_modules():
-        if module is router:
+        if _is_router(module):
             match = re.search(r"layers\.(\d+)\.", name)
-            if match:
-                return int(match.group(1))
-    raise ValueError(f"cannot tell which decoder layer router {type(router).__name__} belongs to")
+            if match is None:
+                raise ValueError(f"cannot tell which decoder layer router {name} belongs to")
+            layers.append(int(match.group(1)))
+    return layers
 
 
 def _replaying_forward(router: nn.Module, indices: torch.Tensor):

@@ -109,14 +109,11 @@ async def run_trajectory(
         )
         try:
             result = await engine.generate(request)
-        except EngineError as exc:
-            finish, error = "error", f"engine failed: {exc}"
-            break
-        except (
-            Exception
-        ) as exc:  # what an engine let through (a torch error): this sample fails, not its group
-            log.exception("engine raised on %s", trajectory_id)
-            finish, error = "error", f"engine failed: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # EngineError, or what an engine let through (a torch error)
+            if not isinstance(exc, EngineError):
+                log.exception("engine raised on %s", trajectory_id)
+                exc = f"{type(exc).__name__}: {exc}"
+            finish, error = "error", f"engine failed: {exc}"  # this sample fails, not its group
             break
         if result.finish == "abort":
             finish, error = "error", f"engine aborted the request: {result.message or 'no reason given'}"

@@ -84,14 +84,13 @@ class RolloutWorker(PolicyWorker):
         def over() -> bool:
             return self.run_is_over(task.run_id, delivery.entry_id)
 
-        if ready() or over():
-            return not over()
-        metrics.WAITING.inc()
-        try:
-            async with self.weights_changed:
-                await self.weights_changed.wait_for(lambda: ready() or over())
-        finally:
-            metrics.WAITING.dec()
+        if not (ready() or over()):
+            metrics.WAITING.inc()
+            try:
+                async with self.weights_changed:
+                    await self.weights_changed.wait_for(lambda: ready() or over())
+            finally:
+                metrics.WAITING.dec()
         return not over()
 
     # -- one prompt -------------------------------------------------------------------

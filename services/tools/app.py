@@ -80,8 +80,6 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient):
             ),
             base_url=settings.jina_url,
             api_key=settings.jina_api_key,
-            # no X-Timeout (nor do MiroThinker and Tongyi send one): from 20 s on the Reader waits for
-            # the page's network to go idle, slowing every read; our client's timeout bounds it
         )
     summariser = None
     if settings.summariser_base_url:

@@ -119,26 +119,18 @@ class JinaReader:
         *,
         base_url: str,
         api_key: SecretStr | None,
-        timeout_s: int | None = None,
-        return_format: str | None = None,
     ) -> None:
-        """``return_format`` None keeps the Reader's default (``content``: the article extracted
-        from the page, where ``markdown`` converts the whole page, menus and footers included);
-        ``timeout_s`` None sends no ``X-Timeout``: from 20 s on the Reader waits for the page's
-        network to go idle, which slows every read (our own client timeout still bounds it)."""
         self.http = http
         self.upstream = upstream
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.return_format = return_format
 
     async def read(self, url: str) -> Page:
+        # The Reader's defaults, as MiroThinker and Tongyi use it: no X-Return-Format (its default,
+        # content, extracts the article; markdown converts the whole page, menus and footers
+        # included) and no X-Timeout (from 20 s on it waits for the page's network to go idle,
+        # slowing every read; our client's timeout bounds it).
         headers = {"Accept": "application/json"}
-        if self.return_format is not None:
-            headers["X-Return-Format"] = self.return_format
-        if self.timeout_s is not None:
-            headers["X-Timeout"] = str(self.timeout_s)
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
         response = await self.upstream.call(lambda: self.http.get(f"{self.base_url}/{url}", headers=headers))

@@ -205,10 +205,9 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         """Only rank 0 writes (every rank must call it). Under ZeRO-3 the 16-bit weights are
         gathered one module at a time onto rank 0's CPU, never the whole model on every GPU."""
         state = None
-        if self.stage == 3:
-            prefix = "policy."
+        if self.stage == 3:  # keys of the engine's module, _PolicyForward: its policy's are under "policy."
             gathered = self.engine._zero3_consolidated_16bit_state_dict()
-            state = {k.removeprefix(prefix): v for k, v in (gathered or {}).items()}
+            state = {k.removeprefix("policy."): v for k, v in (gathered or {}).items()}
         if self.rank == 0:
             save_checkpoint(self.model, path, tokenizer=tokenizer, meta=meta, state_dict=state)
         if dist.is_initialized():

@@ -204,31 +204,9 @@ class PolicyTrainer:
                 # forward AND backward inside the replay: with gradient checkpointing the backward
                 # runs each layer's forward again, and it must route to the same experts
                 with self.routing(sample, replay=replay):
-                    logp = self._policy_logprobs(sample)
-                    old = torch.as_tensor(sample.old_logprobs, device=self.device)
-                    rollout = old
-                    if algorithm.tis_cap is not None:
-                        old = logp.detach()
-                    n = logp.shape[0]
-                    out = clipped_policy_loss(
-                        logp,
-                        old,
-                        torch.as_tensor(sample.advantages, device=self.device),
-                        torch.ones(n, dtype=torch.bool, device=self.device),
-                        eps_low=algorithm.eps_low,
-                        eps_high=algorithm.eps_high,
-                        agg=algorithm.loss_agg,
-                        seq_ids=torch.zeros(n, dtype=torch.long, device=self.device),
-                        num_tokens=counts.tokens,
-                        num_sequences=counts.sequences,
-                        constant=algorithm.loss_agg_constant,
-                        rollout_logprobs=rollout,
-                        tis_cap=algorithm.tis_cap,
-                        ref_logprobs=self.reference_logprobs(sample) if kl else None,
-                        kl_coef=algorithm.kl_coef,
-                        kl_estimator=algorithm.kl_estimator,
-                    )
+                    out = self._loss(sample, self._policy_logprobs(sample), counts, algorithm)
                     self._backward(out.loss)
+                n = sample.targets.size
                 sums["loss"] += float(out.loss.detach())
                 for k, v in out.metrics().items():
                     if k != "loss" and k in sums:
@@ -244,6 +222,32 @@ class PolicyTrainer:
         ):
             metrics[k] = sums[k] / tokens_done if tokens_done else 0.0
         return metrics
+
+    def _loss(self, sample: TrainSample, logp: torch.Tensor, counts: BatchCounts, algorithm: AlgorithmSpec):
+        """The clipped surrogate of one sample's loss tokens, normalised over the whole batch."""
+        old = torch.as_tensor(sample.old_logprobs, device=self.device)
+        rollout = old
+        if algorithm.tis_cap is not None:
+            old = logp.detach()
+        n = logp.shape[0]
+        return clipped_policy_loss(
+            logp,
+            old,
+            torch.as_tensor(sample.advantages, device=self.device),
+            torch.ones(n, dtype=torch.bool, device=self.device),
+            eps_low=algorithm.eps_low,
+            eps_high=algorithm.eps_high,
+            agg=algorithm.loss_agg,
+            seq_ids=torch.zeros(n, dtype=torch.long, device=self.device),
+            num_tokens=counts.tokens,
+            num_sequences=counts.sequences,
+            constant=algorithm.loss_agg_constant,
+            rollout_logprobs=rollout,
+            tis_cap=algorithm.tis_cap,
+            ref_logprobs=self.reference_logprobs(sample) if algorithm.kl_coef > 0 else None,
+            kl_coef=algorithm.kl_coef,
+            kl_estimator=algorithm.kl_estimator,
+        )
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -132,7 +132,8 @@ def run_sft(
     tok = ChatTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir)
     samples, skipped = [], 0
-    for n, line in enumerate(data.read_text().splitlines()):
+    raw = data.read_bytes()
+    for n, line in enumerate(raw.decode().splitlines()):
         if not line.strip():
             continue
         row = json.loads(line)
@@ -189,9 +190,9 @@ def run_sft(
         "seconds": elapsed,
         "config": config.__dict__,
         "libraries": library_versions(),
-        # the oracle's search results are BM25 rankings: the data can differ between machines,
-        # and this says whether a rebuild saw the same conversations
-        "data_sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
+        # whether a rebuild saw the same conversations (on another machine the recipe's data
+        # differed by a few tokens: assets/demo-policy/RECIPE.md)
+        "data_sha256": hashlib.sha256(raw).hexdigest(),
     }
     save_checkpoint(model, out, tokenizer=tok.tok, meta={"sft": stats})
     (out / "sft_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
