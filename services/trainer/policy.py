@@ -99,7 +99,10 @@ class PolicyTrainer:
         self.micro_batch_tokens = micro_batch_tokens or spec.micro_batch_tokens
         self.chunk_size = chunk_size
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23's name
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
         self.step = 0
         self._build_optimizer(model)
