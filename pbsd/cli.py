@@ -130,9 +130,6 @@ def serve_trainer(
         help="keep every step's scored groups (for reports and the credit viewer); "
         "default: PBSD_TRAINER_SAVE_GROUPS",
     ),
-    local_rank: int | None = typer.Option(
-        None, "--local_rank", hidden=True, help="set by the DeepSpeed launcher"
-    ),
 ) -> None:
     """The trainer: REST API for runs and the run executor (settings from PBSD_TRAINER_* and REDIS_URL)."""
     import os
@@ -512,6 +509,7 @@ def eval_cmd(
 @world_app.command("build")
 def world_build(
     out: Path = typer.Option(..., "--out", help="directory to write the world into"),
+    # the defaults are the demo's world (demo/config.py), the one the committed policy was made for
     seed: int = typer.Option(0, help="same seed and sizes, same bytes"),
     entities: int = typer.Option(2000, help="number of entities in the knowledge graph"),
     questions: int | None = typer.Option(
@@ -519,7 +517,7 @@ def world_build(
     ),
     rl: int = typer.Option(575, help="questions in the RL split"),
     validation: int = typer.Option(200, help="questions in the validation split"),
-    sft: int = typer.Option(1000, help="questions in the SFT split"),
+    sft: int = typer.Option(6000, help="questions in the SFT split"),
     parquet: bool = typer.Option(False, help="also write Parquet files (needs pyarrow)"),
 ) -> None:
     """Generate a world: graph, one document per entity, multi-hop questions with unique answers."""

@@ -9,7 +9,7 @@ clipping 0.2 / 0.28, and PBSD with delta 0.1, c 0.1, eps+ 0.001, eps- 0.003.
 from __future__ import annotations
 
 import string
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -208,11 +208,12 @@ class TrainerSpec(Contract):
     routing_replay: bool = Field(
         default=False, description="R3: force the rollout's experts in the policy forward"
     )
-    deepspeed_config: str | None = Field(
+    deepspeed_config: str | dict[str, Any] | None = Field(
         default=None,
-        description="DeepSpeed JSON config; plain torch when None. What it leaves out comes from this "
-        "spec; an optimizer, scheduler or gradient_clipping it does set wins over lr, betas, "
-        "weight_decay, the warm-up/decay schedule and grad_clip",
+        description="DeepSpeed's JSON config, inline (an object) or the path of a file on the "
+        "trainer; plain torch when None. What it leaves out comes from this spec; an optimizer, "
+        "scheduler or gradient_clipping it does set wins over lr, betas, weight_decay, the "
+        "warm-up/decay schedule and grad_clip",
     )
 
 

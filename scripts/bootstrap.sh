@@ -7,7 +7,11 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${PBSD_VENV:-.venv}
-TORCH_PIN=${PBSD_TORCH:-torch==2.13.0}   # the CPU build; an unpinned torch pulls a CUDA build of several GB
+# The CPU build: PyPI's Linux torch is the CUDA build, several GB. A local wheel or index that has
+# the +cpu build is used first; otherwise PyTorch's CPU index; where no +cpu build exists
+# (macOS, whose torch is CPU-only) the plain version.
+TORCH_PIN=${PBSD_TORCH:-torch==2.13.0+cpu}
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 "$PYTHON" - <<'PY'
 import sys
@@ -26,7 +30,10 @@ EXTRAS=${PBSD_EXTRAS:-dev}   # the slow tests add "gpu" (DeepSpeed, which also r
 want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $TORCH_PIN $EXTRAS"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "bootstrap: installing $TORCH_PIN and the project into $VENV"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_PIN"
+    pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+    "${pip[@]}" "$TORCH_PIN" 2>/dev/null \
+        || "${pip[@]}" --extra-index-url "$TORCH_CPU_INDEX" "$TORCH_PIN" 2>/dev/null \
+        || "${pip[@]}" "${TORCH_PIN%+cpu}"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
     echo "$want" > "$stamp"
 fi

@@ -222,7 +222,61 @@ def test_compose_profiles_wire_every_stage_once():
                         dep_s["build"]["dockerfile"]
                     )
                     assert has_check, f"{name} waits for {dep} to be healthy, which has no healthcheck"
+        for name, s in active.items():
+            # an image built on another service's image: Compose refuses the file when that
+            # service is not in the profile
+            for context in ((s.get("build") or {}).get("additional_contexts") or {}).values():
+                if context.startswith("service:"):
+                    base = context.removeprefix("service:")
+                    assert base in active, f"profile {profile}: {name} is built on {base}, not in the profile"
     assert "sglang" in [n for n, s in services.items() if "gpu" in s.get("profiles", [])]
+
+
+def _world_build_params(command: list[str]) -> dict:
+    """The parameters `pbsd world build` would run with, from a container's `sh -c` command."""
+    import shlex
+
+    import typer.main
+
+    from pbsd.cli import app
+
+    script = command[-1]
+    argv = shlex.split(script[script.index("pbsd world build") :])[3:]
+    build_cmd = typer.main.get_command(app).commands["world"].commands["build"]
+    return build_cmd.make_context("build", argv).params
+
+
+def test_the_deployed_world_is_the_demos_world(rendered):
+    """Compose's and the cpu overlay's world are the one the committed policy was supervised
+    on: with another SFT count the validation split would hold questions it was trained on."""
+    from demo.config import DemoConfig
+
+    c = DemoConfig()
+    want = {"seed": c.seed, "entities": c.entities, "rl": c.n_rl, "validation": c.n_val, "sft": c.n_sft}
+    commands = [compose()["services"]["world"]["command"]]
+    commands += [
+        c["command"]
+        for d in rendered["cpu"]
+        for c in containers(d)
+        if "pbsd world build" in " ".join(c.get("command") or [])
+    ]
+    assert len(commands) == 2
+    for command in commands:
+        params = _world_build_params(command)
+        assert {k: params[k] for k in want} == want, command
+        assert params["questions"] is None
+
+
+def test_the_compose_run_is_sized_like_the_demo():
+    from demo.config import DemoConfig
+    from demo.run import run_spec
+
+    compose_run = yaml.safe_load((ROOT / "deploy/runs/demo-cpu.yaml").read_text())
+    demo = run_spec(DemoConfig(), "pbsd", Path("policy"), Path("rl.jsonl"))
+    for section in ("rollout", "trainer"):
+        for key, value in demo[section].items():
+            if key != "checkpoint_every":
+                assert compose_run[section][key] == value, f"{section}.{key}"
 
 
 def test_compose_services_connect_to_redis_with_credentials():

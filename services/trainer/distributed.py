@@ -2,9 +2,11 @@
 
 Launch the trainer the usual DeepSpeed way, one process per GPU::
 
-    deepspeed --num_gpus 8 -m pbsd.cli serve trainer
+    deepspeed --num_gpus 8 --no_local_rank --module pbsd.cli serve trainer
 
-Rank 0 is the trainer the rest of the pipeline talks to (REST API, run controller,
+(``--no_local_rank``: the launcher would put ``--local_rank`` before the subcommand; each rank
+reads ``LOCAL_RANK`` from its environment instead.) Started without a launcher, as the Compose
+and Kubernetes trainers are, it is a world of one process. Rank 0 is the trainer the rest of the pipeline talks to (REST API, run controller,
 bus); every other rank runs :func:`follow_rank0`, which receives rank 0's commands
 (build a run's trainer, a training step, saving weights or state, loading state) and
 takes part in them, until rank 0 shuts down and releases it. A step's trajectories are
@@ -66,12 +68,29 @@ def make_trainer(
     return DeepSpeedPolicyTrainer(model, spec, **kwargs)
 
 
+def _single_process_group() -> None:
+    """A trainer started without a launcher (plain ``pbsd serve trainer``, as the Compose and
+    Kubernetes trainers are) is a world of one: make it one, or DeepSpeed goes looking for MPI."""
+    if dist.is_initialized() or "WORLD_SIZE" in os.environ:
+        return
+    from services.local_redis import free_port
+
+    # the variables a launcher would set (DeepSpeed reads LOCAL_RANK itself)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
-    config = json.loads(Path(spec.deepspeed_config).read_text()) if spec.deepspeed_config else {}
+    config = spec.deepspeed_config or {}
+    if isinstance(config, str):
+        config = json.loads(Path(config).read_text())
+    config = json.loads(json.dumps(config))  # a copy: the defaults below must not reach the spec
     config.setdefault("train_micro_batch_size_per_gpu", 1)
     config["gradient_accumulation_steps"] = 1
     config.setdefault(
@@ -121,6 +140,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             def schedule(optimizer):
                 return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec))
 
+        _single_process_group()
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=_PolicyForward(model, self._logprobs),
             model_parameters=param_groups(model, self.spec.weight_decay),

@@ -1,9 +1,11 @@
-"""Run by tests/test_deepspeed.py under ``deepspeed --num_gpus N`` (CPU accelerator): rank 0 leads a
+"""Run by tests/test_deepspeed.py under ``deepspeed --num_gpus N`` (CPU accelerator), or as a plain
+process (a trainer started without the launcher, as Compose and Kubernetes start it): rank 0 leads a
 data-parallel ZeRO trainer through two steps and an empty one, the other ranks follow; rank 0 saves
 the weights (``weights``). Then a resume: the state is saved, a step taken and saved
 (``resumed-a``), the state loaded back and the same step taken again (``resumed-b``)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,10 +45,13 @@ def samples(vocab: int) -> tuple[list[TrainSample], BatchCounts]:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
     ckpt, out, config = Path(args[0]), Path(args[1]), args[2]
-    deepspeed.init_distributed(dist_backend="gloo")
-    if dist.get_rank() != 0:
+    if "WORLD_SIZE" in os.environ:  # under the launcher; without it the trainer is a world of one
+        deepspeed.init_distributed(dist_backend="gloo")
+    if dist.is_initialized() and dist.get_rank() != 0:
         follow_rank0(device="cpu")
         return
+    if not dist.is_initialized():  # and the config inline, the spec's other form
+        config = json.loads(Path(config).read_text())
     spec = TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0, deepspeed_config=config)
     trainer = make_trainer(load_model(ckpt), spec, model_path=str(ckpt), reference_path=str(ckpt))
     batch, counts = samples(trainer.model.config.vocab_size)
