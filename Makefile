@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap test test-slow demo lint schemas bench-bus
+.PHONY: bootstrap test test-slow test-gpu demo lint schemas bench-bus
 
 bootstrap:
 	./scripts/bootstrap.sh
@@ -16,7 +16,14 @@ test: bootstrap
 
 test-slow: bootstrap
 	PBSD_EXTRAS=dev,gpu ./scripts/bootstrap.sh
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m "slow and not gpu"
+
+# On a GPU machine, with a CUDA build of torch (e.g. PBSD_TORCH=torch==2.13.0): the CUDA paths
+# against the CPU ones, and DeepSpeed over NCCL on two GPUs. Fails where there is no GPU.
+test-gpu: bootstrap
+	PBSD_EXTRAS=dev,gpu ./scripts/bootstrap.sh
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device (or a CPU build of torch)')"
+	$(PY) -m pytest -m gpu
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .

@@ -45,15 +45,18 @@ def samples(vocab: int) -> tuple[list[TrainSample], BatchCounts]:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
     ckpt, out, config = Path(args[0]), Path(args[1]), args[2]
+    backend = os.environ.get("PBSD_TEST_DIST_BACKEND", "gloo")  # nccl: tests/test_gpu.py
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu"
     if "WORLD_SIZE" in os.environ:  # under the launcher; without it the trainer is a world of one
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend=backend)
     if dist.is_initialized() and dist.get_rank() != 0:
-        follow_rank0(device="cpu")
+        follow_rank0(device=device)
         return
     if not dist.is_initialized():  # and the config inline, the spec's other form
         config = json.loads(Path(config).read_text())
     spec = TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0, deepspeed_config=config)
-    trainer = make_trainer(load_model(ckpt), spec, model_path=str(ckpt), reference_path=str(ckpt))
+    model = load_model(ckpt).to(device)
+    trainer = make_trainer(model, spec, model_path=str(ckpt), reference_path=str(ckpt))
     batch, counts = samples(trainer.model.config.vocab_size)
     history = [trainer.train_step(batch, counts, ALGORITHM) for _ in range(2)]
     history.append(trainer.train_step([], counts, ALGORITHM))  # nothing trainable: no update at all
