@@ -296,6 +296,8 @@ def _check(response) -> dict | list:
             detail = response.json().get("detail")
         except ValueError:
             detail = response.text
+        if isinstance(detail, dict):  # {"msg": ..., and what it is about}
+            detail = detail.get("msg", detail)
         if isinstance(detail, list):
             detail = "; ".join(
                 f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail

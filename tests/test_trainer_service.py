@@ -526,3 +526,99 @@ def test_batch_metrics_say_how_far_the_evidence_scorer_lagged(tiny_checkpoint):
     groups = [scored.model_copy(update={"scorer_policy_version": v}) for v in (1, 3)]
     assert batch_metrics(groups, 3)["scorer_lag_mean"] == 1.0  # (3 - 1 + 3 - 3) / 2
     assert "scorer_lag_mean" not in batch_metrics([scored], 3)  # no scorer version recorded
+
+
+# -- REST edges ------------------------------------------------------------------------------
+async def _parked_run(redis_url, key_prefix, spec, state: str) -> str:
+    """A run in ``state`` that the api fixture's executor never starts: off the queue at once."""
+    import redis.asyncio as aioredis
+
+    from proto.runs import RunSpec
+
+    client = aioredis.Redis.from_url(redis_url)
+    store = RunStore(client, key_prefix)
+    record = await store.create(RunSpec.model_validate(spec))
+    assert await client.lrem(f"{key_prefix}:runs:queue", 0, record.id) == 1, "the executor took it first"
+    await store.update(record.id, state=state)
+    await store.add_metrics(record.id, {"step": 1.0})  # what a training step writes
+    await store.add_metrics(record.id, {"step": 1.0}, series="evals")
+    await store.mark_trained(record.id, ["t/0"])
+    await client.aclose()
+    return record.id
+
+
+async def test_an_id_that_cannot_be_a_run_is_a_404_not_another_key(
+    api, redis_url, key_prefix, tiny_world, tiny_checkpoint
+):
+    run_id = await _parked_run(redis_url, key_prefix, _spec(tiny_world, tiny_checkpoint), "completed")
+    async with httpx.AsyncClient(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        assert (await http.get(f"/runs/{run_id}")).status_code == 200
+        assert (await http.get(f"/runs/{run_id}/metrics")).json() == [{"step": 1.0}]
+        # {prefix}:run:{id}:metrics and :trained are the run's list and set, not run hashes
+        for bad in (f"{run_id}:metrics", f"{run_id}:evals", f"{run_id}:trained", f"{run_id}x", "nope"):
+            for path in ("", "/metrics", "/evals", "/viewer"):
+                r = await http.get(f"/runs/{bad}{path}")
+                assert r.status_code == 404, (bad, path, r.status_code, r.text)
+            r = await http.post(f"/runs/{bad}/cancel")
+            assert r.status_code == 404, (bad, r.status_code, r.text)
+
+
+async def test_list_limit_and_series_since_are_validated(
+    api, redis_url, key_prefix, tiny_world, tiny_checkpoint
+):
+    spec = _spec(tiny_world, tiny_checkpoint)
+    run_id = await _parked_run(redis_url, key_prefix, spec, "completed")
+    await _parked_run(redis_url, key_prefix, spec, "completed")
+    async with httpx.AsyncClient(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for limit in (0, -1, 1001, "x"):
+            r = await http.get("/runs", params={"limit": limit})
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "limit"], (
+                limit,
+                r.text,
+            )
+        assert len((await http.get("/runs", params={"limit": 1})).json()) == 1
+        assert len((await http.get("/runs", params={"limit": 1000})).json()) == 2
+        for series in ("metrics", "evals"):
+            r = await http.get(f"/runs/{run_id}/{series}", params={"since": -1})
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "since"], r.text
+            assert (await http.get(f"/runs/{run_id}/{series}", params={"since": 0})).json() == [{"step": 1.0}]
+            assert (await http.get(f"/runs/{run_id}/{series}", params={"since": 1})).json() == []
+
+
+async def test_cancelling_a_finished_run_is_a_conflict(
+    api, redis_url, key_prefix, tiny_world, tiny_checkpoint
+):
+    spec = _spec(tiny_world, tiny_checkpoint)
+    async with httpx.AsyncClient(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for state in ("completed", "cancelled", "failed"):
+            run_id = await _parked_run(redis_url, key_prefix, spec, state)
+            r = await http.post(f"/runs/{run_id}/cancel")
+            assert r.status_code == 409 and r.json()["detail"]["state"] == state, r.text
+            assert state in r.json()["detail"]["msg"]
+            assert (await http.get(f"/runs/{run_id}")).json()["state"] == state
+        # a running run is asked to stop, as before
+        run_id = await _parked_run(redis_url, key_prefix, spec, "running")
+        r = await http.post(f"/runs/{run_id}/cancel")
+        assert r.status_code == 202 and r.json()["state"] == "cancelling", r.text
+        # a queued run never starts; cancelling it again is a conflict
+        run_id = await _parked_run(redis_url, key_prefix, spec, "queued")
+        r = await http.post(f"/runs/{run_id}/cancel")
+        assert r.status_code == 202 and r.json()["state"] == "cancelled", r.text
+        r = await http.post(f"/runs/{run_id}/cancel")
+        assert r.status_code == 409 and r.json()["detail"]["state"] == "cancelled", r.text
+
+
+async def test_a_tokenizer_directory_that_does_not_exist_is_a_422(api, tiny_world, tiny_checkpoint, tmp_path):
+    async with httpx.AsyncClient(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        bad = _spec(tiny_world, tiny_checkpoint)
+        bad["model"]["tokenizer"] = str(tmp_path / "nowhere")
+        r = await http.post("/runs", json=bad)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "model", "tokenizer"], r.text
+        assert "nowhere" in r.json()["detail"][0]["msg"]
+        assert (await http.get("/runs")).json() == []  # nothing was queued
+        # an existing one is accepted (and the run cancelled before it starts)
+        good = _spec(tiny_world, tiny_checkpoint)
+        good["model"]["tokenizer"] = str(tiny_checkpoint)
+        r = await http.post("/runs", json=good)
+        assert r.status_code == 201, r.text
+        assert (await http.post(f"/runs/{r.json()['id']}/cancel")).status_code == 202

@@ -1,15 +1,17 @@
 """The REST API for runs.
 
     POST /runs                   a run specification -> {"id", "state"}      (201)
-    GET  /runs                   every run, newest first
+    GET  /runs                   the runs, newest first (``?limit=N``, 1 to 1000, default 100)
     GET  /runs/{id}              state, step, policy version, latest metrics and validation round, spec
-    POST /runs/{id}/cancel       stop after the current step (a queued run never starts)
+    POST /runs/{id}/cancel       stop after the current step (a queued run never starts); 409 when it has
+                                 already finished
     GET  /runs/{id}/metrics      the per-step metric history (``?since=N`` skips the first N)
     GET  /runs/{id}/evals        the validation rounds (runs with ``data.validation``), the same way
     GET  /runs/{id}/viewer       the turn-level credit viewer (HTML; needs a trainer started with --save-groups)
 
 Every route needs ``Authorization: Bearer <PBSD_TRAINER_API_TOKEN>`` unless the trainer
-runs in local mode. Validation errors are 422s whose ``loc`` names the field.
+runs in local mode. Validation errors are 422s whose ``loc`` names the field. A ``{id}`` that
+is not of the form the trainer makes (``run-YYYYmmdd-HHMMSS-xxxxxx``) is a 404 like an unknown run.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from proto.runs import RunSpec
-from services.trainer.runs import RunRecord, RunStore
+from services.trainer.runs import FINISHED, RunRecord, RunStore
 from services.trainer.settings import TrainerSettings
 
 __all__ = ["router"]
@@ -59,6 +62,21 @@ async def require_token(
 
 router = APIRouter(dependencies=[Depends(require_token)])
 
+# what RunStore.create makes: run-{YYYYmmdd}-{HHMMSS}-{the first 6 hex digits of proto.base.new_id()}.
+# Anything else is no run, and must not reach Redis: "run-...:metrics" would address the run's
+# metric list (a WRONGTYPE error, a 500) instead of a run.
+_RUN_ID = re.compile(r"run-[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
+
+
+def _run_id(run_id: str) -> str:
+    """The ``{run_id}`` of every route that has one: a 404 for what cannot be a run id."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return run_id
+
+
+RunId = Annotated[str, Depends(_run_id)]
+
 
 def _field_error(loc: list[str], msg: str) -> HTTPException:
     return HTTPException(
@@ -75,17 +93,21 @@ async def submit(spec: RunSpec, request: Request) -> dict[str, str]:
         raise _field_error(["data", "validation"], f"no file at {spec.data.validation} on the trainer")
     if not Path(spec.model.path).is_dir() and not settings.hub_models:
         raise _field_error(["model", "path"], f"no checkpoint directory at {spec.model.path} on the trainer")
+    if spec.model.tokenizer and not Path(spec.model.tokenizer).is_dir() and not settings.hub_models:
+        raise _field_error(
+            ["model", "tokenizer"], f"no tokenizer directory at {spec.model.tokenizer} on the trainer"
+        )
     record = await _store(request).create(spec)
     return {"id": record.id, "state": record.state}
 
 
 @router.get("/runs")
-async def list_runs(request: Request, limit: int = 100) -> list[RunRecord]:
+async def list_runs(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[RunRecord]:
     return await _store(request).list(limit)
 
 
 @router.get("/runs/{run_id}")
-async def show(run_id: str, request: Request) -> RunRecord:
+async def show(run_id: RunId, request: Request) -> RunRecord:
     record = await _store(request).get(run_id)
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
@@ -93,20 +115,41 @@ async def show(run_id: str, request: Request) -> RunRecord:
 
 
 @router.post("/runs/{run_id}/cancel", status_code=status.HTTP_202_ACCEPTED)
-async def cancel(run_id: str, request: Request) -> RunRecord:
-    record = await _store(request).request_cancel(run_id)
+async def cancel(run_id: RunId, request: Request) -> RunRecord:
+    store = _store(request)
+    record = await store.get(run_id)
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    if record.state in FINISHED:
+        raise _finished(record)
+    record = await store.request_cancel(run_id)
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    # request_cancel leaves a finished run as it is: "completed" or "failed" now means the run ended
+    # before the cancel reached it ("cancelled" is this cancel's doing, or a concurrent one's)
+    if record.state in ("completed", "failed"):
+        raise _finished(record)
     return record
 
 
+def _finished(record: RunRecord) -> HTTPException:
+    return HTTPException(
+        status.HTTP_409_CONFLICT,
+        {"msg": f"run {record.id} is already {record.state}: nothing to cancel", "state": record.state},
+    )
+
+
 @router.get("/runs/{run_id}/metrics")
-async def run_metrics(run_id: str, request: Request, since: int = 0) -> list[dict[str, Any]]:
+async def run_metrics(
+    run_id: RunId, request: Request, since: Annotated[int, Query(ge=0)] = 0
+) -> list[dict[str, Any]]:
     return await _series(request, run_id, since, "metrics")
 
 
 @router.get("/runs/{run_id}/evals")
-async def run_evals(run_id: str, request: Request, since: int = 0) -> list[dict[str, Any]]:
+async def run_evals(
+    run_id: RunId, request: Request, since: Annotated[int, Query(ge=0)] = 0
+) -> list[dict[str, Any]]:
     return await _series(request, run_id, since, "evals")
 
 
@@ -117,7 +160,7 @@ async def _series(request: Request, run_id: str, since: int, series: str) -> lis
 
 
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
-async def viewer(run_id: str, request: Request, limit: int = 400) -> HTMLResponse:
+async def viewer(run_id: RunId, request: Request, limit: int = 400) -> HTMLResponse:
     from services.trainer.viewer import load_groups, render_viewer, viewer_data
 
     record = await _store(request).get(run_id)
