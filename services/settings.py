@@ -28,6 +28,14 @@ class CommonSettings(BaseSettings):
         description="prefix of every Redis key, so deployments can share a Redis",
     )
     log_level: str = Field(default="INFO", validation_alias=AliasChoices("PBSD_LOG_LEVEL"))
+    redis_patience_s: float = Field(
+        default=60.0,
+        ge=0,
+        validation_alias=AliasChoices("PBSD_REDIS_PATIENCE_S"),
+        description="how long a Redis command waits out an outage (reconnecting with backoff) before "
+        "it fails; the bus's consumers then keep waiting on their own, and a run resumes from its "
+        "last checkpoint once Redis is back",
+    )
 
     def __repr_args__(self):  # never print credentials embedded in the Redis URL
         for key, value in super().__repr_args__():

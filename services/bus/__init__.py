@@ -16,6 +16,6 @@ Delivery is at-least-once with idempotent consumers:
   still needs), so Redis memory follows what is in flight, not what has passed.
 """
 
-from services.bus.client import Bus, ConsumerOptions, Delivery, Held
+from services.bus.client import Bus, ConsumerOptions, Delivery, Held, redis_client
 
-__all__ = ["Bus", "ConsumerOptions", "Delivery", "Held"]
+__all__ = ["Bus", "ConsumerOptions", "Delivery", "Held", "redis_client"]

@@ -12,6 +12,8 @@ from typing import Any, Generic, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -117,6 +119,26 @@ class _Outage:
         self.delay = min(self.delay * 2, 10.0)
 
 
+def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:
+    """A client whose every command rides out a Redis outage of up to about ``patience_s``
+    seconds (a restart, a failover, a blip of the network): it reconnects and sends the command
+    again after 0.25 s, doubling to 5 s between tries. A command whose connection broke after
+    Redis ran it may run twice; the bus's consumers deduplicate by message id and the run
+    store's writes are idempotent or append one record. 0: no retries."""
+    backoff = ExponentialBackoff(cap=5.0, base=0.25)
+    retries, waited = 0, 0.0
+    while waited < patience_s:
+        waited += backoff.compute(retries)
+        retries += 1
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=False,
+        retry=Retry(backoff, retries),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        socket_connect_timeout=5.0,  # a host that is gone (not refusing) must not hang a try
+    )
+
+
 def _id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
@@ -141,8 +163,9 @@ class Bus:
         self._last_trim: dict[str, float] = {}
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> Bus:
-        return cls(aioredis.Redis.from_url(url, decode_responses=False), **kwargs)
+    def from_url(cls, url: str, *, patience_s: float = 0.0, **kwargs: Any) -> Bus:
+        """``patience_s``: how long each command waits out a Redis outage (:func:`redis_client`)."""
+        return cls(redis_client(url, patience_s=patience_s), **kwargs)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -41,7 +41,9 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
 
     async def start():
         setup_logging(settings.log_level)
-        bus = Bus.from_url(settings.redis_url, prefix=settings.stream_prefix)
+        bus = Bus.from_url(
+            settings.redis_url, prefix=settings.stream_prefix, patience_s=settings.redis_patience_s
+        )
         engine = build_engine(settings)
         tools = GatewayClient(settings.tools_url)
         worker = RolloutWorker(

@@ -39,7 +39,9 @@ def create_app(settings: ScorerSettings | None = None) -> FastAPI:
 
     async def start():
         setup_logging(settings.log_level)
-        bus = Bus.from_url(settings.redis_url, prefix=settings.stream_prefix)
+        bus = Bus.from_url(
+            settings.redis_url, prefix=settings.stream_prefix, patience_s=settings.redis_patience_s
+        )
         worker = ScorerWorker(
             bus,
             build_scorer(settings),

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import redis.asyncio as aioredis
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.bus import Bus
+from services.bus import Bus, redis_client
 from services.bus.lag import StreamLagMonitor
 from services.telemetry import add_metrics_route, setup_logging
 from services.trainer.api import router
@@ -28,10 +30,14 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         setup_logging(
             settings.log_level, [settings.api_token.get_secret_value()] if settings.api_token else []
         )
-        client = aioredis.Redis.from_url(settings.redis_url)
+        # the executor's commands wait out an outage; the API's answer 503 after a short one
+        client = redis_client(settings.redis_url, patience_s=settings.redis_patience_s)
+        api_client = redis_client(settings.redis_url, patience_s=min(2.0, settings.redis_patience_s))
         bus = Bus(client, prefix=settings.stream_prefix)
-        store = RunStore(client, settings.stream_prefix)
-        executor = RunExecutor(bus, store, settings, save_groups=settings.save_groups)
+        executor = RunExecutor(
+            bus, RunStore(client, settings.stream_prefix), settings, save_groups=settings.save_groups
+        )
+        store = RunStore(api_client, settings.stream_prefix)
         stop = asyncio.Event()
         task = asyncio.create_task(executor.serve(stop))
         # the trainer is the single replica, so the stream lag series are exported exactly once
@@ -47,14 +53,17 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             yield
         finally:
             stop.set()
-            try:
-                await asyncio.wait_for(task, 120)
-            except (TimeoutError, asyncio.CancelledError):
+            # the run in progress finishes its step and checkpoints (the orchestrator's grace
+            # period must be longer: deploy/ gives 10 minutes)
+            done, _ = await asyncio.wait({task}, timeout=settings.shutdown_grace_s)
+            if not done:
                 task.cancel()
             lag_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await lag_task
+            for t in (task, lag_task):
+                with contextlib.suppress(BaseException):
+                    await t
             await client.aclose()
+            await api_client.aclose()
 
     app = FastAPI(
         title="pbsd trainer",
@@ -64,6 +73,11 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
     )
     add_metrics_route(app)
     app.include_router(router)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": f"Redis is unreachable: {exc}"}, status_code=503)
 
     @app.get("/health")
     async def health(response: Response) -> dict:

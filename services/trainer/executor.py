@@ -18,6 +18,10 @@ A trainer killed mid-run resumes from its last full checkpoint when it starts ag
 model, optimiser, schedule, RNG, data position and the trained-id set are restored,
 held groups are reclaimed from the bus, and prompts are republished from the saved
 position in the same order (their ids are unchanged, so nothing is sampled twice).
+After a crash (any checkpoint but the one a clean shutdown writes, or none at all) the
+prompts that were out are published again under a new timeline, and the step records
+past the checkpoint are dropped. A Redis outage longer than the client's patience
+(``redis_patience_s``) is a crash too: the executor waits for Redis and resumes the run.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from transformers import AutoTokenizer
 
 from agent.chat import ChatTokenizer
@@ -59,6 +65,8 @@ from services.trainer.settings import TrainerSettings
 from worldgen.formats import load_questions
 
 log = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 __all__ = ["RunExecutor", "TrainState", "batch_metrics", "covered_seconds"]
 
@@ -193,30 +201,51 @@ class RunExecutor:
         self.settings = settings
         self.save_groups = save_groups
         self.current: str | None = None
+        self._trainer = None  # the current run's, released when the run ends however it ends
 
     async def serve(self, stop: asyncio.Event) -> None:
-        """Resume interrupted runs, then run queued ones, one at a time, until ``stop``."""
-        for record in await self.store.in_state("running", "cancelling"):
-            await self.execute(record.id, resume=True, stop=stop)
+        """Resume interrupted runs, then run queued ones, one at a time, until ``stop``. Redis
+        out of reach for longer than the client waits: wait for it, then resume what it cut off."""
+        resumed, delay = False, 0.5
         while not stop.is_set():
-            run_id = await self.store.next_queued()
-            if run_id is None:
+            try:
+                if not resumed:
+                    await self.store.requeue_orphans()
+                    for record in await self.store.in_state("running", "cancelling"):
+                        await self.execute(record.id, resume=True, stop=stop)
+                    resumed = True
+                run_id = await self.store.next_queued()
+                delay = 0.5
+                if run_id is None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 0.5)
+                    continue
+                await self.execute(run_id, stop=stop)
+            except REDIS_DOWN as exc:
+                log.warning("Redis is unreachable (%s); trying again in %.1f s", exc, delay)
+                resumed = False  # a run the outage cut off is still "running": resume it
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.5)
-                continue
-            await self.execute(run_id, stop=stop)
+                    await asyncio.wait_for(stop.wait(), delay)
+                delay = min(delay * 2, 10.0)
 
     async def execute(self, run_id: str, *, resume: bool = False, stop: asyncio.Event | None = None) -> None:
+        """Run (or resume) one run; a failure marks it failed. Redis going away is not the run's
+        failure: it is raised, and the run resumes from its last checkpoint once Redis is back."""
         self.current = run_id
         try:
             await self._execute(run_id, resume=resume, stop=stop or asyncio.Event())
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, *REDIS_DOWN):
             raise
         except Exception as exc:
             log.exception("run %s failed", run_id)
             await self.store.update(run_id, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
         finally:
             self.current = None
+            trainer, self._trainer = self._trainer, None
+            if trainer is not None and hasattr(trainer, "stop"):
+                # only now do the other DeepSpeed ranks leave this run's trainer: every save of
+                # the run is a collective they take part in
+                await asyncio.to_thread(trainer.stop)
 
     # -- the run ---------------------------------------------------------------------------
     async def _execute(self, run_id: str, *, resume: bool, stop: asyncio.Event) -> None:
@@ -228,7 +257,10 @@ class RunExecutor:
         (out / "weights").mkdir(parents=True, exist_ok=True)
         report = load_questions(spec.data.train)
         report.raise_if_empty(Path(spec.data.train))
-        tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
+        # loading and saving run off the event loop, which serves the API and its health probes
+        tokenizer = await asyncio.to_thread(
+            AutoTokenizer.from_pretrained, spec.model.tokenizer or spec.model.path
+        )
         chat = ChatTokenizer(tokenizer)  # reads the trajectories back as text, for the grounding metrics
 
         latest = _latest_checkpoint(out) if resume else None
@@ -237,32 +269,39 @@ class RunExecutor:
             random.seed(spec.trainer.seed)
             np.random.seed(spec.trainer.seed)
             torch.manual_seed(spec.trainer.seed)
-        model = load_model(
-            latest / "model" if latest else spec.model.path, dtype=dtype, device=self.settings.device
-        )
-        trainer = make_trainer(
+        model_path = latest / "model" if latest else spec.model.path
+        model = await asyncio.to_thread(load_model, model_path, dtype=dtype, device=self.settings.device)
+        self._trainer = trainer = await asyncio.to_thread(
+            make_trainer,
             model,
             spec.trainer,
-            model_path=str(latest / "model" if latest else spec.model.path),
+            model_path=str(model_path),
             chunk_size=self.settings.chunk_size,
             gradient_checkpointing=self.settings.gradient_checkpointing,
             # the KL penalty's reference is the run's initial policy, also after a resume
             reference_path=spec.model.path if spec.algorithm.kl_coef > 0 else None,
         )
         state = TrainState()
-        crashed = False
+        # a resume from anything but the checkpoint a clean shutdown wrote (another one, or none:
+        # a crash before the first) may have lost steps and has prompts out it must publish again
+        crashed = resume
         initial_weights = spec.model.path
+        saved: dict[str, Any] = {}
         if latest:
-            trainer.load_state_file(latest / "state.pt")
+            await asyncio.to_thread(trainer.load_state_file, latest / "state.pt")
             saved = json.loads((latest / "trainer.json").read_text())
             state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
-            crashed = not saved.get("interrupted", False)  # steps after the checkpoint were lost
-            await self.store.reset_trained(run_id, saved.get("trained_ids", []))
+            crashed = not saved.get("interrupted", False)
             initial_weights = str(latest / "model")
             log.info("run %s resumes from %s at step %d", run_id, latest.name, state.step)
-        await self.store.update(
-            run_id, state="running", output_dir=str(out), step=state.step, policy_version=state.version
-        )
+        if resume:
+            await self.store.reset_trained(run_id, saved.get("trained_ids", []))
+            await self.store.truncate_metrics(run_id, state.step)  # the steps lost with a crash
+            _truncate_lines(out / "metrics.jsonl", state.step)
+        fields = {"output_dir": str(out), "step": state.step, "policy_version": state.version}
+        if record.state != "cancelling":  # a cancel asked for before a restart still holds
+            fields["state"] = "running"
+        await self.store.update(run_id, **fields)
         await self._publish_weights(run_id, state, initial_weights)
 
         controller = PromptController(
@@ -273,7 +312,7 @@ class RunExecutor:
             next_index=state.next_index,
             timeline=new_id()[:8] if crashed else "",
         )
-        if crashed:
+        if crashed and latest:
             trained = {_prompt_index(t) for t in saved.get("trained_ids", [])}
             done = trained | set(state.dropped_indices)
             out_at_checkpoint = [i for i in range(controller.next_index) if i not in done]
@@ -409,22 +448,17 @@ class RunExecutor:
             await _stop_task(watcher, cancel)
             if evaluator is not None:
                 await _stop_task(evaluator.task, evaluator.stop)
-        try:
-            await self._checkpoint(
-                run_id, out, tokenizer, trainer, state, controller, interrupted=finished == "interrupted"
-            )
-            if finished == "interrupted":
-                return  # the trainer is shutting down: the run stays "running" and resumes on restart
-            trainer.save_weights(
-                out / "final",
-                tokenizer=tokenizer,
-                meta={"run_id": run_id, "version": state.version, "step": state.step},
-            )
-        finally:
-            # only now do the other DeepSpeed ranks leave this run's trainer: every save above is
-            # a collective they take part in
-            if hasattr(trainer, "stop"):
-                trainer.stop()
+        await self._checkpoint(
+            run_id, out, tokenizer, trainer, state, controller, interrupted=finished == "interrupted"
+        )
+        if finished == "interrupted":
+            return  # the trainer is shutting down: the run stays "running" and resumes on restart
+        await asyncio.to_thread(
+            trainer.save_weights,
+            out / "final",
+            tokenizer=tokenizer,
+            meta={"run_id": run_id, "version": state.version, "step": state.step},
+        )
         await self.store.update(run_id, state=finished)
 
     async def _accept(
@@ -468,14 +502,18 @@ class RunExecutor:
     async def _watch(self, run_id: str, cancel: asyncio.Event, stop: asyncio.Event) -> None:
         """Set ``cancel`` when the run is cancelled or the trainer stops; ends once ``cancel`` is set."""
         while not cancel.is_set():
-            record = await self.store.get(run_id)
+            try:
+                record = await self.store.get(run_id)
+            except REDIS_DOWN:
+                record = None  # the run's own calls meet the outage too; a cancel waits for Redis
             if stop.is_set() or (record is not None and record.state == "cancelling"):
                 cancel.set()
                 return
             await asyncio.sleep(0.5)
 
     async def _publish_new_weights(self, run_id, out, tokenizer, trainer, state) -> None:
-        path = trainer.save_weights(
+        path = await asyncio.to_thread(
+            trainer.save_weights,
             out / "weights" / f"v{state.version:06d}",
             tokenizer=tokenizer,
             meta={"run_id": run_id, "version": state.version, "step": state.step},
@@ -500,8 +538,8 @@ class RunExecutor:
         """``interrupted``: taken as the trainer shuts down, so nothing happened after it (a resume
         from any other checkpoint may have lost steps, and publishes the prompts out again)."""
         path = out / "checkpoints" / f"step-{state.step:06d}"
-        trainer.save_weights(path / "model", tokenizer=tokenizer)
-        trainer.save_state(path / "state.pt")
+        await asyncio.to_thread(trainer.save_weights, path / "model", tokenizer=tokenizer)
+        await asyncio.to_thread(trainer.save_state, path / "state.pt")
         saved = {
             **asdict(state),
             "interrupted": interrupted,
@@ -538,6 +576,14 @@ class RunExecutor:
             if key in record:
                 gauge.set(record[key])
         m.STEP_SECONDS.observe(record["step_s"])
+
+
+def _truncate_lines(path: Path, keep: int) -> None:
+    """Keep the first ``keep`` lines of a JSONL file (the step records a resume keeps)."""
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)
+        if len(lines) > keep:
+            path.write_text("".join(lines[:keep]))
 
 
 def _latest_checkpoint(out: Path) -> Path | None:

@@ -84,23 +84,54 @@ class RunStore:
         run_id = await self.redis.lpop(f"{self.prefix}:runs:queue")
         return run_id.decode() if isinstance(run_id, bytes) else run_id
 
+    async def requeue_orphans(self) -> list[str]:
+        """Queue again, in submission order, the runs still "queued" that are in no queue: a
+        trainer that took one off the queue and died before it was "running" (while loading
+        its model, say) lost it. Only the trainer takes runs off the queue, and it calls this
+        before it takes any."""
+        queue = {_s(x) for x in await self.redis.lrange(f"{self.prefix}:runs:queue", 0, -1)}
+        runs = [_s(x) for x in await self.redis.zrange(f"{self.prefix}:runs", 0, -1)]
+        orphans = [
+            r for r in runs if r not in queue and _s(await self.redis.hget(self._key(r), "state")) == "queued"
+        ]
+        if orphans:
+            await self.redis.lpush(f"{self.prefix}:runs:queue", *reversed(orphans))  # ahead of newer ones
+        return orphans
+
     async def in_state(self, *states: str) -> list[RunRecord]:
         return [r for r in await self.list(1000) if r.state in states]
 
+    # one step, so that a run finishing meanwhile is never turned back to "cancelling"
+    _CANCEL = """
+    local state = redis.call('HGET', KEYS[1], 'state')
+    if state == 'queued' then
+        redis.call('LREM', KEYS[2], 0, ARGV[1])
+        redis.call('HSET', KEYS[1], 'state', 'cancelled', 'updated_at', ARGV[2])
+    elseif state == 'running' then
+        redis.call('HSET', KEYS[1], 'state', 'cancelling', 'updated_at', ARGV[2])
+    end
+    return state
+    """
+
     async def request_cancel(self, run_id: str) -> RunRecord | None:
-        record = await self.get(run_id)
-        if record is None or record.state in FINISHED:
-            return record
-        if record.state == "queued":
-            await self.redis.lrem(f"{self.prefix}:runs:queue", 0, run_id)
-            await self.update(run_id, state="cancelled")
-        else:
-            await self.update(run_id, state="cancelling")
+        """Cancel a queued run at once, ask a running one to stop; a finished run is left as it is
+        (the record returned says which)."""
+        keys = [self._key(run_id), f"{self.prefix}:runs:queue"]
+        await self.redis.eval(self._CANCEL, len(keys), *keys, run_id, repr(time.time()))
         return await self.get(run_id)
 
     async def add_metrics(self, run_id: str, record: dict[str, Any], *, series: str = "metrics") -> None:
         """Append to one of the run's series: ``metrics`` (one record a step) or ``evals`` (a round)."""
         await self.redis.rpush(self._key(run_id, f":{series}"), json.dumps(record))
+
+    async def truncate_metrics(self, run_id: str, steps: int) -> None:
+        """Keep the first ``steps`` step records: a run resumed from the checkpoint of step
+        ``steps`` trains the steps after it again, and records them again."""
+        key = self._key(run_id, ":metrics")
+        if steps > 0:
+            await self.redis.ltrim(key, 0, steps - 1)
+        else:
+            await self.redis.delete(key)
 
     async def metrics(self, run_id: str, since: int = 0, *, series: str = "metrics") -> list[dict[str, Any]]:
         return [json.loads(x) for x in await self.redis.lrange(self._key(run_id, f":{series}"), since, -1)]
@@ -127,6 +158,10 @@ class RunStore:
             x.decode() if isinstance(x, bytes) else x
             for x in await self.redis.smembers(self._key(run_id, ":trained"))
         )
+
+
+def _s(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _to_hash(record: RunRecord) -> dict[str, str]:

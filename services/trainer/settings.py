@@ -35,6 +35,12 @@ class TrainerSettings(CommonSettings):
     save_groups: bool = Field(
         default=False, description="keep every step's scored groups (reports, the credit viewer)"
     )
+    shutdown_grace_s: float = Field(
+        default=540.0,
+        gt=0,
+        description="on SIGTERM, how long the run in progress may take to finish its step and "
+        "checkpoint before it is cut off (keep it under the orchestrator's grace period)",
+    )
 
     @model_validator(mode="after")
     def _auth(self):

@@ -1,0 +1,326 @@
+"""The trainer's run lifecycle under the failures an operator meets: Redis going away for a few
+seconds or longer, a crash before the first checkpoint, a cancel followed by a restart, a death
+between the queue and "running", a slow checkpoint, a full disk. Every test runs the real
+executor on a real redis-server, with tests/test_trainer_service.FakePipeline playing rollout and
+scorer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+
+import pytest
+
+from agent.chat import ChatTokenizer
+from proto.runs import RunSpec
+from services.bus import Bus
+from services.local_redis import LocalRedis, free_port
+from services.trainer import executor as executor_module
+from services.trainer.executor import REDIS_DOWN, RunExecutor
+from services.trainer.runs import RunStore
+from services.trainer.settings import TrainerSettings
+from tests.test_trainer_service import FakePipeline, _spec
+
+
+class _Pipeline:
+    """The executor (serving in a task) and the fake rollout/scorer, on one Redis."""
+
+    def __init__(self, url, prefix, tiny_checkpoint, tmp_path, *, patience_s=30.0, **fake) -> None:
+        self.bus = Bus.from_url(url, prefix=prefix, patience_s=patience_s)
+        self.fake_bus = Bus.from_url(url, prefix=prefix, patience_s=30.0)
+        self.store = RunStore(self.bus.redis, prefix)
+        self.settings = TrainerSettings(
+            local_mode=True,
+            redis_url=url,
+            stream_prefix=prefix,
+            runs_dir=tmp_path / "runs",
+            claim_idle_ms=2000,
+        )
+        self.fake = FakePipeline(self.fake_bus, ChatTokenizer.from_pretrained(tiny_checkpoint), **fake)
+        self.fake_stop, self.stop = asyncio.Event(), asyncio.Event()
+        self.fake_task = asyncio.create_task(self.fake.run(self.fake_stop))
+        self.serving: asyncio.Task | None = None
+
+    def serve(self) -> None:
+        self.stop = asyncio.Event()
+        self.serving = asyncio.create_task(RunExecutor(self.bus, self.store, self.settings).serve(self.stop))
+
+    async def crash(self) -> None:
+        """The trainer process dies: nothing of it runs any more (no checkpoint, no state)."""
+        self.serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.serving
+
+    async def shutdown(self) -> None:
+        """SIGTERM: the run in progress stops cleanly and stays resumable."""
+        self.stop.set()
+        await asyncio.wait_for(self.serving, 60)
+
+    async def until(self, run_id, done, timeout=90.0):
+        async with asyncio.timeout(timeout):
+            while True:
+                with contextlib.suppress(*REDIS_DOWN):
+                    record = await self.store.get(run_id)
+                    if done(record):
+                        return record
+                assert not self.serving.done() or self.serving.cancelled(), self.serving.exception()
+                await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        """Every step bounded: a teardown that hangs prints where every task is and fails."""
+
+        async def bounded(what: str, awaitable) -> None:
+            try:
+                await asyncio.wait_for(awaitable, 20)
+            except TimeoutError:
+                print(f"teardown: {what} hangs; the tasks:", file=sys.stderr)
+                for task in asyncio.all_tasks():
+                    task.print_stack(file=sys.stderr)
+                raise
+
+        if self.serving is not None and not self.serving.done():
+            await bounded("stopping the executor", self.crash())
+        self.fake_stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.fake_task, 15)
+        await bounded("closing the bus", self.bus.close())
+        await bounded("closing the fake's bus", self.fake_bus.close())
+
+
+@pytest.fixture
+async def pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path):
+    pipelines = []
+
+    def make(**kwargs):
+        pipelines.append(_Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path, **kwargs))
+        return pipelines[-1]
+
+    yield make
+    for p in pipelines:
+        await p.close()
+
+
+def _finished(record):
+    return record.state in ("completed", "cancelled", "failed")
+
+
+async def _steps_recorded(store: RunStore, run_id: str) -> list[int]:
+    return [int(r["step"]) for r in await store.metrics(run_id)]
+
+
+async def test_a_crash_before_the_first_checkpoint_starts_the_run_again(
+    pipeline, tiny_world, tiny_checkpoint
+):
+    """It used to hang: resumed with no checkpoint, it republished its prompts under ids the
+    rollout had already answered, and dropped the groups still on the bus as 'future' ones."""
+    p = pipeline()
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=10))
+    record = await p.store.create(spec)
+    p.serve()
+    await p.until(record.id, lambda r: r.step >= 2)
+    await p.crash()
+    p.serve()
+    done = await p.until(record.id, _finished)
+    assert (done.state, done.step) == ("completed", 4), done.error
+    assert await _steps_recorded(p.store, record.id) == [1, 2, 3, 4]  # the lost steps' records are gone
+    lines = (p.settings.runs_dir / record.id / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+
+
+async def test_a_crash_resume_records_each_step_once(pipeline, tiny_world, tiny_checkpoint):
+    p = pipeline(hold_after=6)  # the fake answers steps 1-3 only, until released
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=2))
+    record = await p.store.create(spec)
+    p.serve()
+    await p.until(record.id, lambda r: r.step >= 3)
+    await p.crash()  # step 3 is lost with the crash: the last checkpoint is step 2's
+    p.fake.release.set()
+    p.serve()
+    done = await p.until(record.id, _finished)
+    assert done.state == "completed", done.error
+    assert await _steps_recorded(p.store, record.id) == [1, 2, 3, 4]  # was [1, 2, 3, 3, 4]
+
+
+async def test_a_cancel_survives_a_restart(pipeline, tiny_world, tiny_checkpoint):
+    """The user cancels; the trainer is restarted before its loop saw it. The run used to be
+    resumed as "running" and completed."""
+    p = pipeline(hold_after=2)  # step 1 trains, then the run waits for groups
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=1))
+    record = await p.store.create(spec)
+    p.serve()
+    await p.until(record.id, lambda r: r.step >= 1)
+    assert (await p.store.request_cancel(record.id)).state == "cancelling"  # POST /runs/{id}/cancel
+    p.stop.set()  # SIGTERM in the same moment
+    await asyncio.wait_for(p.serving, 60)
+    assert (await p.store.get(record.id)).state == "cancelling"
+    p.fake.release.set()
+    p.serve()
+    done = await p.until(record.id, _finished)
+    assert done.state == "cancelled" and done.step < 4
+
+
+async def test_a_run_lost_between_the_queue_and_running_is_queued_again(
+    pipeline, tiny_world, tiny_checkpoint, monkeypatch
+):
+    class Killed(BaseException):
+        """The process dies while the model loads (the OOM killer): nothing after it runs."""
+
+    p = pipeline()
+    record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=2)))
+    load = executor_module.load_model
+    monkeypatch.setattr(executor_module, "load_model", lambda *a, **k: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+        await RunExecutor(p.bus, p.store, p.settings).serve(asyncio.Event())
+    assert (await p.store.get(record.id)).state == "queued"
+    assert await p.store.redis.llen(f"{p.store.prefix}:runs:queue") == 0  # off the queue, never started
+    monkeypatch.setattr(executor_module, "load_model", load)
+    p.serve()
+    done = await p.until(record.id, _finished)
+    assert (done.state, done.step) == ("completed", 2), done.error
+
+
+async def test_a_finished_run_is_not_turned_back_by_a_late_cancel(pipeline, tiny_world, tiny_checkpoint):
+    p = pipeline()
+    record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint)))
+    await p.store.redis.lrem(f"{p.store.prefix}:runs:queue", 0, record.id)
+    await p.store.update(record.id, state="completed")
+    assert (await p.store.request_cancel(record.id)).state == "completed"
+    await p.store.update(record.id, state="running")
+    assert (await p.store.request_cancel(record.id)).state == "cancelling"
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A persistent redis-server of the test's own, which the test can stop and start again on
+    the same port (the executor's client reconnects to it)."""
+    port = free_port()
+    box = {"server": LocalRedis(port=port, persist=True, workdir=tmp_path / "redis").start()}
+
+    async def outage(seconds: float) -> None:
+        box["server"].stop()
+        await asyncio.sleep(seconds)  # Redis is gone while the executor runs
+        box["server"] = LocalRedis(port=port, persist=True, workdir=tmp_path / "redis").start()
+
+    yield box["server"].url, outage
+    box["server"].stop()
+
+
+@pytest.mark.parametrize(
+    ("patience_s", "down_s"),
+    [
+        (30.0, 3.0),  # within the client's patience: every command waits it out
+        (0.5, 4.0),  # beyond it: the run is cut off, the executor waits for Redis and resumes it
+    ],
+    ids=["within-patience", "beyond-patience"],
+)
+async def test_a_run_rides_out_a_redis_outage(
+    own_redis, tiny_world, tiny_checkpoint, tmp_path, patience_s, down_s
+):
+    """It used to leave the run "running" for good with the executor dead (or "failed" after its
+    last step), and /health at 503 until someone restarted the trainer."""
+    url, outage = own_redis
+    p = _Pipeline(url, "outage", tiny_checkpoint, tmp_path, patience_s=patience_s)
+    try:
+        spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=6, checkpoint_every=2))
+        record = await p.store.create(spec)
+        p.serve()
+        await p.until(record.id, lambda r: r.step >= 2)
+        await outage(down_s)
+        done = await p.until(record.id, _finished, timeout=120)
+        assert (done.state, done.step) == ("completed", 6), done.error
+        assert not p.serving.done()  # still serving: a run submitted now starts
+        assert (p.settings.runs_dir / record.id / "final" / "config.json").exists()
+        assert await _steps_recorded(p.store, record.id) == [1, 2, 3, 4, 5, 6]
+        second = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=1)))
+        assert (await p.until(second.id, _finished)).state == "completed"
+    finally:
+        await p.close()
+
+
+async def test_an_idle_trainer_rides_out_a_redis_outage(own_redis, tiny_world, tiny_checkpoint, tmp_path):
+    url, outage = own_redis
+    p = _Pipeline(url, "idle", tiny_checkpoint, tmp_path, patience_s=0.5)
+    try:
+        p.serve()
+        await asyncio.sleep(0.5)
+        await outage(2.0)
+        await asyncio.sleep(1.0)
+        assert not p.serving.done()  # it used to die of the first failed LPOP
+        record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=1)))
+        assert (await p.until(record.id, _finished)).state == "completed"
+    finally:
+        await p.close()
+
+
+async def test_a_slow_checkpoint_does_not_stall_the_event_loop(
+    pipeline, tiny_world, tiny_checkpoint, monkeypatch
+):
+    """The API and its health probe share the loop: a checkpoint written on it made /health time
+    out for as long as the write took."""
+    make = executor_module.make_trainer
+
+    def slow_saves(*args, **kwargs):
+        trainer = make(*args, **kwargs)
+        save_state = trainer.save_state
+
+        def slow(path):
+            time.sleep(1.5)  # a large optimiser state on a slow disk
+            return save_state(path)
+
+        trainer.save_state = slow
+        return trainer
+
+    monkeypatch.setattr(executor_module, "make_trainer", slow_saves)
+    p = pipeline()
+    record = await p.store.create(
+        RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=2, checkpoint_every=1))
+    )
+    gaps: list[float] = []
+
+    async def probe():
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    prober = asyncio.create_task(probe())
+    p.serve()
+    done = await p.until(record.id, _finished)
+    prober.cancel()
+    assert done.state == "completed", done.error
+    assert max(gaps) < 1.0, f"the loop was held for {max(gaps):.1f} s"
+
+
+async def test_a_failed_run_releases_its_trainer(pipeline, tiny_world, tiny_checkpoint, monkeypatch):
+    """A full disk fails the run; the trainer is still released (under DeepSpeed, the other ranks
+    leave the run's engine), where it used to be released only by a run that ended cleanly."""
+    make = executor_module.make_trainer
+    trainers = []
+
+    def disk_full(*args, **kwargs):
+        trainer = make(*args, **kwargs)
+        trainer.stopped = False
+
+        def save_state(path):
+            raise OSError(28, "No space left on device")
+
+        def stop():
+            trainer.stopped = True
+
+        trainer.save_state, trainer.stop = save_state, stop
+        trainers.append(trainer)
+        return trainer
+
+    monkeypatch.setattr(executor_module, "make_trainer", disk_full)
+    p = pipeline()
+    record = await p.store.create(
+        RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, checkpoint_every=1))
+    )
+    p.serve()
+    done = await p.until(record.id, _finished)
+    assert done.state == "failed" and "No space left" in done.error
+    assert trainers and trainers[0].stopped
