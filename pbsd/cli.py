@@ -364,6 +364,21 @@ def runs_cancel(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> Non
     typer.echo(f"{r['id']} {r['state']}")
 
 
+@runs_app.command("delete")
+def runs_delete(
+    run_id: str,
+    files: bool = typer.Option(False, help="also remove the run's folder (checkpoints, weights, metrics)"),
+    url: str = _URL,
+    token: str | None = _TOKEN,
+) -> None:
+    """Forget a finished run (cancel an active one first)."""
+    with _api(url, token) as api:
+        response = api.delete(f"/runs/{run_id}", params={"files": files})
+        if response.status_code != 204:
+            _check(response)
+    typer.echo(f"{run_id} deleted" + (" with its files" if files else ""))
+
+
 @app.command("demo")
 def demo_cmd(
     out: Path | None = typer.Option(None, help="output folder (default: runs/demo-<time>)"),

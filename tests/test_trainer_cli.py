@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import yaml
@@ -48,6 +49,15 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
     assert "v3     step     3  mean@4 0.250  pass@4 0.500  on 8 questions" in rounds.output, rounds.output
     cancelled = runner.invoke(app, ["runs", "cancel", run_id, *args])
     assert cancelled.exit_code == 0 and run_id in cancelled.output
+    deadline = time.monotonic() + 60  # a run the executor had started stops after its step
+    while json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).output)["state"] != "cancelled":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    again = runner.invoke(app, ["runs", "cancel", run_id, *args])
+    assert again.exit_code == 1 and "409" in again.output and "already cancelled" in again.output
+    deleted = runner.invoke(app, ["runs", "delete", run_id, "--files", *args])
+    assert deleted.exit_code == 0 and f"{run_id} deleted" in deleted.output, deleted.output
+    assert run_id not in runner.invoke(app, ["runs", "list", *args]).output
     denied = runner.invoke(app, ["runs", "list", "--url", api, "--token", "wrong"])
     assert denied.exit_code == 1 and "401" in denied.output
     spec["rollout"]["group_size"] = 0

@@ -622,3 +622,39 @@ async def test_a_tokenizer_directory_that_does_not_exist_is_a_422(api, tiny_worl
         r = await http.post("/runs", json=good)
         assert r.status_code == 201, r.text
         assert (await http.post(f"/runs/{r.json()['id']}/cancel")).status_code == 202
+
+
+async def test_deleting_a_run_forgets_it_and_with_files_removes_its_folder(
+    api, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    import redis.asyncio as aioredis
+
+    spec = _spec(tiny_world, tiny_checkpoint)
+    running = await _parked_run(redis_url, key_prefix, spec, "running")
+    kept = await _parked_run(redis_url, key_prefix, spec, "completed")
+    gone = await _parked_run(redis_url, key_prefix, spec, "completed")
+    client = aioredis.Redis.from_url(redis_url)
+    store = RunStore(client, key_prefix)
+    for run_id in (kept, gone):  # the folder a run's executor writes
+        (tmp_path / "runs" / run_id / "checkpoints").mkdir(parents=True)
+        await store.update(run_id, output_dir=str(tmp_path / "runs" / run_id))
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    async with httpx.AsyncClient(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        r = await http.delete(f"/runs/{running}")
+        assert r.status_code == 409 and r.json()["detail"]["state"] == "running"
+        assert (await http.delete(f"/runs/{kept}")).status_code == 204
+        assert (await http.get(f"/runs/{kept}")).status_code == 404
+        assert (tmp_path / "runs" / kept).is_dir()  # without ?files the folder stays
+        assert (await http.delete(f"/runs/{gone}", params={"files": True})).status_code == 204
+        assert not (tmp_path / "runs" / gone).exists()
+        assert (await http.delete(f"/runs/{gone}")).status_code == 404
+        assert [r["id"] for r in (await http.get("/runs")).json()] == [running]
+        # a record pointing outside the trainer's runs folder never gets anything removed
+        await store.update(running, state="failed", output_dir=str(outside))
+        assert (await http.delete(f"/runs/{running}", params={"files": True})).status_code == 409
+        assert outside.is_dir()
+    for run_id in (kept, gone):
+        for suffix in ("", ":metrics", ":evals", ":trained"):
+            assert not await client.exists(f"{key_prefix}:run:{run_id}{suffix}")
+    await client.aclose()

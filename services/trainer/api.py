@@ -5,6 +5,7 @@
     GET  /runs/{id}              state, step, policy version, latest metrics and validation round, spec
     POST /runs/{id}/cancel       stop after the current step (a queued run never starts); 409 when it has
                                  already finished
+    DELETE /runs/{id}            forget a finished run (``?files=true``: its folder too); 409 while active
     GET  /runs/{id}/metrics      the per-step metric history (``?since=N`` skips the first N)
     GET  /runs/{id}/evals        the validation rounds (runs with ``data.validation``), the same way
     GET  /runs/{id}/viewer       the turn-level credit viewer (HTML; needs a trainer started with --save-groups)
@@ -20,10 +21,11 @@ import asyncio
 import functools
 import hmac
 import re
+import shutil
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
 from fastapi.responses import HTMLResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -130,6 +132,29 @@ async def cancel(run_id: RunId, request: Request) -> RunRecord:
     if record.state in ("completed", "failed"):
         raise _finished(record)
     return record
+
+
+@router.delete("/runs/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
+async def delete(run_id: RunId, request: Request, files: bool = False) -> Response:
+    """A finished run's record and series; with ``files`` its output folder (checkpoints,
+    weights, metrics, kept groups) as well. An active run must be cancelled first."""
+    store = _store(request)
+    record = await store.get(run_id)
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    if record.state not in FINISHED:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            {"msg": f"run {run_id} is {record.state}: cancel it first", "state": record.state},
+        )
+    if files and record.output_dir:
+        folder = Path(record.output_dir).resolve()
+        runs_dir = _settings(request).runs_dir.resolve()
+        if folder.parent != runs_dir:  # never remove anything but a run folder of this trainer
+            raise HTTPException(status.HTTP_409_CONFLICT, f"{folder} is not under {runs_dir}")
+        await asyncio.to_thread(shutil.rmtree, folder, True)
+    await store.delete(run_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 def _finished(record: RunRecord) -> HTTPException:

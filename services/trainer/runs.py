@@ -124,6 +124,14 @@ class RunStore:
         """Append to one of the run's series: ``metrics`` (one record a step) or ``evals`` (a round)."""
         await self.redis.rpush(self._key(run_id, f":{series}"), json.dumps(record))
 
+    async def delete(self, run_id: str) -> None:
+        """Forget a run: its record, metrics, validation rounds and trained set (files stay)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(*(self._key(run_id, s) for s in ("", ":metrics", ":evals", ":trained")))
+            pipe.zrem(f"{self.prefix}:runs", run_id)
+            pipe.lrem(f"{self.prefix}:runs:queue", 0, run_id)
+            await pipe.execute()
+
     async def truncate_metrics(self, run_id: str, steps: int) -> None:
         """Keep the first ``steps`` step records: a run resumed from the checkpoint of step
         ``steps`` trains the steps after it again, and records them again."""
