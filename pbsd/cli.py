@@ -66,7 +66,7 @@ def serve_tools(
     from services.tools.app import create_app
     from services.tools.settings import ToolsSettings
 
-    settings = ToolsSettings()
+    settings = _service_settings(ToolsSettings)
     uvicorn.run(
         create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
     )
@@ -85,7 +85,7 @@ def serve_rollout(
     from services.rollout.app import create_app
     from services.rollout.settings import RolloutSettings
 
-    settings = RolloutSettings()
+    settings = _service_settings(RolloutSettings)
     uvicorn.run(
         create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
     )
@@ -104,10 +104,25 @@ def serve_scorer(
     from services.scorer.app import create_app
     from services.scorer.settings import ScorerSettings
 
-    settings = ScorerSettings()
+    settings = _service_settings(ScorerSettings)
     uvicorn.run(
         create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
     )
+
+
+def _service_settings(cls):
+    """A service's settings from its environment; what is wrong is said in a line each, named by
+    its variable, instead of pydantic's traceback."""
+    from pydantic import ValidationError
+
+    try:
+        return cls()
+    except ValidationError as exc:
+        prefix = cls.model_config.get("env_prefix", "")
+        for error in exc.errors():
+            where = f"{prefix}{'_'.join(map(str, error['loc'])).upper()}: " if error["loc"] else ""
+            typer.echo(f"error: {where}{error['msg'].removeprefix('Value error, ')}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _loopback(host: str) -> bool:
@@ -149,7 +164,7 @@ def serve_trainer(
 
             follow_rank0(device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if _cuda() else "cpu")
             return
-    settings = TrainerSettings()
+    settings = _service_settings(TrainerSettings)
     if save_groups is not None:  # the flag, either way, over the environment
         settings = settings.model_copy(update={"save_groups": save_groups})
     host = host or settings.host
@@ -326,7 +341,10 @@ def runs_submit(
 def runs_list(url: str = _URL, token: str | None = _TOKEN) -> None:
     """Every run, newest first."""
     with _api(url, token) as api:
-        for r in _check(api.get("/runs")):
+        runs = _check(api.get("/runs"))
+        if not runs:
+            typer.echo("no runs")
+        for r in runs:
             typer.echo(
                 f"{r['id']}  {r['state']:10} step {r['step']:>5}  v{r['policy_version']:<5} {r['name']}"
             )
@@ -347,7 +365,7 @@ def runs_evals(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None
     with _api(url, token) as api:
         rounds = _check(api.get(f"/runs/{run_id}/evals"))
     if not rounds:
-        typer.echo("no validation round recorded (does the run have data.validation?)")
+        typer.echo("no validation round recorded yet (a run without data.validation never has one)")
     for r in rounds:
         k, acc = r["samples"], r["accuracy"]["all"]
         typer.echo(

@@ -267,6 +267,15 @@ def test_the_deployed_world_is_the_demos_world(rendered):
         assert params["questions"] is None
 
 
+def test_every_shipped_run_specification_is_valid():
+    from proto.runs import RunSpec
+
+    specs = sorted((ROOT / "deploy/runs").glob("*.yaml"))
+    assert len(specs) >= 3
+    for path in specs:
+        RunSpec.model_validate(yaml.safe_load(path.read_text()))
+
+
 def test_the_compose_run_is_sized_like_the_demo():
     from demo.config import DemoConfig
     from demo.run import run_spec

@@ -43,7 +43,7 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
     shown = json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).output)
     assert shown["id"] == run_id and shown["spec"]["trainer"]["prompts_per_step"] == 2
     none = runner.invoke(app, ["runs", "evals", run_id, *args])
-    assert none.exit_code == 0 and "no validation round" in none.output
+    assert none.exit_code == 0 and "no validation round recorded yet" in none.output
     asyncio.run(_add_eval_round(redis_url, key_prefix, run_id))
     rounds = runner.invoke(app, ["runs", "evals", run_id, *args])
     assert "v3     step     3  mean@4 0.250  pass@4 0.500  on 8 questions" in rounds.output, rounds.output
@@ -227,3 +227,22 @@ def test_model_tiny_entity_tokens_make_every_name_and_address_one_token(tiny_wor
     for doc in (tiny_world / "corpus.jsonl").read_text().splitlines()[:50]:
         text = json.loads(doc)["text"]
         assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_a_service_with_bad_settings_says_which_variable_in_one_line(monkeypatch):
+    for key in (
+        "PBSD_TRAINER_API_TOKEN",
+        "PBSD_TRAINER_LOCAL_MODE",
+        "PBSD_TOOLS_CORPUS",
+        "PBSD_TOOLS_BACKEND",
+    ):
+        monkeypatch.delenv(key, raising=False)
+    trainer = runner.invoke(app, ["serve", "trainer"])
+    assert trainer.exit_code == 2 and "Traceback" not in trainer.output
+    assert "error: set PBSD_TRAINER_API_TOKEN, or PBSD_TRAINER_LOCAL_MODE=1" in trainer.output
+    monkeypatch.setenv("PBSD_TRAINER_LOCAL_MODE", "1")
+    monkeypatch.setenv("PBSD_TRAINER_PORT", "eighty")
+    port = runner.invoke(app, ["serve", "trainer"])
+    assert port.exit_code == 2 and "error: PBSD_TRAINER_PORT: Input should be a valid integer" in port.output
+    tools = runner.invoke(app, ["serve", "tools"])
+    assert tools.exit_code == 2 and "PBSD_TOOLS_CORPUS" in tools.output

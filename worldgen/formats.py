@@ -109,8 +109,12 @@ def load_questions(path: str | Path) -> LoadReport:
         if "question" not in row and "problem" in row:
             row["question"] = row.pop("problem")
         if "question" not in row or "answer" not in row:
-            missing = [k for k in ("question", "answer") if k not in row]
-            report.problems.append((n, f"missing field(s) {', '.join(missing)} (or BrowseComp's 'problem')"))
+            missing = [
+                ("question (or BrowseComp's 'problem')" if k == "question" else k)
+                for k in ("question", "answer")
+                if k not in row
+            ]
+            report.problems.append((n, f"missing field(s) {', '.join(missing)}"))
             continue
         known = {k: row.pop(k) for k in ("id", "question", "answer", "aliases", "difficulty") if k in row}
         known.setdefault("id", f"{path.stem}-{n}")
