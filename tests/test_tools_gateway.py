@@ -217,3 +217,36 @@ def test_empty_environment_values_are_unset(monkeypatch):
     monkeypatch.setenv("PBSD_TOOLS_SERPER_API_KEY", "k")
     s = ToolsSettings()
     assert s.jina_api_key is None and s.summariser_api_key is None and s.summariser_base_url is None
+
+
+async def test_the_gateway_keeps_answering_while_redis_is_down(world):
+    """Redis holds the cache and the budgets; while it is out of reach they live in the process
+    (every call used to fail with a ConnectionError), and once it is back they are shared again."""
+    from prometheus_client import REGISTRY
+
+    from services.bus import redis_client
+    from services.local_redis import LocalRedis, free_port
+    from services.tools.store import RedisStore
+
+    def fallbacks(op: str) -> float:
+        return REGISTRY.get_sample_value("pbsd_tools_store_fallbacks_total", {"op": op}) or 0.0
+
+    port = free_port()  # nothing listens here yet
+    client = redis_client(f"redis://127.0.0.1:{port}/0")
+    gw = ToolGateway(
+        OfflineBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl")), RedisStore(client, "down")
+    )
+    gw.call_budget = 2
+    before = fallbacks("incr")
+    first = await gw.call(*SEARCH, {"q": "festival"}, trajectory_id="t1")
+    again = await gw.call(*SEARCH, {"q": "festival"}, trajectory_id="t1")
+    assert first.ok and not first.cached and again.ok and again.cached  # the in-process cache
+    over = await gw.call(*SEARCH, {"q": "museum"}, trajectory_id="t1")
+    assert not over.ok and "call budget of 2" in over.text  # budgets still hold
+    assert fallbacks("incr") == before + 3
+    with LocalRedis(port=port) as server:
+        assert server.port == port
+        back = await gw.call(*SEARCH, {"q": "festival"}, trajectory_id="t2")
+        assert back.ok and not back.cached  # Redis is the store again (and starts empty)
+        assert await client.exists("down:tools:budget:t2")
+    await client.aclose()

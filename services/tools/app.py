@@ -15,11 +15,11 @@ import contextlib
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.bus import redis_client
 from services.llm import ChatClient, LlmSettings
 from services.telemetry import add_metrics_route, setup_logging
 from services.tools.backends import OfflineBackend
@@ -105,8 +105,9 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         setup_logging(settings.log_level, settings.secrets())
         http = httpx.AsyncClient(timeout=settings.upstream_timeout_s)
-        redis_client = aioredis.Redis.from_url(settings.redis_url) if settings.use_redis else None
-        store = RedisStore(redis_client, settings.stream_prefix) if redis_client else MemoryStore()
+        # no retries: while Redis is out of reach the store answers from the process at once
+        client = redis_client(settings.redis_url) if settings.use_redis else None
+        store = RedisStore(client, settings.stream_prefix) if client else MemoryStore()
         backend = build_backend(settings, http)
         app.state.gateway = ToolGateway(
             backend,
@@ -123,8 +124,8 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
             if hasattr(backend, "aclose"):
                 await backend.aclose()
             await http.aclose()
-            if redis_client is not None:
-                await redis_client.aclose()
+            if client is not None:
+                await client.aclose()
 
     app = FastAPI(title="pbsd tool gateway", version="0.1.0", lifespan=lifespan)
     add_metrics_route(app)

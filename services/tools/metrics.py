@@ -10,6 +10,11 @@ CALL_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 CACHE = Counter("pbsd_tools_cache_total", "Cache lookups by result (hit or miss)", ["tool", "result"])
+STORE_FALLBACKS = Counter(
+    "pbsd_tools_store_fallbacks_total",
+    "Cache and budget operations served in process because Redis was unreachable",
+    ["op"],
+)
 MERGED = Counter("pbsd_tools_merged_total", "Calls answered by an identical call already in flight", ["tool"])
 UPSTREAM_REQUESTS = Counter(
     "pbsd_tools_upstream_requests_total", "Upstream answers by status", ["upstream", "status"]
