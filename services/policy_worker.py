@@ -15,6 +15,7 @@ from fastapi import FastAPI, Response
 from proto.messages import WeightsPublished
 from proto.streams import WEIGHTS, StreamDef
 from services.bus import Bus, ConsumerOptions, Delivery
+from services.tasks import cancel_and_wait
 from services.telemetry import add_metrics_route
 
 log = logging.getLogger(__name__)
@@ -113,9 +114,7 @@ class PolicyWorker(abc.ABC):
                 )
             )
         finally:
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follower
+            await cancel_and_wait(follower)
 
     async def _follow(self, cursor: str, stop: asyncio.Event) -> None:
         """Every publication, for the worker's whole life: a lost connection is retried, not fatal

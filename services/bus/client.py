@@ -22,6 +22,7 @@ from proto.base import Message, decode, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
+from services.tasks import cancel_and_wait, within
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,7 @@ class _Outage:
                 "Redis is unreachable for %s (%s); trying again in %.1f s", self.stream.name, exc, self.delay
             )
         metrics.OUTAGES.labels(self.stream.name).inc()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for((stop or asyncio.Event()).wait(), self.delay)
+        await within(self.delay, (stop or asyncio.Event()).wait())
         self.delay = min(self.delay * 2, 10.0)
 
 
@@ -452,9 +452,7 @@ class Bus:
             )
             return
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            await cancel_and_wait(heartbeat)
             metrics.HANDLER_SECONDS.labels(stream.name, group).observe(time.perf_counter() - started)
         await self._commit(stream, group, [(entry_id, message)], options)
         metrics.CONSUMED.labels(stream.name, group).inc()

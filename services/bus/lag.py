@@ -21,7 +21,6 @@ an async client inside the scrape.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -31,6 +30,7 @@ from prometheus_client import Gauge
 from redis.exceptions import RedisError, ResponseError
 
 from proto.streams import ALL_STREAMS, StreamDef
+from services.tasks import within
 
 __all__ = ["StreamLagMonitor"]
 
@@ -98,5 +98,4 @@ class StreamLagMonitor:
                 await self.sample()
             except (RedisError, OSError) as exc:
                 log.warning("stream lag sample failed: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
+            await within(self.interval_s, stop.wait())

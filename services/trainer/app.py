@@ -59,9 +59,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             if not done:
                 task.cancel()
             lag_task.cancel()
-            for t in (task, lag_task):
-                with contextlib.suppress(BaseException):
-                    await t
+            await asyncio.wait({task, lag_task}, timeout=30)  # bounded: the process is leaving
             await client.aclose()
             await api_client.aclose()
 

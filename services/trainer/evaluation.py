@@ -18,7 +18,6 @@ published (evaluation has no side effect worth deduplicating).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import statistics
@@ -32,6 +31,7 @@ from proto.runs import RunSpec
 from proto.streams import EVALS, PROMPTS
 from services.bus import Bus, ConsumerOptions, Delivery
 from services.rollout.evaluate import summarise
+from services.tasks import within
 from services.trainer import metrics as m
 from services.trainer.controller import question_task
 from services.trainer.runs import RunStore
@@ -71,7 +71,7 @@ class Evaluator:
         )
         self.pending: dict[int, dict[int, TrajectoryGroup]] = {}  # version -> question index -> group
         self.steps: dict[int, int] = {}  # version -> the step it was taken after
-        self.done = asyncio.Condition()
+        self.done = asyncio.Event()  # set when a round is recorded
         self.recorded: list[dict[str, Any]] = []
         self.task: asyncio.Task | None = None
         self.stop = asyncio.Event()  # ends the collecting task (see start)
@@ -151,8 +151,7 @@ class Evaluator:
             record["accuracy"]["all"][f"mean@{k}"],
             len(groups),
         )
-        async with self.done:
-            self.done.notify_all()
+        self.done.set()
 
     async def wait(self, cancel: asyncio.Event) -> bool:
         """Until every started round is recorded (True), or ``cancel`` is set first (False). Raises
@@ -163,7 +162,6 @@ class Evaluator:
             if self.task is not None and self.task.done():
                 error = None if self.task.cancelled() else self.task.exception()
                 raise RuntimeError("the validation consumer stopped with rounds outstanding") from error
-            async with self.done:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.done.wait(), 0.5)
+            await within(0.5, self.done.wait())
+            self.done.clear()
         return True

@@ -27,7 +27,6 @@ past the checkpoint are dropped. A Redis outage longer than the client's patienc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -55,6 +54,7 @@ from proto.runs import RunSpec
 from proto.streams import SCORED, WEIGHTS
 from services.bus import Bus, ConsumerOptions
 from services.model.checkpoint import load_model
+from services.tasks import cancel_and_wait, within
 from services.trainer import metrics as m
 from services.trainer.batch import samples_from_groups
 from services.trainer.controller import PromptController
@@ -98,9 +98,7 @@ async def _stop_task(task: asyncio.Task, stop: asyncio.Event) -> None:
     a Redis call; with the event set its loop ends on the next turn whether or not the
     cancellation arrives."""
     stop.set()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await cancel_and_wait(task)
 
 
 @dataclass
@@ -217,15 +215,13 @@ class RunExecutor:
                 run_id = await self.store.next_queued()
                 delay = 0.5
                 if run_id is None:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), 0.5)
+                    await within(0.5, stop.wait())
                     continue
                 await self.execute(run_id, stop=stop)
             except REDIS_DOWN as exc:
                 log.warning("Redis is unreachable (%s); trying again in %.1f s", exc, delay)
                 resumed = False  # a run the outage cut off is still "running": resume it
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
+                await within(delay, stop.wait())
                 delay = min(delay * 2, 10.0)
 
     async def execute(self, run_id: str, *, resume: bool = False, stop: asyncio.Event | None = None) -> None:
