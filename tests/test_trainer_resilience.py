@@ -157,7 +157,8 @@ async def test_a_cancel_survives_a_restart(pipeline, tiny_world, tiny_checkpoint
     record = await p.store.create(spec)
     p.serve()
     await p.until(record.id, lambda r: r.step >= 1)
-    assert (await p.store.request_cancel(record.id)).state == "cancelling"  # POST /runs/{id}/cancel
+    assert await p.store.request_cancel(record.id) == "running"  # POST /runs/{id}/cancel
+    assert (await p.store.get(record.id)).state == "cancelling"
     p.stop.set()  # SIGTERM in the same moment
     await asyncio.wait_for(p.serving, 60)
     assert (await p.store.get(record.id)).state == "cancelling"
@@ -192,9 +193,12 @@ async def test_a_finished_run_is_not_turned_back_by_a_late_cancel(pipeline, tiny
     record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint)))
     await p.store.redis.lrem(f"{p.store.prefix}:runs:queue", 0, record.id)
     await p.store.update(record.id, state="completed")
-    assert (await p.store.request_cancel(record.id)).state == "completed"
+    assert await p.store.request_cancel(record.id) == "completed"
+    assert (await p.store.get(record.id)).state == "completed"  # not turned back to "cancelling"
     await p.store.update(record.id, state="running")
-    assert (await p.store.request_cancel(record.id)).state == "cancelling"
+    assert await p.store.request_cancel(record.id) == "running"
+    assert (await p.store.get(record.id)).state == "cancelling"
+    assert await p.store.request_cancel("run-20000101-000000-000000") is None
 
 
 @pytest.fixture

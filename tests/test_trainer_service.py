@@ -77,7 +77,8 @@ async def test_cancel_a_queued_run(redis_url, key_prefix, tiny_world, tiny_check
     client = aioredis.Redis.from_url(redis_url)
     store = RunStore(client, key_prefix)
     record = await store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint)))
-    assert (await store.request_cancel(record.id)).state == "cancelled"
+    assert await store.request_cancel(record.id) == "queued"
+    assert (await store.get(record.id)).state == "cancelled"
     assert await store.next_queued() is None
     await client.aclose()
 

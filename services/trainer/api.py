@@ -80,6 +80,17 @@ def _run_id(run_id: str) -> str:
 RunId = Annotated[str, Depends(_run_id)]
 
 
+async def _existing_run(run_id: RunId, request: Request) -> RunRecord:
+    """The record of the route's run: a 404 when there is none."""
+    record = await _store(request).get(run_id)
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return record
+
+
+Run = Annotated[RunRecord, Depends(_existing_run)]
+
+
 def _field_error(loc: list[str], msg: str) -> HTTPException:
     return HTTPException(
         status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": ["body", *loc], "msg": msg, "type": "value_error"}]
@@ -109,43 +120,32 @@ async def list_runs(request: Request, limit: Annotated[int, Query(ge=1, le=1000)
 
 
 @router.get("/runs/{run_id}")
-async def show(run_id: RunId, request: Request) -> RunRecord:
-    record = await _store(request).get(run_id)
-    if record is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+async def show(record: Run) -> RunRecord:
     return record
 
 
 @router.post("/runs/{run_id}/cancel", status_code=status.HTTP_202_ACCEPTED)
 async def cancel(run_id: RunId, request: Request) -> RunRecord:
     store = _store(request)
-    record = await store.get(run_id)
-    if record is None:
+    before = await store.request_cancel(run_id)  # one atomic step: the state it found
+    if before is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
-    if record.state in FINISHED:
-        raise _finished(record)
-    record = await store.request_cancel(run_id)
-    if record is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
-    # request_cancel leaves a finished run as it is: "completed" or "failed" now means the run ended
-    # before the cancel reached it ("cancelled" is this cancel's doing, or a concurrent one's)
-    if record.state in ("completed", "failed"):
-        raise _finished(record)
-    return record
+    if before in FINISHED:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            {"msg": f"run {run_id} is already {before}: nothing to cancel", "state": before},
+        )
+    return await store.get(run_id)
 
 
 @router.delete("/runs/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete(run_id: RunId, request: Request, files: bool = False) -> Response:
+async def delete(record: Run, request: Request, files: bool = False) -> Response:
     """A finished run's record and series; with ``files`` its output folder (checkpoints,
     weights, metrics, kept groups) as well. An active run must be cancelled first."""
-    store = _store(request)
-    record = await store.get(run_id)
-    if record is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
     if record.state not in FINISHED:
         raise HTTPException(
             status.HTTP_409_CONFLICT,
-            {"msg": f"run {run_id} is {record.state}: cancel it first", "state": record.state},
+            {"msg": f"run {record.id} is {record.state}: cancel it first", "state": record.state},
         )
     if files and record.output_dir:
         folder = Path(record.output_dir).resolve()
@@ -153,44 +153,27 @@ async def delete(run_id: RunId, request: Request, files: bool = False) -> Respon
         if folder.parent != runs_dir:  # never remove anything but a run folder of this trainer
             raise HTTPException(status.HTTP_409_CONFLICT, f"{folder} is not under {runs_dir}")
         await asyncio.to_thread(shutil.rmtree, folder, True)
-    await store.delete(run_id)
+    await _store(request).delete(record.id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
-
-
-def _finished(record: RunRecord) -> HTTPException:
-    return HTTPException(
-        status.HTTP_409_CONFLICT,
-        {"msg": f"run {record.id} is already {record.state}: nothing to cancel", "state": record.state},
-    )
 
 
 @router.get("/runs/{run_id}/metrics")
 async def run_metrics(
-    run_id: RunId, request: Request, since: Annotated[int, Query(ge=0)] = 0
+    record: Run, request: Request, since: Annotated[int, Query(ge=0)] = 0
 ) -> list[dict[str, Any]]:
-    return await _series(request, run_id, since, "metrics")
+    return await _store(request).metrics(record.id, since, series="metrics")
 
 
 @router.get("/runs/{run_id}/evals")
 async def run_evals(
-    run_id: RunId, request: Request, since: Annotated[int, Query(ge=0)] = 0
+    record: Run, request: Request, since: Annotated[int, Query(ge=0)] = 0
 ) -> list[dict[str, Any]]:
-    return await _series(request, run_id, since, "evals")
-
-
-async def _series(request: Request, run_id: str, since: int, series: str) -> list[dict[str, Any]]:
-    if await _store(request).get(run_id) is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
-    return await _store(request).metrics(run_id, since, series=series)
+    return await _store(request).metrics(record.id, since, series="evals")
 
 
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
-async def viewer(run_id: RunId, request: Request, limit: int = 400) -> HTMLResponse:
+async def viewer(record: Run, limit: int = 400) -> HTMLResponse:
     from services.trainer.viewer import load_groups, render_viewer, viewer_data
-
-    record = await _store(request).get(run_id)
-    if record is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
 
     def render() -> str | None:
         groups = load_groups(Path(record.output_dir)) if record.output_dir else []
@@ -198,7 +181,7 @@ async def viewer(run_id: RunId, request: Request, limit: int = 400) -> HTMLRespo
             return None
         tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
         rows = viewer_data(groups, tokenizer, limit=limit)
-        return render_viewer(rows, f"Turn-level credit: {record.name} ({run_id})")
+        return render_viewer(rows, f"Turn-level credit: {record.name} ({record.id})")
 
     # reading and decoding hundreds of trajectories is seconds of blocking work: off the event
     # loop, which also serves the run's training loop and the other routes

@@ -113,12 +113,11 @@ class RunStore:
     return state
     """
 
-    async def request_cancel(self, run_id: str) -> RunRecord | None:
-        """Cancel a queued run at once, ask a running one to stop; a finished run is left as it is
-        (the record returned says which)."""
+    async def request_cancel(self, run_id: str) -> str | None:
+        """Cancel a queued run at once, ask a running one to stop; a finished run is left as it is.
+        Returns the state the run was in (None: no such run)."""
         keys = [self._key(run_id), f"{self.prefix}:runs:queue"]
-        await self.redis.eval(self._CANCEL, len(keys), *keys, run_id, repr(time.time()))
-        return await self.get(run_id)
+        return _s(await self.redis.eval(self._CANCEL, len(keys), *keys, run_id, repr(time.time())))
 
     async def add_metrics(self, run_id: str, record: dict[str, Any], *, series: str = "metrics") -> None:
         """Append to one of the run's series: ``metrics`` (one record a step) or ``evals`` (a round)."""
