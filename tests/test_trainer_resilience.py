@@ -15,10 +15,10 @@ import pytest
 
 from agent.chat import ChatTokenizer
 from proto.runs import RunSpec
-from services.bus import Bus
+from services.bus import REDIS_DOWN, Bus
 from services.local_redis import LocalRedis, free_port
 from services.trainer import executor as executor_module
-from services.trainer.executor import REDIS_DOWN, RunExecutor
+from services.trainer.executor import RunExecutor
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
 from tests.test_trainer_service import FakePipeline, _spec
@@ -334,3 +334,23 @@ async def test_a_failed_run_releases_its_trainer(pipeline, tiny_world, tiny_chec
     done = await p.until(record.id, _finished)
     assert done.state == "failed" and "No space left" in done.error
     assert trainers and trainers[0].stopped
+
+
+def test_the_api_answers_503_while_redis_is_unreachable(tmp_path):
+    """Not a plain-text 500: the API's client waits out a short outage, then says what is wrong;
+    /health stays up (the executor waits for Redis instead of dying)."""
+    import httpx
+
+    from services.trainer.app import create_app
+    from tests.servers import serve
+
+    settings = TrainerSettings(
+        local_mode=True,
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        runs_dir=tmp_path,
+        redis_patience_s=0.5,
+    )
+    with serve(create_app(settings)) as base:
+        r = httpx.get(f"{base}/runs", timeout=30)
+        assert r.status_code == 503 and "Redis is unreachable" in r.json()["detail"]
+        assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok"

@@ -16,6 +16,6 @@ Delivery is at-least-once with idempotent consumers:
   still needs), so Redis memory follows what is in flight, not what has passed.
 """
 
-from services.bus.client import Bus, ConsumerOptions, Delivery, Held, redis_client
+from services.bus.client import REDIS_DOWN, Bus, ConsumerOptions, Delivery, Held, redis_client
 
-__all__ = ["Bus", "ConsumerOptions", "Delivery", "Held", "redis_client"]
+__all__ = ["REDIS_DOWN", "Bus", "ConsumerOptions", "Delivery", "Held", "redis_client"]

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 
+# what Redis being out of reach raises (a refused or broken connection, a timeout)
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
 _MAX_CAUSE = 4000
 
 
@@ -107,7 +110,7 @@ class _Outage:
                 self.group,
                 self.stream.name,
             )
-            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+            with contextlib.suppress(*REDIS_DOWN):
                 await self.bus.ensure_group(self.stream, self.group)
                 return
         else:
@@ -134,7 +137,7 @@ def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:
         url,
         decode_responses=False,
         retry=Retry(backoff, retries),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        retry_on_error=list(REDIS_DOWN),
         socket_connect_timeout=5.0,  # a host that is gone (not refusing) must not hang a try
     )
 
@@ -265,7 +268,7 @@ class Bus:
                 if batch:
                     await self._maybe_trim(stream, options)
                 outage.over()
-            except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
+            except (*REDIS_DOWN, ResponseError) as exc:
                 await outage.wait(exc, stop)
 
     async def collect(
@@ -294,7 +297,7 @@ class Bus:
                         stream, group, consumer, options, cursor, want - len(held.items)
                     )
                     outage.over()
-                except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
+                except (*REDIS_DOWN, ResponseError) as exc:
                     await outage.wait(exc, stop)
                     continue
                 for entry_id, fields, reclaimed in fetched:

@@ -15,9 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.bus import REDIS_DOWN
 from services.tools import metrics
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ class RedisStore:
     ) -> T:
         try:
             result = await remote()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except REDIS_DOWN as exc:
             metrics.STORE_FALLBACKS.labels(op).inc()
             if not self._down:
                 log.warning(

@@ -10,10 +10,8 @@ import contextlib
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.bus import Bus, redis_client
+from services.bus import REDIS_DOWN, Bus, redis_client
 from services.bus.lag import StreamLagMonitor
 from services.telemetry import add_metrics_route, setup_logging
 from services.trainer.api import router
@@ -72,10 +70,11 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
     add_metrics_route(app)
     app.include_router(router)
 
-    @app.exception_handler(RedisConnectionError)
-    @app.exception_handler(RedisTimeoutError)
     async def redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": f"Redis is unreachable: {exc}"}, status_code=503)
+
+    for error in REDIS_DOWN:
+        app.add_exception_handler(error, redis_unreachable)
 
     @app.get("/health")
     async def health(response: Response) -> dict:

@@ -41,8 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from transformers import AutoTokenizer
 
 from agent.chat import ChatTokenizer
@@ -52,7 +50,7 @@ from proto.base import encode, new_id
 from proto.messages import ScoredGroup, WeightsPublished
 from proto.runs import RunSpec
 from proto.streams import SCORED, WEIGHTS
-from services.bus import Bus, ConsumerOptions
+from services.bus import REDIS_DOWN, Bus, ConsumerOptions
 from services.model.checkpoint import load_model
 from services.tasks import cancel_and_wait, within
 from services.trainer import metrics as m
@@ -65,8 +63,6 @@ from services.trainer.settings import TrainerSettings
 from worldgen.formats import load_questions
 
 log = logging.getLogger(__name__)
-
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 __all__ = ["RunExecutor", "TrainState", "batch_metrics", "covered_seconds"]
 
