@@ -21,6 +21,7 @@ WARM_START = (
     "vocab_size",
     "hidden_size",
     "entity_tokens",
+    "copy_heads",
     "sft_epochs",
     "sft_lr",
     "sft_batch_size",
@@ -64,7 +65,8 @@ class DemoConfig(BaseModel):
     sft_warmup_steps: int = 10
     sft_search_num: int = 3  # results per search in the oracle trajectories (shorter contexts)
     sft_rename: float = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
-    entity_tokens: bool = False  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
+    entity_tokens: bool = True  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
+    copy_heads: bool = True  # hand-built heads that copy entity tokens (`pbsd model tiny --copy-heads`)
     # RL
     steps: int = 16
     prompts_per_step: int = 4

@@ -102,6 +102,7 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
         hidden_size=config.hidden_size,
         seed=config.seed,
         entity_tokens=config.entity_tokens,
+        copy_heads=config.copy_heads,
     )
     init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
     with progress_bar("SFT warm start") as progress:

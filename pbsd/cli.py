@@ -214,6 +214,9 @@ def model_tiny(
     entity_tokens: bool = typer.Option(
         False, help="one token per entity name and page address, beside the BPE vocabulary"
     ),
+    copy_heads: bool = typer.Option(
+        False, help="hand-built heads that copy entity tokens from the context (needs --entity-tokens)"
+    ),
 ) -> None:
     """Build the tiny Qwen3-MoE policy and its BPE tokenizer from a world (nothing is downloaded)."""
     from services.model.tiny import TinySpec, init_tiny
@@ -226,6 +229,7 @@ def model_tiny(
         num_experts_per_tok=top_k,
         seed=seed,
         entity_tokens=entity_tokens,
+        copy_heads=copy_heads,
     )
     path = init_tiny(world, out, sft_data=sft_data, spec=spec)
     typer.echo(f"wrote {path}")

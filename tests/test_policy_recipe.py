@@ -13,8 +13,9 @@ from demo.config import ASSETS, DemoConfig
 from services.trainer.sft import SftConfig
 
 
-def recipe_commands() -> dict[str, dict[str, str]]:
-    """The recipe's `pbsd ...` lines as {"world build": {"--out": "world", ...}, "sft": {...}}."""
+def recipe_commands() -> dict[str, dict[str, str | bool]]:
+    """The recipe's `pbsd ...` lines as {"world build": {"--out": "world", ...}, "sft": {...}}; a
+    flag with no value (``--entity-tokens``) maps to True."""
     block = re.search(r"```bash\n(.*?)```", (ASSETS / "RECIPE.md").read_text(), re.S).group(1)
     commands = {}
     for line in block.replace("\\\n", " ").splitlines():
@@ -23,9 +24,14 @@ def recipe_commands() -> dict[str, dict[str, str]]:
             continue
         assert words[0] == "pbsd", line
         first_flag = next(i for i, w in enumerate(words) if w.startswith("--"))
-        flags = words[first_flag:]
-        assert all(f.startswith("--") for f in flags[::2]) and len(flags) % 2 == 0, line
-        commands[" ".join(words[1:first_flag])] = dict(zip(flags[::2], flags[1::2], strict=True))
+        flags, parsed = words[first_flag:], {}
+        while flags:
+            assert flags[0].startswith("--"), line
+            if len(flags) > 1 and not flags[1].startswith("--"):
+                parsed[flags[0]], flags = flags[1], flags[2:]
+            else:
+                parsed[flags[0]], flags = True, flags[1:]
+        commands[" ".join(words[1:first_flag])] = parsed
     return commands
 
 
@@ -47,15 +53,24 @@ def test_recipe_asset_and_demo_defaults_agree():
         lr=float(sft["--lr"]),
         batch_size=int(sft["--batch-size"]),
         warmup_steps=int(sft["--warmup-steps"]),
+        save_every_epoch=sft.get("--save-every-epoch", False),
     )  # the recipe passes no --seed: every command's default is 0
     demo = c.sft_config()
     meta = json.loads((ASSETS / "pbsd.json").read_text())
     # every setting, defaults included: a changed default would make the recipe another recipe
-    assert meta["sft"]["config"] == asdict(recipe) == asdict(demo)
+    assert meta["sft"]["config"] == asdict(recipe)
+    # the demo's rebuild writes no epoch checkpoints, which changes nothing in the result
+    assert {**asdict(recipe), "save_every_epoch": False} == asdict(demo)
     assert meta["sft"]["libraries"].keys() == {"torch", "transformers", "tokenizers"}
     model = json.loads((ASSETS / "config.json").read_text())
-    assert (model["vocab_size"], model["hidden_size"]) == (c.vocab_size, c.hidden_size)
-    assert model["pbsd_tiny_spec"].get("entity_tokens", False) == c.entity_tokens
+    spec = model["pbsd_tiny_spec"]  # vocab_size there is BPE's; the entity tokens come on top
+    assert (spec["vocab_size"], model["hidden_size"]) == (c.vocab_size, c.hidden_size)
+    assert model["tie_word_embeddings"] == c.copy_heads
+    for flag in ("entity_tokens", "copy_heads"):
+        made_with = model["pbsd_tiny_spec"].get(flag, False)
+        assert (
+            made_with == commands["model tiny"].get("--" + flag.replace("_", "-"), False) == getattr(c, flag)
+        )
 
 
 def test_the_committed_policy_stands_in_only_for_its_own_recipe():
@@ -68,7 +83,5 @@ def test_the_committed_policy_stands_in_only_for_its_own_recipe():
     # RL and evaluation settings do not touch the warm start
     assert committed_policy_misfit(DemoConfig(steps=3, lr=1e-5, eval_questions=4), world) is None
     assert committed_policy_misfit(DemoConfig(), "0" * 64) == "was made from another world"
-    misfit = committed_policy_misfit(DemoConfig(sft_epochs=3, entity_tokens=True), world)
-    assert (
-        misfit == "was made with other warm-start settings (entity_tokens False -> True, sft_epochs 2 -> 3)"
-    )
+    misfit = committed_policy_misfit(DemoConfig(sft_epochs=3, copy_heads=False), world)
+    assert misfit == "was made with other warm-start settings (copy_heads True -> False, sft_epochs 2 -> 3)"

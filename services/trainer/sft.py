@@ -194,6 +194,11 @@ def run_sft(
         # differed by a few tokens: assets/demo-policy/RECIPE.md)
         "data_sha256": hashlib.sha256(raw).hexdigest(),
     }
-    save_checkpoint(model, out, tokenizer=tok.tok, meta={"sft": stats})
+    # what the starting checkpoint recorded about its making (`pbsd model tiny`: the spec and the
+    # tokenizer's text digest) stays with the result, so the asset alone says how it was built
+    base_meta = Path(model_dir) / "pbsd.json"
+    base = json.loads(base_meta.read_text()) if base_meta.exists() else {}
+    kept = {k: base[k] for k in ("tiny_spec", "tokenizer_text_sha256") if k in base}
+    save_checkpoint(model, out, tokenizer=tok.tok, meta={**kept, "sft": stats})
     (out / "sft_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     return stats
