@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from agent.grounding import describe
 from demo.config import ASSETS, DemoConfig
-from services.launcher import ServiceProcess
+from services.launcher import ServiceProcess, sigterm_as_interrupt
 from services.local_redis import LocalRedis, free_port
 from services.rollout.agent import AgentLimits
 from services.rollout.runner import eval_main
@@ -229,6 +229,11 @@ def follow_run(
 
 
 def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
+    with sigterm_as_interrupt():  # `kill` stops the services as Ctrl-C does
+        return _run_demo(config, out)
+
+
+def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     started = time.perf_counter()
     out = out.absolute()  # the services and Redis get paths under it, whatever their working directory
     out.mkdir(parents=True, exist_ok=True)
@@ -307,6 +312,8 @@ def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                 "PBSD_TRAINER_API_TOKEN": token,
                 "PBSD_TRAINER_RUNS_DIR": str(out / "runs"),
                 "PBSD_TRAINER_SAVE_GROUPS": "1",
+                # nothing here outlives the demo: a stop need not wait for a step to finish
+                "PBSD_TRAINER_SHUTDOWN_GRACE_S": "10",
             },
         )
         services.append(trainer)

@@ -3,16 +3,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-__all__ = ["ServiceProcess", "die_with_parent"]
+__all__ = ["ServiceProcess", "die_with_parent", "sigterm_as_interrupt"]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt inside the block, as Ctrl-C does. Python's default for
+    SIGTERM is to die on the spot, skipping every ``finally``: the services would then only learn
+    of it through ``die_with_parent`` after Redis had gone, and a trainer mid-step would ride the
+    outage for its whole shutdown grace. (The main thread only; elsewhere signals cannot be set.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def die_with_parent() -> None:

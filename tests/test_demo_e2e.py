@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -101,3 +103,30 @@ def test_a_world_left_by_a_demo_with_other_settings_is_refused(tmp_path):
     )
     with pytest.raises(SystemExit, match=r"was built for .*'entities': 300"):
         run_demo(DemoConfig(), tmp_path)
+
+
+def test_a_terminated_demo_stops_its_services(tmp_path):
+    """`kill <demo>` (SIGTERM, what a CI timeout or a supervisor sends) goes through the demo's own
+    clean-up as Ctrl-C does: Python's default would end the demo on the spot, leaving its services
+    to learn of it from their parent's death after Redis had gone, and a trainer mid-step to wait
+    out its shutdown grace."""
+    out = tmp_path / "demo"
+    log = tmp_path / "demo.log"
+    cmd = [sys.executable, "-m", "pbsd.cli", "demo", "--out", str(out), "--steps", "50"]
+    cmd += ["--eval-questions", "1", "--max-turns", "2", "--max-tokens-per-turn", "32"]
+    with log.open("w") as sink:
+        demo = subprocess.Popen(
+            cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while "submitted pbsd run" not in log.read_text():
+                assert demo.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            time.sleep(3)  # into the run: rollouts in flight, the trainer waiting for groups
+            demo.send_signal(signal.SIGTERM)
+            code = demo.wait(timeout=60)
+        finally:
+            demo.kill()
+    assert code != -signal.SIGTERM, "the demo died without its clean-up"
+    assert _service_processes(out) == [], log.read_text()[-3000:]
