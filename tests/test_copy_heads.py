@@ -98,3 +98,22 @@ def test_a_policy_step_keeps_the_embeddings_tied(copying):
     load_weights_into(model, copying)  # the trainer's reload path: back to the checkpoint, still tied
     assert torch.equal(model.get_input_embeddings().weight, before)
     assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+def test_a_tied_checkpoint_carries_its_head_for_loaders_that_do_not_tie(copying, tmp_path):
+    """SGLang's Qwen3-MoE reads lm_head.weight from the file and never ties it: the file must hold
+    it (transformers alone would leave it out), and transformers must still load one tied matrix."""
+    from safetensors.torch import load_file
+
+    from services.model.checkpoint import load_model, save_checkpoint
+
+    tensors = load_file(str(copying / "model.safetensors"))
+    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    model = load_model(copying)
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[7] += 1.0  # a trained step, as the trainer publishes it
+    save_checkpoint(model, tmp_path / "published")
+    tensors = load_file(str(tmp_path / "published" / "model.safetensors"))
+    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(tensors["lm_head.weight"], model.get_input_embeddings().weight)

@@ -48,6 +48,8 @@ def save_checkpoint(
 
         shutil.rmtree(tmp)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    if getattr(model.config, "tie_word_embeddings", False):
+        _write_tied_head(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if meta is not None:
@@ -58,6 +60,32 @@ def save_checkpoint(
         shutil.rmtree(path)
     tmp.rename(path)
     return path
+
+
+def _write_tied_head(directory: Path) -> None:
+    """Store ``lm_head.weight`` beside the embeddings it is tied to. transformers leaves a tied
+    head out of the file and ties it again on load, but SGLang's Qwen3-MoE loads ``lm_head``
+    from the file only (no Qwen3-MoE release is tied, so it never ties): without this it would
+    serve a tied policy (``pbsd model tiny --copy-heads``) with an untrained head. transformers
+    reads the extra tensor back as the same tied matrix."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    index = directory / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    name = weight_map["model.embed_tokens.weight"] if weight_map else "model.safetensors"
+    shard = directory / name
+    with safe_open(str(shard), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(shard))
+    if "lm_head.weight" in tensors:
+        return
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(shard), metadata=metadata)
+    if weight_map is not None:
+        data = json.loads(index.read_text())
+        data["weight_map"]["lm_head.weight"] = name
+        index.write_text(json.dumps(data, indent=2))
 
 
 def library_versions() -> dict[str, str]:
