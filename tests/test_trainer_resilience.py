@@ -21,7 +21,7 @@ from services.trainer import executor as executor_module
 from services.trainer.executor import RunExecutor
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
-from tests.test_trainer_service import FakePipeline, _spec
+from tests.test_trainer_service import FakePipeline, _spec, kill
 
 
 class _Pipeline:
@@ -48,16 +48,8 @@ class _Pipeline:
         self.serving = asyncio.create_task(RunExecutor(self.bus, self.store, self.settings).serve(self.stop))
 
     async def crash(self) -> None:
-        """The trainer process dies: nothing of it runs any more (no checkpoint, no state).
-
-        Modelled by cancelling the executor's task, again until it ends: on Python 3.11 a
-        cancellation that lands as redis-py's ``asyncio.wait_for`` around a socket write
-        completes is swallowed (CPython gh-86296, fixed in 3.12), and the 'dead' executor would
-        train on (seen about once in ten runs)."""
-        async with asyncio.timeout(20):
-            while not self.serving.done():
-                self.serving.cancel()
-                await asyncio.wait({self.serving}, timeout=0.05)
+        """The trainer process dies (see ``kill``)."""
+        await kill(self.serving)
 
     async def shutdown(self) -> None:
         """SIGTERM: the run in progress stops cleanly and stays resumable."""
