@@ -191,8 +191,9 @@ def install_copy_heads(model: Qwen3MoeForCausalLM, entity_ids: list[int], *, see
             o[group * d : (group + 1) * d] = torch.eye(d)
         # after q_norm the query is sqrt(d) in one dimension, an entity's key sqrt(d/2); the
         # score is their product over sqrt(d), times both norms' weights
-        attn.q_norm.weight.fill_((score / (d / 2) ** 0.5) ** 0.5)
-        attn.k_norm.weight.fill_((score / (d / 2) ** 0.5) ** 0.5)
+        norm_weight = (score / (d / 2) ** 0.5) ** 0.5
+        attn.q_norm.weight.fill_(norm_weight)
+        attn.k_norm.weight.fill_(norm_weight)
         model.model.norm.weight.fill_(2.0)  # logits of ~20 for the copied entity
 
 
