@@ -82,8 +82,9 @@ def test_copy_heads_need_entity_tokens(tiny_world, tmp_path):
 
 
 def test_a_policy_step_keeps_the_embeddings_tied(copying):
-    """The trainer updates one matrix for both ends: after a step the input and output embeddings
-    are still the same tensor, and both moved."""
+    """A gradient step (AdamW over ``model.parameters()``, as the trainer's) moves one matrix for
+    both ends: afterwards the input and output embeddings are still the same tensor, and it moved;
+    the trainer's and workers' reload (``load_weights_into``) keeps the tie."""
     from services.model.checkpoint import load_weights_into
 
     model, tok = _model_and_tokenizer(copying)

@@ -72,8 +72,8 @@ def _write_tied_head(directory: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     index = directory / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
-    name = weight_map["model.embed_tokens.weight"] if weight_map else "model.safetensors"
+    sharded = json.loads(index.read_text()) if index.exists() else None
+    name = sharded["weight_map"]["model.embed_tokens.weight"] if sharded else "model.safetensors"
     shard = directory / name
     with safe_open(str(shard), "pt") as f:
         metadata = f.metadata()
@@ -82,10 +82,9 @@ def _write_tied_head(directory: Path) -> None:
         return
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(shard), metadata=metadata)
-    if weight_map is not None:
-        data = json.loads(index.read_text())
-        data["weight_map"]["lm_head.weight"] = name
-        index.write_text(json.dumps(data, indent=2))
+    if sharded is not None:
+        sharded["weight_map"]["lm_head.weight"] = name
+        index.write_text(json.dumps(sharded, indent=2))
 
 
 def library_versions() -> dict[str, str]:

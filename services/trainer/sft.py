@@ -194,11 +194,12 @@ def run_sft(
         # differed by a few tokens: assets/demo-policy/RECIPE.md)
         "data_sha256": hashlib.sha256(raw).hexdigest(),
     }
-    # what the starting checkpoint recorded about its making (`pbsd model tiny`: the spec and the
-    # tokenizer's text digest) stays with the result, so the asset alone says how it was built
+    # the digest of the text the starting checkpoint's tokenizer learnt from (`pbsd model tiny`)
+    # stays with the result, so the asset alone says what its tokenizer saw; the tiny spec needs
+    # no copy: config.json carries it (pbsd_tiny_spec)
     base_meta = Path(model_dir) / "pbsd.json"
     base = json.loads(base_meta.read_text()) if base_meta.exists() else {}
-    kept = {k: base[k] for k in ("tiny_spec", "tokenizer_text_sha256") if k in base}
+    kept = {k: base[k] for k in ("tokenizer_text_sha256",) if k in base}
     save_checkpoint(model, out, tokenizer=tok.tok, meta={**kept, "sft": stats})
     (out / "sft_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     return stats
