@@ -208,6 +208,9 @@ def model_tiny(
     vocab_size: int = typer.Option(4096),
     hidden_size: int = typer.Option(128),
     layers: int = typer.Option(2),
+    kv_heads: int = typer.Option(
+        2, help="key-value groups of the 4 attention heads (4: one per head, so copy heads share nothing)"
+    ),
     experts: int = typer.Option(8),
     top_k: int = typer.Option(2),
     seed: int = typer.Option(0),
@@ -225,6 +228,7 @@ def model_tiny(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=layers,
+        num_key_value_heads=kv_heads,
         num_experts=experts,
         num_experts_per_tok=top_k,
         seed=seed,

@@ -14,15 +14,16 @@ from typer.testing import CliRunner
 from pbsd.cli import app
 
 
-@pytest.fixture(scope="module")
-def copying(tiny_world, tmp_path_factory):
+@pytest.fixture(scope="module", params=[2, 4], ids=["grouped-kv", "kv-per-head"])
+def copying(tiny_world, tmp_path_factory, request):
     out = tmp_path_factory.mktemp("copy-heads") / "tiny"
     made = CliRunner().invoke(
         app,
         ["model", "tiny", "--world", str(tiny_world), "--out", str(out), "--vocab-size", "1024"]
-        + ["--entity-tokens", "--copy-heads"],
+        + ["--entity-tokens", "--copy-heads", "--kv-heads", str(request.param)],
     )
     assert made.exit_code == 0, made.output
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == request.param
     return out
 
 
@@ -118,3 +119,15 @@ def test_a_tied_checkpoint_carries_its_head_for_loaders_that_do_not_tie(copying,
     tensors = load_file(str(tmp_path / "published" / "model.safetensors"))
     assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
     assert torch.equal(tensors["lm_head.weight"], model.get_input_embeddings().weight)
+
+
+def test_with_a_key_value_group_per_head_only_the_copy_heads_are_set(copying):
+    """With grouped-query attention a copy head's key and value are its whole group's; with one
+    group per head the last layer's other two heads keep their own, as initialised."""
+    model, _ = _model_and_tokenizer(copying)
+    attn, cfg = model.model.layers[-1].self_attn, model.config
+    d = cfg.head_dim
+    for group in range(cfg.num_key_value_heads):
+        key = attn.k_proj.weight[group * d : (group + 1) * d]
+        nonzero = int(torch.count_nonzero(key))
+        assert (nonzero == 2) if group < 2 else (nonzero == key.numel())

@@ -121,23 +121,31 @@ def _entity_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
     return sorted(i for i in tokenizer.get_added_vocab().values() if i not in special)
 
 
+COPY_HEADS = 2  # copy heads in the last layer, each the first head of its own key-value group
+
+
 def install_copy_heads(model: Qwen3MoeForCausalLM, entity_ids: list[int], *, seed: int = 0) -> None:
-    """Give the last layer one attention head per key-value group that copies entity tokens.
+    """Make the first head of each of the last layer's first two key-value groups copy entity tokens.
 
     What a pre-trained base brings and a 2-layer model trained from nothing on 2 cores never
     learns (assets/demo-policy/RECIPE.md): reading a name back from the context. With every
     entity one token (``entity_tokens``) and tied embeddings, copying is one head, built here:
 
-    - embeddings: entity ``e`` is a random unit vector ``u_e`` in the first ``G*d`` dimensions
-      (G key-value groups of head size d), every other token a random unit vector in the
-      dimensions after ``G*d + 2``; every token has 0.5 in dimension ``G*d`` (a constant the
-      query reads) and entities 0.5 in dimension ``G*d + 1`` (a flag the key reads);
+    - embeddings: entity ``e`` is a random unit vector ``u_e`` in the first ``C*d`` dimensions
+      (C copy heads of head size d), every other token a random unit vector in the
+      dimensions after ``C*d + 2``; every token has 0.5 in dimension ``C*d`` (a constant the
+      query reads) and entities 0.5 in dimension ``C*d + 1`` (a flag the key reads);
     - the head of group g: its query is that constant and its key the flag, in the RoPE pair
       of lowest frequency (nearly position-blind), scaled so an entity outscores any other
       token by ~20; its value and output are the identity on dims ``g*d .. g*d+d-1`` of ``u``;
     - the output embedding is the input one (tied), so the residual's copy of ``u_e`` raises
-      the logit of ``e`` itself over every other entity (random unit vectors in ``G*d``
+      the logit of ``e`` itself over every other entity (random unit vectors in ``C*d``
       dimensions, 64 here, are nearly orthogonal).
+
+    A head shares its key and value with the other heads of its group, so with grouped-query
+    attention every head of a copy head's group starts out reading entities too. With as many
+    key-value groups as heads (``TinySpec.num_key_value_heads``) the last layer keeps heads of
+    its own for everything else, such as which relation the question asks for.
 
     So from the first step the model can say any entity in its context, including names it
     never saw in training, and SFT only has to learn which one (the query and key) and when.
@@ -149,11 +157,12 @@ def install_copy_heads(model: Qwen3MoeForCausalLM, entity_ids: list[int], *, see
     cfg = model.config
     d, groups, hidden = cfg.head_dim, cfg.num_key_value_heads, cfg.hidden_size
     per_group = cfg.num_attention_heads // groups
-    width = groups * d  # dims 0 .. width-1 carry an entity's identity
+    copies = min(COPY_HEADS, groups)
+    width = copies * d  # dims 0 .. width-1 carry an entity's identity
     const, flag = width, width + 1
     if hidden < width + 2 + 16 or cfg.num_hidden_layers < 2 or not cfg.tie_word_embeddings:
         raise ValueError(
-            "copy heads need tied embeddings, 2+ layers and hidden_size >= kv_heads*head_dim + 18"
+            "copy heads need tied embeddings, 2+ layers and hidden_size >= copy heads * head_dim + 18"
         )
     g = torch.Generator().manual_seed(seed)
     embed = model.get_input_embeddings().weight
@@ -174,7 +183,7 @@ def install_copy_heads(model: Qwen3MoeForCausalLM, entity_ids: list[int], *, see
         embed[ents, :width] = unit(len(ents), width)
         embed[:, const] = 0.5
         embed[ents, flag] = 0.5
-        for group in range(groups):
+        for group in range(copies):
             head = group * per_group
             q = attn.q_proj.weight[head * d : (head + 1) * d]
             q.zero_()
