@@ -22,6 +22,7 @@ WARM_START = (
     "hidden_size",
     "entity_tokens",
     "copy_heads",
+    "kv_heads",
     "sft_epochs",
     "sft_lr",
     "sft_batch_size",
@@ -46,10 +47,15 @@ class DemoConfig(BaseModel):
     difficulty: list[Difficulty] = Field(
         default=["easy"], description="difficulties of the RL questions the tiny policy trains on"
     )
+    eval_split: Literal["rl", "validation"] = Field(
+        default="rl",
+        description="where the questions evaluated before and after come from: set aside from the RL "
+        "questions (their difficulties, never trained on; see demo/questions.py) or the validation split",
+    )
     eval_difficulty: list[Difficulty] = Field(
         # validation takes the rarest answers, so with 6000 SFT questions it holds only 7 easy ones
         default=["easy", "medium"],
-        description="difficulties of the validation questions evaluated before and after",
+        description="with eval_split validation: the difficulties evaluated",
     )
     # the warm start (used with --from-scratch, or when the committed policy does not fit the world
     # or these settings: see warm_start)
@@ -67,6 +73,7 @@ class DemoConfig(BaseModel):
     sft_rename: float = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
     entity_tokens: bool = True  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
     copy_heads: bool = True  # hand-built heads that copy entity tokens (`pbsd model tiny --copy-heads`)
+    kv_heads: int = Field(default=2, ge=1, le=4, description="key-value groups of the 4 attention heads")
     # RL
     steps: int = 16
     prompts_per_step: int = 4
@@ -81,8 +88,9 @@ class DemoConfig(BaseModel):
     # a run with no new training step for this long is stopped as stalled (a step takes ~30 s here)
     stall_timeout_s: float = Field(default=600.0, gt=0)
     # evaluation before and after
-    eval_questions: int = 24
-    eval_samples: int = 1
+    # 48 x 2 samples: 96 paired trajectories (the same seeds before and after), ~2.5 minutes each time
+    eval_questions: int = 48
+    eval_samples: int = 2
     eval_top_p: float = 0.95
 
     def warm_start(self) -> dict[str, object]:

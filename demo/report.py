@@ -162,6 +162,21 @@ def _fraction(part: dict[str, float]) -> str:
     return ratio(part) + (f" ({part['fraction']:.2f})" if part["total"] else "")
 
 
+def eval_set(config: DemoConfig) -> str:
+    """What the before/after evaluation measured, in a sentence (see demo/questions.py)."""
+    if config.eval_split == "validation":
+        return (
+            f"Up to {config.eval_questions} {'+'.join(config.eval_difficulty)} questions of the world's validation "
+            f"split, whose answers answer no training question; {config.eval_samples} samples each."
+        )
+    return (
+        f"{config.eval_questions} {'+'.join(config.difficulty)} questions set aside from the RL split before "
+        f"training: never trained on, and no chain of facts they ask for is walked by any SFT or RL question "
+        f"(answers such as a country may recur); {config.eval_samples} samples each, with the same seeds "
+        "before and after."
+    )
+
+
 def write_report(
     out: Path, config: DemoConfig, runs: dict[str, dict[str, Any]], evals: dict[str, Any], *, elapsed: float
 ) -> Path:
@@ -243,10 +258,11 @@ figure{{display:inline-block;margin:8px;vertical-align:top}}figcaption{{font-siz
 img{{max-width:520px}}code{{font-size:12px}}</style></head><body>
 <h1>pbsd demo: a tiny search agent trained with {" and ".join(a.upper() for a in runs)}</h1>
 <p>{config.steps} steps of {config.prompts_per_step} prompts x {config.group_size} samples on the embedded world
-(seed {config.seed}, {config.entities} entities, RL on {html.escape("+".join(config.difficulty))} questions, evaluated on {html.escape("+".join(config.eval_difficulty))} validation questions), the tiny Qwen3-MoE policy
+(seed {config.seed}, {config.entities} entities, RL on {html.escape("+".join(config.difficulty))} questions), the tiny Qwen3-MoE policy
 warmed up by SFT on oracle trajectories; the four services ran as separate processes over a private Redis.
 Total time {elapsed / 60:.1f} minutes. {note}</p>
-<h2>Evaluation (mean@{k} and pass@{k} on held-out validation questions)</h2>
+<h2>Evaluation (mean@{k} and pass@{k} on held-out questions)</h2>
+<p>{html.escape(eval_set(config))}</p>
 <table><tr><th>policy</th><th>mean@{k}</th><th>pass@{k}</th><th>questions</th><th>turns</th><th>generated tokens</th><th>finish reasons</th>
 <th>grounded searches</th><th>grounded reads</th><th>grounded answers</th></tr>
 {"".join(rows)}</table>

@@ -28,12 +28,12 @@ from tqdm import tqdm
 
 from agent.grounding import describe
 from demo.config import ASSETS, DemoConfig
+from demo.questions import question_files
 from services.launcher import ServiceProcess, sigterm_as_interrupt
 from services.local_redis import LocalRedis, free_port
 from services.rollout.agent import AgentLimits
 from services.rollout.runner import eval_main
 from worldgen.build import build_world, world_fingerprint
-from worldgen.formats import write_jsonl
 
 __all__ = ["run_demo"]
 
@@ -103,6 +103,7 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
         seed=config.seed,
         entity_tokens=config.entity_tokens,
         copy_heads=config.copy_heads,
+        num_key_value_heads=config.kv_heads,
     )
     init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
     with progress_bar("SFT warm start") as progress:
@@ -110,18 +111,6 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
     stamp_world(target, fingerprint)
     say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
     return target
-
-
-def question_files(config: DemoConfig, world: Path, out: Path) -> tuple[Path, Path]:
-    data = out / "data"
-    rl = [json.loads(x) for x in (world / "questions" / "rl.jsonl").read_text().splitlines()]
-    val = [json.loads(x) for x in (world / "questions" / "validation.jsonl").read_text().splitlines()]
-    write_jsonl(data / "rl.jsonl", [q for q in rl if q["difficulty"] in config.difficulty])
-    write_jsonl(
-        data / "eval.jsonl",
-        [q for q in val if q["difficulty"] in config.eval_difficulty][: config.eval_questions],
-    )
-    return data / "rl.jsonl", data / "eval.jsonl"
 
 
 def evaluate(
@@ -162,11 +151,14 @@ def evaluate(
     return report
 
 
-def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path) -> dict[str, Any]:
+def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path, questions: int) -> dict[str, Any]:
+    """The run the demo submits. ``questions`` (the lines of ``rl``) sets enough epochs over them
+    for every step plus one step of replacements for groups the trainer drops."""
+    needed = (config.steps + 1) * config.prompts_per_step
     return {
         "name": f"demo-{algorithm}",
         "model": {"path": str(policy), "dtype": "float32"},
-        "data": {"train": str(rl), "shuffle_seed": config.seed},
+        "data": {"train": str(rl), "shuffle_seed": config.seed, "epochs": -(-needed // questions)},
         "rollout": {
             "group_size": config.group_size,
             "max_turns": config.max_turns,
@@ -328,7 +320,10 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
         ) as api:
             for algorithm in algorithms:
                 run_id = (
-                    api.post("/runs", json=run_spec(config, algorithm, policy, rl))
+                    api.post(
+                        "/runs",
+                        json=run_spec(config, algorithm, policy, rl, len(rl.read_text().splitlines())),
+                    )
                     .raise_for_status()
                     .json()["id"]
                 )

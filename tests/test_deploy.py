@@ -281,7 +281,7 @@ def test_the_compose_run_is_sized_like_the_demo():
     from demo.run import run_spec
 
     compose_run = yaml.safe_load((ROOT / "deploy/runs/demo-cpu.yaml").read_text())
-    demo = run_spec(DemoConfig(), "pbsd", Path("policy"), Path("rl.jsonl"))
+    demo = run_spec(DemoConfig(), "pbsd", Path("policy"), Path("rl.jsonl"), questions=70)
     for section in ("rollout", "trainer"):
         for key, value in demo[section].items():
             if key != "checkpoint_every":

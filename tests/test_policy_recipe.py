@@ -66,6 +66,7 @@ def test_recipe_asset_and_demo_defaults_agree():
     spec = model["pbsd_tiny_spec"]  # vocab_size there is BPE's; the entity tokens come on top
     assert (spec["vocab_size"], model["hidden_size"]) == (c.vocab_size, c.hidden_size)
     assert model["tie_word_embeddings"] == c.copy_heads
+    assert model["num_key_value_heads"] == int(commands["model tiny"].get("--kv-heads", 2)) == c.kv_heads
     for flag in ("entity_tokens", "copy_heads"):
         made_with = model["pbsd_tiny_spec"].get(flag, False)
         assert (
