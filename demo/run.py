@@ -276,7 +276,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                 "scorer",
                 port=free_port(),
                 log=logs / "scorer.log",
-                env={**common, "PBSD_SCORER_MODEL": str(policy)},
+                env={**common, "PBSD_SCORER_MODEL": str(policy), "PBSD_SCORER_SHUTDOWN_GRACE_S": "10"},
             ),
         ]
         tools_url = services[0].url
@@ -292,6 +292,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                     "PBSD_ROLLOUT_CONCURRENCY": str(config.rollout_concurrency),
                     "PBSD_ROLLOUT_DATE": date,
                     "PBSD_ROLLOUT_SEED": str(config.seed),
+                    "PBSD_ROLLOUT_SHUTDOWN_GRACE_S": "10",
                 },
             )
         )

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Response
 from proto.messages import WeightsPublished
 from proto.streams import WEIGHTS, StreamDef
 from services.bus import Bus, ConsumerOptions, Delivery
-from services.tasks import cancel_and_wait
+from services.tasks import cancel_and_wait, within
 from services.telemetry import add_metrics_route
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,12 @@ def worker_app(
     title: str,
     start: Callable[[], Awaitable[tuple[PolicyWorker, list[Callable[[], Awaitable[None]]]]]],
     healthy: Callable[[PolicyWorker], Awaitable[bool]] | None = None,
+    grace_s: float = 30.0,
 ) -> FastAPI:
     """An app that runs ``start()``'s worker in the background and closes its resources on shutdown.
+
+    On shutdown the worker is told to stop and given ``grace_s`` to finish what it holds; then it
+    is cancelled and awaited, so its resources are closed only once nothing uses them.
 
     ``/health`` is 200 with the policy version once the worker consumes (and ``healthy`` agrees),
     503 while it starts, and 503 with the error if it stopped.
@@ -159,11 +163,13 @@ def worker_app(
         finally:
             stop.set()
             try:
-                await asyncio.wait_for(task, 30)
-            except (TimeoutError, asyncio.CancelledError):
-                task.cancel()
-            for close in closers:
-                await close()
+                await within(grace_s, asyncio.shield(task))
+            finally:  # also when this shutdown is itself cancelled during the grace
+                try:
+                    await cancel_and_wait(task)
+                finally:
+                    for close in closers:
+                        await close()
 
     app = FastAPI(title=title, version="0.1.0", lifespan=lifespan)
     add_metrics_route(app)

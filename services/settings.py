@@ -42,6 +42,17 @@ class CommonSettings(BaseSettings):
             yield key, (_redact_url(value) if key == "redis_url" else value)
 
 
+class WorkerSettings(CommonSettings):
+    """What the bus-consuming workers (scorer, rollout) share beside the common settings."""
+
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="on SIGTERM, how long the messages in hand may take to finish before the worker "
+        "is cancelled (unacknowledged ones are redelivered to another worker)",
+    )
+
+
 def _redact_url(url: str) -> str:
     if "@" not in url:
         return url

@@ -62,4 +62,4 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
     async def healthy(worker: RolloutWorker) -> bool:
         return await worker.engine.health()
 
-    return worker_app("pbsd rollout", start, healthy)
+    return worker_app("pbsd rollout", start, healthy, grace_s=settings.shutdown_grace_s)

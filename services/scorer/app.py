@@ -52,4 +52,4 @@ def create_app(settings: ScorerSettings | None = None) -> FastAPI:
         )
         return worker, [bus.close]
 
-    return worker_app("pbsd evidence scorer", start)
+    return worker_app("pbsd evidence scorer", start, grace_s=settings.shutdown_grace_s)

@@ -8,10 +8,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.settings import CommonSettings
+from services.settings import WorkerSettings
 
 
-class ScorerSettings(CommonSettings):
+class ScorerSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="PBSD_SCORER_", extra="ignore")
 
     backend: Literal["local", "sglang"] = "local"

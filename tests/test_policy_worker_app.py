@@ -1,0 +1,71 @@
+"""worker_app's shutdown (the scorer's and rollout's app): the worker gets its grace, is then
+cancelled and awaited, and the resources it uses are closed only after it has ended."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.policy_worker import worker_app
+
+
+class FakeWorker:
+    """Runs until told to stop, or (``stubborn``) until cancelled."""
+
+    def __init__(self, stubborn: bool) -> None:
+        self.stubborn = stubborn
+        self.ready = asyncio.Event()
+        self.version = 0
+        self.ended = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.ready.set()
+        try:
+            if self.stubborn:
+                await asyncio.Event().wait()
+            await stop.wait()
+        finally:
+            self.ended = True
+
+
+def app_for(worker: FakeWorker, closed: list[bool], grace_s: float):
+    async def close() -> None:
+        closed.append(worker.ended)  # was the worker over when its resources went?
+
+    async def start():
+        return worker, [close]
+
+    return worker_app("test", start, grace_s=grace_s)
+
+
+@pytest.mark.parametrize("stubborn", [False, True], ids=["stops", "ignores-stop"])
+async def test_shutdown_ends_the_worker_before_closing_its_resources(stubborn):
+    worker, closed = FakeWorker(stubborn), []
+    app = app_for(worker, closed, grace_s=0.5)
+    async with app.router.lifespan_context(app):
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        started = time.monotonic()
+    took = time.monotonic() - started
+    assert closed == [True]
+    # a worker that stops is not kept waiting for the grace; one that does not is cut off after it
+    assert (0.4 < took < 3) if stubborn else (took < 0.4)
+
+
+async def test_a_shutdown_cancelled_during_the_grace_still_ends_the_worker_and_says_so():
+    worker, closed = FakeWorker(stubborn=True), []
+    app = app_for(worker, closed, grace_s=30)
+    entered = asyncio.Event()
+
+    async def serve():
+        async with app.router.lifespan_context(app):
+            entered.set()
+
+    task = asyncio.create_task(serve())
+    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.sleep(0.1)  # into the 30 s grace
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert worker.ended and closed == [True]
