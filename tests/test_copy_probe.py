@@ -27,8 +27,8 @@ def test_the_committed_policy_copies_some_spans_of_held_out_conversations(tmp_pa
         expected = sum(len(pattern.findall(m["content"])) for r in rows for m in r["messages"][2::2])
         assert result[kind]["total"] == expected > 0
     assert result["answer"]["total"] == len(rows)
-    # measured 2026-11-23 on 40 conversations: queries 0.72, URLs 0.58, requests 0.73, answers 0.28
-    # (on these 16: 0.77, 0.62, 0.81, 0.25); a warm start that cannot copy at all (RECIPE.md's
-    # failed variant) scores ~0 on each
-    assert all(result[k]["accuracy"] > 0.3 for k in ("query", "url", "request"))
+    # measured 2026-11-24 on 40 conversations: queries 0.87, URLs 0.93, requests 0.83, answers 0.93
+    # (on these 16: 0.85, 0.98, 0.89, 1.00); the BPE-only policy before the copy heads scored 0.72,
+    # 0.58, 0.73 and 0.28, and a warm start that cannot copy at all (RECIPE.md's failed variant) ~0
+    assert all(result[k]["accuracy"] > 0.6 for k in ("query", "url", "request", "answer"))
     assert all(0 <= r["right"] <= r["total"] for r in result.values())
