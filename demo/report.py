@@ -162,15 +162,15 @@ def _fraction(part: dict[str, float]) -> str:
     return ratio(part) + (f" ({part['fraction']:.2f})" if part["total"] else "")
 
 
-def eval_set(config: DemoConfig) -> str:
-    """What the before/after evaluation measured, in a sentence (see demo/questions.py)."""
+def eval_set(config: DemoConfig, n: int) -> str:
+    """What the before/after evaluation of ``n`` questions measured, in a sentence (see demo/questions.py)."""
     if config.eval_split == "validation":
         return (
-            f"Up to {config.eval_questions} {'+'.join(config.eval_difficulty)} questions of the world's validation "
+            f"{n} {'+'.join(config.eval_difficulty)} questions of the world's validation "
             f"split, whose answers answer no training question; {config.eval_samples} samples each."
         )
     return (
-        f"{config.eval_questions} {'+'.join(config.difficulty)} questions set aside from the RL split before "
+        f"{n} {'+'.join(config.difficulty)} questions set aside from the RL split before "
         f"training: never trained on, and no chain of facts they ask for is walked by any SFT or RL question "
         f"(answers such as a country may recur); {config.eval_samples} samples each, with the same seeds "
         "before and after."
@@ -262,7 +262,7 @@ img{{max-width:520px}}code{{font-size:12px}}</style></head><body>
 warmed up by SFT on oracle trajectories; the four services ran as separate processes over a private Redis.
 Total time {elapsed / 60:.1f} minutes. {note}</p>
 <h2>Evaluation (mean@{k} and pass@{k} on held-out questions)</h2>
-<p>{html.escape(eval_set(config))}</p>
+<p>{html.escape(eval_set(config, evals["before"]["questions"]))}</p>
 <table><tr><th>policy</th><th>mean@{k}</th><th>pass@{k}</th><th>questions</th><th>turns</th><th>generated tokens</th><th>finish reasons</th>
 <th>grounded searches</th><th>grounded reads</th><th>grounded answers</th></tr>
 {"".join(rows)}</table>

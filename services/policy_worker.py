@@ -15,7 +15,7 @@ from fastapi import FastAPI, Response
 from proto.messages import WeightsPublished
 from proto.streams import WEIGHTS, StreamDef
 from services.bus import Bus, ConsumerOptions, Delivery
-from services.tasks import cancel_and_wait, within
+from services.tasks import cancel_and_wait
 from services.telemetry import add_metrics_route
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def worker_app(
         finally:
             stop.set()
             try:
-                await within(grace_s, asyncio.shield(task))
+                await asyncio.wait({task}, timeout=grace_s)  # never cancels the task itself
             finally:  # also when this shutdown is itself cancelled during the grace
                 try:
                     await cancel_and_wait(task)
