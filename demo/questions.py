@@ -16,6 +16,7 @@ ones, so a policy that trains on easy questions would be judged on three-hop one
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,7 @@ def set_aside(
 ) -> tuple[list[Question], list[Question]]:
     """The first ``n`` of ``questions`` whose hop path is shared with no other question (of
     ``questions`` or ``others``), and the rest of ``questions``, both in their given order."""
-    seen: dict[str, int] = {}
-    for q in questions + others:
-        seen[_path(q)] = seen.get(_path(q), 0) + 1
+    seen = Counter(_path(q) for q in questions + others)
     held: list[Question] = []
     for q in questions:
         if len(held) == n:
