@@ -18,14 +18,20 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from demo.config import DemoConfig
 from worldgen.formats import write_jsonl
 
-__all__ = ["question_files", "set_aside"]
+__all__ = ["QuestionFiles", "question_files", "set_aside"]
 
 Question = dict[str, Any]
+
+
+class QuestionFiles(NamedTuple):
+    train: Path  # what RL trains on
+    evaluation: Path  # what is evaluated before and after
+    train_questions: int  # the lines of ``train`` (the run's epochs depend on it)
 
 
 def _path(q: Question) -> str:
@@ -52,8 +58,8 @@ def _split(world: Path, name: str) -> list[Question]:
     return [json.loads(x) for x in (world / "questions" / f"{name}.jsonl").read_text().splitlines()]
 
 
-def question_files(config: DemoConfig, world: Path, out: Path) -> tuple[Path, Path]:
-    """Write ``data/rl.jsonl`` and ``data/eval.jsonl`` under ``out``; return their paths."""
+def question_files(config: DemoConfig, world: Path, out: Path) -> QuestionFiles:
+    """Write ``data/rl.jsonl`` and ``data/eval.jsonl`` under ``out``."""
     train = [q for q in _split(world, "rl") if q["difficulty"] in config.difficulty]
     if config.eval_split == "validation":
         wanted = config.eval_difficulty
@@ -69,4 +75,4 @@ def question_files(config: DemoConfig, world: Path, out: Path) -> tuple[Path, Pa
     data = out / "data"
     write_jsonl(data / "rl.jsonl", train)
     write_jsonl(data / "eval.jsonl", held)
-    return data / "rl.jsonl", data / "eval.jsonl"
+    return QuestionFiles(data / "rl.jsonl", data / "eval.jsonl", len(train))

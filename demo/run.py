@@ -152,8 +152,8 @@ def evaluate(
 
 
 def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path, questions: int) -> dict[str, Any]:
-    """The run the demo submits. ``questions`` (the lines of ``rl``) sets enough epochs over them
-    for every step plus one step of replacements for groups the trainer drops."""
+    """The run the demo submits. ``questions`` (how many ``rl`` holds) sets enough epochs over
+    them for every step plus one step of replacements for groups the trainer drops."""
     needed = (config.steps + 1) * config.prompts_per_step
     return {
         "name": f"demo-{algorithm}",
@@ -255,7 +255,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     say(f"world: {config.entities} entities, questions {manifest['questions']}")
     # the world's fingerprint tells whether the committed policy was supervised on this very world
     policy = prepare_policy(config, world, world_fingerprint(manifest), out)
-    rl, eval_questions = question_files(config, world, out)
+    rl, eval_questions, train_questions = question_files(config, world, out)
     algorithms = ["pbsd", "grpo"] if config.algorithm == "both" else [config.algorithm]
 
     evals = {"before": evaluate(config, policy, eval_questions, world, "before", out)}
@@ -323,7 +323,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                 run_id = (
                     api.post(
                         "/runs",
-                        json=run_spec(config, algorithm, policy, rl, len(rl.read_text().splitlines())),
+                        json=run_spec(config, algorithm, policy, rl, train_questions),
                     )
                     .raise_for_status()
                     .json()["id"]

@@ -36,8 +36,9 @@ def _read(path):
 
 def test_the_evaluation_is_held_out_of_training_with_the_trained_difficulty(tiny_world, tmp_path):
     config = DemoConfig(difficulty=["easy", "medium"], eval_questions=5)
-    rl_file, eval_file = question_files(config, tiny_world, tmp_path)
+    rl_file, eval_file, count = question_files(config, tiny_world, tmp_path)
     train, held = _read(rl_file), _read(eval_file)
+    assert count == len(train)
     sft = _read(tiny_world / "questions" / "sft.jsonl")
     world_rl = [
         x for x in _read(tiny_world / "questions" / "rl.jsonl") if x["difficulty"] in ("easy", "medium")
@@ -52,7 +53,7 @@ def test_the_evaluation_is_held_out_of_training_with_the_trained_difficulty(tiny
 
 def test_the_validation_split_can_be_evaluated_instead(tiny_world, tmp_path):
     config = DemoConfig(eval_split="validation", eval_difficulty=["medium", "hard"], eval_questions=4)
-    rl_file, eval_file = question_files(config, tiny_world, tmp_path)
+    rl_file, eval_file, _ = question_files(config, tiny_world, tmp_path)
     validation = _read(tiny_world / "questions" / "validation.jsonl")
     wanted = [x for x in validation if x["difficulty"] in ("medium", "hard")][:4]
     assert _read(eval_file) == wanted
@@ -77,5 +78,5 @@ def test_a_world_without_questions_to_spare_stops_the_demo(tmp_path):
     with pytest.raises(SystemExit, match="0 evaluation and 1 RL questions"):
         question_files(DemoConfig(eval_split="validation", eval_difficulty=["easy"]), world, tmp_path / "out")
     # the medium one's chain is walked in SFT, so with both difficulties the easy one is held out
-    rl_file, eval_file = question_files(DemoConfig(difficulty=["easy", "medium"]), world, tmp_path / "out")
+    rl_file, eval_file, _ = question_files(DemoConfig(difficulty=["easy", "medium"]), world, tmp_path / "out")
     assert [x["id"] for x in _read(eval_file)] == ["r1"] and [x["id"] for x in _read(rl_file)] == ["r2"]
