@@ -82,6 +82,46 @@ async def test_cancel_a_queued_run(redis_url, key_prefix, tiny_world, tiny_check
     await client.aclose()
 
 
+async def test_a_cancel_while_the_model_loads_is_not_overwritten(
+    bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path, monkeypatch
+):
+    """The trainer takes a run off the queue, then loads its model: the run is still "queued"
+    and a cancel makes it "cancelled" at once. It must stay so, and the run must not start."""
+    import threading
+
+    from proto.runs import RunSpec
+    from services.trainer import executor as executor_module
+
+    loading, release = threading.Event(), threading.Event()
+    load = executor_module.load_model
+
+    def slow_load(*args, **kwargs):
+        loading.set()
+        assert release.wait(30)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(executor_module, "load_model", slow_load)
+    store = RunStore(bus.redis, key_prefix)
+    record = await store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint)))
+    executor = RunExecutor(bus, store, TrainerSettings(local_mode=True, runs_dir=tmp_path))
+    assert await store.next_queued() == record.id
+    running = asyncio.create_task(executor.execute(record.id))
+    assert await asyncio.to_thread(loading.wait, 30)
+    assert await store.request_cancel(record.id) == "queued"
+    release.set()
+    await asyncio.wait_for(running, 60)
+    assert (await store.get(record.id)).state == "cancelled"
+    assert [e for _, e in await bus.read_all(PROMPTS)] == []  # no prompt went out
+    assert not (tmp_path / record.id / "final").exists()
+    # a run cancelled between leaving the queue and the executor reading it does not load at all
+    loading.clear()
+    other = await store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint)))
+    assert await store.next_queued() == other.id
+    assert await store.request_cancel(other.id) == "queued"
+    await asyncio.wait_for(executor.execute(other.id), 30)
+    assert not loading.is_set() and (await store.get(other.id)).state == "cancelled"
+
+
 class FakePipeline:
     """Plays rollout and scorer for the trainer: answers prompt tasks with scored GRPO groups
     (sample i answers correctly when i is even), sampled with the newest published version;

@@ -58,7 +58,7 @@ from services.trainer.batch import samples_from_groups
 from services.trainer.controller import PromptController
 from services.trainer.distributed import make_trainer
 from services.trainer.evaluation import Evaluator
-from services.trainer.runs import RunStore
+from services.trainer.runs import ACTIVE, FINISHED, RunStore
 from services.trainer.settings import TrainerSettings
 from worldgen.formats import load_questions
 
@@ -242,8 +242,8 @@ class RunExecutor:
     # -- the run ---------------------------------------------------------------------------
     async def _execute(self, run_id: str, *, resume: bool, stop: asyncio.Event) -> None:
         record = await self.store.get(run_id)
-        if record is None:
-            return
+        if record is None or record.state in FINISHED:
+            return  # cancelled between leaving the queue and here
         spec = record.spec
         out = self.settings.runs_dir / run_id
         (out / "weights").mkdir(parents=True, exist_ok=True)
@@ -290,10 +290,13 @@ class RunExecutor:
             await self.store.reset_trained(run_id, saved.get("trained_ids", []))
             await self.store.truncate_metrics(run_id, state.step)  # the steps lost with a crash
             _truncate_lines(out / "metrics.jsonl", state.step)
-        fields = {"output_dir": str(out), "step": state.step, "policy_version": state.version}
-        if record.state != "cancelling":  # a cancel asked for before a restart still holds
-            fields["state"] = "running"
-        await self.store.update(run_id, **fields)
+        # "cancelling" (asked for before a restart) stays; "cancelled" means it came while loading
+        found = await self.store.start(
+            run_id, output_dir=str(out), step=state.step, policy_version=state.version
+        )
+        if found not in ACTIVE:
+            log.info("run %s was %s while its model loaded: it does not start", run_id, found)
+            return
         await self._publish_weights(run_id, state, initial_weights)
 
         controller = PromptController(

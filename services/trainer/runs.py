@@ -73,12 +73,7 @@ class RunStore:
         return [r for r in records if r is not None]
 
     async def update(self, run_id: str, **fields: Any) -> None:
-        fields["updated_at"] = time.time()
-        mapping = {
-            k: json.dumps(v) if isinstance(v, dict) else ("" if v is None else str(v))
-            for k, v in fields.items()
-        }
-        await self.redis.hset(self._key(run_id), mapping=mapping)
+        await self.redis.hset(self._key(run_id), mapping=_mapping(fields))
 
     async def next_queued(self) -> str | None:
         run_id = await self.redis.lpop(f"{self.prefix}:runs:queue")
@@ -100,6 +95,25 @@ class RunStore:
 
     async def in_state(self, *states: str) -> list[RunRecord]:
         return [r for r in await self.list(1000) if r.state in states]
+
+    # one step, so that a cancel that lands while the trainer loads the run's model (the run is
+    # off the queue but still "queued") is not overwritten by "running"
+    _START = """
+    local state = redis.call('HGET', KEYS[1], 'state')
+    if state == 'queued' or state == 'running' or state == 'cancelling' then
+        redis.call('HSET', KEYS[1], unpack(ARGV))
+        if state ~= 'cancelling' then
+            redis.call('HSET', KEYS[1], 'state', 'running')
+        end
+    end
+    return state
+    """
+
+    async def start(self, run_id: str, **fields: Any) -> str | None:
+        """Mark a run "running" (a "cancelling" one stays so) with ``fields``, unless it was
+        cancelled or has finished meanwhile: then nothing is written. Returns the state it found."""
+        args = [x for pair in _mapping(fields).items() for x in pair]
+        return _s(await self.redis.eval(self._START, 1, self._key(run_id), *args))
 
     # one step, so that a run finishing meanwhile is never turned back to "cancelling"
     _CANCEL = """
@@ -169,6 +183,14 @@ class RunStore:
 
 def _s(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _mapping(fields: dict[str, Any]) -> dict[str, str]:
+    """Fields of a run's hash as Redis stores them, with ``updated_at`` now."""
+    fields = {**fields, "updated_at": time.time()}
+    return {
+        k: json.dumps(v) if isinstance(v, dict) else ("" if v is None else str(v)) for k, v in fields.items()
+    }
 
 
 def _to_hash(record: RunRecord) -> dict[str, str]:
