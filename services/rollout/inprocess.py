@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import inspect
 import queue
 import threading
 import time
@@ -70,6 +71,11 @@ class InProcessEngine:
         max_batch: int = 16,
     ) -> None:
         self.model = model.eval()
+        # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name
+        # warns, and goes in 5.40); earlier 5.x know only the old one
+        self._cache_arg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         self.device = next(model.parameters()).device
         self.weight_version = weight_version
         self.max_sessions = max_sessions
@@ -210,7 +216,7 @@ class InProcessEngine:
         x = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(tokens), device=self.device)[None]
         out = self.model(
-            input_ids=x, position_ids=pos, past_key_values=s.cache, use_cache=True, logits_to_keep=1
+            input_ids=x, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_arg: s.cache}
         )
         s.ids.extend(tokens)
         if recorder is not None:
@@ -249,8 +255,8 @@ class InProcessEngine:
                 input_ids=tokens,
                 position_ids=positions,
                 attention_mask=mask,
-                past_key_values=batch,
                 use_cache=True,
+                **{self._cache_arg: batch},
             )
             step_routes = recorder.take() if recorder is not None else None
             self.tokens_fed += len(rows)
