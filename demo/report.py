@@ -23,6 +23,7 @@ from agent.grounding import KINDS, ratio
 from demo.config import DemoConfig
 from pbsd import credit
 from proto.runs import PbsdSpec
+from services.rollout.evaluate import compare, describe_change
 from services.trainer.viewer import load_groups, render_viewer, viewer_data
 
 __all__ = ["write_report"]
@@ -216,6 +217,7 @@ def write_report(
             f"<td>{report['questions']}</td><td>{report['mean_turns']:.2f}</td>"
             f"<td>{report['mean_generated_tokens']:.0f}</td><td>{html.escape(json.dumps(report['finish_reasons']))}</td>"
             + "".join(f"<td>{_fraction(report['grounding'][kind])}</td>" for kind in KINDS)
+            + f"<td>{'' if name == 'before' else html.escape(describe_change(compare(evals['before'], report)))}</td>"
             + "</tr>"
         )
     run_rows = []
@@ -264,7 +266,7 @@ Total time {elapsed / 60:.1f} minutes. {note}</p>
 <h2>Evaluation (mean@{k} and pass@{k} on held-out questions)</h2>
 <p>{html.escape(eval_set(config, evals["before"]["questions"]))}</p>
 <table><tr><th>policy</th><th>mean@{k}</th><th>pass@{k}</th><th>questions</th><th>turns</th><th>generated tokens</th><th>finish reasons</th>
-<th>grounded searches</th><th>grounded reads</th><th>grounded answers</th></tr>
+<th>grounded searches</th><th>grounded reads</th><th>grounded answers</th><th>change of mean@{k} from before</th></tr>
 {"".join(rows)}</table>
 <p>Grounded: a search whose names all appear in the question or an earlier tool result, a read whose address
 appeared in an earlier result, a boxed answer found in a result; the oracle scores 100% on each. A policy

@@ -14,7 +14,7 @@ from proto.runs import PbsdSpec, RolloutSpec
 from proto.streams import PROMPTS, TRAJECTORIES, WEIGHTS
 from services.bus import ConsumerOptions
 from services.rollout.agent import AgentLimits
-from services.rollout.evaluate import evaluate, pass_at_k, summarise
+from services.rollout.evaluate import compare, describe_change, evaluate, pass_at_k, summarise
 from services.rollout.sglang import SglangEngine
 from services.rollout.worker import RolloutWorker
 from services.upstream import RetryPolicy
@@ -175,6 +175,31 @@ def test_summarise_mean_and_pass_by_difficulty():
     assert s["all"]["mean@4"] == pytest.approx((0.25 + 1 + 0) / 3)
     assert s["easy"]["pass@k"]["1"] == pytest.approx((0.25 + 1) / 2) and s["hard"]["pass@k"]["4"] == 0.0
     assert s["all"]["questions"] == 3
+
+
+def test_compare_pairs_questions_and_bounds_the_change():
+    def report(correct):
+        return {"per_question": {q: {"correct": c} for q, c in correct.items()}}
+
+    before = report({"a": [False, False], "b": [True, False], "c": [True, True], "d": [False, False]})
+    after = report({"a": [True, True], "b": [True, True], "c": [True, False], "d": [False, False]})
+    change = compare(before, after)
+    # d = (+1, +0.5, -0.5, 0): mean +0.25; two better, one worse
+    assert change["difference"] == pytest.approx(0.25) and (change["better"], change["worse"]) == (2, 1)
+    low, high = change["ci95"]
+    assert -0.5 <= low < 0.25 < high <= 1.0  # the bootstrap means lie between min(d) and max(d)
+    assert compare(before, after) == change  # seeded
+    assert describe_change(change).startswith("+0.250 (95% CI ")
+    # the same accuracy per question: no change, and no width
+    same = compare(before, before)
+    assert same["difference"] == 0 and same["ci95"] == [0.0, 0.0] and same["better"] == same["worse"] == 0
+    # many questions that all got better: the interval leaves zero out
+    many = compare(
+        report({str(i): [False] for i in range(40)}), report({str(i): [i % 2 == 0] for i in range(40)})
+    )
+    assert many["difference"] == pytest.approx(0.5) and many["ci95"][0] > 0.25
+    with pytest.raises(ValueError, match="same"):
+        compare(before, report({"a": [True]}))
 
 
 async def test_evaluate_reports_accuracy(tok):
