@@ -58,8 +58,9 @@ def _split(world: Path, name: str) -> list[Question]:
     return [json.loads(x) for x in (world / "questions" / f"{name}.jsonl").read_text().splitlines()]
 
 
-def question_files(config: DemoConfig, world: Path, out: Path) -> QuestionFiles:
-    """Write ``data/rl.jsonl`` and ``data/eval.jsonl`` under ``out``."""
+def question_files(config: DemoConfig, world: Path, data: Path) -> QuestionFiles:
+    """Write ``rl.jsonl`` and ``eval.jsonl`` into the folder ``data`` (``pbsd world
+    demo-questions`` writes the same for the Compose run, deploy/runs/demo-cpu.yaml)."""
     train = [q for q in _split(world, "rl") if q["difficulty"] in config.difficulty]
     if config.eval_split == "validation":
         wanted = config.eval_difficulty
@@ -72,7 +73,6 @@ def question_files(config: DemoConfig, world: Path, out: Path) -> QuestionFiles:
             f"(RL on {'+'.join(config.difficulty)}, evaluation from the {config.eval_split} split); "
             "build more entities or widen the difficulties"
         )
-    data = out / "data"
     write_jsonl(data / "rl.jsonl", train)
     write_jsonl(data / "eval.jsonl", held)
     return QuestionFiles(data / "rl.jsonl", data / "eval.jsonl", len(train))

@@ -255,7 +255,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     say(f"world: {config.entities} entities, questions {manifest['questions']}")
     # the world's fingerprint tells whether the committed policy was supervised on this very world
     policy = prepare_policy(config, world, world_fingerprint(manifest), out)
-    rl, eval_questions, train_questions = question_files(config, world, out)
+    rl, eval_questions, train_questions = question_files(config, world, out / "data")
     algorithms = ["pbsd", "grpo"] if config.algorithm == "both" else [config.algorithm]
 
     evals = {"before": evaluate(config, policy, eval_questions, world, "before", out)}

@@ -584,6 +584,28 @@ def world_build(
     typer.echo(f"wrote {out}: {len(result.graph.entities)} entities, questions: {sizes} ({timing})")
 
 
+@world_app.command("demo-questions")
+def world_demo_questions(
+    world: Path = typer.Option(..., "--world", help="a directory written by `pbsd world build`"),
+    out: Path = typer.Option(..., "--out", help="folder to write rl.jsonl and eval.jsonl into"),
+    config: Path | None = typer.Option(
+        None, help="a YAML or JSON file of demo settings (see demo/config.py); default: the demo's"
+    ),
+) -> None:
+    """Write the question files `pbsd demo` trains and evaluates on (demo/questions.py): the RL
+    questions of its difficulties, less the held-out ones in eval.jsonl. The Compose run
+    (deploy/runs/demo-cpu.yaml) uses them, so that it measures what the demo measures."""
+    import yaml
+
+    from demo.config import DemoConfig
+    from demo.questions import question_files
+
+    settings = DemoConfig(**(yaml.safe_load(config.read_text()) if config else {}))
+    files = question_files(settings, world, out)
+    held = sum(1 for _ in files.evaluation.open())
+    typer.echo(f"wrote {files.train} ({files.train_questions} questions) and {files.evaluation} ({held})")
+
+
 @world_app.command("fingerprint")
 def world_fingerprint_cmd(
     world: Path = typer.Option(..., "--world", help="a directory written by `pbsd world build`"),

@@ -36,7 +36,7 @@ def _read(path):
 
 def test_the_evaluation_is_held_out_of_training_with_the_trained_difficulty(tiny_world, tmp_path):
     config = DemoConfig(difficulty=["easy", "medium"], eval_questions=5)
-    rl_file, eval_file, count = question_files(config, tiny_world, tmp_path)
+    rl_file, eval_file, count = question_files(config, tiny_world, tmp_path / "data")
     train, held = _read(rl_file), _read(eval_file)
     assert count == len(train)
     sft = _read(tiny_world / "questions" / "sft.jsonl")
@@ -53,7 +53,7 @@ def test_the_evaluation_is_held_out_of_training_with_the_trained_difficulty(tiny
 
 def test_the_validation_split_can_be_evaluated_instead(tiny_world, tmp_path):
     config = DemoConfig(eval_split="validation", eval_difficulty=["medium", "hard"], eval_questions=4)
-    rl_file, eval_file, _ = question_files(config, tiny_world, tmp_path)
+    rl_file, eval_file, _ = question_files(config, tiny_world, tmp_path / "data")
     validation = _read(tiny_world / "questions" / "validation.jsonl")
     wanted = [x for x in validation if x["difficulty"] in ("medium", "hard")][:4]
     assert _read(eval_file) == wanted
@@ -73,10 +73,37 @@ def test_a_world_without_questions_to_spare_stops_the_demo(tmp_path):
 
     # the only easy RL question would be set aside, leaving nothing to train on
     with pytest.raises(SystemExit, match="1 evaluation and 0 RL questions"):
-        question_files(DemoConfig(eval_questions=5), world, tmp_path / "out")
+        question_files(DemoConfig(eval_questions=5), world, tmp_path / "out" / "data")
     # no easy validation question
     with pytest.raises(SystemExit, match="0 evaluation and 1 RL questions"):
-        question_files(DemoConfig(eval_split="validation", eval_difficulty=["easy"]), world, tmp_path / "out")
+        question_files(
+            DemoConfig(eval_split="validation", eval_difficulty=["easy"]), world, tmp_path / "out" / "data"
+        )
     # the medium one's chain is walked in SFT, so with both difficulties the easy one is held out
-    rl_file, eval_file, _ = question_files(DemoConfig(difficulty=["easy", "medium"]), world, tmp_path / "out")
+    rl_file, eval_file, _ = question_files(
+        DemoConfig(difficulty=["easy", "medium"]), world, tmp_path / "out" / "data"
+    )
     assert [x["id"] for x in _read(eval_file)] == ["r1"] and [x["id"] for x in _read(rl_file)] == ["r2"]
+
+
+def test_the_cli_writes_the_demos_question_files(tiny_world, tmp_path):
+    """`pbsd world demo-questions` (what the Compose run trains and evaluates on) writes what
+    the demo itself would, with the demo's settings or a settings file."""
+    from typer.testing import CliRunner
+
+    from pbsd.cli import app
+
+    settings = tmp_path / "demo.yaml"
+    settings.write_text("eval_questions: 4\ndifficulty: [easy, medium]\n")
+    out = tmp_path / "cli"
+    result = CliRunner().invoke(
+        app,
+        ["world", "demo-questions", "--world", str(tiny_world), "--out", str(out), "--config", str(settings)],
+    )
+    assert result.exit_code == 0, result.output
+    demo = question_files(
+        DemoConfig(eval_questions=4, difficulty=["easy", "medium"]), tiny_world, tmp_path / "d"
+    )
+    assert (out / "rl.jsonl").read_text() == demo.train.read_text()
+    assert (out / "eval.jsonl").read_text() == demo.evaluation.read_text()
+    assert f"({demo.train_questions} questions)" in result.output and "eval.jsonl (4)" in result.output

@@ -232,8 +232,9 @@ def test_compose_profiles_wire_every_stage_once():
     assert "sglang" in [n for n, s in services.items() if "gpu" in s.get("profiles", [])]
 
 
-def _world_build_params(command: list[str]) -> dict:
-    """The parameters `pbsd world build` would run with, from a container's `sh -c` command."""
+def _world_params(command: list[str], name: str = "build") -> dict:
+    """The parameters `pbsd world <name>` would run with, from a container's `sh -c` command
+    (each step of which is in parentheses)."""
     import shlex
 
     import typer.main
@@ -241,9 +242,9 @@ def _world_build_params(command: list[str]) -> dict:
     from pbsd.cli import app
 
     script = command[-1]
-    argv = shlex.split(script[script.index("pbsd world build") :])[3:]
-    build_cmd = typer.main.get_command(app).commands["world"].commands["build"]
-    return build_cmd.make_context("build", argv).params
+    step = script[script.index(f"pbsd world {name}") :].split(")")[0]
+    cmd = typer.main.get_command(app).commands["world"].commands[name]
+    return cmd.make_context(name, shlex.split(step)[3:]).params
 
 
 def test_the_deployed_world_is_the_demos_world(rendered):
@@ -262,9 +263,17 @@ def test_the_deployed_world_is_the_demos_world(rendered):
     ]
     assert len(commands) == 2
     for command in commands:
-        params = _world_build_params(command)
+        params = _world_params(command)
         assert {k: params[k] for k in want} == want, command
         assert params["questions"] is None
+        # then the demo's question files, with the demo's settings, where the Compose run reads them
+        questions = _world_params(command, "demo-questions")
+        assert questions["config"] is None and str(questions["world"]) == str(params["out"])
+        run = yaml.safe_load((ROOT / "deploy/runs/demo-cpu.yaml").read_text())["data"]
+        assert (run["train"], run["validation"]) == (
+            f"{questions['out']}/rl.jsonl",
+            f"{questions['out']}/eval.jsonl",
+        )
 
 
 def test_every_shipped_run_specification_is_valid():
@@ -281,11 +290,18 @@ def test_the_compose_run_is_sized_like_the_demo():
     from demo.run import run_spec
 
     compose_run = yaml.safe_load((ROOT / "deploy/runs/demo-cpu.yaml").read_text())
-    demo = run_spec(DemoConfig(), "pbsd", Path("policy"), Path("rl.jsonl"), questions=70)
+    config = DemoConfig()
+    # 70: the easy RL questions of the default world the demo trains on (48 others set aside)
+    demo = run_spec(config, "pbsd", Path("policy"), Path("rl.jsonl"), questions=70)
     for section in ("rollout", "trainer"):
         for key, value in demo[section].items():
             if key != "checkpoint_every":
                 assert compose_run[section][key] == value, f"{section}.{key}"
+    data = compose_run["data"]
+    assert (data["epochs"], data["shuffle_seed"]) == (demo["data"]["epochs"], demo["data"]["shuffle_seed"])
+    assert data["max_validation_questions"] == config.eval_questions
+    assert compose_run["rollout"]["eval_samples"] == config.eval_samples
+    assert compose_run["rollout"]["eval_top_p"] == config.eval_top_p
 
 
 def test_compose_services_connect_to_redis_with_credentials():
