@@ -91,6 +91,30 @@ async def test_stop_length_and_top_p(setup):
     assert greedy.output_ids == nucleus.output_ids
 
 
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999])
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (the nucleus is beyond the candidates) to sharp
+def test_the_nucleus_is_the_one_a_full_sort_finds(top_p, scale):
+    from services.rollout.inprocess import NUCLEUS_CANDIDATES, _nucleus
+
+    def by_full_sort(probs):
+        ranked, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(ranked, dim=-1) - ranked < top_p
+        filtered = torch.zeros_like(probs).scatter_(0, order[keep], ranked[keep])
+        return filtered / filtered.sum()
+
+    gen = torch.Generator().manual_seed(int(top_p * 1000 + scale))
+    sizes = set()
+    for _ in range(20):
+        probs = torch.softmax(torch.randn(4096, generator=gen) * scale, dim=-1)
+        got, want = _nucleus(probs, top_p), by_full_sort(probs)
+        assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-8)
+        sizes.add(int((got > 0).sum()) > NUCLEUS_CANDIDATES)
+    if scale == 0.5 and top_p >= 0.5:
+        assert sizes == {True}  # these took the full sort
+    if scale == 12.0:
+        assert sizes == {False}  # these were found among the candidates
+
+
 async def test_routes_match_a_full_forward(setup):
     model, tok = setup
     engine = InProcessEngine(model)

@@ -370,9 +370,26 @@ def _sample(
     logp = torch.log_softmax(logits / temperature, dim=-1)
     probs = logp.exp()
     if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p  # always keeps the top token
-        filtered = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        probs = filtered / filtered.sum()
+        probs = _nucleus(probs, top_p)
     token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
     return token, float(logp[token])
+
+
+# Tokens the nucleus is first looked for among: sorting the whole vocabulary for every sampled
+# token was a third of an evaluation's time here (top-p 0.95, a 4096-token vocabulary).
+NUCLEUS_CANDIDATES = 64
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` outside the top-p nucleus set to zero, renormalised: a token is kept when the
+    tokens more likely than it hold less than ``top_p`` (so the top token always is). The top
+    ``NUCLEUS_CANDIDATES`` tokens hold the whole nucleus whenever they hold ``top_p`` (the token
+    after them has at least that before it); otherwise the whole vocabulary is sorted."""
+    ranked, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, probs.numel()))
+    before = torch.cumsum(ranked, dim=-1) - ranked
+    if float(before[-1] + ranked[-1]) < top_p + 1e-6 and ranked.numel() < probs.numel():
+        ranked, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(ranked, dim=-1) - ranked
+    keep = before < top_p
+    filtered = torch.zeros_like(probs).scatter_(0, order[keep], ranked[keep])
+    return filtered / filtered.sum()
