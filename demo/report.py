@@ -23,7 +23,7 @@ from agent.grounding import KINDS, ratio
 from demo.config import DemoConfig
 from pbsd import credit
 from proto.runs import PbsdSpec
-from services.rollout.evaluate import compare, describe_change
+from services.rollout.evaluate import describe_change
 from services.trainer.viewer import load_groups, render_viewer, viewer_data
 
 __all__ = ["write_report"]
@@ -217,7 +217,7 @@ def write_report(
             f"<td>{report['questions']}</td><td>{report['mean_turns']:.2f}</td>"
             f"<td>{report['mean_generated_tokens']:.0f}</td><td>{html.escape(json.dumps(report['finish_reasons']))}</td>"
             + "".join(f"<td>{_fraction(report['grounding'][kind])}</td>" for kind in KINDS)
-            + f"<td>{'' if name == 'before' else html.escape(describe_change(compare(evals['before'], report)))}</td>"
+            + f"<td>{html.escape(describe_change(report['change'])) if 'change' in report else ''}</td>"
             + "</tr>"
         )
     run_rows = []

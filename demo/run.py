@@ -32,6 +32,7 @@ from demo.questions import question_files
 from services.launcher import ServiceProcess, sigterm_as_interrupt
 from services.local_redis import LocalRedis, free_port
 from services.rollout.agent import AgentLimits
+from services.rollout.evaluate import compare, describe_change
 from services.rollout.runner import eval_main
 from worldgen.build import build_world, world_fingerprint
 
@@ -114,8 +115,16 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
 
 
 def evaluate(
-    config: DemoConfig, policy: Path, questions: Path, world: Path, label: str, out: Path
+    config: DemoConfig,
+    policy: Path,
+    questions: Path,
+    world: Path,
+    label: str,
+    out: Path,
+    before: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Evaluate ``policy`` on ``questions`` into ``eval-<label>.json``; with ``before`` (the
+    evaluation before training) it holds the paired change from it as well."""
     n = sum(1 for _ in questions.read_text().splitlines()) * config.eval_samples
     bar = tqdm(total=n, desc=f"evaluate {label}", unit="traj")
     limits = AgentLimits(
@@ -142,11 +151,14 @@ def evaluate(
         )
     )
     bar.close()
+    if before is not None:
+        report["change"] = compare(before, report)
     (out / f"eval-{label}.json").write_text(json.dumps(report, indent=2))
     acc = report["accuracy"]["all"][f"mean@{config.eval_samples}"]
+    change = f", change {describe_change(report['change'])}" if before is not None else ""
     say(
-        f"{label}: accuracy {acc:.3f} on {report['questions']} questions, finish reasons {report['finish_reasons']}, "
-        f"{describe(report['grounding'])}"
+        f"{label}: accuracy {acc:.3f} on {report['questions']} questions{change}, finish reasons "
+        f"{report['finish_reasons']}, {describe(report['grounding'])}"
     )
     return report
 
@@ -332,7 +344,13 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                 record = follow_run(api, run_id, config.steps, algorithm, services, config.stall_timeout_s)
                 runs[algorithm] = {"id": run_id, "dir": str(out / "runs" / run_id), "record": record}
                 evals[f"after-{algorithm}"] = evaluate(
-                    config, out / "runs" / run_id / "final", eval_questions, world, f"after-{algorithm}", out
+                    config,
+                    out / "runs" / run_id / "final",
+                    eval_questions,
+                    world,
+                    f"after-{algorithm}",
+                    out,
+                    before=evals["before"],
                 )
     from demo.report import write_report
 

@@ -436,7 +436,7 @@ def demo_cmd(
     from agent.grounding import describe
     from demo.config import DemoConfig
     from demo.run import run_demo
-    from services.rollout.evaluate import compare, describe_change
+    from services.rollout.evaluate import describe_change
 
     values = yaml.safe_load(config.read_text()) if config else {}
     overrides = {
@@ -467,8 +467,8 @@ def demo_cmd(
             f"tool calls {report['tool_calls']} ({report['tool_errors']} failed)   "
             f"finish {report['finish_reasons']}\n  {'':14} {describe(report['grounding'])}"
         )
-        if name != "before":
-            typer.echo(f"  {'':14} change {describe_change(compare(result['evals']['before'], report))}")
+        if "change" in report:
+            typer.echo(f"  {'':14} change {describe_change(report['change'])}")
     for algo, run in result["runs"].items():
         m = run["record"]["latest_metrics"]
         extra = (

@@ -84,6 +84,7 @@ def test_demo_runs_end_to_end(tmp_path):
             "reads",
             "answers",
         }
+        assert ("change" in evaluation) == (name != "eval-before.json")
     assert "grounded searches" in report
     assert "change of mean@1 from before" in report and "95% CI" in report  # the paired comparison
     assert "change " in result.stdout and "questions better" in result.stdout

@@ -193,7 +193,7 @@ def test_compare_pairs_questions_and_bounds_the_change():
     # the same accuracy per question: no change, and no width
     same = compare(before, before)
     assert same["difference"] == 0 and same["ci95"] == [0.0, 0.0] and same["better"] == same["worse"] == 0
-    # many questions that all got better: the interval leaves zero out
+    # half of 40 questions got better and none worse: the interval leaves zero out
     many = compare(
         report({str(i): [False] for i in range(40)}), report({str(i): [i % 2 == 0] for i in range(40)})
     )
