@@ -386,10 +386,10 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     ``NUCLEUS_CANDIDATES`` tokens hold the whole nucleus whenever they hold ``top_p`` (the token
     after them has at least that before it); otherwise the whole vocabulary is sorted."""
     ranked, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, probs.numel()))
-    before = torch.cumsum(ranked, dim=-1) - ranked
-    if float(before[-1] + ranked[-1]) < top_p + 1e-6 and ranked.numel() < probs.numel():
+    mass = torch.cumsum(ranked, dim=-1)
+    if float(mass[-1]) < top_p + 1e-6 and ranked.numel() < probs.numel():  # the margin: rounding
         ranked, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(ranked, dim=-1) - ranked
-    keep = before < top_p
+        mass = torch.cumsum(ranked, dim=-1)
+    keep = mass - ranked < top_p
     filtered = torch.zeros_like(probs).scatter_(0, order[keep], ranked[keep])
     return filtered / filtered.sum()
