@@ -504,6 +504,11 @@ def eval_cmd(
     concurrency: int = typer.Option(4, help="trajectories in flight"),
     date: str | None = typer.Option(None, help="'today' in the system prompt"),
     seed: int | None = typer.Option(None),
+    compare_to: Path | None = typer.Option(
+        None,
+        help="an earlier report of this command on the same questions (say, of the policy before "
+        "training, with the same --seed): the report adds the change from it, per question paired",
+    ),
 ) -> None:
     """Evaluate a policy: accuracy as mean@k and pass@k, per difficulty, with a JSON report (with
     PBSD_JUDGE_BASE_URL set, also as graded by that LLM judge)."""
@@ -511,10 +516,12 @@ def eval_cmd(
     import json
 
     from services.rollout.agent import AgentLimits
+    from services.rollout.evaluate import compare, describe_change
     from services.rollout.runner import eval_main
 
     if (corpus is None) == (tools_url is None):
         raise typer.BadParameter("give exactly one of --corpus and --tools-url")
+    before = json.loads(compare_to.read_text()) if compare_to is not None else None
     limits = AgentLimits(
         max_turns=max_turns,
         max_tokens_per_turn=max_tokens_per_turn,
@@ -537,6 +544,11 @@ def eval_cmd(
             seed=seed,
         )
     )
+    if before is not None:
+        try:
+            report["change"] = compare(before, report)
+        except ValueError as exc:
+            raise typer.BadParameter(f"{compare_to}: {exc}", param_hint="--compare-to") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     from agent.grounding import describe
@@ -550,6 +562,8 @@ def eval_cmd(
         typer.echo(
             f"judged (PBSD_JUDGE_MODEL): mean@{samples} {report['judged_accuracy']['all'][f'mean@{samples}']:.3f}"
         )
+    if "change" in report:
+        typer.echo(f"change from {compare_to}: {describe_change(report['change'])}")
 
 
 @world_app.command("build")

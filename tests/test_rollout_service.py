@@ -74,32 +74,42 @@ def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):
     from pbsd.cli import app
 
     out = tmp_path / "eval.json"
-    result = CliRunner().invoke(
-        app,
-        [
-            "eval",
-            "--model",
-            str(tiny_checkpoint),
-            "--questions",
-            str(tiny_world / "questions" / "validation.jsonl"),
-            "--corpus",
-            str(tiny_world / "corpus.jsonl"),
-            "--samples",
-            "2",
-            "--limit",
-            "3",
-            "--max-turns",
-            "2",
-            "--max-tokens-per-turn",
-            "8",
-            "--seed",
-            "1",
-            "--out",
-            str(out),
-        ],
-    )
+    eval_args = [
+        "eval",
+        "--model",
+        str(tiny_checkpoint),
+        "--questions",
+        str(tiny_world / "questions" / "validation.jsonl"),
+        "--corpus",
+        str(tiny_world / "corpus.jsonl"),
+        "--samples",
+        "2",
+        "--limit",
+        "3",
+        "--max-turns",
+        "2",
+        "--max-tokens-per-turn",
+        "8",
+        "--seed",
+        "1",
+    ]
+    result = CliRunner().invoke(app, [*eval_args, "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["questions"] == 3 and report["samples"] == 2
     assert set(report["accuracy"]["all"]["pass@k"]) == {"1", "2"}
     assert sum(report["finish_reasons"].values()) == 6
+    assert "change" not in report
+
+    # against an earlier report of the same questions: the paired change (here the same policy
+    # and seed, so the same samples: no change); against other questions, a usage error
+    args = [*eval_args, "--out", str(tmp_path / "again.json"), "--compare-to", str(out)]
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    change = json.loads((tmp_path / "again.json").read_text())["change"]
+    assert change["difference"] == 0 and change["questions"] == 3 and "change from" in again.output
+    other = {**report, "per_question": {"elsewhere": {"correct": [True, False]}}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    args[-1] = str(tmp_path / "other.json")
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "same" in refused.output
