@@ -94,6 +94,16 @@ class DemoConfig(BaseModel):
     eval_samples: int = 1
     eval_top_p: float = 0.95
 
+    @classmethod
+    def load(cls, path: Path | None = None, **overrides: object) -> DemoConfig:
+        """The settings of a YAML or JSON file (``--config``; none: the defaults), then those of
+        ``overrides`` that are not None (command-line options)."""
+        import yaml
+
+        values = (yaml.safe_load(path.read_text()) or {}) if path is not None else {}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
     def warm_start(self) -> dict[str, object]:
         """The settings that shape the warm policy beyond the world itself (the world has its own
         fingerprint): the committed policy stands in for a rebuild only where all of them are the

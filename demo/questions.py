@@ -32,6 +32,7 @@ class QuestionFiles(NamedTuple):
     train: Path  # what RL trains on
     evaluation: Path  # what is evaluated before and after
     train_questions: int  # the lines of ``train`` (the run's epochs depend on it)
+    evaluation_questions: int  # the lines of ``evaluation``
 
 
 def _path(q: Question) -> str:
@@ -75,4 +76,4 @@ def question_files(config: DemoConfig, world: Path, data: Path) -> QuestionFiles
         )
     write_jsonl(data / "rl.jsonl", train)
     write_jsonl(data / "eval.jsonl", held)
-    return QuestionFiles(data / "rl.jsonl", data / "eval.jsonl", len(train))
+    return QuestionFiles(data / "rl.jsonl", data / "eval.jsonl", len(train), len(held))

@@ -267,10 +267,10 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     say(f"world: {config.entities} entities, questions {manifest['questions']}")
     # the world's fingerprint tells whether the committed policy was supervised on this very world
     policy = prepare_policy(config, world, world_fingerprint(manifest), out)
-    rl, eval_questions, train_questions = question_files(config, world, out / "data")
+    questions = question_files(config, world, out / "data")
     algorithms = ["pbsd", "grpo"] if config.algorithm == "both" else [config.algorithm]
 
-    evals = {"before": evaluate(config, policy, eval_questions, world, "before", out)}
+    evals = {"before": evaluate(config, policy, questions.evaluation, world, "before", out)}
     runs: dict[str, dict[str, Any]] = {}
     token = secrets.token_urlsafe(24)
     with contextlib.ExitStack() as stack:
@@ -335,7 +335,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                 run_id = (
                     api.post(
                         "/runs",
-                        json=run_spec(config, algorithm, policy, rl, train_questions),
+                        json=run_spec(config, algorithm, policy, questions.train, questions.train_questions),
                     )
                     .raise_for_status()
                     .json()["id"]
@@ -346,7 +346,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                 evals[f"after-{algorithm}"] = evaluate(
                     config,
                     out / "runs" / run_id / "final",
-                    eval_questions,
+                    questions.evaluation,
                     world,
                     f"after-{algorithm}",
                     out,

@@ -431,30 +431,24 @@ def demo_cmd(
     """Train a tiny search agent end to end on this machine and write a report."""
     import time
 
-    import yaml
-
     from agent.grounding import describe
     from demo.config import DemoConfig
     from demo.run import run_demo
     from services.rollout.evaluate import describe_change
 
-    values = yaml.safe_load(config.read_text()) if config else {}
-    overrides = {
-        "algorithm": algorithm,
-        "steps": steps,
-        "prompts_per_step": prompts_per_step,
-        "group_size": group_size,
-        "eval_questions": eval_questions,
-        "max_turns": max_turns,
-        "max_tokens_per_turn": max_tokens_per_turn,
-        "stall_timeout_s": stall_timeout,
-    }
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if from_scratch:
-        values["from_scratch"] = True
-    if policy is not None:
-        values["policy"] = str(policy)
-    settings = DemoConfig(**values)
+    settings = DemoConfig.load(
+        config,
+        algorithm=algorithm,
+        steps=steps,
+        prompts_per_step=prompts_per_step,
+        group_size=group_size,
+        eval_questions=eval_questions,
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn,
+        stall_timeout_s=stall_timeout,
+        from_scratch=True if from_scratch else None,  # the flag's default leaves the file's value
+        policy=str(policy) if policy is not None else None,
+    )
     out = out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     result = run_demo(settings, out)
     k = settings.eval_samples
@@ -544,13 +538,16 @@ def eval_cmd(
             seed=seed,
         )
     )
+    mismatch = None
     if before is not None:
         try:
             report["change"] = compare(before, report)
         except ValueError as exc:
-            raise typer.BadParameter(f"{compare_to}: {exc}", param_hint="--compare-to") from None
+            mismatch = exc  # refused once the report is written: the evaluation is not lost
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
+    if mismatch is not None:
+        raise typer.BadParameter(f"{compare_to}: {mismatch} (report in {out})", param_hint="--compare-to")
     from agent.grounding import describe
 
     overall = report["accuracy"]["all"]
@@ -609,15 +606,14 @@ def world_demo_questions(
     """Write the question files `pbsd demo` trains and evaluates on (demo/questions.py): the RL
     questions of its difficulties, less the held-out ones in eval.jsonl. The Compose run
     (deploy/runs/demo-cpu.yaml) uses them, so that it measures what the demo measures."""
-    import yaml
-
     from demo.config import DemoConfig
     from demo.questions import question_files
 
-    settings = DemoConfig(**(yaml.safe_load(config.read_text()) if config else {}))
-    files = question_files(settings, world, out)
-    held = sum(1 for _ in files.evaluation.open())
-    typer.echo(f"wrote {files.train} ({files.train_questions} questions) and {files.evaluation} ({held})")
+    files = question_files(DemoConfig.load(config), world, out)
+    typer.echo(
+        f"wrote {files.train} ({files.train_questions} questions) and {files.evaluation} "
+        f"({files.evaluation_questions})"
+    )
 
 
 @world_app.command("fingerprint")

@@ -36,9 +36,9 @@ def _read(path):
 
 def test_the_evaluation_is_held_out_of_training_with_the_trained_difficulty(tiny_world, tmp_path):
     config = DemoConfig(difficulty=["easy", "medium"], eval_questions=5)
-    rl_file, eval_file, count = question_files(config, tiny_world, tmp_path / "data")
+    rl_file, eval_file, count, held_count = question_files(config, tiny_world, tmp_path / "data")
     train, held = _read(rl_file), _read(eval_file)
-    assert count == len(train)
+    assert count == len(train) and held_count == len(held)
     sft = _read(tiny_world / "questions" / "sft.jsonl")
     world_rl = [
         x for x in _read(tiny_world / "questions" / "rl.jsonl") if x["difficulty"] in ("easy", "medium")
@@ -53,7 +53,7 @@ def test_the_evaluation_is_held_out_of_training_with_the_trained_difficulty(tiny
 
 def test_the_validation_split_can_be_evaluated_instead(tiny_world, tmp_path):
     config = DemoConfig(eval_split="validation", eval_difficulty=["medium", "hard"], eval_questions=4)
-    rl_file, eval_file, _ = question_files(config, tiny_world, tmp_path / "data")
+    rl_file, eval_file, *_ = question_files(config, tiny_world, tmp_path / "data")
     validation = _read(tiny_world / "questions" / "validation.jsonl")
     wanted = [x for x in validation if x["difficulty"] in ("medium", "hard")][:4]
     assert _read(eval_file) == wanted
@@ -80,7 +80,7 @@ def test_a_world_without_questions_to_spare_stops_the_demo(tmp_path):
             DemoConfig(eval_split="validation", eval_difficulty=["easy"]), world, tmp_path / "out" / "data"
         )
     # the medium one's chain is walked in SFT, so with both difficulties the easy one is held out
-    rl_file, eval_file, _ = question_files(
+    rl_file, eval_file, *_ = question_files(
         DemoConfig(difficulty=["easy", "medium"]), world, tmp_path / "out" / "data"
     )
     assert [x["id"] for x in _read(eval_file)] == ["r1"] and [x["id"] for x in _read(rl_file)] == ["r2"]
@@ -107,3 +107,15 @@ def test_the_cli_writes_the_demos_question_files(tiny_world, tmp_path):
     assert (out / "rl.jsonl").read_text() == demo.train.read_text()
     assert (out / "eval.jsonl").read_text() == demo.evaluation.read_text()
     assert f"({demo.train_questions} questions)" in result.output and "eval.jsonl (4)" in result.output
+
+
+def test_demo_settings_load_from_a_file_then_the_options_that_were_given(tmp_path):
+    settings = tmp_path / "demo.yaml"
+    settings.write_text("steps: 3\nfrom_scratch: true\neval_questions: 9\n")
+    loaded = DemoConfig.load(settings, steps=5, eval_questions=None, from_scratch=None)
+    assert (loaded.steps, loaded.eval_questions, loaded.from_scratch) == (5, 9, True)
+    assert DemoConfig.load(None) == DemoConfig()
+    (tmp_path / "empty.yaml").write_text("")
+    assert DemoConfig.load(tmp_path / "empty.yaml", group_size=2).group_size == 2
+    with pytest.raises(ValueError, match="no_such_setting"):
+        DemoConfig.load(None, no_such_setting=1)

@@ -111,5 +111,9 @@ def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):
     other = {**report, "per_question": {"elsewhere": {"correct": [True, False]}}}
     (tmp_path / "other.json").write_text(json.dumps(other))
     args[-1] = str(tmp_path / "other.json")
+    (tmp_path / "again.json").unlink()
     refused = CliRunner().invoke(app, args)
     assert refused.exit_code == 2 and "same" in refused.output
+    # found only after the evaluation ran: its report is written all the same, without a change
+    kept = json.loads((tmp_path / "again.json").read_text())
+    assert kept["questions"] == 3 and "change" not in kept
