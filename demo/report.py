@@ -22,8 +22,8 @@ from agent.chat import ChatTokenizer
 from agent.grounding import KINDS, ratio
 from demo.config import DemoConfig
 from pbsd import credit
+from pbsd.accuracy import describe_change
 from proto.runs import PbsdSpec
-from services.rollout.evaluate import describe_change
 from services.trainer.viewer import load_groups, render_viewer, viewer_data
 
 __all__ = ["write_report"]

@@ -29,10 +29,10 @@ from tqdm import tqdm
 from agent.grounding import describe
 from demo.config import ASSETS, DemoConfig
 from demo.questions import question_files
+from pbsd.accuracy import compare, describe_change
 from services.launcher import ServiceProcess, sigterm_as_interrupt
 from services.local_redis import LocalRedis, free_port
 from services.rollout.agent import AgentLimits
-from services.rollout.evaluate import compare, describe_change
 from services.rollout.runner import eval_main
 from worldgen.build import build_world, world_fingerprint
 

@@ -119,7 +119,7 @@ def test_turn_texts_recover_what_was_said_and_returned(tiny_checkpoint, made_up)
 def test_batch_metrics_report_grounding_per_training_step(tiny_checkpoint, monkeypatch):
     from agent.chat import ChatTokenizer
     from proto.runs import PbsdSpec
-    from services.trainer.executor import batch_metrics
+    from services.trainer.dynamics import batch_metrics
     from tests.test_scorer import _group, _trajectory
     from tests.test_trainer_policy import _scored
 
@@ -141,7 +141,7 @@ def test_batch_metrics_report_grounding_per_training_step(tiny_checkpoint, monke
         k.startswith("grounded_") for k in batch_metrics([_scored(group, advantages=[1.0, -1.0])], 0)
     )
     # a large batch is measured on a spread sample: here, one trajectory of two (the first)
-    monkeypatch.setattr("services.trainer.executor.GROUNDING_SAMPLE", 1)
+    monkeypatch.setattr("services.trainer.dynamics.GROUNDING_SAMPLE", 1)
     sampled = batch_metrics([_scored(group, advantages=[1.0, -1.0])], 0, tok)
     assert sampled["grounded_queries_frac"] == 1.0 and "grounded_reads_frac" not in sampled
 

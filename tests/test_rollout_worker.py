@@ -8,13 +8,14 @@ import pytest
 
 from agent.chat import ChatTokenizer
 from agent.toolcall import format_tool_call
+from pbsd.accuracy import compare, describe_change, pass_at_k, summarise
 from proto.base import derived_id
 from proto.messages import PromptTask, WeightsPublished
 from proto.runs import PbsdSpec, RolloutSpec
 from proto.streams import PROMPTS, TRAJECTORIES, WEIGHTS
 from services.bus import ConsumerOptions
 from services.rollout.agent import AgentLimits
-from services.rollout.evaluate import compare, describe_change, evaluate, pass_at_k, summarise
+from services.rollout.evaluate import evaluate
 from services.rollout.sglang import SglangEngine
 from services.rollout.worker import RolloutWorker
 from services.upstream import RetryPolicy

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.trainer.executor import covered_seconds
+from services.trainer.dynamics import covered_seconds
 
 
 @pytest.mark.parametrize(

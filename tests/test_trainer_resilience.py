@@ -17,7 +17,7 @@ from agent.chat import ChatTokenizer
 from proto.runs import RunSpec
 from services.bus import REDIS_DOWN, Bus
 from services.local_redis import LocalRedis, free_port
-from services.trainer import executor as executor_module
+from services.trainer import opening as opening_module
 from services.trainer.executor import RunExecutor
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
@@ -168,13 +168,13 @@ async def test_a_run_lost_between_the_queue_and_running_is_queued_again(
 
     p = pipeline()
     record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=2)))
-    load = executor_module.load_model
-    monkeypatch.setattr(executor_module, "load_model", lambda *a, **k: (_ for _ in ()).throw(Killed()))
+    load = opening_module.load_model
+    monkeypatch.setattr(opening_module, "load_model", lambda *a, **k: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):
         await RunExecutor(p.bus, p.store, p.settings).serve(asyncio.Event())
     assert (await p.store.get(record.id)).state == "queued"
     assert await p.store.redis.llen(f"{p.store.prefix}:runs:queue") == 0  # off the queue, never started
-    monkeypatch.setattr(executor_module, "load_model", load)
+    monkeypatch.setattr(opening_module, "load_model", load)
     p.serve()
     done = await p.until(record.id, _finished)
     assert (done.state, done.step) == ("completed", 2), done.error
@@ -261,7 +261,7 @@ async def test_a_slow_checkpoint_does_not_stall_the_event_loop(
 ):
     """The API and its health probe share the loop: a checkpoint written on it made /health time
     out for as long as the write took."""
-    make = executor_module.make_trainer
+    make = opening_module.make_trainer
 
     def slow_saves(*args, **kwargs):
         trainer = make(*args, **kwargs)
@@ -274,7 +274,7 @@ async def test_a_slow_checkpoint_does_not_stall_the_event_loop(
         trainer.save_state = slow
         return trainer
 
-    monkeypatch.setattr(executor_module, "make_trainer", slow_saves)
+    monkeypatch.setattr(opening_module, "make_trainer", slow_saves)
     p = pipeline()
     record = await p.store.create(
         RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=2, checkpoint_every=1))
@@ -300,7 +300,7 @@ async def test_a_slow_checkpoint_does_not_stall_the_event_loop(
 async def test_a_failed_run_releases_its_trainer(pipeline, tiny_world, tiny_checkpoint, monkeypatch):
     """A full disk fails the run; the trainer is still released (under DeepSpeed, the other ranks
     leave the run's engine), where it used to be released only by a run that ended cleanly."""
-    make = executor_module.make_trainer
+    make = opening_module.make_trainer
     trainers = []
 
     def disk_full(*args, **kwargs):
@@ -317,7 +317,7 @@ async def test_a_failed_run_releases_its_trainer(pipeline, tiny_world, tiny_chec
         trainers.append(trainer)
         return trainer
 
-    monkeypatch.setattr(executor_module, "make_trainer", disk_full)
+    monkeypatch.setattr(opening_module, "make_trainer", disk_full)
     p = pipeline()
     record = await p.store.create(
         RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, checkpoint_every=1))

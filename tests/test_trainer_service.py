@@ -90,17 +90,17 @@ async def test_a_cancel_while_the_model_loads_is_not_overwritten(
     import threading
 
     from proto.runs import RunSpec
-    from services.trainer import executor as executor_module
+    from services.trainer import opening as opening_module
 
     loading, release = threading.Event(), threading.Event()
-    load = executor_module.load_model
+    load = opening_module.load_model
 
     def slow_load(*args, **kwargs):
         loading.set()
         assert release.wait(30)
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(executor_module, "load_model", slow_load)
+    monkeypatch.setattr(opening_module, "load_model", slow_load)
     store = RunStore(bus.redis, key_prefix)
     record = await store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint)))
     executor = RunExecutor(bus, store, TrainerSettings(local_mode=True, runs_dir=tmp_path))
@@ -248,10 +248,10 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
     bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, monkeypatch
 ):
     from proto.runs import RunSpec
-    from services.trainer import executor as executor_module
+    from services.trainer import opening as opening_module
 
-    make = executor_module.make_trainer
-    monkeypatch.setattr(executor_module, "make_trainer", lambda *a, **k: _StopsLikeRank0(make(*a, **k)))
+    make = opening_module.make_trainer
+    monkeypatch.setattr(opening_module, "make_trainer", lambda *a, **k: _StopsLikeRank0(make(*a, **k)))
 
     tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
     settings = TrainerSettings(
@@ -412,12 +412,12 @@ async def test_the_last_groups_of_the_data_make_a_smaller_last_step(
 
 async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path):
     from proto.runs import RunSpec
-    from services.trainer.executor import TrainState
+    from services.trainer.admission import accept
+    from services.trainer.checkpoints import TrainState
 
     tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
     store = RunStore(bus.redis, key_prefix)
     spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))  # max_staleness 1
-    executor = RunExecutor(bus, store, TrainerSettings(local_mode=True, runs_dir=tmp_path))
     fake = FakePipeline(bus, tok)
 
     async def scored(version: int, task_id: str, run_id: str = "r1"):
@@ -436,21 +436,17 @@ async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
 
     state = TrainState(step=5, version=5)
     batch: set[str] = set()
-    assert await executor._accept(
-        "r1", spec, state, await scored(4, "a"), batch_ids=batch
-    )  # staleness 1: kept
-    assert not await executor._accept("r1", spec, state, await scored(3, "b"), batch_ids=batch)  # staleness 2
-    assert not await executor._accept(
-        "r1", spec, state, await scored(6, "c"), batch_ids=batch
+    assert await accept(store, "r1", spec, state, await scored(4, "a"), batch_ids=batch)  # staleness 1: kept
+    assert not await accept(store, "r1", spec, state, await scored(3, "b"), batch_ids=batch)  # staleness 2
+    assert not await accept(
+        store, "r1", spec, state, await scored(6, "c"), batch_ids=batch
     )  # from the future
-    assert not await executor._accept(
-        "r1", spec, state, await scored(5, "a"), batch_ids=batch
+    assert not await accept(
+        store, "r1", spec, state, await scored(5, "a"), batch_ids=batch
     )  # same ids as "a"
     await store.mark_trained("r1", ["d/0", "d/1"])
-    assert not await executor._accept(
-        "r1", spec, state, await scored(5, "d"), batch_ids=batch
-    )  # trained before
-    assert not await executor._accept("r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch)
+    assert not await accept(store, "r1", spec, state, await scored(5, "d"), batch_ids=batch)  # trained before
+    assert not await accept(store, "r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch)
     assert state.drops == {"stale": 1, "future": 1, "duplicate": 2, "foreign": 1}
     assert state.dropped == 2  # stale and future groups get replacement prompts
 
@@ -568,7 +564,7 @@ async def test_validation_rounds_count_questions_by_position_and_fail_without_a_
 
 def test_batch_metrics_say_how_far_the_evidence_scorer_lagged(tiny_checkpoint):
     from proto.runs import PbsdSpec
-    from services.trainer.executor import batch_metrics
+    from services.trainer.dynamics import batch_metrics
     from tests.test_scorer import _group
     from tests.test_trainer_policy import _scored
 

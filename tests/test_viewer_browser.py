@@ -10,7 +10,7 @@ from agent.chat import ChatTokenizer
 from proto.runs import PbsdSpec, RunSpec
 from services.scorer.backends import LocalScorer
 from services.scorer.evidence import score_group
-from services.trainer.executor import _save_groups
+from services.trainer.checkpoints import save_groups as _save_groups
 from services.trainer.runs import RunStore
 from tests.conftest import TOKEN
 from tests.test_scorer import TEMPLATE, _group

@@ -1,16 +1,8 @@
 """Evaluation: k samples per question, accuracy as mean@k and pass@k (k = 1..K), per difficulty,
 and how grounded the agent's searches, reads and answers are (:mod:`agent.grounding`).
 
-mean@k is the accuracy averaged over the k samples of each question, then over
-questions (the paper reports mean@4). pass@k is the unbiased estimator of Chen et
-al. (2021) from n = K samples with c correct:  pass@k = 1 - C(n - c, k) / C(n, k).
-
-Two evaluations of the same questions (before and after training) are compared per
-question: d_q = after_q - before_q, each the question's accuracy over its samples. The
-change is mean(d), and its 95% interval the 2.5th and 97.5th percentiles of mean(d) over
-questions resampled with replacement (a paired bootstrap: it keeps what a question's
-difficulty shares between the two, which a comparison of two unpaired means would count
-as noise).
+The counting (mean@k, pass@k, the paired change between two evaluations) is
+:mod:`pbsd.accuracy`.
 """
 
 from __future__ import annotations
@@ -18,16 +10,13 @@ from __future__ import annotations
 import asyncio
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Mapping
-from math import comb
 from typing import Any
-
-import numpy as np
 
 from agent.chat import ChatTokenizer
 from agent.grounding import Grounding
 from agent.prompt import user_prompt
 from agent.transcript import turn_texts
+from pbsd.accuracy import summarise
 from proto.data import QuestionRecord
 from proto.messages import Trajectory
 from services.llm.judge import LlmJudge
@@ -35,72 +24,7 @@ from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.engine import Engine
 from services.tools.client import Tools
 
-__all__ = ["compare", "describe_change", "evaluate", "pass_at_k", "summarise"]
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-def summarise(
-    results: dict[str, list[bool]], difficulty: dict[str, str | None], samples: int
-) -> dict[str, Any]:
-    """``results``: question id -> correctness of each of its samples."""
-    groups: dict[str, list[str]] = defaultdict(list)
-    for qid in results:
-        groups["all"].append(qid)
-        if difficulty.get(qid):
-            groups[str(difficulty[qid])].append(qid)
-    out = {}
-    for name, qids in sorted(groups.items()):
-        out[name] = {
-            "questions": len(qids),
-            f"mean@{samples}": statistics.fmean(sum(results[q]) / samples for q in qids),
-            "pass@k": {
-                str(k): statistics.fmean(pass_at_k(samples, sum(results[q]), k) for q in qids)
-                for k in range(1, samples + 1)
-            },
-        }
-    return out
-
-
-def compare(
-    before: Mapping[str, Any], after: Mapping[str, Any], *, resamples: int = 10_000, seed: int = 0
-) -> dict[str, Any]:
-    """The change from ``before`` to ``after``, two reports of :func:`evaluate` on the same
-    questions: mean accuracy difference, its paired-bootstrap 95% interval, and how many
-    questions got better or worse."""
-    ids = list(before["per_question"])
-    if set(ids) != set(after["per_question"]) or not ids:
-        raise ValueError("compare needs two evaluations of the same (non-empty) set of questions")
-
-    def accuracy(report: Mapping[str, Any]) -> np.ndarray:
-        return np.array([np.mean(report["per_question"][q]["correct"]) for q in ids], dtype=float)
-
-    d = accuracy(after) - accuracy(before)
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return {
-        "questions": len(d),
-        "difference": float(d.mean()),
-        "ci95": [float(low), float(high)],
-        "better": int((d > 0).sum()),
-        "worse": int((d < 0).sum()),
-    }
-
-
-def describe_change(change: Mapping[str, Any]) -> str:
-    """One line: "+0.021 (95% CI -0.042 to +0.083; 3 questions better, 2 worse)"."""
-    low, high = change["ci95"]
-    return (
-        f"{change['difference']:+.3f} (95% CI {low:+.3f} to {high:+.3f}; "
-        f"{change['better']} questions better, {change['worse']} worse)"
-    )
+__all__ = ["evaluate"]
 
 
 async def evaluate(

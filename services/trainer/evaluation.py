@@ -7,7 +7,7 @@ already past ``v`` uses its newer one, and the record says which versions answer
 groups come back on the evals stream, unscored. When every question of a round is back, its
 record goes to ``evals.jsonl`` in the run's folder, the run store (``GET /runs/{id}/evals``)
 and Prometheus: mean@k and pass@k overall and per difficulty, exactly as ``pbsd eval``
-reports them (:func:`services.rollout.evaluate.summarise`), failed samples counted wrong.
+reports them (:func:`pbsd.accuracy.summarise`), failed samples counted wrong.
 
 Rounds: before the first step (version 0), every ``trainer.eval_every`` steps, and after the
 last step; the run completes once the last round is in. Task ids carry a per-execution
@@ -24,13 +24,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from pbsd.accuracy import summarise
 from proto.base import derived_id
 from proto.data import QuestionRecord
 from proto.messages import TrajectoryGroup
 from proto.runs import RunSpec
 from proto.streams import EVALS, PROMPTS
 from services.bus import Bus, ConsumerOptions, Delivery
-from services.rollout.evaluate import summarise
 from services.tasks import within
 from services.trainer import metrics as m
 from services.trainer.controller import question_task

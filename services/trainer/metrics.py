@@ -55,3 +55,33 @@ STALENESS = Histogram(
 )
 DROPPED = Counter("pbsd_trainer_dropped_groups_total", "Scored groups not trained on, by reason", ["reason"])
 GROUPS = Counter("pbsd_trainer_trained_groups_total", "Scored groups trained on")
+
+
+# a step record's key -> the gauge that shows it (keys a step lacks leave their gauge as it was)
+STEP_GAUGES = {
+    "step": STEP,
+    "loss": LOSS,
+    "clip_frac": CLIP_FRAC,
+    "grad_norm": GRAD_NORM,
+    "kl_ref": KL_REF,
+    "reward_mean": REWARD,
+    "accuracy": ACCURACY,
+    "turns_mean": TURNS,
+    "tokens_mean": TOKENS,
+    "generated_tokens_mean": GENERATED,
+    "teacher_higher_frac": TEACHER_HIGHER,
+    "mean_abs_gap": MEAN_ABS_GAP,
+    "filtered_frac": FILTERED,
+    "train_tokens_per_s": TOKENS_PER_S,
+    "grounded_queries_frac": GROUNDED_SEARCHES,
+    "grounded_reads_frac": GROUNDED_READS,
+    "grounded_answers_frac": GROUNDED_ANSWERS,
+}
+
+
+def export_step(record: dict[str, float]) -> None:
+    """A step's record as the gauges and the step-time histogram."""
+    for key, gauge in STEP_GAUGES.items():
+        if key in record:
+            gauge.set(record[key])
+    STEP_SECONDS.observe(record["step_s"])

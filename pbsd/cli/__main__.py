@@ -1,0 +1,3 @@
+from pbsd.cli import app
+
+app(prog_name="pbsd")

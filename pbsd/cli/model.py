@@ -1,0 +1,108 @@
+"""``pbsd model`` (build and probe the tiny policy) and ``pbsd sft`` (the warm start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Policy checkpoints.", no_args_is_help=True)
+
+
+@app.command("tiny")
+def model_tiny(
+    world: Path = typer.Option(..., help="a directory written by `pbsd world build`"),
+    out: Path = typer.Option(..., help="checkpoint directory to write"),
+    sft_data: Path | None = typer.Option(
+        None, help="SFT conversations whose text the tokenizer also learns from"
+    ),
+    vocab_size: int = typer.Option(4096),
+    hidden_size: int = typer.Option(128),
+    layers: int = typer.Option(2),
+    kv_heads: int = typer.Option(
+        2, help="key-value groups of the 4 attention heads (4: one per head, so copy heads share nothing)"
+    ),
+    experts: int = typer.Option(8),
+    top_k: int = typer.Option(2),
+    seed: int = typer.Option(0),
+    entity_tokens: bool = typer.Option(
+        False, help="one token per entity name and page address, beside the BPE vocabulary"
+    ),
+    copy_heads: bool = typer.Option(
+        False, help="hand-built heads that copy entity tokens from the context (needs --entity-tokens)"
+    ),
+) -> None:
+    """Build the tiny Qwen3-MoE policy and its BPE tokenizer from a world (nothing is downloaded)."""
+    from services.model.tiny import TinySpec, init_tiny
+
+    spec = TinySpec(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
+        num_key_value_heads=kv_heads,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        seed=seed,
+        entity_tokens=entity_tokens,
+        copy_heads=copy_heads,
+    )
+    path = init_tiny(world, out, sft_data=sft_data, spec=spec)
+    typer.echo(f"wrote {path}")
+
+
+@app.command("copy-probe")
+def model_copy_probe(
+    model: Path = typer.Option(..., help="the checkpoint to probe"),
+    data: Path = typer.Option(
+        ..., help="oracle conversations, e.g. `pbsd world sft-data --split validation`"
+    ),
+    limit: int | None = typer.Option(None, help="probe only the first N conversations"),
+) -> None:
+    """Teacher-forced greedy accuracy on the spans an episode hinges on: queries, URLs, read requests, boxed answers."""
+    from services.trainer.copy_probe import copy_probe
+
+    for kind, r in copy_probe(model, data, limit=limit).items():
+        typer.echo(f"{kind:8s} {r['right']:5d} / {r['total']:5d}  {r['accuracy']:.3f}")
+
+
+def sft_cmd(
+    data: Path = typer.Option(..., help="JSONL of chat conversations (e.g. from `pbsd world sft-data`)"),
+    model: Path = typer.Option(..., help="the checkpoint to start from"),
+    out: Path = typer.Option(..., help="checkpoint directory to write"),
+    epochs: int = typer.Option(2),
+    lr: float = typer.Option(1e-5, help="the paper's SFT learning rate (a tiny model wants ~1e-3)"),
+    batch_size: int = typer.Option(32, help="conversations per optimiser step"),
+    warmup_steps: int = typer.Option(10),
+    lr_decay: str = typer.Option("constant", help="after warm-up: constant, or cosine to lr/10 at the end"),
+    micro_batch_tokens: int = typer.Option(16_384),
+    max_tokens: int = typer.Option(65_536, help="longer conversations are skipped"),
+    seed: int = typer.Option(0),
+    save_every_epoch: bool = typer.Option(False, help="also write <out>-epoch-<n> after each epoch"),
+    loss_on: str = typer.Option(
+        "assistant", help="assistant: learn the assistant's tokens; turns: the tool results too"
+    ),
+) -> None:
+    """Supervised fine-tuning (assistant tokens, or every turn): the warm start before RL."""
+    from services.trainer.sft import SftConfig, progress_bar, run_sft
+
+    try:
+        config = SftConfig(
+            epochs=epochs,
+            lr=lr,
+            batch_size=batch_size,
+            warmup_steps=warmup_steps,
+            lr_decay=lr_decay,
+            micro_batch_tokens=micro_batch_tokens,
+            max_tokens=max_tokens,
+            seed=seed,
+            save_every_epoch=save_every_epoch,
+            loss_on=loss_on,
+        )
+    except ValueError as e:  # the choices live in SftConfig; say it as a usage error
+        raise typer.BadParameter(str(e)) from None
+    with progress_bar("sft") as progress:
+        stats = run_sft(data, model, out, config, progress)
+    typer.echo(
+        f"wrote {out}: {stats['steps']} steps, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
+        f"in {stats['seconds']:.0f}s"
+    )

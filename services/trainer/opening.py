@@ -1,0 +1,187 @@
+"""Opening a run: its model (or last checkpoint) loaded, its first version and prompts published.
+
+A trainer killed mid-run resumes from its last full checkpoint when it starts again: model,
+optimiser, schedule, RNG, data position and the trained-id set are restored. After a crash
+(any checkpoint but the one a clean shutdown writes, or none at all) the step records past
+the checkpoint are dropped and the prompts that were out are published again under a new
+timeline (:meth:`PromptController.republish`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from agent.chat import ChatTokenizer
+from proto.base import new_id
+from proto.runs import RunSpec
+from services.bus import Bus, ConsumerOptions
+from services.model.checkpoint import load_model
+from services.trainer.admission import outstanding
+from services.trainer.checkpoints import (
+    TrainState,
+    latest_checkpoint,
+    prompt_index,
+    read_checkpoint,
+    truncate_lines,
+)
+from services.trainer.controller import PromptController
+from services.trainer.distributed import make_trainer
+from services.trainer.evaluation import Evaluator
+from services.trainer.publishing import WeightPublisher
+from services.trainer.runs import ACTIVE, FINISHED, RunStore
+from services.trainer.settings import TrainerSettings
+from worldgen.formats import load_questions
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Run", "open_run"]
+
+
+@dataclass
+class Run:
+    """One execution of a run: what its steps read and change."""
+
+    id: str
+    spec: RunSpec
+    out: Path
+    tokenizer: Any  # the Hugging Face tokenizer, saved beside every checkpoint
+    chat: ChatTokenizer  # reads trajectories back as text, for the grounding metrics
+    trainer: Any
+    state: TrainState
+    controller: PromptController
+    publisher: WeightPublisher
+    evaluator: Evaluator | None
+    options: ConsumerOptions
+    published: int = 0  # the newest version announced
+    last_step_end: float = 0.0
+
+    def outstanding(self) -> int:
+        return outstanding(self.controller, self.state)
+
+    @property
+    def data_out(self) -> bool:
+        """Every prompt of the data has been published."""
+        return self.controller.next_index >= self.controller.total
+
+
+async def open_run(
+    bus: Bus,
+    store: RunStore,
+    settings: TrainerSettings,
+    run_id: str,
+    *,
+    resume: bool,
+    hold: Callable[[Any], None],
+) -> Run | None:
+    """Load the run's model (or its last checkpoint), mark it running, publish its first
+    version and its first prompts; None when it was cancelled or finished meanwhile."""
+    record = await store.get(run_id)
+    if record is None or record.state in FINISHED:
+        return None  # cancelled between leaving the queue and here
+    spec = record.spec
+    out = settings.runs_dir / run_id
+    (out / "weights").mkdir(parents=True, exist_ok=True)
+    report = load_questions(spec.data.train)
+    report.raise_if_empty(Path(spec.data.train))
+    # loading and saving run off the event loop, which serves the API and its health probes
+    tokenizer = await asyncio.to_thread(
+        AutoTokenizer.from_pretrained, spec.model.tokenizer or spec.model.path
+    )
+
+    latest = latest_checkpoint(out) if resume else None
+    dtype = "float32" if settings.device == "cpu" else spec.model.dtype
+    if not latest:  # a resumed run restores its checkpoint's RNG states instead
+        random.seed(spec.trainer.seed)
+        np.random.seed(spec.trainer.seed)
+        torch.manual_seed(spec.trainer.seed)
+    model_path = latest / "model" if latest else spec.model.path
+    model = await asyncio.to_thread(load_model, model_path, dtype=dtype, device=settings.device)
+    trainer = await asyncio.to_thread(
+        make_trainer,
+        model,
+        spec.trainer,
+        model_path=str(model_path),
+        chunk_size=settings.chunk_size,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        # the KL penalty's reference is the run's initial policy, also after a resume
+        reference_path=spec.model.path if spec.algorithm.kl_coef > 0 else None,
+    )
+    hold(trainer)  # the executor releases it when the run ends, however it ends
+    state = TrainState()
+    # a resume from anything but the checkpoint a clean shutdown wrote (another one, or none:
+    # a crash before the first) may have lost steps and has prompts out it must publish again
+    crashed = resume
+    initial_weights = spec.model.path
+    saved: dict[str, Any] = {}
+    if latest:
+        await asyncio.to_thread(trainer.load_state_file, latest / "state.pt")
+        state, saved = read_checkpoint(latest)
+        crashed = not saved.get("interrupted", False)
+        initial_weights = str(latest / "model")
+        log.info("run %s resumes from %s at step %d", run_id, latest.name, state.step)
+    if resume:
+        await store.reset_trained(run_id, saved.get("trained_ids", []))
+        await store.truncate_metrics(run_id, state.step)  # the steps lost with a crash
+        truncate_lines(out / "metrics.jsonl", state.step)
+    # "cancelling" (asked for before a restart) stays; "cancelled" means it came while loading
+    found = await store.start(run_id, output_dir=str(out), step=state.step, policy_version=state.version)
+    if found not in ACTIVE:
+        log.info("run %s was %s while its model loaded: it does not start", run_id, found)
+        return None
+    publisher = WeightPublisher(bus, run_id, out, keep=settings.keep_weights)
+    await publisher.announce(state, initial_weights)
+
+    controller = PromptController(
+        bus,
+        run_id,
+        spec,
+        report.items,
+        next_index=state.next_index,
+        timeline=new_id()[:8] if crashed else "",
+    )
+    if crashed and latest:
+        trained = {prompt_index(t) for t in saved.get("trained_ids", [])}
+        done = trained | set(state.dropped_indices)
+        out_at_checkpoint = [i for i in range(controller.next_index) if i not in done]
+        await controller.republish(out_at_checkpoint, state.step)
+        log.info("run %s: %d prompts out at the checkpoint published again", run_id, len(out_at_checkpoint))
+    options = ConsumerOptions(block_ms=500, claim_idle_ms=settings.claim_idle_ms)
+    evaluator = None
+    if spec.data.validation:
+        evaluator = Evaluator(
+            bus,
+            store,
+            run_id,
+            spec,
+            load_questions(spec.data.validation).items,
+            out,
+            nonce=new_id()[:8],
+        )
+        evaluator.start(options)
+        if state.step == 0:
+            await evaluator.start_round(state.version, state.step)
+    await controller.top_up(state.step, state.dropped)
+    return Run(
+        id=run_id,
+        spec=spec,
+        out=out,
+        tokenizer=tokenizer,
+        chat=ChatTokenizer(tokenizer),
+        trainer=trainer,
+        state=state,
+        controller=controller,
+        publisher=publisher,
+        evaluator=evaluator,
+        options=options,
+        published=state.version,
+    )
