@@ -22,7 +22,7 @@ from worldgen.documents import build_corpus
 from worldgen.formats import dumps, write_jsonl, write_parquet
 from worldgen.graph import Graph, generate
 from worldgen.questions import QuestionBuilder
-from worldgen.splits import Splits, make_splits
+from worldgen.splits import Splits, TooFewQuestions, make_splits
 
 FORMAT = "pbsd-world/1"
 WORLD_DATE = "2025-06-01"  # the "today" of the world, used in the agent's system prompt for its data
@@ -51,6 +51,39 @@ def world_fingerprint(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
 
 
+def _pool_size(wanted: int) -> int:
+    return int(wanted * 1.3) + 50
+
+
+def smallest_world(
+    *, seed: int, n_rl: int, n_val: int, n_sft: int, questions: int | None, above: int, most: int
+) -> int | None:
+    """An entity count between ``above`` and ``most`` whose world (with this seed) fills the
+    splits, within 10 entities of the smallest: doubling, then bisection; None when not even
+    ``most`` does. A world's questions grow with its entities only on the whole (one more entity
+    can reshuffle the splits by a few questions), so the count is checked, not extrapolated.
+    Each probe generates a graph and its questions, not its documents: about a second a probe."""
+
+    def holds(entities: int) -> bool:
+        graph = generate(seed, entities)
+        pool = QuestionBuilder(graph, seed).build(questions or _pool_size(n_rl + n_val + n_sft))
+        try:
+            make_splits(pool, n_rl=n_rl, n_val=n_val, n_sft=n_sft, seed=seed)
+        except TooFewQuestions:
+            return False
+        return True
+
+    low, high = above, min(2 * above, most)
+    while not holds(high):
+        if high >= most:
+            return None
+        low, high = high, min(2 * high, most)
+    while high - low > 10:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(middle) else (middle, high)
+    return high
+
+
 def build_world(
     out: Path,
     *,
@@ -75,8 +108,7 @@ def build_world(
     timings["documents"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    wanted = n_rl + n_val + n_sft
-    pool = QuestionBuilder(graph, seed).build(questions or int(wanted * 1.3) + 50)
+    pool = QuestionBuilder(graph, seed).build(questions or _pool_size(n_rl + n_val + n_sft))
     splits = make_splits(pool, n_rl=n_rl, n_val=n_val, n_sft=n_sft, seed=seed)
     timings["questions"] = time.perf_counter() - t
 

@@ -137,10 +137,13 @@ def _mk_id(type_: str, name: str, taken: set[str]) -> str:
     return ident
 
 
+MIN_ENTITIES = 100
+
+
 def generate(seed: int, n_entities: int) -> Graph:
     """Build a world of about ``n_entities`` entities; the same seed gives the same graph."""
-    if n_entities < 100:
-        raise ValueError("a world needs at least 100 entities")
+    if n_entities < MIN_ENTITIES:
+        raise ValueError(f"a world needs at least {MIN_ENTITIES} entities")
     rng = random.Random(f"pbsd-world-graph-{seed}")
     names = NameMaker(random.Random(f"pbsd-world-names-{seed}"))
     given = first_names(random.Random(f"pbsd-world-given-{seed}"))

@@ -15,6 +15,7 @@ every turn is useful: the turn-level signal PBSD is meant to find.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,8 +103,13 @@ class OracleTrajectory:
         }
 
 
-class _Stuck(Exception):
-    """The tools did not surface what the next step needs: skip this question."""
+class Stuck(Exception):
+    """The tools did not surface what the next step needs: skip this question. ``reason`` is one
+    of a few short phrases (counted per reason when questions are skipped), ``str`` the detail."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 @dataclass
@@ -161,7 +167,7 @@ class _Episode:
             )
             if any(h["link"] == entity.url for h in hits):
                 return entity.url
-        raise _Stuck(f"search for {query!r} did not surface {entity.url}")
+        raise Stuck("a search missed the page needed", f"search for {query!r} did not surface {entity.url}")
 
 
 class Oracle:
@@ -183,16 +189,14 @@ class Oracle:
         self.search_num = search_num
         self.system = system_prompt(catalogue(), date)
 
-    def solve(self, q: Question, trajectory_id: str) -> OracleTrajectory | None:
+    def solve(self, q: Question, trajectory_id: str) -> OracleTrajectory:
+        """The question's trajectory; raises :class:`Stuck` when the tools do not surface its evidence."""
         ep = _Episode(self, random.Random(f"{self.seed}:{q.id}"))
         ep.messages = [
             {"role": "system", "content": self.system},
             {"role": "user", "content": user_prompt(q.question)},
         ]
-        try:
-            answer, reasoning = self._walk(ep, q)
-        except _Stuck:
-            return None
+        answer, reasoning = self._walk(ep, q)
         if ep.rng.random() < self.detour_rate:  # a redundant re-check
             ep.search(f"{reasoning} Let me double-check by searching for {answer}.", answer)
             ep.detours += 1
@@ -215,7 +219,10 @@ class Oracle:
             if i > 0 or q.clue is None:  # an obfuscated start's page was read while checking the clue
                 evidence = ep.read(f"I will read the page of {node.name} to answer: {goal}", url, goal)
                 if target.name not in evidence:
-                    raise _Stuck(f"reading {url} for {goal!r} did not show {target.name}")
+                    raise Stuck(
+                        "a page read lacked the next entity",
+                        f"reading {url} for {goal!r} did not show {target.name}",
+                    )
             fact = describe_hop(g, hop, node.name, ep.rng)
             last = i == len(q.hops) - 1
             if last and q.answer_kind == "name":
@@ -229,7 +236,7 @@ class Oracle:
         year = str(node.attrs[YEAR_ATTR[node.type]])
         evidence = ep.read(f"I will read the page of {node.name} to answer: {year_goal}", url, year_goal)
         if year not in evidence:
-            raise _Stuck(f"reading {url} did not show the year {year}")
+            raise Stuck("a page read lacked the year", f"reading {url} did not show the year {year}")
         return year, f"The page of {node.name} gives the year {year}."
 
     def _goal(self, hop: Hop) -> str:
@@ -260,7 +267,10 @@ class Oracle:
             goal = f"Which {CLUE_TEXT[e0.type].format(K=e0.kind, A=anchor.name)}?"
             evidence = ep.read(f"The page of {anchor.name} should list them. {goal}", anchor_url, goal)
             if e0.name not in evidence:
-                raise _Stuck(f"the anchor page {anchor_url} did not list {e0.name}")
+                raise Stuck(
+                    "the clue's anchor page lacked the start entity",
+                    f"the anchor page {anchor_url} did not list {e0.name}",
+                )
             ep.find(e0, e0.name, f"{e0.name} fits the years. Let me find its page.")
             hit_urls = [e0.url]
         year_goal = YEAR_GOAL[e0.type].format(S=e0.name)
@@ -281,7 +291,10 @@ class Oracle:
         evidence = ep.read(f"{e0.name} might fit. I will check its page: {goal}", e0.url, goal)
         year = str(e0.attrs[q.clue.attribute])
         if year not in evidence or self.g.entities[q.hops[0].target].name not in evidence:
-            raise _Stuck(f"the start page {e0.url} did not show both the year and the next entity")
+            raise Stuck(
+                "the start page lacked its year or the next entity",
+                f"the start page {e0.url} did not show both the year and the next entity",
+            )
         return e0.url
 
 
@@ -304,8 +317,9 @@ def write_sft_data(
     detour_rate: float = 0.25,
     search_num: int = 5,
     rename: float = 0.0,
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """Solve a split's questions with the oracle and write the trajectories as JSONL chat data.
+    ``skipped_because`` counts the questions skipped per :class:`Stuck` reason.
 
     ``rename`` is the fraction of trajectories whose invented words are renamed
     (``worldgen.rename``): supervision that can only be fitted by copying names.
@@ -329,11 +343,13 @@ def write_sft_data(
     )
     questions = load_world_questions(root, split)[:limit]
     renamer = Renamer(invented_words(oracle.g), random.Random(seed)) if rename > 0 else None
-    rows, skipped, calls, detours, renamed = [], 0, 0, 0, 0
+    rows, calls, detours, renamed = [], 0, 0, 0
+    skipped: Counter[str] = Counter()
     for i, q in enumerate(questions):
-        t = oracle.solve(q, f"{split}-{i:06d}")
-        if t is None:
-            skipped += 1
+        try:
+            t = oracle.solve(q, f"{split}-{i:06d}")
+        except Stuck as stuck:
+            skipped[stuck.reason] += 1
             continue
         row = t.to_json()
         if renamer is not None and renamer.rng.random() < rename:
@@ -346,7 +362,8 @@ def write_sft_data(
     return {
         "questions": len(questions),
         "written": len(rows),
-        "skipped": skipped,
+        "skipped": sum(skipped.values()),
+        "skipped_because": dict(skipped.most_common()),
         "tool_calls": calls,
         "detours": detours,
         "renamed": renamed,

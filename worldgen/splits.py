@@ -27,6 +27,15 @@ class LeakError(ValueError):
     pass
 
 
+class TooFewQuestions(ValueError):
+    """The pool cannot fill the splits asked for; ``training`` and ``validation`` count what it holds."""
+
+    def __init__(self, message: str, *, training: int, validation: int) -> None:
+        super().__init__(message)
+        self.training = training
+        self.validation = validation
+
+
 def make_splits(pool: list[Question], *, n_rl: int, n_val: int, n_sft: int, seed: int) -> Splits:
     """Validation takes the answer entities that the fewest questions lead to (their other
     questions are dropped); training takes the rest. Order within splits is seeded."""
@@ -47,9 +56,11 @@ def make_splits(pool: list[Question], *, n_rl: int, n_val: int, n_sft: int, seed
     train = [q for q in pool if q.answer_entity not in val_answers]
     rng.shuffle(train)
     if len(val) < n_val or len(train) < n_rl + n_sft:
-        raise ValueError(
+        raise TooFewQuestions(
             f"the world has too few distinct questions for {n_rl} RL + {n_val} validation + {n_sft} SFT "
-            f"(got {len(train)} training and {len(val)} validation); build more entities or questions"
+            f"(got {len(train)} training and {len(val)} validation); build more entities or questions",
+            training=len(train),
+            validation=len(val),
         )
     rng.shuffle(val)
     splits = Splits(rl=train[:n_rl], validation=val, sft=train[n_rl : n_rl + n_sft])
