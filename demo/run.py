@@ -29,7 +29,7 @@ from tqdm import tqdm
 from agent.grounding import describe
 from demo.config import ASSETS, DemoConfig
 from demo.questions import question_files
-from pbsd.accuracy import compare, describe_change
+from pbsd.accuracy import describe_change
 from services.launcher import ServiceProcess, sigterm_as_interrupt
 from services.local_redis import LocalRedis, free_port
 from services.rollout.agent import AgentLimits
@@ -148,11 +148,10 @@ def evaluate(
             date=None,
             seed=config.seed,
             on_done=lambda: bar.update(1),
+            before=before,
         )
     )
     bar.close()
-    if before is not None:
-        report["change"] = compare(before, report)
     (out / f"eval-{label}.json").write_text(json.dumps(report, indent=2))
     acc = report["accuracy"]["all"][f"mean@{config.eval_samples}"]
     change = f", change {describe_change(report['change'])}" if before is not None else ""

@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from math import comb
 from typing import Any
 
 import numpy as np
 
-__all__ = ["compare", "describe_change", "pass_at_k", "summarise"]
+__all__ = ["NotComparable", "check_comparable", "compare", "describe_change", "pass_at_k", "summarise"]
+
+
+class NotComparable(ValueError):
+    """An evaluation that cannot be compared question by question with another."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -66,9 +70,8 @@ def compare(
     """The change from ``before`` to ``after``, two reports of :func:`evaluate` on the same
     questions: mean accuracy difference, its paired-bootstrap 95% interval, and how many
     questions got better or worse."""
+    check_comparable(before, after["per_question"])
     ids = list(before["per_question"])
-    if set(ids) != set(after["per_question"]) or not ids:
-        raise ValueError("compare needs two evaluations of the same (non-empty) set of questions")
 
     def accuracy(report: Mapping[str, Any]) -> np.ndarray:
         return np.array([np.mean(report["per_question"][q]["correct"]) for q in ids], dtype=float)
@@ -84,6 +87,25 @@ def compare(
         "better": int((d > 0).sum()),
         "worse": int((d < 0).sum()),
     }
+
+
+def check_comparable(before: Any, questions: Iterable[str]) -> None:
+    """Raise :class:`NotComparable` unless ``before`` is a report of :func:`evaluate` of exactly
+    the question ids ``questions``: the rule :func:`compare` holds two reports to, checked on its
+    own so that an evaluation can be refused before it runs."""
+    per_question = before.get("per_question") if isinstance(before, Mapping) else None
+    if not isinstance(per_question, Mapping) or not all(
+        isinstance(r, Mapping) and isinstance(r.get("correct"), list) and r["correct"]
+        for r in per_question.values()
+    ):
+        raise NotComparable("not a report of an evaluation: it has no per-question results")
+    theirs, ours = set(per_question), set(questions)
+    if theirs != ours or not ours:
+        raise NotComparable(
+            f"compare needs two evaluations of the same (non-empty) set of questions: {len(ours - theirs)} "
+            f"of the {len(ours)} evaluated here are not among its {len(theirs)}, and {len(theirs - ours)} "
+            "of its are not evaluated here"
+        )
 
 
 def describe_change(change: Mapping[str, Any]) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt
+from pbsd.accuracy import check_comparable, compare
 from services.llm.judge import JudgeSettings, LlmJudge
 from services.rollout.agent import AgentLimits
 from services.rollout.evaluate import evaluate
@@ -46,11 +47,22 @@ async def eval_main(
     date: str | None,
     seed: int | None,
     on_done=None,
+    before: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Evaluate ``model`` on the first ``limit`` of ``questions``. With ``before``, an earlier
+    report of the same questions, the report holds the paired change from it too; other
+    questions raise :class:`pbsd.accuracy.NotComparable` before anything is sampled."""
     report = load_questions(questions)
     report.raise_if_empty(questions)
     items = report.items[:limit]
+    if before is not None:
+        check_comparable(before, [q.id for q in items])
     tools = local_tools(corpus) if corpus is not None else GatewayClient(tools_url)
+    try:  # a gateway that does not answer fails here, before a model is loaded
+        catalogue = await tools.catalogue()
+    except BaseException:
+        await tools.aclose()
+        raise
     if sglang_urls:
         from services.rollout.sglang import SglangEngine
 
@@ -64,7 +76,7 @@ async def eval_main(
 
         engine = InProcessEngine(load_model(model))
     tokenizer = ChatTokenizer.from_pretrained(model)
-    system = system_prompt(await tools.catalogue(), date or world_date(questions))
+    system = system_prompt(catalogue, date or world_date(questions))
     judging = JudgeSettings()  # PBSD_JUDGE_BASE_URL set: BrowseComp's grader beside exact match
     judge = LlmJudge.from_settings(judging) if judging.enabled else None
     try:
@@ -89,4 +101,6 @@ async def eval_main(
     result["bad_lines"] = [{"line": n, "problem": m} for n, m in report.problems]
     result["model"] = str(model)
     result["questions_file"] = str(questions)
+    if before is not None:
+        result["change"] = compare(before, result)
     return result
