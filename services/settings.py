@@ -7,7 +7,10 @@ one; the bus connection and the key prefix are common to all of them, so one
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field
+import re
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -42,8 +45,24 @@ class CommonSettings(BaseSettings):
             yield key, (_redact_url(value) if key == "redis_url" else value)
 
 
+# the form of a Hugging Face hub id ("org/name" or "name"), which no local path with more parts has
+_HUB_ID = re.compile(r"(?:[\w\-.]+/)?[\w\-.]{1,96}")
+
+
 class WorkerSettings(CommonSettings):
     """What the bus-consuming workers (scorer, rollout) share beside the common settings."""
+
+    @field_validator("model", check_fields=False)
+    @classmethod
+    def _model_is_a_checkpoint(cls, value: str) -> str:
+        """A checkpoint directory, or a hub id (fetched where the hub can be reached): a path that
+        is neither fails here, in one line, not halfway through start-up."""
+        path = Path(value)
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ValueError(f"{value} is not a checkpoint directory (no config.json in it)")
+        if not path.is_dir() and (value.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(value)):
+            raise ValueError(f"no checkpoint directory {value} (nor is it a hub id like org/name)")
+        return value
 
     shutdown_grace_s: float = Field(
         default=30.0,

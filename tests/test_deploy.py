@@ -243,7 +243,9 @@ def _world_params(command: list[str], name: str = "build") -> dict:
 
     script = command[-1]
     step = script[script.index(f"pbsd world {name}") :].split(")")[0]
-    cmd = typer.main.get_command(app).commands["world"].commands[name]
+    cmd = typer.main.get_command(app).commands["world"].commands[name]  # built afresh each call
+    for param in cmd.params:  # the paths are the container's (/data/world): read them, not check them
+        param.callback = None
     return cmd.make_context(name, shlex.split(step)[3:]).params
 
 

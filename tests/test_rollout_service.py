@@ -102,18 +102,19 @@ def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):
     assert "change" not in report
 
     # against an earlier report of the same questions: the paired change (here the same policy
-    # and seed, so the same samples: no change); against other questions, a usage error
+    # and seed, so the same samples: no change)
     args = [*eval_args, "--out", str(tmp_path / "again.json"), "--compare-to", str(out)]
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0, again.output
     change = json.loads((tmp_path / "again.json").read_text())["change"]
     assert change["difference"] == 0 and change["questions"] == 3 and "change from" in again.output
+    # against other questions (another file, or fewer of them with --limit), a usage error before
+    # anything is sampled: no report is written
+    (tmp_path / "again.json").unlink()
     other = {**report, "per_question": {"elsewhere": {"correct": [True, False]}}}
     (tmp_path / "other.json").write_text(json.dumps(other))
-    args[-1] = str(tmp_path / "other.json")
-    (tmp_path / "again.json").unlink()
-    refused = CliRunner().invoke(app, args)
+    refused = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "other.json")])
     assert refused.exit_code == 2 and "same" in refused.output
-    # found only after the evaluation ran: its report is written all the same, without a change
-    kept = json.loads((tmp_path / "again.json").read_text())
-    assert kept["questions"] == 3 and "change" not in kept
+    fewer = CliRunner().invoke(app, [*args, "--limit", "2"])
+    assert fewer.exit_code == 2 and "0 of the 2 evaluated here are not among its 3" in fewer.output
+    assert "--limit 2" in fewer.output and not (tmp_path / "again.json").exists()

@@ -37,10 +37,10 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
     args = ["--url", api, "--token", TOKEN]
     submitted = runner.invoke(app, ["runs", "submit", str(spec_file), *args])
     assert submitted.exit_code == 0, submitted.output
-    run_id = submitted.output.strip()
+    run_id = submitted.stdout.strip()
     listed = runner.invoke(app, ["runs", "list", *args])
     assert run_id in listed.output
-    shown = json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).output)
+    shown = json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).stdout)
     assert shown["id"] == run_id and shown["spec"]["trainer"]["prompts_per_step"] == 2
     none = runner.invoke(app, ["runs", "evals", run_id, *args])
     assert none.exit_code == 0 and "no validation round recorded yet" in none.output
@@ -50,7 +50,7 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
     cancelled = runner.invoke(app, ["runs", "cancel", run_id, *args])
     assert cancelled.exit_code == 0 and run_id in cancelled.output
     deadline = time.monotonic() + 60  # a run the executor had started stops after its step
-    while json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).output)["state"] != "cancelled":
+    while json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).stdout)["state"] != "cancelled":
         assert time.monotonic() < deadline
         time.sleep(0.2)
     again = runner.invoke(app, ["runs", "cancel", run_id, *args])
@@ -59,7 +59,14 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
     assert deleted.exit_code == 0 and f"{run_id} deleted" in deleted.output, deleted.output
     assert run_id not in runner.invoke(app, ["runs", "list", *args]).output
     denied = runner.invoke(app, ["runs", "list", "--url", api, "--token", "wrong"])
-    assert denied.exit_code == 1 and "401" in denied.output
+    assert (
+        denied.exit_code == 1
+        and "401" in denied.output
+        and "--token or PBSD_TRAINER_API_TOKEN" in denied.output
+    )
+    no_token = runner.invoke(app, ["runs", "list", "--url", api], env={"PBSD_TRAINER_API_TOKEN": None})
+    [said] = [line for line in no_token.stderr.splitlines() if line.startswith("error:")]  # and no traceback
+    assert no_token.exit_code == 1 and "401" in said and "--token or PBSD_TRAINER_API_TOKEN" in said
     spec["rollout"]["group_size"] = 0
     spec_file.write_text(yaml.safe_dump(spec))
     invalid = runner.invoke(app, ["runs", "submit", str(spec_file), *args])
@@ -180,11 +187,13 @@ def test_sft_config_rejects_unknown_choices():
 
 @pytest.mark.parametrize("option", [["--loss-on", "tools"], ["--lr-decay", "linear"]])
 def test_sft_command_reports_a_bad_choice_as_a_usage_error(option, tmp_path):
-    # before any data is read: the data and model paths need not exist
+    # before the model is loaded: the checkpoint need only look like one
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hello"}]}\n')
+    (tmp_path / "config.json").write_text("{}")
     args = [
         "sft",
         "--data",
-        str(tmp_path / "none.jsonl"),
+        str(tmp_path / "chat.jsonl"),
         "--model",
         str(tmp_path),
         "--out",

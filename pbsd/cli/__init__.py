@@ -1,7 +1,8 @@
 """The ``pbsd`` command line: one module per command group, each thin over the code it calls.
 
 Subcommands import their service lazily so that ``pbsd --help`` stays fast and never loads
-torch.
+torch. Every command runs inside :class:`pbsd.cli.errors.Group`: a user's error (a bad path or
+file, a service that does not answer, a missing token) is one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 import typer
 
 from pbsd.cli import demo, evaluate, model, runs, schemas, serve, world
+from pbsd.cli.errors import Group
 
 __all__ = ["app"]
 
 app = typer.Typer(
-    help="pbsd: RL for long-horizon search agents with PBSD turn-level credit.", no_args_is_help=True
+    cls=Group,
+    help="pbsd: RL for long-horizon search agents with PBSD turn-level credit.",
+    no_args_is_help=True,
 )
 app.add_typer(schemas.app, name="schemas")
 app.add_typer(world.app, name="world")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from pbsd.cli.inputs import checkpoint_dir, demo_settings
+
 
 def demo_cmd(
     out: Path | None = typer.Option(None, help="output folder (default: runs/demo-<time>)"),
@@ -22,22 +24,23 @@ def demo_cmd(
         False, help="rebuild the warm policy (oracle data, tokenizer, SFT) instead of using the committed one"
     ),
     config: Path | None = typer.Option(
-        None, help="a YAML or JSON file of demo settings (see demo/config.py)"
+        None, help="a YAML or JSON file of demo settings (see demo/config.py)", exists=True, dir_okay=False
     ),
-    policy: Path | None = typer.Option(None, help="start from this checkpoint instead of the warm policy"),
+    policy: Path | None = typer.Option(
+        None, help="start from this checkpoint instead of the warm policy", callback=checkpoint_dir
+    ),
     stall_timeout: float | None = typer.Option(
         None, help="stop a run that makes no training step for this many seconds (default 600)"
     ),
 ) -> None:
-    """Train a tiny search agent end to end on this machine and write a report."""
+    """Train a tiny search agent end to end, with a report.
+
+    Everything runs on this machine: the world, the warm policy, the services and the training
+    run; the report compares held-out accuracy before and after.
+    """
     import time
 
-    from agent.grounding import describe
-    from demo.config import DemoConfig
-    from demo.run import run_demo
-    from pbsd.accuracy import describe_change
-
-    settings = DemoConfig.load(
+    settings = demo_settings(
         config,
         algorithm=algorithm,
         steps=steps,
@@ -51,6 +54,10 @@ def demo_cmd(
         policy=str(policy) if policy is not None else None,
     )
     out = out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    from agent.grounding import describe  # after the settings: a wrong one is said at once
+    from demo.run import run_demo
+    from pbsd.accuracy import describe_change
+
     result = run_demo(settings, out)
     k = settings.eval_samples
     typer.echo("\n" + "=" * 72)

@@ -6,15 +6,25 @@ from pathlib import Path
 
 import typer
 
+from pbsd.cli.inputs import checkpoint_dir, questions_file
+
 
 def eval_cmd(
-    model: Path = typer.Option(..., help="policy checkpoint (HF directory with its tokenizer)"),
+    model: Path = typer.Option(
+        ..., help="policy checkpoint (HF directory with its tokenizer)", callback=checkpoint_dir
+    ),
     questions: Path = typer.Option(
-        ..., help="question file (world format, {question, answer} or BrowseComp's)"
+        ...,
+        help="question file (world format, {question, answer} or BrowseComp's)",
+        exists=True,
+        dir_okay=False,
+        callback=questions_file,
     ),
     out: Path = typer.Option(Path("eval.json"), help="JSON report to write"),
     samples: int = typer.Option(4, help="samples per question (the paper reports mean@4)"),
-    corpus: Path | None = typer.Option(None, help="offline corpus: run the tool gateway in process over it"),
+    corpus: Path | None = typer.Option(
+        None, help="offline corpus: run the tool gateway in process over it", exists=True, dir_okay=False
+    ),
     tools_url: str | None = typer.Option(None, help="a running tool gateway instead of --corpus"),
     sglang_url: list[str] = typer.Option([], help="SGLang servers; the in-process engine when none"),
     limit: int | None = typer.Option(None, help="evaluate only the first N questions"),
@@ -29,21 +39,27 @@ def eval_cmd(
     compare_to: Path | None = typer.Option(
         None,
         help="an earlier report of this command on the same questions (say, of the policy before "
-        "training, with the same --seed): the report adds the change from it, per question paired",
+        "training, with the same --seed): the report adds the change from it, per question paired; "
+        "a report of other questions is refused before anything is sampled",
+        exists=True,
+        dir_okay=False,
     ),
 ) -> None:
-    """Evaluate a policy: accuracy as mean@k and pass@k, per difficulty, with a JSON report (with
-    PBSD_JUDGE_BASE_URL set, also as graded by that LLM judge)."""
+    """Evaluate a policy's accuracy as mean@k and pass@k.
+
+    Per difficulty, with a JSON report; with PBSD_JUDGE_BASE_URL set, also as graded by that LLM
+    judge.
+    """
     import asyncio
     import json
 
-    from pbsd.accuracy import compare, describe_change
+    from pbsd.accuracy import NotComparable, describe_change
     from services.rollout.agent import AgentLimits
     from services.rollout.runner import eval_main
 
     if (corpus is None) == (tools_url is None):
         raise typer.BadParameter("give exactly one of --corpus and --tools-url")
-    before = json.loads(compare_to.read_text()) if compare_to is not None else None
+    before = _report(compare_to) if compare_to is not None else None
     limits = AgentLimits(
         max_turns=max_turns,
         max_tokens_per_turn=max_tokens_per_turn,
@@ -51,31 +67,28 @@ def eval_cmd(
         temperature=temperature,
         top_p=top_p,
     )
-    report = asyncio.run(
-        eval_main(
-            model,
-            questions,
-            samples=samples,
-            corpus=corpus,
-            tools_url=tools_url,
-            sglang_urls=list(sglang_url),
-            limit=limit,
-            limits=limits,
-            concurrency=concurrency,
-            date=date,
-            seed=seed,
+    try:
+        report = asyncio.run(
+            eval_main(
+                model,
+                questions,
+                samples=samples,
+                corpus=corpus,
+                tools_url=tools_url,
+                sglang_urls=list(sglang_url),
+                limit=limit,
+                limits=limits,
+                concurrency=concurrency,
+                date=date,
+                seed=seed,
+                before=before,
+            )
         )
-    )
-    mismatch = None
-    if before is not None:
-        try:
-            report["change"] = compare(before, report)
-        except ValueError as exc:
-            mismatch = exc  # refused once the report is written: the evaluation is not lost
+    except NotComparable as exc:  # raised before anything is sampled
+        here = f"{questions}" + (f" with --limit {limit}" if limit is not None else "")
+        raise typer.BadParameter(f"{compare_to}: {exc} ({here})", param_hint="--compare-to") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    if mismatch is not None:
-        raise typer.BadParameter(f"{compare_to}: {mismatch} (report in {out})", param_hint="--compare-to")
     from agent.grounding import describe
 
     overall = report["accuracy"]["all"]
@@ -89,3 +102,13 @@ def eval_cmd(
         )
     if "change" in report:
         typer.echo(f"change from {compare_to}: {describe_change(report['change'])}")
+
+
+def _report(path: Path) -> dict:
+    """An earlier report of ``pbsd eval`` (JSON; what it holds is checked against the questions)."""
+    import json
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"{path} is not a JSON report ({exc})", param_hint="--compare-to") from None

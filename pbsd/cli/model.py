@@ -6,15 +6,21 @@ from pathlib import Path
 
 import typer
 
+from pbsd.cli.inputs import checkpoint_dir, conversations_file, world_dir
+
 app = typer.Typer(help="Policy checkpoints.", no_args_is_help=True)
 
 
 @app.command("tiny")
 def model_tiny(
-    world: Path = typer.Option(..., help="a directory written by `pbsd world build`"),
+    world: Path = typer.Option(..., help="a directory written by `pbsd world build`", callback=world_dir),
     out: Path = typer.Option(..., help="checkpoint directory to write"),
     sft_data: Path | None = typer.Option(
-        None, help="SFT conversations whose text the tokenizer also learns from"
+        None,
+        help="SFT conversations whose text the tokenizer also learns from",
+        exists=True,
+        dir_okay=False,
+        callback=conversations_file,
     ),
     vocab_size: int = typer.Option(4096),
     hidden_size: int = typer.Option(128),
@@ -32,7 +38,10 @@ def model_tiny(
         False, help="hand-built heads that copy entity tokens from the context (needs --entity-tokens)"
     ),
 ) -> None:
-    """Build the tiny Qwen3-MoE policy and its BPE tokenizer from a world (nothing is downloaded)."""
+    """Build the tiny Qwen3-MoE policy and its tokenizer.
+
+    The BPE tokenizer learns the world's text (and --sft-data's); nothing is downloaded.
+    """
     from services.model.tiny import TinySpec, init_tiny
 
     spec = TinySpec(
@@ -52,13 +61,20 @@ def model_tiny(
 
 @app.command("copy-probe")
 def model_copy_probe(
-    model: Path = typer.Option(..., help="the checkpoint to probe"),
+    model: Path = typer.Option(..., help="the checkpoint to probe", callback=checkpoint_dir),
     data: Path = typer.Option(
-        ..., help="oracle conversations, e.g. `pbsd world sft-data --split validation`"
+        ...,
+        help="oracle conversations, e.g. `pbsd world sft-data --split validation`",
+        exists=True,
+        dir_okay=False,
+        callback=conversations_file,
     ),
     limit: int | None = typer.Option(None, help="probe only the first N conversations"),
 ) -> None:
-    """Teacher-forced greedy accuracy on the spans an episode hinges on: queries, URLs, read requests, boxed answers."""
+    """Teacher-forced accuracy on the spans an episode hinges on.
+
+    Greedy next-token accuracy on search queries, URLs, read requests and boxed answers.
+    """
     from services.trainer.copy_probe import copy_probe
 
     for kind, r in copy_probe(model, data, limit=limit).items():
@@ -66,8 +82,14 @@ def model_copy_probe(
 
 
 def sft_cmd(
-    data: Path = typer.Option(..., help="JSONL of chat conversations (e.g. from `pbsd world sft-data`)"),
-    model: Path = typer.Option(..., help="the checkpoint to start from"),
+    data: Path = typer.Option(
+        ...,
+        help="JSONL of chat conversations (e.g. from `pbsd world sft-data`)",
+        exists=True,
+        dir_okay=False,
+        callback=conversations_file,
+    ),
+    model: Path = typer.Option(..., help="the checkpoint to start from", callback=checkpoint_dir),
     out: Path = typer.Option(..., help="checkpoint directory to write"),
     epochs: int = typer.Option(2),
     lr: float = typer.Option(1e-5, help="the paper's SFT learning rate (a tiny model wants ~1e-3)"),
@@ -82,7 +104,11 @@ def sft_cmd(
         "assistant", help="assistant: learn the assistant's tokens; turns: the tool results too"
     ),
 ) -> None:
-    """Supervised fine-tuning (assistant tokens, or every turn): the warm start before RL."""
+    """Supervised fine-tuning: the warm start before RL.
+
+    Learns the assistant's tokens of the conversations in --data (with --loss-on turns, the tool
+    results too).
+    """
     from services.trainer.sft import SftConfig, progress_bar, run_sft
 
     try:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
+
+from pbsd.cli.errors import UserError, transport_reason
+from pbsd.cli.inputs import read_document
 
 app = typer.Typer(help="Submit and watch runs on a trainer's REST API.", no_args_is_help=True)
 _URL = typer.Option(
@@ -13,11 +18,24 @@ _URL = typer.Option(
 _TOKEN = typer.Option(None, "--token", envvar="PBSD_TRAINER_API_TOKEN", help="bearer token")
 
 
-def _api(url: str, token: str | None):
+_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def _api(url: str, token: str | None) -> Iterator:
+    """A client of the trainer at ``url``; a trainer that cannot be reached is a user error
+    that names the URL tried and the ways to point at one."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=30)
+    try:
+        with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S) as client:
+            yield client
+    except httpx.TransportError as exc:
+        raise UserError(
+            f"no trainer at {url}: {transport_reason(exc)}; start one with `pbsd serve trainer`, "
+            "or give its URL with --url or PBSD_TRAINER_URL"
+        ) from None
 
 
 def _check(response) -> dict | list:
@@ -32,21 +50,22 @@ def _check(response) -> dict | list:
             detail = "; ".join(
                 f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail
             )
-        typer.echo(f"error {response.status_code}: {detail}", err=True)
-        raise typer.Exit(1)
+        if response.status_code == 401:
+            detail = f"{detail}: give the trainer's API token with --token or PBSD_TRAINER_API_TOKEN"
+        raise UserError(f"the trainer answered {response.status_code}: {detail}")
     return response.json()
 
 
 @app.command("submit")
 def runs_submit(
-    spec_file: Path = typer.Argument(..., help="run specification, YAML or JSON"),
+    spec_file: Path = typer.Argument(
+        ..., help="run specification, YAML or JSON", exists=True, dir_okay=False
+    ),
     url: str = _URL,
     token: str | None = _TOKEN,
 ) -> None:
     """Submit a run; prints its id."""
-    import yaml
-
-    body = yaml.safe_load(spec_file.read_text())
+    body = read_document(spec_file)
     with _api(url, token) as api:
         result = _check(api.post("/runs", json=body))
     typer.echo(result["id"])
@@ -76,7 +95,10 @@ def runs_show(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
 
 @app.command("evals")
 def runs_evals(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
-    """A run's validation rounds (runs with data.validation): mean@k and pass@k by policy version."""
+    """A run's validation rounds: mean@k and pass@k by version.
+
+    Only runs with data.validation have them.
+    """
     with _api(url, token) as api:
         rounds = _check(api.get(f"/runs/{run_id}/evals"))
     if not rounds:

@@ -1,4 +1,8 @@
-"""``pbsd serve``: one of the pipeline's services in the foreground, configured from its environment."""
+"""``pbsd serve``: one of the pipeline's services in the foreground, configured from its environment.
+
+Each command reads its settings before it imports its app (and torch): a wrong setting is said
+at once, in a line a setting.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,13 @@ def serve_tools(
     port: int | None = typer.Option(None, help="port (default: PBSD_TOOLS_PORT or 8001)"),
 ) -> None:
     """The tool gateway (settings from PBSD_TOOLS_* and REDIS_URL)."""
-    import uvicorn
-
-    from services.tools.app import create_app
     from services.tools.settings import ToolsSettings
 
     settings = _service_settings(ToolsSettings)
+    import uvicorn
+
+    from services.tools.app import create_app
+
     uvicorn.run(
         create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
     )
@@ -32,12 +37,13 @@ def serve_rollout(
     ),
 ) -> None:
     """A rollout worker (settings from PBSD_ROLLOUT_* and REDIS_URL)."""
-    import uvicorn
-
-    from services.rollout.app import create_app
     from services.rollout.settings import RolloutSettings
 
     settings = _service_settings(RolloutSettings)
+    import uvicorn
+
+    from services.rollout.app import create_app
+
     uvicorn.run(
         create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
     )
@@ -51,12 +57,13 @@ def serve_scorer(
     ),
 ) -> None:
     """The evidence scorer (settings from PBSD_SCORER_* and REDIS_URL)."""
-    import uvicorn
-
-    from services.scorer.app import create_app
     from services.scorer.settings import ScorerSettings
 
     settings = _service_settings(ScorerSettings)
+    import uvicorn
+
+    from services.scorer.app import create_app
+
     uvicorn.run(
         create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
     )
@@ -98,12 +105,12 @@ def serve_trainer(
         "default: PBSD_TRAINER_SAVE_GROUPS",
     ),
 ) -> None:
-    """The trainer: REST API for runs and the run executor (settings from PBSD_TRAINER_* and REDIS_URL)."""
+    """The trainer: REST API for runs and the run executor.
+
+    Settings from PBSD_TRAINER_* and REDIS_URL.
+    """
     import os
 
-    import uvicorn
-
-    from services.trainer.app import create_app
     from services.trainer.settings import TrainerSettings
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by the DeepSpeed launcher
@@ -117,6 +124,10 @@ def serve_trainer(
             follow_rank0(device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if _cuda() else "cpu")
             return
     settings = _service_settings(TrainerSettings)
+    import uvicorn
+
+    from services.trainer.app import create_app
+
     if save_groups is not None:  # the flag, either way, over the environment
         settings = settings.model_copy(update={"save_groups": save_groups})
     host = host or settings.host

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from agent.toolcall import DEFAULT_MAX_RESULT_CHARS
@@ -70,6 +70,13 @@ class ToolsSettings(CommonSettings):
         description="links containing one of these (benchmark leaks) are dropped from search results "
         "and refused as pages to read",
     )
+
+    @field_validator("corpus")
+    @classmethod
+    def _corpus_is_a_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"{value} is not a file")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -1,0 +1,119 @@
+"""What the commands read from the user's disk, checked up front so that a wrong path or a
+broken file is one line naming it (:mod:`pbsd.cli.errors`), before any work starts.
+
+The ``*_dir`` functions are option callbacks: ``typer.Option(..., callback=world_dir)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from pbsd.cli.errors import UserError
+
+__all__ = [
+    "checkpoint_dir",
+    "conversations_file",
+    "demo_settings",
+    "questions_file",
+    "read_document",
+    "world_dir",
+]
+
+
+def world_dir(path: Path | None) -> Path | None:
+    """A directory written by ``pbsd world build``."""
+    if path is not None and not (path / "manifest.json").is_file():
+        raise typer.BadParameter(
+            f"{_not_a(path, 'world', 'manifest.json')}: write one with `pbsd world build`"
+        )
+    return path
+
+
+def checkpoint_dir(path: Path | None) -> Path | None:
+    """A Hugging Face checkpoint directory (``pbsd model tiny``, ``pbsd sft`` and the trainer write them)."""
+    if path is not None and not (path / "config.json").is_file():
+        raise typer.BadParameter(_not_a(path, "model checkpoint", "config.json"))
+    return path
+
+
+def _not_a(path: Path, what: str, marker: str) -> str:
+    if not path.exists():
+        return f"{path} does not exist"
+    return f"{path} is not a {what} (no {marker} in it)"
+
+
+def questions_file(path: Path | None) -> Path | None:
+    """A question file with at least one usable question (:func:`worldgen.formats.load_questions`)."""
+    from worldgen.formats import load_questions
+
+    if path is not None:
+        try:
+            load_questions(path).raise_if_empty(path)
+        except ValueError as exc:  # raise_if_empty's: no usable rows, with the first problems
+            raise typer.BadParameter(str(exc)) from None
+    return path
+
+
+def conversations_file(path: Path | None) -> Path | None:
+    """A JSONL file of chat conversations, ``{"messages": [{"role", "content"}, ...]}`` a line
+    (``pbsd world sft-data`` writes them)."""
+    import json
+
+    if path is None:
+        return None
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise typer.BadParameter(f"{path} line {n}: not valid JSON ({exc.msg})") from None
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
+            ):
+                raise typer.BadParameter(
+                    f'{path} line {n}: not a conversation ({{"messages": [{{"role", "content"}}, ...]}})'
+                )
+    return path
+
+
+def read_document(path: Path) -> Any:
+    """The content of a YAML or JSON file (JSON is YAML)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text file") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML or JSON: {_yaml_problem(exc)}") from None
+
+
+def demo_settings(path: Path | None, **overrides: object):
+    """:meth:`demo.config.DemoConfig.load`, with a broken file or a wrong setting said in one line."""
+    from pydantic import ValidationError
+
+    from demo.config import DemoConfig
+
+    if path is not None and not isinstance(read_document(path) or {}, dict):
+        raise UserError(f"{path}: not a mapping of demo settings (see demo/config.py)")
+    try:
+        return DemoConfig.load(path, **overrides)
+    except ValidationError as exc:
+        where = f"{path} and the options" if path is not None else "the options"
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
+        raise UserError(f"demo settings ({where}): {problems}") from None
+
+
+def _yaml_problem(exc: Exception) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem

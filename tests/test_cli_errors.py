@@ -1,0 +1,225 @@
+"""Every command, given what a user gets wrong (a bad path or file, a service that does not
+answer, a world too small), says so in one line on stderr and exits non-zero: no traceback.
+
+A command added to the CLI needs a case in CASES (test_every_command_has_a_case says which)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from pbsd.cli import app
+from services.local_redis import free_port
+
+runner = CliRunner()
+
+# commands no user input can make fail: they take no path, file or service
+NOTHING_TO_GET_WRONG = {"version", "schemas export", "schemas check"}
+
+
+@pytest.fixture(scope="module")
+def f(tiny_world, tmp_path_factory):
+    """Bad inputs, each of one kind, beside a good world and a checkpoint that only looks like one
+    (a directory with a config.json: the commands must refuse before they would load it)."""
+    tmp = tmp_path_factory.mktemp("bad-inputs")
+    (tmp / "not-yaml.yaml").write_text("steps: [1, 2\n")
+    (tmp / "list.yaml").write_text("- steps\n")
+    (tmp / "bad-setting.yaml").write_text("steps: many\n")
+    (tmp / "garbage.jsonl").write_text("not json at all\n")
+    (tmp / "no-messages.jsonl").write_text('{"text": "hello"}\n')
+    (tmp / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hello"}]}\n')
+    (tmp / "spec.yaml").write_text("name: x\n")
+    (tmp / "questions.jsonl").write_text(
+        "".join(json.dumps({"id": f"q{i}", "question": f"Q{i}?", "answer": "A"}) + "\n" for i in range(3))
+    )
+    other = {"per_question": {"elsewhere": {"correct": [True, False]}}}
+    (tmp / "other-report.json").write_text(json.dumps(other))
+    (tmp / "not-a-report.json").write_text(json.dumps({"accuracy": 0.5}))
+    looks_like_a_checkpoint = tmp / "ckpt"
+    looks_like_a_checkpoint.mkdir()
+    (looks_like_a_checkpoint / "config.json").write_text("{}")
+    return SimpleNamespace(
+        tmp=tmp,
+        missing=tmp / "missing",
+        world=tiny_world,
+        ckpt=looks_like_a_checkpoint,
+        closed=f"http://127.0.0.1:{free_port('127.0.0.1')}",  # nothing listens there
+    )
+
+
+def _eval(f, *extra):
+    base = {"--model": f.ckpt, "--questions": f.tmp / "questions.jsonl", "--corpus": f.world / "corpus.jsonl"}
+    for name, value in zip(extra[::2], extra[1::2], strict=True):
+        base[name] = value
+    return ["eval", *(str(x) for name, value in base.items() if value is not None for x in (name, value))]
+
+
+# ("<command>: <what is wrong>", its arguments from the fixture, what the line says, the exit code)
+CASES = [
+    ("runs list: no trainer", lambda f: ["runs", "list", "--url", f.closed], "no trainer at", 1),
+    ("runs show: no trainer", lambda f: ["runs", "show", "r1", "--url", f.closed], "PBSD_TRAINER_URL", 1),
+    ("runs evals: no trainer", lambda f: ["runs", "evals", "r1", "--url", f.closed], "pbsd serve trainer", 1),
+    ("runs cancel: no trainer", lambda f: ["runs", "cancel", "r1", "--url", f.closed], "no trainer at", 1),
+    ("runs delete: no trainer", lambda f: ["runs", "delete", "r1", "--url", f.closed], "no trainer at", 1),
+    ("runs list: not a URL", lambda f: ["runs", "list", "--url", "trainer:8000"], "not a usable URL", 1),
+    ("runs submit: no trainer", lambda f: ["runs", "submit", str(f.tmp / "spec.yaml"), "--url", f.closed], "--url", 1),
+    ("runs submit: missing spec", lambda f: ["runs", "submit", str(f.missing)], "does not exist", 2),
+    ("runs submit: a directory", lambda f: ["runs", "submit", str(f.tmp)], "is a directory", 2),
+    ("runs submit: not YAML", lambda f: ["runs", "submit", str(f.tmp / "not-yaml.yaml")], "not valid YAML", 1),
+    ("world build: too few entities", lambda f: ["world", "build", "--out", str(f.missing), "--entities", "50"], "at least 100", 2),
+    ("world demo-questions: no world", lambda f: ["world", "demo-questions", "--world", str(f.missing), "--out", str(f.missing)], "does not exist", 2),
+    ("world demo-questions: not a world", lambda f: ["world", "demo-questions", "--world", str(f.tmp), "--out", str(f.missing)], "not a world", 2),
+    ("world demo-questions: broken config", lambda f: ["world", "demo-questions", "--world", str(f.world), "--out", str(f.missing), "--config", str(f.tmp / "not-yaml.yaml")], "line 2", 1),
+    ("world fingerprint: no world", lambda f: ["world", "fingerprint", "--world", str(f.missing)], "does not exist", 2),
+    ("world fingerprint: stamp no checkpoint", lambda f: ["world", "fingerprint", "--world", str(f.world), "--stamp", str(f.tmp)], "not a model checkpoint", 2),
+    ("world sft-data: no world", lambda f: ["world", "sft-data", "--world", str(f.missing), "--out", str(f.missing)], "write one with `pbsd world build`", 2),
+    ("world sft-data: no such split", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--split", "train"], "no split 'train' (it has: rl, sft, validation)", 2),
+    ("model tiny: no world", lambda f: ["model", "tiny", "--world", str(f.missing), "--out", str(f.missing)], "--world", 2),
+    ("model tiny: sft data not JSON", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "garbage.jsonl")], "line 1: not valid JSON", 2),
+    ("model copy-probe: no model", lambda f: ["model", "copy-probe", "--model", str(f.tmp), "--data", str(f.tmp / "garbage.jsonl")], "no config.json", 2),
+    ("model copy-probe: no data", lambda f: ["model", "copy-probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),
+    ("sft: not conversations", lambda f: ["sft", "--data", str(f.tmp / "no-messages.jsonl"), "--model", str(f.ckpt), "--out", str(f.missing)], "not a conversation", 2),
+    ("sft: no model", lambda f: ["sft", "--data", str(f.tmp / "chat.jsonl"), "--model", str(f.missing), "--out", str(f.missing)], "--model", 2),
+    ("demo: missing config", lambda f: ["demo", "--config", str(f.missing)], "does not exist", 2),
+    ("demo: config not a mapping", lambda f: ["demo", "--config", str(f.tmp / "list.yaml")], "not a mapping", 1),
+    ("demo: a bad setting", lambda f: ["demo", "--config", str(f.tmp / "bad-setting.yaml")], "steps: Input should be a valid integer", 1),
+    ("demo: no policy", lambda f: ["demo", "--policy", str(f.missing)], "--policy", 2),
+    ("eval: no model", lambda f: _eval(f, "--model", f.missing), "--model", 2),
+    ("eval: no questions", lambda f: _eval(f, "--questions", f.missing), "--questions", 2),
+    ("eval: questions not JSONL", lambda f: _eval(f, "--questions", f.tmp / "garbage.jsonl"), "no usable rows (line 1: not valid JSON", 2),
+    ("eval: no corpus", lambda f: _eval(f, "--corpus", f.missing), "--corpus", 2),
+    ("eval: tool gateway not there", lambda f: _eval(f, "--corpus", None, "--tools-url", f.closed), "cannot reach", 1),
+    ("eval: compare to no report", lambda f: _eval(f, "--compare-to", f.missing), "--compare-to", 2),
+    ("eval: compare to not JSON", lambda f: _eval(f, "--compare-to", f.tmp / "not-yaml.yaml"), "not a JSON report", 2),
+    ("eval: compare to not a report", lambda f: _eval(f, "--compare-to", f.tmp / "not-a-report.json"), "not a report of an evaluation", 2),
+    # refused before the model is loaded (f.ckpt would fail to load) or anything sampled
+    ("eval: compare to other questions", lambda f: _eval(f, "--compare-to", f.tmp / "other-report.json"), "3 of the 3 evaluated here are not among its 1", 2),
+]  # fmt: skip
+
+
+def _serve_case(service: str, variable: str, value: str, says: str):
+    return (f"serve {service}: {variable}", service, {variable: value}, says)
+
+
+SERVE_CASES = [
+    _serve_case("tools", "PBSD_TOOLS_CORPUS", "/no/such/corpus.jsonl", "PBSD_TOOLS_CORPUS: /no/such/corpus.jsonl is not a file"),
+    _serve_case("rollout", "PBSD_ROLLOUT_MODEL", "/no/such/checkpoint", "PBSD_ROLLOUT_MODEL: no checkpoint directory"),
+    _serve_case("scorer", "PBSD_SCORER_MODEL", "runs/no/such/policy", "PBSD_SCORER_MODEL: no checkpoint directory"),
+    _serve_case("trainer", "PBSD_TRAINER_PORT", "eighty", "PBSD_TRAINER_PORT: Input should be a valid integer"),
+]  # fmt: skip
+
+
+def _one_line_error(result, says: str, code: int) -> None:
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), (
+        result.output
+    )
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_user_error_is_one_line(case, f):
+    _, args, says, code = case
+    _one_line_error(runner.invoke(app, args(f)), says, code)
+
+
+@pytest.mark.parametrize("case", SERVE_CASES, ids=[c[0] for c in SERVE_CASES])
+def test_a_service_with_a_bad_path_says_which_variable(case, monkeypatch):
+    _, service, env, says = case
+    monkeypatch.setenv("PBSD_TRAINER_LOCAL_MODE", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _one_line_error(runner.invoke(app, ["serve", service]), says, 2)
+
+
+def test_a_trainer_that_does_not_answer_in_time(monkeypatch):
+    """A listening socket that never accepts: the connection opens, no answer comes."""
+    import pbsd.cli.runs
+
+    monkeypatch.setattr(pbsd.cli.runs, "_TIMEOUT_S", 0.3)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        result = runner.invoke(app, ["runs", "list", "--url", url])
+    _one_line_error(result, f"no trainer at {url}: no answer in time", 1)
+
+
+def test_a_world_too_small_names_the_size_that_holds_it(tmp_path):
+    from worldgen.build import build_world
+
+    sizes = ["--rl", "30", "--validation", "60", "--sft", "60"]
+    result = runner.invoke(app, ["world", "build", "--out", str(tmp_path / "w"), "--entities", "100", *sizes])
+    _one_line_error(result, "a world of 100 entities with seed 0 cannot fill 30 RL + 60 validation", 1)
+    smallest = int(result.stderr.split("build one of ")[1].split()[0])
+    assert 100 < smallest <= 1600 and not (tmp_path / "w").exists()
+    build_world(tmp_path / "w", seed=0, entities=smallest, n_rl=30, n_val=60, n_sft=60)  # it does hold them
+
+
+def test_sft_data_says_why_questions_were_skipped(tiny_world, tmp_path):
+    """One of the tiny world's RL questions has a page that does not show the next hop's entity."""
+    out = tmp_path / "rl-sft.jsonl"
+    result = runner.invoke(
+        app, ["world", "sft-data", "--world", str(tiny_world), "--split", "rl", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    written = len(out.read_text().splitlines())
+    assert f"wrote {written} trajectories" in result.stdout
+    assert f"skipped {60 - written} of 60 questions" in result.stdout
+    assert f": {60 - written} a page read lacked the next entity" in result.stdout, result.stdout
+
+
+def _leaves(group, prefix: str = ""):
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):  # a group
+            yield from _leaves(command, f"{prefix}{name} ")
+        else:
+            yield f"{prefix}{name}"
+
+
+def test_every_command_has_a_case():
+    covered = {case[0].split(":")[0] for case in CASES + SERVE_CASES} | NOTHING_TO_GET_WRONG
+    missing = set(_leaves(typer.main.get_command(app))) - covered
+    assert not missing, f"commands with no user-error case in this file: {sorted(missing)}"
+
+
+def test_every_help_line_is_a_whole_sentence_within_the_width():
+    """The command lists (`pbsd --help`, `pbsd world --help`, ...) show each command's first
+    paragraph, which click cuts to the width left beside the longest name (80 columns)."""
+
+    def check(group, path: str) -> None:
+        limit = 80 - 6 - max(len(name) for name in group.commands)
+        for name, command in group.commands.items():
+            first = " ".join((command.help or "").split("\n\n")[0].split())
+            assert first.endswith("."), f"{path} {name}: {first!r}"
+            assert command.get_short_help_str(limit) == first, f"{path} {name}: longer than {limit}"
+            if hasattr(command, "commands"):
+                check(command, f"{path} {name}")
+
+    check(typer.main.get_command(app), "pbsd")
+
+
+def test_the_installed_command_prints_no_traceback(tmp_path):
+    """The real entry point, as a user runs it: typer's handler for uncaught errors never fires."""
+    pbsd = shutil.which("pbsd", path=str(Path(sys.executable).parent)) or shutil.which("pbsd")
+    assert pbsd is not None, "the pbsd command is not installed (make bootstrap)"
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PBSD_")}
+    done = subprocess.run(
+        [pbsd, "runs", "list", "--url", url], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 1 and done.stdout == "", done
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: no trainer at {url}: connection failed") and "PBSD_TRAINER_URL" in line
