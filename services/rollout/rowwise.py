@@ -170,7 +170,8 @@ def install(model: nn.Module) -> None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ValueError("the in-process engine decodes full-attention models only (sliding_window is set)")
     previous = config._attn_implementation or "eager"
-    name = f"pbsd-rows:{previous}"
+    # the registry is global: an eager fallback is its modeling file's, so it is named after it
+    name = f"pbsd-rows:{previous}" if previous != "eager" else f"pbsd-rows:eager:{type(model).__module__}"
     AttentionInterface.register(name, _attention_for(model, previous))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[previous])
     model.set_attn_implementation(name)
