@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 __all__ = ["CHATML", "ChatFormat", "ChatTokenizer"]
@@ -77,12 +78,35 @@ def _text(parts: list[tuple[str, bool]]) -> str:
 CHATML = ChatFormat()
 
 
+def _plain(backend) -> bool:
+    """A ``tokenizers`` object the Hugging Face wrapper would call as it is (no truncation or
+    padding configured on it)."""
+    return isinstance(backend, Tokenizer) and backend.truncation is None and backend.padding is None
+
+
 class ChatTokenizer:
-    """A Hugging Face tokenizer plus the chat format, with the stop tokens of an assistant turn."""
+    """A Hugging Face tokenizer plus the chat format, with the stop tokens of an assistant turn.
+
+    Every turn of every trajectory encodes a tool result and decodes a message, so a fast
+    tokenizer is called directly (the ``tokenizers`` object under the Hugging Face wrapper: the
+    same ids without the wrapper's per-call bookkeeping), and the pieces that repeat (the
+    format's markup, the system prompt) are encoded once."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat = CHATML) -> None:
         self.tok = tokenizer
         self.fmt = fmt
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._markup_backend = backend if _plain(backend) else None
+        self._content_backend = None
+        if self._markup_backend is not None:
+            # a twin that reads special tokens written in text as characters (split_special_tokens)
+            self._content_backend = Tokenizer.from_str(backend.to_str())
+            self._content_backend.encode_special_tokens = True
+        self._decodes_plainly = self._markup_backend is not None and not getattr(
+            tokenizer, "clean_up_tokenization_spaces", False
+        )
+        self._markup: dict[str, list[int]] = {}  # the format's few fixed strings
+        self._system: tuple[str, list[int]] = ("", [])  # the last system prompt encoded
         self.end_id = self._single_id(fmt.end)
         stops = {self.end_id}
         if tokenizer.eos_token_id is not None:
@@ -101,18 +125,32 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``; special tokens written in it (``<|im_start|>``) become their ids."""
+        if self._markup_backend is not None:
+            return self._markup_backend.encode(text, add_special_tokens=False).ids
         return self.tok.encode(text, add_special_tokens=False)
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of message content: a special token written in it (a web page quoting
         ``<|im_end|>``) stays characters, so no content can forge a turn or role boundary."""
+        if self._content_backend is not None:
+            return self._content_backend.encode(text, add_special_tokens=False).ids
         return self.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        if self._decodes_plainly:
+            return self._markup_backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def prompt_ids(self, system: str, user: str) -> list[int]:
-        return self._encode_parts(self.fmt.prompt_parts(system, user))
+        if self._system[0] != system:  # a run's trajectories share their system prompt
+            self._system = (system, self.encode_text(system))
+        ids: list[int] = []
+        for text, content in self.fmt.prompt_parts(system, user):
+            if content and text == system:
+                ids += self._system[1]
+            else:
+                ids += self._encode_part(text, content)
+        return ids
 
     def glue_ids(self, tool_result: str, *, closed: bool) -> list[int]:
         return self._encode_parts(self.fmt.glue_parts(tool_result, closed=closed))
@@ -122,7 +160,15 @@ class ChatTokenizer:
         newline, so for content without markers this is the ids of the whole text."""
         ids: list[int] = []
         for text, content in parts:
-            ids += self.encode_text(text) if content else self.encode(text)
+            ids += self._encode_part(text, content)
+        return ids
+
+    def _encode_part(self, text: str, content: bool) -> list[int]:
+        if content:
+            return self.encode_text(text)
+        ids = self._markup.get(text)
+        if ids is None:
+            ids = self._markup[text] = self.encode(text)
         return ids
 
     @property

@@ -93,6 +93,9 @@ class DemoConfig(BaseModel):
     eval_questions: int = 48
     eval_samples: int = 1
     eval_top_p: float = 0.95
+    # trajectories evaluated at once: the in-process engine decodes them in one batch, and a
+    # trajectory's tokens do not depend on what shares its batch, so this changes time, not answers
+    eval_concurrency: int = Field(default=16, ge=1)
 
     @classmethod
     def load(cls, path: Path | None = None, **overrides: object) -> DemoConfig:

@@ -144,7 +144,7 @@ def evaluate(
             sglang_urls=[],
             limit=None,
             limits=limits,
-            concurrency=config.rollout_concurrency,
+            concurrency=config.eval_concurrency,
             date=None,
             seed=config.seed,
             on_done=lambda: bar.update(1),

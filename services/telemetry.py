@@ -31,6 +31,10 @@ class SecretFilter(logging.Filter):
 
 def setup_logging(level: str = "INFO", secrets: Iterable[str] = ()) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: a line per tool call of every trajectory on the rollout's
+    # hot path, saying nothing the metrics do not
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     secret_filter = SecretFilter(secrets)
     for handler in logging.getLogger().handlers:
         handler.addFilter(secret_filter)

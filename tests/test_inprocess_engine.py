@@ -18,11 +18,12 @@ def setup(tiny_checkpoint):
     return load_model(tiny_checkpoint), ChatTokenizer.from_pretrained(tiny_checkpoint)
 
 
-def _full_logprobs(model, ids: list[int]) -> np.ndarray:
-    """log p(ids[i] | ids[:i]) for every i >= 1, from one forward over the whole sequence."""
+def _full_logprobs(model, ids: list[int], temperature: float = 1.0) -> np.ndarray:
+    """log p(ids[i] | ids[:i]) for every i >= 1, from one forward over the whole sequence (at the
+    sampling temperature; greedy decoding reports the plain distribution's)."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    logp = torch.log_softmax(logits[:-1], dim=-1)
+    logp = torch.log_softmax(logits[:-1] / (temperature if temperature > 0 else 1.0), dim=-1)
     return logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
 
 
@@ -71,7 +72,8 @@ async def test_prompt_cache_is_shared_by_the_samples_of_a_group(setup):
     first = await engine.generate(GenerationRequest(prompt, 5, seed=1, session="g/0"))
     fed_after_first = engine.tokens_fed
     second = await engine.generate(GenerationRequest(prompt, 5, seed=1, session="g/1"))
-    assert first.cached_tokens == 0 and second.cached_tokens == len(prompt)
+    # the shared cache ends before the prompt's last token, which every sample feeds itself
+    assert first.cached_tokens == 0 and second.cached_tokens == len(prompt) - 1
     assert engine.tokens_fed - fed_after_first < 6  # the prompt was not computed again
     assert first.output_ids == second.output_ids  # same seed, same state: same sample
 
@@ -94,7 +96,7 @@ async def test_stop_length_and_top_p(setup):
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999])
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (the nucleus is beyond the candidates) to sharp
 def test_the_nucleus_is_the_one_a_full_sort_finds(top_p, scale):
-    from services.rollout.inprocess import NUCLEUS_CANDIDATES, _nucleus
+    from services.rollout.sampling import NUCLEUS_CANDIDATES, nucleus
 
     def by_full_sort(probs):
         ranked, order = torch.sort(probs, descending=True)
@@ -106,7 +108,8 @@ def test_the_nucleus_is_the_one_a_full_sort_finds(top_p, scale):
     sizes = set()
     for _ in range(20):
         probs = torch.softmax(torch.randn(4096, generator=gen) * scale, dim=-1)
-        got, want = _nucleus(probs, top_p), by_full_sort(probs)
+        got = nucleus(probs[None], torch.tensor([top_p]))[0]
+        got, want = got / got.sum(), by_full_sort(probs)
         assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-8)
         sizes.add(int((got > 0).sum()) > NUCLEUS_CANDIDATES)
     if scale == 0.5 and top_p >= 0.5:
@@ -161,43 +164,104 @@ def _checkpoint_dir(model, tmp_path):
     return save_checkpoint(model, tmp_path / "v0")
 
 
-async def test_concurrent_requests_decode_together_with_the_same_results(setup):
-    """Four trajectories of different lengths in one wave give what each gives alone."""
+def _conversations(tok):
+    """Six trajectories of different prompt lengths and sampling settings; two share a prompt."""
+    questions = (
+        "Which river?",
+        "Which city was founded first?",
+        "Who?",
+        "A long question " * 5,
+        "Who?",
+        "Why",
+    )
+    settings = [(1.0, 1.0), (1.0, 0.9), (0.7, 1.0), (1.0, 0.5), (1.0, 1.0), (0.0, 1.0)]
+    return [
+        (tok.prompt_ids("You search.", q), 10 + 3 * i, temperature, top_p, i)
+        for i, (q, (temperature, top_p)) in enumerate(zip(questions, settings, strict=True))
+    ]
+
+
+async def _run(engine, tok, conversation, *, turns: int, delays: list[float] | None = None):
+    """A trajectory of ``turns`` turns with tool-result glue between them (and, with ``delays``,
+    a pause per turn standing in for the tool call): every turn's result."""
+    import asyncio
+
+    ids, tokens, temperature, top_p, i = conversation
+    results = []
+    for t in range(turns):
+        if delays is not None:
+            await asyncio.sleep(delays[t])
+        request = GenerationRequest(
+            ids, tokens, temperature=temperature, top_p=top_p, seed=100 * i + t, session=f"s{i}"
+        )
+        r = await engine.generate(request)
+        results.append(r)
+        ids = ids + r.output_ids + tok.glue_ids(f"result {t} of {i}", closed=False)
+    return results
+
+
+async def test_batching_never_changes_an_output(setup):
+    """Trajectories decoded together, joining and leaving the running batch at times set by
+    their (random) tool latencies, get bitwise the tokens and log-probs each gets alone: the
+    same for any timing, so the same seeds reproduce under any load."""
+    import asyncio
+    import random
+
+    model, tok = setup
+    conversations = _conversations(tok)
+    alone = []
+    for c in conversations:
+        alone.append(await _run(InProcessEngine(model), tok, c, turns=3))
+    for timing in range(3):
+        rng = random.Random(timing)
+        engine = InProcessEngine(model)
+        together = await asyncio.gather(
+            *(
+                _run(engine, tok, c, turns=3, delays=[rng.uniform(0, 0.02) for _ in range(3)])
+                for c in conversations
+            )
+        )
+        assert engine.decoded_rows > 1.5 * engine.decode_steps  # rows did share forwards
+        for a, b in zip(alone, together, strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert x.output_ids == y.output_ids and x.logprobs == y.logprobs and x.finish == y.finish
+        # alone, each trajectory computed its prompt; together, the second "Who?" copied the first's
+        assert sum(r[0].cached_tokens for r in together) > 0
+
+
+async def test_batched_decoding_matches_a_full_forward(setup):
+    """The caches kept per trajectory through batched turns are right: each trajectory's log-probs
+    are those of one forward over its whole conversation."""
     import asyncio
 
     model, tok = setup
-    prompts = [
-        tok.prompt_ids("You search.", q)
-        for q in ("Which river?", "Which city was founded first?", "Who?", "A long question " * 5)
-    ]
-    alone = []
-    for i, p in enumerate(prompts):
-        engine = InProcessEngine(model)
-        alone.append(await engine.generate(GenerationRequest(p, 12 + 3 * i, seed=i, session=f"s{i}")))
+    conversations = _conversations(tok)
     engine = InProcessEngine(model)
-    together = await asyncio.gather(
-        *(
-            engine.generate(GenerationRequest(p, 12 + 3 * i, seed=i, session=f"s{i}"))
-            for i, p in enumerate(prompts)
+    together = await asyncio.gather(*(_run(engine, tok, c, turns=2) for c in conversations))
+    for (ids, _, temperature, _, i), (first, second) in zip(conversations, together, strict=True):
+        ids2 = ids + first.output_ids + tok.glue_ids(f"result 0 of {i}", closed=False)
+        assert second.cached_tokens == len(ids) + len(first.output_ids) - 1  # only new tokens fed
+        full = _full_logprobs(model, ids2 + second.output_ids, temperature)
+        np.testing.assert_allclose(second.logprobs, full[len(ids2) - 1 :], atol=2e-4, err_msg=f"conv {i}")
+        np.testing.assert_allclose(
+            first.logprobs, full[len(ids) - 1 : len(ids) - 1 + len(first.output_ids)], atol=2e-4
         )
-    )
-    assert engine.waves < len(prompts)  # they shared waves
-    for a, b in zip(alone, together, strict=True):
-        assert a.output_ids == b.output_ids and a.finish == b.finish
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-4)
-    # and the caches split back per trajectory are right: a second turn continues each exactly
-    second = await asyncio.gather(
-        *(
-            engine.generate(
-                GenerationRequest(
-                    p + r.output_ids + tok.glue_ids("ok", closed=False), 6, seed=9, session=f"s{i}"
-                )
-            )
-            for i, (p, r) in enumerate(zip(prompts, together, strict=True))
-        )
-    )
-    for i, (p, r, s) in enumerate(zip(prompts, together, second, strict=True)):
-        ids = p + r.output_ids + tok.glue_ids("ok", closed=False)
-        assert s.cached_tokens == len(p) + len(r.output_ids) - 1
-        reference = _full_logprobs(model, ids + s.output_ids)[len(ids) - 1 :]
-        np.testing.assert_allclose(s.logprobs, reference, atol=2e-4, err_msg=f"trajectory {i}")
+
+
+async def test_new_weights_wait_for_the_running_turn(setup, tmp_path):
+    """A reload requested while a sequence decodes applies after its turn: that turn is sampled
+    entirely with the old weights (and says so), the next request with the new ones."""
+    import asyncio
+
+    model, tok = setup
+    path = save_checkpoint(model, tmp_path / "same")
+    engine = InProcessEngine(model)
+    prompt = tok.prompt_ids("s", "a long turn")
+    running = asyncio.create_task(engine.generate(GenerationRequest(prompt, 60, seed=1, session="r")))
+    while engine.decode_steps < 3:
+        await asyncio.sleep(0.001)
+    await engine.update_weights(str(path), 7)
+    old = await running
+    assert old.weight_version == 0 and len(old.output_ids) == 60
+    new = await engine.generate(GenerationRequest(prompt, 5, seed=1, session="r"))
+    assert new.weight_version == 7 and new.cached_tokens == 0  # caches went with the old weights

@@ -1,48 +1,64 @@
 """The in-process engine: a transformers causal LM sampling on this machine (CPU or one GPU).
 
-It keeps each trajectory's KV cache between turns: the next turn's input is the
-previous input, the tokens just generated and the tool-result glue, so only the new
-tokens are fed. The prompt's cache is shared by the G samples of a prompt (copied, not
-recomputed). Sampling matches SGLang's semantics: log-probs are those of the
-temperature-scaled distribution, top-p filters what may be sampled, and the stop
-token is part of the output.
+Continuous batching. One worker thread loops: it admits every waiting request (each prefilled
+alone from its cached prefix, its first token sampled), then every sequence still generating
+decodes one token in a single batched forward, and sequences that stopped leave the batch. A
+request waits at most one decode step (and the prefills admitted with it) to join, never for
+other requests to finish, so the trajectories of a step that are generating at the same time
+share forwards whatever their tool calls are doing.
 
-Requests are served in waves by one worker thread: every request waiting when a wave
-starts is prefilled on its own (from its cached prefix), then all of them decode
-together, one token per row per forward, their caches left-padded into one batch and
-split back when the wave ends. The G samples of a prompt move through their turns
-roughly together, so a wave is usually G wide; tool calls of other trajectories
-overlap with it.
+Batching never changes an output. Decoding is row-wise (``services/rollout/rowwise.py``: each
+row's arithmetic is the same in any batch) and each request draws from its own generator
+(``services/rollout/sampling.py``), so a request's tokens and log-probs are bitwise those it
+gets alone, whatever ran beside it and whenever it arrived. What they do depend on: the
+weights, the input, the seed, and the machine's floating-point kernels (another instruction
+set or library version rounds differently).
+
+KV caches persist between turns. Each trajectory (``session``) keeps its keys and values: the
+next turn's input is the previous input, the tokens just generated and the tool-result glue,
+so only the new tokens are fed. A first turn stores its prompt's cache up to the last token,
+and the other G - 1 samples of the prompt copy it instead of recomputing it; every first turn
+feeds that last token on its own, so a sample computes the same bits whether it found the
+prompt cached or not. Sampling matches SGLang's semantics: log-probs are those of the
+temperature-scaled distribution, top-p filters what may be sampled, and the stop token is part
+of the output.
+
+A session evicted from the cache (more than ``max_sessions`` trajectories alive) is prefilled
+again in full: correct, slower, and no longer bitwise the same as incremental decoding.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import copy
+import concurrent.futures
 import inspect
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from services.model.checkpoint import load_weights_into
 from services.model.routing import RouteRecorder
-from services.rollout.engine import GenerationRequest, GenerationResult
+from services.rollout import rowwise
+from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
+from services.rollout.sampling import sample_rows
 
 __all__ = ["InProcessEngine"]
 
 
 @dataclass
 class _Session:
-    ids: list[int]  # tokens whose keys and values are in ``cache``
-    cache: DynamicCache
-    routes: list[np.ndarray]  # routes of those tokens, in chunks
+    ids: list[int]  # tokens whose keys and values are in ``kv``
+    kv: rowwise.SequenceKV
+    routes: list[np.ndarray] = field(default_factory=list)  # routes of those tokens, in chunks
+
+    def copy(self) -> _Session:
+        return _Session(list(self.ids), self.kv.copy(), list(self.routes))
 
 
 @dataclass
@@ -50,13 +66,24 @@ class _Job:
     request: GenerationRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    queued: float
+    version: int = 0
     session: _Session | None = None
     cached: int = 0
     generator: torch.Generator | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
-    started: float = 0.0
+
+
+@dataclass
+class _Reload:
+    path: str
+    version: int
+    done: concurrent.futures.Future
+
+
+_STOP = object()
 
 
 class InProcessEngine:
@@ -65,18 +92,21 @@ class InProcessEngine:
         model: PreTrainedModel,
         *,
         weight_version: int = 0,
-        max_sessions: int = 64,
+        max_sessions: int = 128,
         share_prompts: bool = True,
         reuse_cache: bool = True,
-        max_batch: int = 16,
+        max_batch: int = 64,
     ) -> None:
         self.model = model.eval()
+        rowwise.install(self.model)
         # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name
         # warns, and goes in 5.40); earlier 5.x know only the old one
         self._cache_arg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
         self.device = next(model.parameters()).device
+        self._layers = model.config.num_hidden_layers
+        self._recorder = RouteRecorder(self.model)
         self.weight_version = weight_version
         self.max_sessions = max_sessions
         self.share_prompts = share_prompts
@@ -84,46 +114,44 @@ class InProcessEngine:
         self.max_batch = max_batch
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._prompts: OrderedDict[tuple[int, ...], _Session] = OrderedDict()
-        self._lock = threading.Lock()  # the model and the caches belong to one wave (or one reload) at a time
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
-        self._forget: collections.deque[str] = collections.deque()
+        self._forget: deque[str] = deque()
         self.tokens_fed = 0  # prefill + decode tokens run through the model
-        self.waves = 0
+        self.decode_steps = 0  # batched decode forwards
+        self.decoded_rows = 0  # rows over all decode forwards (/ decode_steps: the mean batch)
 
     # -- the async interface ----------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if not request.input_ids:
             raise ValueError("input_ids must not be empty")
         loop = asyncio.get_running_loop()
-        job = _Job(request, loop.create_future(), loop)
+        job = _Job(request, loop.create_future(), loop, time.perf_counter())
         self._ensure_worker()
         self._queue.put(job)
         return await job.future
 
     async def update_weights(self, path: str, version: int) -> None:
-        def load() -> None:
-            with self._lock:
-                load_weights_into(self.model, path)
-                self.weight_version = version
-                self._sessions.clear()  # caches computed with the old weights are stale
-                self._prompts.clear()
-
-        await asyncio.to_thread(load)
+        """Load new weights once the sequences decoding now have finished their turn (requests
+        queued after this call wait for it); every cache is dropped."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._ensure_worker()
+        self._queue.put(_Reload(path, version, done))
+        await asyncio.wrap_future(done)
 
     async def health(self) -> bool:
         return self._worker is None or self._worker.is_alive()
 
     async def aclose(self) -> None:
         if self._worker is not None:
-            self._queue.put(None)
+            self._queue.put(_STOP)
             await asyncio.to_thread(self._worker.join, 30)
             self._worker = None
         self._sessions.clear()
         self._prompts.clear()
 
     def forget(self, session: str) -> None:
-        """Drop a finished trajectory's cache (at the start of the next wave: never blocks the caller)."""
+        """Drop a finished trajectory's cache (before the next step: never blocks the caller)."""
         self._forget.append(session)
 
     # -- the worker ------------------------------------------------------------------------
@@ -133,57 +161,93 @@ class InProcessEngine:
             self._worker.start()
 
     def _serve(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            jobs = [job]
-            while len(jobs) < self.max_batch:  # everything already waiting joins this wave
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                jobs.append(nxt)
-            try:
-                with self._lock:
-                    self._wave(jobs)
-            except BaseException as exc:  # a failed wave fails its requests, not the engine
-                for j in jobs:
-                    if not j.future.done():
-                        j.loop.call_soon_threadsafe(_set_exception, j.future, exc)
+        running: list[_Job] = []
+        control = None  # a reload or the stop, carried out once the running sequences finish
+        with torch.no_grad():
+            while True:
+                jobs = []
+                if control is None:
+                    jobs, control = self._take(block=not running, room=self.max_batch - len(running))
+                while self._forget:
+                    self._sessions.pop(self._forget.popleft(), None)
+                if jobs:
+                    running += self._guarded(jobs, self._admit)
+                if running:
+                    running = self._guarded(running, self._step)
+                if running or control is None:
+                    continue
+                if control is _STOP:
+                    self._fail_queued()
+                    return
+                self._reload(control)
+                control = None
 
-    @torch.no_grad()
-    def _wave(self, jobs: list[_Job]) -> None:
-        while self._forget:
-            self._sessions.pop(self._forget.popleft(), None)
-        self.waves += 1
-        version = self.weight_version
-        record = any(j.request.return_routed_experts for j in jobs)
-        recorder = RouteRecorder(self.model) if record else None
-        with recorder if recorder is not None else _null():
-            logits = []
+    def _take(self, *, block: bool, room: int) -> tuple[list[_Job], object]:
+        """Waiting requests, up to ``room`` (blocking for the first when nothing runs), and the
+        reload or stop found behind them, which closes admission."""
+        jobs: list[_Job] = []
+        while len(jobs) < room:
+            try:
+                item = self._queue.get() if block and not jobs else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Job):
+                jobs.append(item)
+            else:
+                return jobs, item
+        return jobs, None
+
+    def _guarded(self, jobs: list[_Job], work) -> list[_Job]:
+        """``work(jobs)``; if it raises, those requests fail, not the engine."""
+        try:
+            return work(jobs)
+        except Exception as exc:  # handed to every caller of the failed forward
             for j in jobs:
-                j.started = time.perf_counter()
-                j.generator = torch.Generator(device="cpu")
-                seed = (
-                    j.request.seed
-                    if j.request.seed is not None
-                    else int.from_bytes(np.random.bytes(4), "little")
-                )
-                j.generator.manual_seed(seed)
-                j.session, j.cached = self._start(j.request)
-                pending = j.request.input_ids[len(j.session.ids) :]
-                logits.append(self._prefill(j, pending, recorder))
-            for j, lg in zip(jobs, logits, strict=True):
-                self._sample(j, lg)
-            active = [j for j in jobs if j.finish is None]
-            if active:
-                self._decode(active, recorder)
+                j.loop.call_soon_threadsafe(_set_exception, j.future, exc)
+            return []
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Job):
+                item.loop.call_soon_threadsafe(_set_exception, item.future, EngineError("engine closed"))
+            elif isinstance(item, _Reload):
+                item.done.set_exception(EngineError("engine closed"))
+
+    def _reload(self, reload: _Reload) -> None:
+        try:
+            load_weights_into(self.model, reload.path)
+        except Exception as exc:  # the caller gets it
+            reload.done.set_exception(exc)
+            return
+        self.weight_version = reload.version
+        self._sessions.clear()  # caches computed with the old weights are stale
+        self._prompts.clear()
+        reload.done.set_result(None)
+
+    # -- admission: a prefill per request ---------------------------------------------------
+    def _admit(self, jobs: list[_Job]) -> list[_Job]:
+        ready, logits = [], []
         for j in jobs:
-            self._finish(j, version)
+            r = j.request
+            j.version = self.weight_version
+            j.generator = torch.Generator(device="cpu")
+            seed = r.seed if r.seed is not None else int.from_bytes(np.random.bytes(4), "little")
+            j.generator.manual_seed(seed)
+            try:
+                j.session, j.cached = self._start(r)
+                logits.append(self._prefill(j))
+            except Exception as exc:  # this request fails, not the others
+                j.loop.call_soon_threadsafe(_set_exception, j.future, exc)
+                continue
+            ready.append(j)
+        if not ready:
+            return []
+        self._sample(ready, torch.stack(logits))
+        return self._retire(ready)
 
     def _start(self, request: GenerationRequest) -> tuple[_Session, int]:
         """The longest cached prefix of the input: this trajectory's own, or its prompt's."""
@@ -191,100 +255,100 @@ class InProcessEngine:
         if self.reuse_cache and request.session is not None:
             s = self._sessions.pop(request.session, None)
             if s is not None and len(s.ids) <= len(ids) and ids[: len(s.ids)] == s.ids:
-                return self._usable(s, ids), len(s.ids)
-        if self.reuse_cache and self.share_prompts:
-            s = self._prompts.get(tuple(ids))
+                if len(s.ids) == len(ids):  # the last input token is fed again for its logits
+                    s.kv.crop(len(ids) - 1)
+                    s.ids = s.ids[:-1]
+                    s.routes = _crop_routes(s.routes, len(s.ids))
+                return s, len(s.ids)
+        if self._shares_prompt():
+            s = self._prompts.get(tuple(ids[:-1]))
             if s is not None:
-                self._prompts.move_to_end(tuple(ids))
-                copied = _Session(list(s.ids), copy.deepcopy(s.cache), list(s.routes))
-                return self._usable(copied, ids), len(s.ids)
-        return _Session([], DynamicCache(config=self.model.config), []), 0
+                self._prompts.move_to_end(tuple(ids[:-1]))
+                return s.copy(), len(s.ids)
+        return _Session([], rowwise.SequenceKV(self._layers)), 0
 
-    @staticmethod
-    def _usable(s: _Session, ids: list[int]) -> _Session:
-        """A session whose cache covers the whole input forgets its last token, which is fed again
-        to get the logits of the first new token."""
-        if len(s.ids) == len(ids):
-            s.cache.crop(-1)
-            s.ids = s.ids[:-1]
-            s.routes = _crop_routes(s.routes, len(s.ids))
-        return s
+    def _shares_prompt(self) -> bool:
+        return self.reuse_cache and self.share_prompts
 
-    def _prefill(self, job: _Job, tokens: list[int], recorder: RouteRecorder | None) -> torch.Tensor:
+    def _prefill(self, job: _Job) -> torch.Tensor:
         s = job.session
-        start = len(s.ids)
-        x = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(tokens), device=self.device)[None]
-        out = self.model(
-            input_ids=x, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_arg: s.cache}
-        )
-        s.ids.extend(tokens)
-        if recorder is not None:
-            s.routes.append(recorder.take())
-        self.tokens_fed += len(tokens)
-        if self.share_prompts and self.reuse_cache and job.request.session is not None and job.cached == 0:
+        pending = job.request.input_ids[len(s.ids) :]
+        record = job.request.return_routed_experts
+        if job.cached == 0 and self._shares_prompt() and len(pending) > 1:
+            # the prompt's cache ends before its last token, so that every sample of the prompt,
+            # whether it computed the cache or copied it, gets its first logits the same way
+            self._feed([s], [pending[:-1]], record)
             self._remember_prompt(s)
-        return out.logits[0, -1].float()
+            pending = pending[-1:]
+        return self._feed([s], [pending], record)[0]
 
-    def _sample(self, job: _Job, logits: torch.Tensor) -> None:
-        r = job.request
-        token, logprob = _sample(logits, r.temperature, r.top_p, job.generator)
-        job.output.append(token)
-        job.logprobs.append(logprob)
-        if token in r.stop_token_ids:
-            job.finish = "stop"
-        elif len(job.output) >= r.max_new_tokens:
-            job.finish = "length"
+    def _remember_prompt(self, session: _Session) -> None:
+        key = tuple(session.ids)
+        if key not in self._prompts:
+            self._prompts[key] = session.copy()
+            while len(self._prompts) > 8:
+                self._prompts.popitem(last=False)
 
-    def _decode(self, jobs: list[_Job], recorder: RouteRecorder | None) -> None:
-        """Decode the jobs together until every one has finished; a finished row takes its cache
-        out of the batch and leaves it, so later forwards run only the rows still generating."""
-        lengths = [len(j.session.ids) for j in jobs]
-        width = max(lengths)
-        batch = _merge_caches([j.session.cache for j in jobs], lengths, width, self.model.config)
-        mask = torch.zeros((len(jobs), width), dtype=torch.long, device=self.device)
-        for b, n in enumerate(lengths):
-            mask[b, width - n :] = 1
-        starts = [width - n for n in lengths]  # each row's first real column
-        rows = list(jobs)
-        while rows:
-            tokens = torch.tensor([[j.output[-1]] for j in rows], dtype=torch.long, device=self.device)
-            positions = torch.tensor([[len(j.session.ids)] for j in rows], device=self.device)
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long, device=self.device)], dim=1)
-            out = self.model(
-                input_ids=tokens,
-                position_ids=positions,
-                attention_mask=mask,
-                use_cache=True,
-                **{self._cache_arg: batch},
-            )
-            step_routes = recorder.take() if recorder is not None else None
-            self.tokens_fed += len(rows)
-            for b, j in enumerate(rows):
-                j.session.ids.append(j.output[-1])
-                if step_routes is not None:
-                    j.session.routes.append(step_routes[b : b + 1])
-                self._sample(j, out.logits[b, -1].float())
-            keep = [b for b, j in enumerate(rows) if j.finish is None]
-            if len(keep) == len(rows):
-                continue
-            for b, j in enumerate(rows):
-                if j.finish is not None:
-                    j.session.cache = _split_cache(batch, b, starts[b], mask.shape[1], self.model.config)
-            if keep:
-                batch.batch_select_indices(torch.tensor(keep, device=self.device))
-                mask = mask[keep]
-            rows = [rows[b] for b in keep]
-            starts = [starts[b] for b in keep]
+    # -- decoding: one token for every running sequence --------------------------------------
+    def _step(self, jobs: list[_Job]) -> list[_Job]:
+        record = any(j.request.return_routed_experts for j in jobs)
+        with rowwise.batch_invariant():
+            logits = self._feed([j.session for j in jobs], [[j.output[-1]] for j in jobs], record)
+        self.decode_steps += 1
+        self.decoded_rows += len(jobs)
+        self._sample(jobs, logits)
+        return self._retire(jobs)
 
-    def _finish(self, job: _Job, version: int) -> None:
+    def _feed(self, sessions: list[_Session], tokens: list[list[int]], record: bool) -> torch.Tensor:
+        """Run ``tokens`` (the same count for every sequence) after each sequence's cache; the
+        logits of each sequence's last position ``[rows, vocab]``, float32."""
+        width = len(tokens[0])
+        x = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        starts = torch.tensor([[s.kv.length] for s in sessions], dtype=torch.long, device=self.device)
+        positions = starts + torch.arange(width, device=self.device)
+        cache = rowwise.RowsCache([s.kv for s in sessions])
+        kwargs = dict(input_ids=x, position_ids=positions, attention_mask=rowwise.NO_MASK, use_cache=True)
+        with self._recorder if record else _null():
+            out = self.model(logits_to_keep=1, **kwargs, **{self._cache_arg: cache})
+        cache.advance(width)
+        routes = self._recorder.take() if record else None
+        for b, (s, t) in enumerate(zip(sessions, tokens, strict=True)):
+            s.ids.extend(t)
+            if routes is not None:
+                s.routes.append(routes[b * width : (b + 1) * width])
+        self.tokens_fed += width * len(sessions)
+        return out.logits[:, -1].float()
+
+    def _sample(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+        rs = [j.request for j in jobs]
+        tokens, logprobs = sample_rows(
+            logits.cpu(), [r.temperature for r in rs], [r.top_p for r in rs], [j.generator for j in jobs]
+        )
+        for j, token, logprob in zip(jobs, tokens, logprobs, strict=True):
+            j.output.append(token)
+            j.logprobs.append(logprob)
+            if token in j.request.stop_token_ids:
+                j.finish = "stop"
+            elif len(j.output) >= j.request.max_new_tokens:
+                j.finish = "length"
+
+    def _retire(self, jobs: list[_Job]) -> list[_Job]:
+        """Deliver the jobs that finished; the ones still generating."""
+        for j in jobs:
+            if j.finish is not None:
+                self._finish(j)
+        return [j for j in jobs if j.finish is None]
+
+    def _finish(self, job: _Job) -> None:
         r = job.request
         routes = None
         if r.return_routed_experts:
             all_routes = np.concatenate(job.session.routes, axis=0) if job.session.routes else None
             total = len(r.input_ids) + len(job.output) - 1  # every position but the last
             if all_routes is None or all_routes.shape[0] < total:
-                raise RuntimeError("routes were not recorded for every position")
+                error = RuntimeError("routes were not recorded for every position")
+                job.loop.call_soon_threadsafe(_set_exception, job.future, error)
+                return
             routes = all_routes[r.routed_experts_start_len : total]
         if r.session is not None and self.reuse_cache:
             self._sessions[r.session] = job.session
@@ -294,45 +358,12 @@ class InProcessEngine:
             job.output,
             job.logprobs,
             job.finish or "length",
-            version,
+            job.version,
             routes,
             cached_tokens=job.cached,
-            latency_s=time.perf_counter() - job.started,
+            latency_s=time.perf_counter() - job.queued,
         )
         job.loop.call_soon_threadsafe(_set_result, job.future, result)
-
-    def _remember_prompt(self, session: _Session) -> None:
-        key = tuple(session.ids)
-        if key not in self._prompts:
-            self._prompts[key] = _Session(
-                list(session.ids), copy.deepcopy(session.cache), list(session.routes)
-            )
-            while len(self._prompts) > 8:
-                self._prompts.popitem(last=False)
-
-
-def _merge_caches(caches: list[DynamicCache], lengths: list[int], width: int, config) -> DynamicCache:
-    """One batch cache: each row's keys and values left-padded with zeros to ``width``."""
-    merged = DynamicCache(config=config)
-    for layer in range(len(caches[0].layers)):
-        keys, values = [], []
-        for cache, n in zip(caches, lengths, strict=True):
-            k, v = cache.layers[layer].keys, cache.layers[layer].values
-            pad = width - n
-            keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
-            values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
-        merged.update(torch.cat(keys), torch.cat(values), layer)
-    return merged
-
-
-def _split_cache(batch: DynamicCache, row: int, start: int, end: int, config) -> DynamicCache:
-    """Row ``row``'s keys and values from ``start`` (its first real position) to ``end``."""
-    cache = DynamicCache(config=config)
-    for layer in range(len(batch.layers)):
-        k = batch.layers[layer].keys[row : row + 1, :, start:end].clone()
-        v = batch.layers[layer].values[row : row + 1, :, start:end].clone()
-        cache.update(k, v, layer)
-    return cache
 
 
 def _set_result(future: asyncio.Future, result) -> None:
@@ -357,39 +388,3 @@ def _crop_routes(routes: list[np.ndarray], length: int) -> list[np.ndarray]:
     if not routes:
         return routes
     return [np.concatenate(routes, axis=0)[:length]]
-
-
-def _sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> tuple[int, float]:
-    """One token and its log-prob under the temperature-scaled distribution."""
-    if temperature <= 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logits))
-        return token, float(logp[token])
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logp.exp()
-    if top_p < 1.0:
-        probs = _nucleus(probs, top_p)
-    token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
-    return token, float(logp[token])
-
-
-# Tokens the nucleus is first looked for among: sorting the whole vocabulary for every sampled
-# token was a third of an evaluation's time here (top-p 0.95, a 4096-token vocabulary).
-NUCLEUS_CANDIDATES = 64
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``probs`` outside the top-p nucleus set to zero, renormalised: a token is kept when the
-    tokens more likely than it hold less than ``top_p`` (so the top token always is). The top
-    ``NUCLEUS_CANDIDATES`` tokens hold the whole nucleus whenever they hold ``top_p`` (the token
-    after them has at least that before it); otherwise the whole vocabulary is sorted."""
-    ranked, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, probs.numel()))
-    mass = torch.cumsum(ranked, dim=-1)
-    if float(mass[-1]) < top_p + 1e-6 and ranked.numel() < probs.numel():  # the margin: rounding
-        ranked, order = torch.sort(probs, descending=True)
-        mass = torch.cumsum(ranked, dim=-1)
-    keep = mass - ranked < top_p
-    filtered = torch.zeros_like(probs).scatter_(0, order[keep], ranked[keep])
-    return filtered / filtered.sum()
