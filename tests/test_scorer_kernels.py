@@ -77,7 +77,9 @@ def test_kernel_path_follows_the_attention_implementation(sdpa_model, flex_model
     assert kernel_path(sdpa_model) == logprobs_module.KernelPath("sdpa", False, "chunked", torch.float32)
     assert kernel_path(flex_model).pack and kernel_path(flex_model).attention == "flex_attention"
     assert kernel_path(flex_model, pack=False).pack is False  # an explicit setting wins
-    assert kernel_path(sdpa_model).head == "chunked"  # no fused head without CUDA
+    assert kernel_path(sdpa_model).head == "chunked"  # no fused head without CUDA ...
+    with pytest.raises(ValueError, match="needs CUDA"):  # ... and asking for it fails at once
+        kernel_path(sdpa_model, head="fused")
 
 
 def test_packed_flex_equals_unpacked_sdpa(sdpa_model, flex_model, eager_flex):

@@ -75,6 +75,8 @@ def kernel_path(model: nn.Module, *, pack: bool | None = None, head: HeadPath | 
     """The path a call takes: ``pack`` and ``head`` as given, else the best this model and device have."""
     parameter = next(model.parameters())
     attention = model.config._attn_implementation or "eager"
+    if head == "fused" and not fused_head_available(parameter.device):
+        raise ValueError(f"the fused LM head needs CUDA and Triton; the model is on {parameter.device}")
     return KernelPath(
         attention=attention,
         pack=packs_without_dense_mask(attention) if pack is None else pack,
