@@ -227,7 +227,15 @@ def main() -> None:
         return
     cuda = torch.cuda.is_available()
     methods = args.methods.split(",") if args.methods else (GPU_METHODS if cuda else CPU_METHODS)
-    passthrough = [a for a in sys.argv[1:] if not a.startswith("--methods")]
+    passthrough = [
+        f"--preset={args.preset}",
+        f"--batch={args.batch}",
+        f"--budget={args.budget}",
+        f"--seed={args.seed}",
+    ]
+    for name in ("layers", "trajectories", "min_len", "max_len"):
+        if getattr(args, name) is not None:
+            passthrough.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     results = {}
     for m in methods:
         done = subprocess.run(
