@@ -1,14 +1,18 @@
-"""Trainer speed and memory on this machine, with the tiny Qwen3-MoE policy.
+"""Trainer speed and memory, on a preset's Qwen3-MoE shape (:mod:`presets`; default ``tiny``,
+the project's tiny policy; ``qwen3-30b-a3b`` is Qwen3-30B-A3B's shape with 4 layers unless
+``--layers`` says otherwise, 3.1B parameters, for one GPU).
 
 1. Training tokens/s of GRPO and PBSD batches of the same shape (8 groups x 4
    trajectories, 600 to 2,000 tokens each): the loss costs the same, PBSD's per-token
-   weights are just different advantages (its extra work belongs to the scorer).
+   weights are just different advantages (its extra work belongs to the scorer). On a GPU
+   also the MFU (model FLOPs: 3x the forward's, recomputation not counted).
 2. Peak memory of one optimiser step on a single 64K-token trajectory, with the
    LM head applied a chunk of rows at a time under activation checkpointing (ours)
    beside full-vocabulary logits for the whole trajectory (the naive baseline). Each
-   variant runs in its own process so its peak RSS is its own.
+   variant runs in its own process so its peak memory is its own (RSS on CPU,
+   ``max_memory_allocated`` on CUDA).
 
-Run: ``.venv/bin/python benchmarks/trainer.py``.
+CPU: float32; CUDA: bf16. Run: ``.venv/bin/python benchmarks/trainer.py [--preset qwen3-30b-a3b]``.
 """
 
 from __future__ import annotations
@@ -24,19 +28,35 @@ import time
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerFast
+from presets import PRESETS, build, flops_per_pass, peak_tflops
 
 from proto.runs import GrpoSpec, PbsdSpec, TrainerSpec
-from services.model.tiny import TinySpec, build_tiny_model, train_tokenizer
 from services.trainer.batch import BatchCounts, TrainSample
 from services.trainer.policy import PolicyTrainer
 
+DEFAULT_LAYERS = {"qwen3-30b-a3b": 4}  # 3.1B parameters: weights, gradients and AdamW state fit one GPU
+CUDA = torch.cuda.is_available()
 
-def tiny_model():
-    tokenizer: PreTrainedTokenizerFast = train_tokenizer(
-        ["the quick brown fox jumps over the lazy dog " * 50] * 20, 4096
+
+def preset_model(args):
+    return build(
+        args.preset,
+        layers=args.layers or DEFAULT_LAYERS.get(args.preset),
+        device="cuda" if CUDA else "cpu",
+        dtype=torch.bfloat16 if CUDA else torch.float32,
+        max_positions=max(16_384, args.length + 64),
     )
-    return build_tiny_model(tokenizer, TinySpec(vocab_size=4096))
+
+
+def peak_mb() -> float:
+    if CUDA:
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def synchronize() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
 
 
 def batch(vocab: int, pbsd: bool, seed: int = 0) -> tuple[list[TrainSample], BatchCounts]:
@@ -63,27 +83,38 @@ def throughput(args) -> dict:
     torch.manual_seed(0)
     out = {}
     for name, algo, pbsd in (("grpo", GrpoSpec(), False), ("pbsd", PbsdSpec(), True)):
-        trainer = PolicyTrainer(tiny_model(), TrainerSpec(lr=1e-4, warmup_steps=0))
+        trainer = PolicyTrainer(preset_model(args), TrainerSpec(lr=1e-4, warmup_steps=0))
         samples, counts = batch(trainer.model.config.vocab_size, pbsd)
         trainer.train_step(samples[:2], counts, algo)  # warm-up
         times = []
         for _ in range(args.repeats):
+            synchronize()
             start = time.perf_counter()
             trainer.train_step(samples, counts, algo)
+            synchronize()
             times.append(time.perf_counter() - start)
         tokens = sum(s.tokens for s in samples)
+        seconds = float(np.median(times))
         out[name] = {
             "tokens": tokens,
             "loss_tokens": counts.tokens,
-            "seconds": float(np.median(times)),
-            "tokens_per_s": tokens / float(np.median(times)),
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
         }
+        peak = peak_tflops()
+        if peak:
+            flops = flops_per_pass(
+                trainer.model.config, [s.tokens for s in samples], counts.tokens, training=True
+            )
+            out[name]["mfu"] = flops / seconds / (peak * 1e12)
+        del trainer
     return out
 
 
-def memory(variant: str, length: int) -> dict:
+def memory(variant: str, args) -> dict:
+    length = args.length
     torch.manual_seed(0)
-    model = tiny_model()
+    model = preset_model(args)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(1)
     ids = rng.integers(0, vocab, length + 1)
@@ -98,72 +129,79 @@ def memory(variant: str, length: int) -> dict:
         None,
     )
     counts = BatchCounts(1, pos.size)
+    device = next(model.parameters()).device
     start = time.perf_counter()
-    if variant == "ours":
-        PolicyTrainer(
-            model,
-            TrainerSpec(lr=1e-4, warmup_steps=0, micro_batch_tokens=16_384),
-            gradient_checkpointing=True,
-        ).train_step([sample], counts, GrpoSpec())
-    else:  # full logits over the whole trajectory, float32 log-softmax, no checkpointing
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        logits = model(input_ids=torch.as_tensor(ids[:-1])[None]).logits[0].float()
-        logp = torch.log_softmax(logits, -1)[torch.as_tensor(pos), torch.as_tensor(ids[pos + 1])]
-        (-logp.mean()).backward()
-        opt.step()
-    return {
-        "variant": variant,
-        "seconds": time.perf_counter() - start,
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
+    try:
+        if variant == "ours":
+            PolicyTrainer(
+                model,
+                TrainerSpec(lr=1e-4, warmup_steps=0, micro_batch_tokens=16_384),
+                gradient_checkpointing=True,
+            ).train_step([sample], counts, GrpoSpec())
+        else:  # full logits over the whole trajectory, float32 log-softmax, no checkpointing
+            model.train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            logits = model(input_ids=torch.as_tensor(ids[:-1], device=device)[None]).logits[0].float()
+            logp = torch.log_softmax(logits, -1)[
+                torch.as_tensor(pos, device=device), torch.as_tensor(ids[pos + 1], device=device)
+            ]
+            (-logp.mean()).backward()
+            opt.step()
+        synchronize()
+    except torch.OutOfMemoryError:
+        return {"variant": variant, "error": f"out of memory (peak {peak_mb():,.0f} MB before it failed)"}
+    return {"variant": variant, "seconds": time.perf_counter() - start, "peak_mb": peak_mb()}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--layers", type=int, help="override the preset's number of layers")
     ap.add_argument("--memory", choices=("ours", "naive"))
     ap.add_argument("--length", type=int, default=65_536)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    if args.memory:
-        print(json.dumps(memory(args.memory, args.length)))
-        return
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.memory:
+        print(json.dumps(memory(args.memory, args)))
+        return
+    layers = args.layers or DEFAULT_LAYERS.get(args.preset) or PRESETS[args.preset]["num_hidden_layers"]
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, CPU float32"
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, "
+        + (f"{torch.cuda.get_device_name()} bf16" if CUDA else "CPU float32")
+        + f"; preset {args.preset}, {layers} layers"
     )
     t = throughput(args)
     print(
-        f"\n1. one optimiser step, tiny Qwen3-MoE, 8 groups x 4 trajectories ({t['grpo']['tokens']:,} tokens, "
+        f"\n1. one optimiser step, 8 groups x 4 trajectories ({t['grpo']['tokens']:,} tokens, "
         f"{t['grpo']['loss_tokens']:,} loss tokens)"
     )
     for name in ("grpo", "pbsd"):
+        mfu = f"   MFU {t[name]['mfu'] * 100:.1f}%" if "mfu" in t[name] else ""
         print(
-            f"   {name.upper():6} {t[name]['seconds']:7.2f} s   {t[name]['tokens_per_s']:9,.0f} training tokens/s"
+            f"   {name.upper():6} {t[name]['seconds']:7.2f} s   {t[name]['tokens_per_s']:9,.0f} training tokens/s{mfu}"
         )
     print(f"   PBSD / GRPO step time: {t['pbsd']['seconds'] / t['grpo']['seconds']:.2f}")
+    passthrough = ["--preset", args.preset, "--length", str(args.length)]
+    passthrough += ["--layers", str(args.layers)] if args.layers else []
     results = {}
     for variant in ("ours", "naive"):
-        line = (
-            subprocess.run(
-                [sys.executable, __file__, "--memory", variant, "--length", str(args.length)],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            .stdout.strip()
-            .splitlines()[-1]
+        done = subprocess.run(
+            [sys.executable, __file__, "--memory", variant, *passthrough], capture_output=True, text=True
         )
-        results[variant] = json.loads(line)
+        lines = done.stdout.strip().splitlines()
+        results[variant] = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": "failed"}
     print(f"\n2. one optimiser step on a single {args.length:,}-token trajectory")
-    print(
-        f"   {'chunked LM head + activation checkpointing (ours)':52} peak {results['ours']['peak_mb']:7,.0f} MB"
-        f"  {results['ours']['seconds']:6.1f} s"
-    )
-    print(
-        f"   {'full-vocabulary float32 logits (naive)':52} peak {results['naive']['peak_mb']:7,.0f} MB"
-        f"  {results['naive']['seconds']:6.1f} s"
-    )
+    for variant, label in (
+        ("ours", "chunked LM head + activation checkpointing (ours)"),
+        ("naive", "full-vocabulary float32 logits (naive)"),
+    ):
+        r = results[variant]
+        if "error" in r:
+            print(f"   {label:52} {r['error']}")
+        else:
+            print(f"   {label:52} peak {r['peak_mb']:7,.0f} MB  {r['seconds']:6.1f} s")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The CUDA paths against the CPU ones: the scorer's likelihood passes (packed, as the GPU
-scorer runs them) and a trainer step give the CPU's figures to rounding. Marked ``gpu``:
+"""The CUDA paths against the CPU ones: the scorer's likelihood passes (packed with SDPA's dense
+mask and with compiled flex attention, as the GPU scorer runs them; the fused LM head) and a
+trainer step give the CPU's figures to rounding. Marked ``gpu``:
 `make test-gpu` on a machine with a CUDA device and a CUDA build of torch; never run in CI
 (DeepSpeed over NCCL is in tests/test_deepspeed.py under the same marker)."""
 
@@ -14,7 +15,10 @@ import torch
 
 from proto.runs import TrainerSpec
 from services.model.checkpoint import load_model
-from services.scorer.logprobs import sequence_logprobs
+from services.model.lm_head import fused_head_available, realised_logprobs
+from services.model.lse_kernel import logit_and_logsumexp, reference_logit_and_logsumexp
+from services.scorer.backends import LocalScorer
+from services.scorer.logprobs import kernel_path, scoring_attention, sequence_logprobs
 from services.trainer.policy import PolicyTrainer
 
 pytestmark = pytest.mark.gpu
@@ -33,6 +37,56 @@ def test_scorer_passes_on_cuda_equal_cpu(tiny_checkpoint):
     gpu = sequence_logprobs(load_model(tiny_checkpoint).cuda(), requests, pack=True, token_budget=400)
     for a, b in zip(cpu, gpu, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def _flex_cuda(path, dtype="float32"):
+    model = load_model(path, dtype=dtype, device="cuda")
+    model.set_attn_implementation("flex_attention")
+    return model
+
+
+def test_packed_flex_on_cuda_equals_cpu_at_every_packed_length(tiny_checkpoint):
+    """Compiled flex attention, several packed lengths per call and across calls (dynamic shapes)."""
+    rng = np.random.default_rng(1)
+    requests = [(rng.integers(0, 900, n).tolist(), np.arange(1, n)) for n in (300, 37, 150, 90, 5, 700, 2)]
+    cpu = sequence_logprobs(load_model(tiny_checkpoint), requests)
+    model = _flex_cuda(tiny_checkpoint)
+    assert kernel_path(model).pack
+    for budget in (400, 750, 2000):
+        gpu = sequence_logprobs(model, requests, token_budget=budget)
+        for a, b in zip(cpu, gpu, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_fused_head_on_cuda_matches_torch():
+    assert fused_head_available("cuda")
+    torch.manual_seed(0)
+    vocab = 151_936  # Qwen3's: not a multiple of the kernel's tile
+    logits = (torch.randn(3000, vocab, device="cuda") * 4).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (3000,), device="cuda")
+    for got, want in zip(
+        logit_and_logsumexp(logits, targets), reference_logit_and_logsumexp(logits, targets), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    head = torch.nn.Linear(256, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(2500, 256, device="cuda", dtype=torch.bfloat16)
+    fused = realised_logprobs(hidden, head, targets[:2500], 1024, "fused")
+    chunked = realised_logprobs(hidden, head, targets[:2500], 1024, "chunked")
+    torch.testing.assert_close(fused, chunked, rtol=0, atol=1e-4)
+
+
+def test_the_gpu_scorer_packs_with_flex_and_fuses_the_head(tiny_checkpoint):
+    """What a scorer started on CUDA runs, in bf16, against the unpacked chunked path in bf16."""
+    assert scoring_attention("cuda") in ("flex_attention", "flash_attention_2")
+    model = _flex_cuda(tiny_checkpoint, "bfloat16")
+    scorer = LocalScorer(model, token_budget=600)
+    assert (scorer.path.pack, scorer.path.head, scorer.path.dtype) == (True, "fused", torch.bfloat16)
+    rng = np.random.default_rng(2)
+    requests = [(rng.integers(0, 900, n).tolist(), np.arange(1, n)) for n in (300, 37, 150, 90, 5, 700)]
+    fast = sequence_logprobs(model, requests, token_budget=600)
+    plain = sequence_logprobs(model, requests, pack=False, head="chunked")
+    diff = np.abs(np.concatenate(fast) - np.concatenate(plain))
+    assert diff.mean() < 0.02 and diff.max() < 0.3  # bf16 kernel noise (benchmarks/README.md measures it)
 
 
 def test_a_trainer_step_on_cuda_equals_cpu(tiny_checkpoint):

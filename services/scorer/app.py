@@ -5,6 +5,8 @@ pbsd serve scorer        (settings from PBSD_SCORER_* and REDIS_URL)
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI
 
 from agent.chat import ChatTokenizer
@@ -13,6 +15,8 @@ from services.policy_worker import worker_app
 from services.scorer.settings import ScorerSettings
 from services.scorer.worker import ScorerWorker
 from services.telemetry import setup_logging
+
+log = logging.getLogger(__name__)
 
 
 def build_scorer(settings: ScorerSettings):
@@ -24,14 +28,22 @@ def build_scorer(settings: ScorerSettings):
 
     from services.model.checkpoint import DTYPES
     from services.scorer.backends import LocalScorer
+    from services.scorer.logprobs import scoring_attention
 
     kwargs = {"dtype": DTYPES[settings.dtype]}
-    if settings.attn_implementation:
-        kwargs["attn_implementation"] = settings.attn_implementation
+    attention = settings.attn_implementation or scoring_attention(settings.device)
+    if attention:
+        kwargs["attn_implementation"] = attention
     model = AutoModelForCausalLM.from_pretrained(settings.model, **kwargs).to(settings.device)
-    return LocalScorer(
-        model, token_budget=settings.token_budget, chunk_size=settings.chunk_size, pack=settings.pack
+    scorer = LocalScorer(
+        model,
+        token_budget=settings.token_budget,
+        chunk_size=settings.chunk_size,
+        pack=settings.pack,
+        head=settings.head,
     )
+    log.info("scoring kernel path: %s", scorer.path)
+    return scorer
 
 
 def create_app(settings: ScorerSettings | None = None) -> FastAPI:

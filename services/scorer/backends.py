@@ -15,7 +15,8 @@ import numpy as np
 from transformers import PreTrainedModel
 
 from services.model.checkpoint import load_weights_into
-from services.scorer.logprobs import sequence_logprobs
+from services.model.lm_head import HeadPath
+from services.scorer.logprobs import kernel_path, sequence_logprobs
 from services.sglang_control import WeightsRefused, load_weights_from_disk
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
@@ -23,7 +24,8 @@ __all__ = ["LocalScorer", "SglangScorer"]
 
 
 class LocalScorer:
-    """Packed, chunked passes through a local model (see :mod:`services.scorer.logprobs`)."""
+    """Packed, chunked passes through a local model (see :mod:`services.scorer.logprobs`). Every call
+    takes the one :class:`KernelPath` fixed here, so student and teacher always share it."""
 
     def __init__(
         self,
@@ -32,13 +34,15 @@ class LocalScorer:
         token_budget: int = 16_384,
         chunk_size: int = 1024,
         pack: bool | None = None,
+        head: HeadPath | None = None,
         version: int = 0,
     ) -> None:
         self.model = model.eval()
         self.token_budget = token_budget
         self.chunk_size = chunk_size
-        # Packing pays off with varlen attention kernels; on CPU a packed mask costs the square of its length.
-        self.pack = pack if pack is not None else model.config._attn_implementation.startswith("flash")
+        # Packing pays off with flex attention's document mask or flash attention's varlen kernels;
+        # with SDPA a packed mask is dense and costs the square of its length.
+        self.path = kernel_path(model, pack=pack, head=head)
         self.version = version
         self._lock = asyncio.Lock()
 
@@ -50,7 +54,8 @@ class LocalScorer:
                 requests,
                 token_budget=self.token_budget,
                 chunk_size=self.chunk_size,
-                pack=self.pack,
+                pack=self.path.pack,
+                head=self.path.head,
             )
 
     async def update_weights(self, path: str, version: int) -> None:

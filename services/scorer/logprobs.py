@@ -1,23 +1,31 @@
-"""Log-probabilities of realised tokens, fast: packed sequences, token budgets, chunked log-softmax.
+"""Log-probabilities of realised tokens, fast: packed sequences, token budgets, one kernel path.
 
 ``sequence_logprobs(model, requests)`` returns, for each request ``(ids, positions)``,
 ``log p(ids[p] | ids[:p])`` at the requested positions. Student and teacher
 sequences go through this one procedure together, so both passes share weights,
 kernels and numerics; their difference measures the privileged context and nothing else.
 
+The kernel path (:class:`KernelPath`: attention implementation, packed or not, LM-head
+reduction, dtype) is chosen once per call, from the model and the settings, never per
+sequence: a student and its teacher differ in length, and a length-dependent choice would
+put a kernel difference into their log-ratio (benchmarks/README.md quantifies it: in bf16
+it is of the order of the deadband).
+
 How it stays fast and small:
 
-* Batches are filled up to ``token_budget`` tokens, longest first. A batch is one
-  *packed* forward (sequences concatenated, ``position_ids`` restarting at 0, no
-  attention mask, so transformers builds a block-diagonal mask, or uses varlen
-  kernels with flash attention) when ``pack=True``; with ``pack=False`` (the default on
-  CPU, where attention over a packed mask costs the square of the packed length) each
-  sequence runs alone. Either way no pad token is ever computed.
-* Only the hidden states that predict a requested token are kept, and they go
-  through the LM head ``chunk_size`` rows at a time: each chunk's logits are reduced
-  to ``logsumexp`` and the realised token's logit at once, so full-vocabulary float32
-  logits never exist for more than one chunk.
-* ``torch.no_grad`` and the model's own dtype throughout; log-softmax in float32.
+* Batches are filled up to ``token_budget`` tokens, longest first. When the attention
+  implementation has a packed kernel (flex attention with a document mask, or flash
+  attention's varlen), a batch is one *packed* forward: sequences concatenated,
+  ``position_ids`` restarting at 0, each token attending causally within its own
+  sequence only. Otherwise (SDPA on CPU, where a packed mask is dense and costs the
+  square of the packed length) each sequence runs alone. Either way no pad token is
+  ever computed.
+* Only the hidden states that predict a requested token are kept, and they go through
+  the LM head ``chunk_size`` rows at a time (:mod:`services.model.lm_head`): each
+  chunk's logits are reduced to the realised token's logit and ``logsumexp`` at once
+  (a fused Triton kernel on CUDA), so full-vocabulary float32 logits never exist for
+  more than one chunk, and on the fused path not at all.
+* ``torch.no_grad`` and the model's own dtype throughout; the reduction in float32.
 * MoE routing is computed fresh: any routing replay installed on the model's routers
   is lifted for the duration (:func:`fresh_routing`).
 """
@@ -25,15 +33,69 @@ How it stays fast and small:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from services.model.lm_head import HeadPath, fused_head_available, realised_logprobs
 from services.model.routing import moe_routers
 
-__all__ = ["fresh_routing", "packed_batches", "sequence_logprobs", "token_logprobs"]
+__all__ = [
+    "KernelPath",
+    "decoder_hidden_states",
+    "document_block_mask",
+    "fresh_routing",
+    "kernel_path",
+    "packed_batches",
+    "scoring_attention",
+    "sequence_logprobs",
+]
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """How one scoring call computes every one of its log-probs."""
+
+    attention: str  # the model's attention implementation: sdpa, flex_attention, flash_attention_2, ...
+    pack: bool  # several sequences per forward (document mask or varlen) or one per forward
+    head: HeadPath  # the LM head's reduction: "chunked" (torch) or "fused" (Triton)
+    dtype: torch.dtype
+
+
+def packs_without_dense_mask(attention: str) -> bool:
+    """Attention implementations whose packed forward costs what its sequences cost alone."""
+    return attention == "flex_attention" or attention.startswith("flash")
+
+
+def kernel_path(model: nn.Module, *, pack: bool | None = None, head: HeadPath | None = None) -> KernelPath:
+    """The path a call takes: ``pack`` and ``head`` as given, else the best this model and device have."""
+    parameter = next(model.parameters())
+    attention = model.config._attn_implementation or "eager"
+    if head == "fused" and not fused_head_available(parameter.device):
+        raise ValueError(f"the fused LM head needs CUDA and Triton; the model is on {parameter.device}")
+    return KernelPath(
+        attention=attention,
+        pack=packs_without_dense_mask(attention) if pack is None else pack,
+        head=head or ("fused" if fused_head_available(parameter.device) else "chunked"),
+        dtype=parameter.dtype,
+    )
+
+
+def scoring_attention(device: str) -> str | None:
+    """The attention implementation to load a scoring model with on ``device`` (None: transformers'
+    default, SDPA): on CUDA flash attention's varlen kernels when installed, else flex attention
+    (part of torch, no extra package); on CPU the default, where one sequence per forward is best."""
+    if torch.device(device).type != "cuda":
+        return None
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    from transformers.utils import is_torch_flex_attn_available
+
+    return "flex_attention" if is_torch_flex_attn_available() else None
 
 
 @contextlib.contextmanager
@@ -69,17 +131,39 @@ def packed_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]
     return batches
 
 
-def token_logprobs(
-    hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, chunk_size: int
+def document_block_mask(lengths: Sequence[int], device: torch.device | str):
+    """Flex attention's mask for sequences of ``lengths`` packed end to end: token q attends to
+    token k iff both lie in the same sequence and k <= q. Blocks that cross no sequence boundary
+    are marked full and blocks between two sequences are skipped, so a packed forward costs about
+    what its sequences cost one by one."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    document = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.as_tensor(list(lengths), device=device)
+    )
+
+    def causal_within_document(batch, head, q, k):
+        return (q >= k) & (document[q] == document[k])
+
+    n = int(document.numel())
+    # Compiled on GPUs, as transformers builds its own flex masks (uncompiled, it evaluates the n x n
+    # mask densely). Not on CPU, where flex attention serves tests only and a compile costs tens of seconds.
+    compiled = torch.device(device).type == "cuda"
+    return create_block_mask(causal_within_document, 1, None, n, n, device=device, _compile=compiled)
+
+
+def decoder_hidden_states(
+    base: nn.Module, ids: torch.Tensor, lengths: list[int], path: KernelPath
 ) -> torch.Tensor:
-    """log softmax(lm_head(hidden))[targets] row by row, ``chunk_size`` rows of logits at a time."""
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk_size):
-        logits = lm_head(hidden[start : start + chunk_size]).float()
-        chosen = logits.gather(1, targets[start : start + chunk_size, None])[:, 0]
-        out[start : start + chunk_size] = chosen - torch.logsumexp(logits, dim=-1)
-        del logits
-    return out
+    """The decoder's last hidden states for sequences of ``lengths`` concatenated in ``ids``."""
+    pos = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
+    kwargs = {}
+    if path.attention == "flex_attention":
+        # explicit, so every forward of the call (one sequence or many) runs the same masked kernel
+        kwargs["attention_mask"] = document_block_mask(lengths, ids.device)
+    # otherwise transformers reads the documents off position_ids restarting at 0 (varlen for
+    # flash attention, a dense block-diagonal mask for SDPA)
+    return base(input_ids=ids[None], position_ids=pos[None], use_cache=False, **kwargs).last_hidden_state[0]
 
 
 def _base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -97,32 +181,37 @@ def sequence_logprobs(
     *,
     token_budget: int = 16_384,
     chunk_size: int = 1024,
-    pack: bool = False,
+    pack: bool | None = None,
+    head: HeadPath | None = None,
 ) -> list[np.ndarray]:
-    """For each ``(ids, positions)``: log p(ids[p] | ids[:p]) for every p in ``positions`` (all p >= 1)."""
-    base, head = _base_and_head(model)
+    """For each ``(ids, positions)``: log p(ids[p] | ids[:p]) for every p in ``positions`` (all p >= 1).
+    ``pack`` and ``head`` default to :func:`kernel_path`'s choice for this model."""
+    base, lm_head = _base_and_head(model)
+    path = kernel_path(model, pack=pack, head=head)
     device = next(model.parameters()).device
     results: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(requests)
     for r, (ids, positions) in enumerate(requests):
         if len(positions) and (np.min(positions) < 1 or np.max(positions) >= len(ids)):
             raise ValueError(f"request {r}: positions must lie in [1, {len(ids) - 1}]")
     lengths = [len(ids) for ids, _ in requests]
-    groups = packed_batches(lengths, token_budget) if pack else [[i] for i in np.argsort(lengths)[::-1]]
+    groups = packed_batches(lengths, token_budget) if path.pack else [[i] for i in np.argsort(lengths)[::-1]]
     with fresh_routing(model):
         for group in groups:
             group = [i for i in group if len(requests[i][1])]
             if not group:
                 continue
             ids = torch.tensor([t for i in group for t in requests[i][0]], dtype=torch.long, device=device)
-            pos = torch.cat([torch.arange(lengths[i], device=device) for i in group])
-            hidden = base(input_ids=ids[None], position_ids=pos[None], use_cache=False).last_hidden_state[0]
+            hidden = decoder_hidden_states(base, ids, [lengths[i] for i in group], path)
             rows, targets, offset = [], [], 0
             for i in group:
                 p = torch.as_tensor(np.asarray(requests[i][1]), dtype=torch.long, device=device) + offset
                 rows.append(p - 1)  # the hidden state before a token predicts it
                 targets.append(ids[p])
                 offset += lengths[i]
-            lp = token_logprobs(hidden[torch.cat(rows)], head, torch.cat(targets), chunk_size).cpu().numpy()
+            lp = realised_logprobs(
+                hidden[torch.cat(rows)], lm_head, torch.cat(targets), chunk_size, path.head
+            )
+            lp = lp.cpu().numpy()
             cursor = 0
             for i in group:
                 n = len(requests[i][1])

@@ -19,12 +19,19 @@ class ScorerSettings(WorkerSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     attn_implementation: str | None = Field(
-        default=None, description="e.g. flash_attention_2 on GPUs (varlen packing)"
+        default=None,
+        description="default: on CUDA flash_attention_2 when flash-attn is installed, else flex_attention "
+        "(both pack sequences); on CPU transformers' default (sdpa)",
     )
     token_budget: int = Field(default=16_384, description="tokens per likelihood batch")
     chunk_size: int = Field(default=1024, description="rows of full-vocabulary logits alive at once")
     pack: bool | None = Field(
-        default=None, description="pack sequences in one forward (default: with flash attention)"
+        default=None, description="pack sequences in one forward (default: with flex or flash attention)"
+    )
+    head: Literal["chunked", "fused"] | None = Field(
+        default=None,
+        description="LM-head reduction: fused (a Triton kernel, CUDA only) or chunked (torch); "
+        "default: fused where it can run",
     )
     sglang_urls: list[str] = Field(default_factory=list)
     worker_name: str = Field(

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from pbsd.losses import clipped_policy_loss
 from proto.runs import AlgorithmSpec, TrainerSpec
 from services.model.checkpoint import dtype_name, load_model, save_checkpoint
+from services.model.lm_head import chunk_logprobs
 from services.model.routing import replay_routes
 from services.trainer.batch import BatchCounts, TrainSample, micro_batches
 
@@ -72,16 +73,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-
-
-def _chunk_logprobs(
-    head: nn.Module, rows: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    # the head is called as a module (not through its weight) so that ZeRO-3 gathers it
-    logits = head(rows).float()
-    if temperature != 1.0:  # as the rollout engine sampled: softmax(logits / T)
-        logits = logits / temperature
-    return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
 class PolicyTrainer:
@@ -152,7 +143,7 @@ class PolicyTrainer:
         targets = torch.as_tensor(sample.targets, device=self.device)
         parts = [
             checkpoint(
-                _chunk_logprobs,
+                chunk_logprobs,
                 model.lm_head,
                 rows[i : i + self.chunk_size],
                 targets[i : i + self.chunk_size],
