@@ -28,9 +28,10 @@ test-gpu: bootstrap
 # The Compose stack for real: the cpu profile's images built, the stack up and healthy, a short
 # run trained through it with a worker crashed mid-run, Prometheus and every dashboard query
 # checked (tests/test_deploy_stack.py). Sets up its engine itself (scripts/deploy-setup.sh: Docker,
-# else podman from the OS packages, stand-in base images where no registry answers); needs root
-# or sudo for that, and about 6 GB of disk.
-test-deploy: bootstrap
+# else podman from the OS packages, stand-in base images where no registry answers). With podman it
+# runs as root (rootful podman: the images the setup builds are the ones the stack runs); about
+# 6 GB of disk.
+test-deploy:
 	PBSD_EXTRAS=dev,deploy ./scripts/bootstrap.sh
 	$(PY) -m pytest -m deploy -p no:cacheprovider -s tests/test_deploy_stack.py
 

@@ -132,12 +132,14 @@ class Stack:
             assert time.monotonic() < deadline, f"not healthy after {timeout:.0f} s: {pending}"
             time.sleep(2)
 
-    def forget_images(self) -> None:
+    def built_images(self) -> list[str]:
         doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-        built = {
-            svc["image"] for svc in doc.values() if "build" in svc and PROFILE in svc.get("profiles", [])
-        }
-        for image in built:
+        return sorted(
+            {svc["image"] for svc in doc.values() if "build" in svc and PROFILE in svc.get("profiles", [])}
+        )
+
+    def forget_images(self) -> None:
+        for image in self.built_images():
             with contextlib.suppress(DockerException):
                 self.engine.client.images.remove(image, force=True)
         self.engine.client.images.prune(filters={"dangling": True})  # the build stages' layers
@@ -225,6 +227,7 @@ def finished_run(stack):
                 crashed_at = run.get("step")
             time.sleep(3)
         end = time.time()
+        stack.timings["run s"] = end - start
         evals = api.get(f"/runs/{run_id}/evals").raise_for_status().json()
     time.sleep(2 * STEP_S)  # the last values scraped at least once more
     rollout.reload()
