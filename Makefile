@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap test test-slow test-gpu demo lint schemas bench-bus
+.PHONY: bootstrap test test-slow test-gpu test-deploy demo lint schemas bench-bus
 
 bootstrap:
 	./scripts/bootstrap.sh
@@ -27,6 +27,16 @@ test-gpu:
 	PBSD_VENV=$(GPU_VENV) PBSD_TORCH=$${PBSD_TORCH:-torch==2.13.0} PBSD_EXTRAS=dev,gpu ./scripts/bootstrap.sh
 	$(GPU_VENV)/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device (or a CPU build of torch)')"
 	$(GPU_VENV)/bin/python -m pytest -m gpu
+
+# The Compose stack for real: the cpu profile's images built, the stack up and healthy, a short
+# run trained through it with a worker crashed mid-run, Prometheus and every dashboard query
+# checked (tests/test_deploy_stack.py). Sets up its engine itself (scripts/deploy-setup.sh: Docker,
+# else podman from the OS packages, stand-in base images where no registry answers). With podman it
+# runs as root (rootful podman: the images the setup builds are the ones the stack runs); about
+# 6 GB of disk.
+test-deploy:
+	PBSD_EXTRAS=dev,deploy ./scripts/bootstrap.sh
+	$(PY) -m pytest -m deploy -p no:cacheprovider -s tests/test_deploy_stack.py
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .

@@ -256,6 +256,7 @@ class Bus:
         """Process entries of ``stream`` for ``group`` one at a time until ``stop`` is set."""
         group = group or stream.group
         await self.ensure_group(stream, group)
+        metrics.consumer_series(stream.name, group)
         cursor = _Cursor()
         outage = _Outage(self, stream, group)
         while stop is None or not stop.is_set():
@@ -287,6 +288,7 @@ class Bus:
         ``accept`` rejects are acknowledged at once. Returns early, with fewer, when ``stop`` is set."""
         group = group or stream.group
         await self.ensure_group(stream, group)
+        metrics.consumer_series(stream.name, group)
         held = Held(self, stream, group, consumer, options)
         cursor = _Cursor()
         outage = _Outage(self, stream, group)

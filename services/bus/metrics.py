@@ -32,3 +32,15 @@ OUTAGES = Counter(
     "Waits of a consumer for Redis to come back (or its group to be remade)",
     ["stream"],
 )
+
+DEAD_LETTER_REASONS = ("invalid", "max_deliveries", "trimmed")
+
+
+def consumer_series(stream: str, group: str) -> None:
+    """A consumer group's counters, at zero from its first read: a panel of errors or dead letters
+    shows 0 instead of "no data", and rate() sees the first one happen (a series that appears at
+    1 has no earlier sample to rise from)."""
+    for counter in (CONSUMED, DUPLICATES, RECLAIMED, HANDLER_ERRORS):
+        counter.labels(stream, group)
+    for reason in DEAD_LETTER_REASONS:
+        DEAD_LETTERED.labels(stream, group, reason)

@@ -86,6 +86,12 @@ class ToolGateway:
         self.call_budget = call_budget
         self.budget_ttl_s = budget_ttl_s
         self._inflight: dict[str, asyncio.Future[tuple[bool, str, str | None]]] = {}
+        for spec in TOOLS:  # every series at zero from the start: an error ratio of 0, not "no data"
+            for outcome in ("ok", "error"):
+                metrics.CALLS.labels(spec.name, backend.name, outcome)
+            for result in ("hit", "miss"):
+                metrics.CACHE.labels(spec.name, result)
+            metrics.MERGED.labels(spec.name)
 
     def catalogue(self) -> list[dict[str, Any]]:
         return catalogue(TOOLS)

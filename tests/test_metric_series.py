@@ -1,0 +1,82 @@
+"""Labelled counters a dashboard divides or sums exist at zero before their first event: a panel
+of errors, drops or dead letters then shows 0 instead of "no data" (make test-deploy evaluates
+every panel over a real run and fails on one with no series), and rate() sees the first event."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from pathlib import Path
+
+from prometheus_client import REGISTRY
+
+from proto.streams import PROMPTS
+from services.bus import metrics as bus_metrics
+from services.bus.client import ConsumerOptions
+from services.trainer import metrics as trainer_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _literal_args(path: Path, function: str) -> set[str]:
+    """The string constants passed last to every call of ``function`` in ``path``."""
+    return {
+        node.args[-1].value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", None) == function
+        and isinstance(node.args[-1], ast.Constant)
+    }
+
+
+def _assigned(path: Path, name: str) -> set[str]:
+    return {
+        node.value.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == name for t in node.targets)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    }
+
+
+def test_the_known_reasons_are_the_reasons_the_code_uses():
+    assert _literal_args(ROOT / "services/bus/client.py", "_dead_letter") == set(
+        bus_metrics.DEAD_LETTER_REASONS
+    )
+    assert _assigned(ROOT / "services/trainer/admission.py", "reason") == set(trainer_metrics.DROP_REASONS)
+    for reason in trainer_metrics.DROP_REASONS:
+        assert REGISTRY.get_sample_value("pbsd_trainer_dropped_groups_total", {"reason": reason}) is not None
+
+
+async def test_a_consumer_exports_its_groups_counters_at_zero(bus):
+    stop = asyncio.Event()
+    stop.set()  # one pass: the group is made and its series registered, nothing is read
+    group = f"g{id(stop)}"
+    await bus.consume(
+        PROMPTS, "c", lambda m: None, group=group, options=ConsumerOptions(block_ms=10), stop=stop
+    )
+    labels = {"stream": PROMPTS.name, "group": group}
+    for name in ("processed", "duplicates", "reclaimed", "handler_errors"):
+        assert REGISTRY.get_sample_value(f"pbsd_bus_{name}_total", labels) == 0.0, name
+    for reason in bus_metrics.DEAD_LETTER_REASONS:
+        assert REGISTRY.get_sample_value("pbsd_bus_dead_lettered_total", {**labels, "reason": reason}) == 0.0
+
+
+def test_the_gateway_exports_every_tools_outcome_at_zero(tiny_world):
+    from services.tools.backends import OfflineBackend
+    from services.tools.catalogue import TOOLS
+    from services.tools.corpus import OfflineCorpus
+    from services.tools.gateway import ToolGateway
+    from services.tools.store import MemoryStore
+
+    corpus = OfflineCorpus.from_jsonl(tiny_world / "corpus.jsonl")
+    gateway = ToolGateway(OfflineBackend(corpus), MemoryStore())
+    for spec in TOOLS:
+        for outcome in ("ok", "error"):
+            labels = {"tool": spec.name, "backend": gateway.backend.name, "outcome": outcome}
+            assert REGISTRY.get_sample_value("pbsd_tools_calls_total", labels) is not None
+        assert (
+            REGISTRY.get_sample_value("pbsd_tools_cache_total", {"tool": spec.name, "result": "hit"})
+            is not None
+        )
