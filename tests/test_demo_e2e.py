@@ -15,8 +15,24 @@ import msgpack
 
 
 def _service_processes(out: Path) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in ps if "pbsd.cli serve" in line or ("redis-server" in line and str(out) in line)]
+    """The demo's services still running: ``pbsd serve`` processes started in this test's folder
+    (services run in the demo's working directory), and its Redis (its data, and so its working
+    directory, lie in ``out``). Other
+    demos and services on the machine are not this test's."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(proc / "cwd")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if ("pbsd.cli serve" in args and cwd.startswith(str(out.parent))) or (
+            "redis-server" in args and (str(out) in args or cwd.startswith(str(out)))
+        ):
+            found.append(args)
+    return found
 
 
 def test_demo_runs_end_to_end(tmp_path):
