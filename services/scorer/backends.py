@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from services.model.checkpoint import load_weights_into
 from services.scorer.logprobs import sequence_logprobs
+from services.scorer.replay import RoutedRequest, replayed_logprobs
 from services.sglang_control import WeightsRefused, load_weights_from_disk
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
@@ -51,6 +52,13 @@ class LocalScorer:
                 token_budget=self.token_budget,
                 chunk_size=self.chunk_size,
                 pack=self.pack,
+            )
+
+    async def replayed(self, requests: Sequence[RoutedRequest]) -> list[np.ndarray]:
+        """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
+        async with self._lock:
+            return await asyncio.to_thread(
+                replayed_logprobs, self.model, requests, chunk_size=self.chunk_size
             )
 
     async def update_weights(self, path: str, version: int) -> None:
