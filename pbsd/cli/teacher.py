@@ -63,6 +63,8 @@ def check_cmd(
     from proto.runs import DEFAULT_TEACHER_TEMPLATE, PbsdSpec
     from services.rollout.agent import AgentLimits
 
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise typer.BadParameter(f"{dtype!r}: float32, bfloat16 or float16", param_hint="--dtype")
     try:
         spec = PbsdSpec(
             teacher_template=teacher_template or DEFAULT_TEACHER_TEMPLATE,
