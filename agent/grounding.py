@@ -28,7 +28,18 @@ from collections.abc import Iterable
 
 from agent.toolcall import parse_tool_call
 
-__all__ = ["KINDS", "Grounding", "Verdict", "describe", "judge", "names", "ratio", "urls", "words"]
+__all__ = [
+    "KINDS",
+    "Grounding",
+    "Verdict",
+    "describe",
+    "judge",
+    "names",
+    "ratio",
+    "turn_verdicts",
+    "urls",
+    "words",
+]
 
 _WORD = re.compile(r"[^\W_]+")
 # \b: a scheme starts a word, so a long run of letters is scanned once, not from every position
@@ -84,6 +95,16 @@ def judge(
         said = _phrase(answer)
         answered = ("answers", bool(said.strip()) and any(said in _phrase(r) for r in results))
     return verdicts, answered
+
+
+def turn_verdicts(question: str, turns: list[tuple[str, str]], answer: str | None) -> list[Verdict | None]:
+    """One verdict per turn: its search or read, or, for the last turn when it calls no tool, the
+    boxed answer it writes (the one action class of every turn, as the credit viewer, the report
+    and the scorer's sanity figures label turns)."""
+    verdicts, answered = judge(question, turns, answer)
+    if verdicts and verdicts[-1] is None:
+        verdicts[-1] = answered
+    return verdicts
 
 
 class Grounding:

@@ -8,7 +8,6 @@ import html
 import io
 import json
 import shutil
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,11 @@ from agent.grounding import KINDS, ratio
 from demo.config import DemoConfig
 from pbsd import credit
 from pbsd.accuracy import describe_change
+from pbsd.sanity import MIN_FRACTION, checks
 from proto.runs import PbsdSpec
-from services.trainer.viewer import load_groups, render_viewer, viewer_data
+from proto.sanity import ACTION_CLASSES, TeacherSanity
+from services.trainer.dynamics import sanity_metrics
+from services.trainer.viewer import load_groups, render_viewer, sanity_summary, viewer_data
 
 __all__ = ["write_report"]
 
@@ -136,27 +138,49 @@ def figures(
     return made
 
 
-def evidence_by_grounding(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def action_rows(sanity: TeacherSanity) -> list[dict[str, Any]]:
     """PBSD's evidence s on the turns that search, read or answer, split by whether the action was
-    grounded (:mod:`agent.grounding`): does the answer-aware teacher favour actions taken from what
-    the agent read? ``rows`` from :func:`viewer_data`; unscored turns are left out."""
-    cells: dict[tuple[str, bool], list[float]] = defaultdict(list)
-    for row in rows:
-        for turn in row["turns"]:
-            if turn["grounded"] is not None and turn["evidence"] is not None and turn["label"] != "unscored":
-                cells[(turn["grounded"]["kind"], turn["grounded"]["ok"])].append(turn["evidence"])
+    grounded (:mod:`agent.grounding`), from the scorer's tallies: does the answer-aware teacher
+    favour actions taken from what the agent read?"""
     return [
         {
             "action": KINDS[kind][0],
-            "grounded": ok,
-            "turns": len(values),
-            "mean_s": float(np.mean(values)),
-            "teacher_higher": float(np.mean(np.asarray(values) > 0)),
+            "grounded": how == "grounded",
+            "turns": tally.turns,
+            "mean_s": tally.mean_s,
+            "teacher_higher": tally.higher_frac,
         }
-        for (kind, ok), values in sorted(
-            cells.items(), key=lambda kv: (list(KINDS).index(kv[0][0]), not kv[0][1])
-        )
+        for key in ACTION_CLASSES
+        if (tally := sanity.actions.get(key)) is not None and tally.turns
+        for kind, how in [key.split("/")]
     ]
+
+
+def _cell(figures: dict[str, float], key: str, fmt: str, mark: dict[str, Any] | None = None) -> str:
+    if key not in figures:
+        return "<td>&ndash;</td>"
+    sign = "" if mark is None or mark["met"] is None else (" &#10003;" if mark["met"] else " &#10007;")
+    return f"<td>{format(figures[key], fmt)}{sign}</td>"
+
+
+def sanity_row(algo: str, figures: dict[str, float], spec: PbsdSpec) -> str:
+    """One run's teacher sanity figures and noise floor as a table row, marked against the targets."""
+    marks = {m["figure"]: m for m in checks(figures, eps_pos=spec.eps_pos, eps_neg=spec.eps_neg)}
+    gap = marks["grounded_minus_made_up_mean_s"]["value"]
+    figures = figures if gap is None else {**figures, "grounded_gap": gap}
+    return (
+        f"<tr><td>{algo.upper()}</td><td>{int(figures['answer_free_turns'])}</td>"
+        + _cell(figures, "answer_free_mean_s", "+.4f", marks["answer_free_mean_s"])
+        + f"<td>{int(figures['correct_final_turns'])}</td>"
+        + _cell(figures, "correct_final_favoured_frac", ".0%", marks["correct_final_favoured_frac"])
+        + f"<td>{int(figures['wrong_final_turns'])}</td>"
+        + _cell(figures, "wrong_final_disfavoured_frac", ".0%", marks["wrong_final_disfavoured_frac"])
+        + _cell(figures, "grounded_gap", "+.4f", marks["grounded_minus_made_up_mean_s"])
+        + _cell(figures, "noise_std", ".2g")
+        + _cell(figures, "noise_outside_deadband_frac", ".0%")
+        + _cell(figures, "within_noise_floor_frac", ".0%")
+        + "</tr>"
+    )
 
 
 def _fraction(part: dict[str, float]) -> str:
@@ -186,6 +210,7 @@ def write_report(
     deadband = (credit.DEFAULT_EPS_POS, credit.DEFAULT_EPS_NEG)
     viewers = {}
     credit_rows: list[str] = []
+    sanity_rows: list[str] = []
     tokenizer = ChatTokenizer.from_pretrained(out / "policy-sft")
     for algo, r in runs.items():
         run_dir = Path(r["dir"])
@@ -196,13 +221,19 @@ def write_report(
         spec = next((g.group.algorithm for _, g in groups if isinstance(g.group.algorithm, PbsdSpec)), None)
         if spec is not None:  # the run's own deadband (a run may set eps+ and eps-)
             deadband = (spec.eps_pos, spec.eps_neg)
-        turn_rows = viewer_data(groups, tokenizer, limit=sum(len(g.group.trajectories) for _, g in groups))
-        credit_rows += [
-            f"<tr><td>{algo.upper()}</td><td>{c['action']}</td><td>{'grounded' if c['grounded'] else 'made up'}</td>"
-            f"<td>{c['turns']}</td><td>{c['mean_s']:.4f}</td><td>{c['teacher_higher']:.2f}</td></tr>"
-            for c in evidence_by_grounding(turn_rows)
-        ]
-        page = render_viewer(turn_rows[:VIEWER_ROWS], f"Turn-level credit, {algo.upper()} run {r['id']}")
+        scored = [g for _, g in groups if g.scored]
+        if scored and spec is not None:
+            sanity = sum((g.diagnostics.sanity for g in scored), TeacherSanity())
+            credit_rows += [
+                f"<tr><td>{algo.upper()}</td><td>{c['action']}</td><td>{'grounded' if c['grounded'] else 'made up'}</td>"
+                f"<td>{c['turns']}</td><td>{c['mean_s']:.4f}</td><td>{c['teacher_higher']:.2f}</td></tr>"
+                for c in action_rows(sanity)
+            ]
+            sanity_rows.append(sanity_row(algo, sanity_metrics(scored), spec))
+        turn_rows = viewer_data(groups, tokenizer, limit=VIEWER_ROWS)
+        page = render_viewer(
+            turn_rows, f"Turn-level credit, {algo.upper()} run {r['id']}", sanity_summary(groups)
+        )
         (out / f"viewer-{algo}.html").write_text(page)
         viewers[algo] = f"viewer-{algo}.html"
     evidence = np.concatenate(evidence_parts) if evidence_parts else np.zeros(0)
@@ -248,6 +279,24 @@ def write_report(
         if credit_rows
         else ""
     )
+    sanity_table = (
+        "<h2>Does the teacher read x*?</h2>"
+        "<table><tr><th>run</th><th>answer-free turns</th><th>their mean s</th><th>correct final answers</th>"
+        "<th>with s &gt; eps+</th><th>wrong final answers</th><th>with s &lt; -eps-</th>"
+        "<th>grounded minus made-up mean s (least over actions)</th><th>noise floor (per-token std)</th>"
+        "<th>null turns outside the deadband</th><th>scored turns within the floor</th></tr>"
+        + "".join(sanity_rows)
+        + f"</table><p>Every scored turn of the run. Answer-free: not a final answer, and its text does "
+        f"not contain the verified answer; such turns should sit in the deadband "
+        f"[-{deadband[1]}, {deadband[0]}]. A teacher that reads x* favours at least "
+        f"{MIN_FRACTION:.0%} of the correct final answers, disfavours {MIN_FRACTION:.0%} of the wrong "
+        "ones, and favours grounded actions over made-up ones (&#10003;/&#10007;: target met or "
+        "not). The noise floor is the scorer's null pass: the same tokens scored again in the teacher "
+        "pass's layout, where the true evidence is 0; a turn whose |s| lies within it is marked in "
+        "the viewer. See docs/credit-signal.md.</p>"
+        if sanity_rows
+        else ""
+    )
     body = "".join(
         f"<figure><img alt='{name}' src='data:image/png;base64,{data}'><figcaption>{name.replace('_', ' ')}"
         f"</figcaption></figure>"
@@ -271,6 +320,7 @@ Total time {elapsed / 60:.1f} minutes. {note}</p>
 <p>Grounded: a search whose names all appear in the question or an earlier tool result, a read whose address
 appeared in an earlier result, a boxed answer found in a result; the oracle scores 100% on each. A policy
 that makes names up fails here long before accuracy can move.</p>
+{sanity_table}
 {credit_table}
 <h2>Runs</h2>
 <table><tr><th>algorithm</th><th>run</th><th>steps</th><th>last batch accuracy</th><th>teacher &gt; student</th>

@@ -8,6 +8,11 @@ punctuation dropped, the articles a/an/the dropped, acronym dots removed ("U.S.A
 digits. The reward is 1 when the normalised prediction equals the normalised answer
 or one of its aliases, else 0. Token F1 (SQuAD-style, best over answer and aliases)
 is reported alongside as a softer diagnostic.
+
+A text *mentions* the answer when the normalised answer (or an alias) appears in the normalised
+text as a run of whole words: ``"... \boxed{The Danube} ..."`` mentions "Danube", "Danubes"
+does not. The scorer's sanity figures use it to tell turns that contain the answer from turns
+that do not.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Verdict", "exact_match", "extract_boxed", "normalize", "token_f1", "verify"]
+__all__ = ["Verdict", "exact_match", "extract_boxed", "mentions", "normalize", "token_f1", "verify"]
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 _LATEX_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|textit|mathbf|operatorname)\s*\{([^{}]*)\}")
@@ -104,6 +109,13 @@ def exact_match(prediction: str | None, answer: str, aliases: Iterable[str] = ()
         return False
     p = normalize(prediction)
     return bool(p) and any(p == normalize(g) for g in _golds(answer, aliases))
+
+
+def mentions(text: str, answer: str, aliases: Iterable[str] = ()) -> bool:
+    """Whether normalised ``text`` holds the normalised answer or an alias as whole words (an answer
+    that normalises to nothing, such as "The", is mentioned by nothing)."""
+    padded = f" {normalize(text)} "
+    return any(g and f" {g} " in padded for g in (normalize(x) for x in _golds(answer, aliases)))
 
 
 def token_f1(prediction: str | None, answer: str, aliases: Iterable[str] = ()) -> float:

@@ -22,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 from proto.arrays import Float32Array, Int32Array, RoutedExpertsArray, Uint8Array
 from proto.base import Contract, Message
 from proto.runs import AlgorithmSpec, RolloutSpec
+from proto.sanity import NoiseFloor, TeacherSanity
 
 __all__ = [
     "FINISH_REASONS",
@@ -204,6 +205,12 @@ class ScoreDiagnostics(Contract):
     evidence: Float32Array = Field(
         default_factory=lambda: np.zeros(0, np.float32), description="every scored turn's s"
     )
+    sanity: TeacherSanity = Field(
+        default=TeacherSanity(), description="does the teacher read x*: scored turns by kind (proto.sanity)"
+    )
+    noise: NoiseFloor = Field(
+        default=NoiseFloor(), description="the null pass: the evidence's numerical noise floor (proto.sanity)"
+    )
 
 
 class ScoredGroup(Message):
@@ -233,6 +240,21 @@ class ScoredGroup(Message):
                 if arr.size != traj.num_turns:
                     raise ValueError(f"{name}[{i}] has {arr.size} entries for {traj.num_turns} turns")
         return self
+
+    def scored_turns(self) -> tuple[np.ndarray, np.ndarray]:
+        """Evidence and token count of every scored turn (s not NaN), over all trajectories: what a
+        noise floor judges (``NoiseFloor.within``). A turn's tokens are its span's (where x* was cut,
+        its aligned tokens are fewer)."""
+        s = (
+            np.concatenate([np.asarray(e, np.float64) for e in self.turn_evidence])
+            if self.turn_evidence
+            else np.zeros(0)
+        )
+        n = np.array(
+            [end - start for t in self.group.trajectories for start, end in t.turn_spans], np.float64
+        )
+        keep = ~np.isnan(s)
+        return s[keep], n[keep]
 
     def token_advantages(self, index: int) -> np.ndarray:
         """Per-completion-token advantage of trajectory ``index`` (0 outside the loss mask)."""

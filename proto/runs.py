@@ -151,6 +151,18 @@ class PbsdSpec(_PolicyGradientSpec):
     teacher_max_length: PositiveInt = Field(
         default=65_536, description="tokens beyond this in x* have no phi and are left out"
     )
+    noise_floor_samples: Annotated[int, Field(ge=0)] = Field(
+        default=1,
+        description="trajectories per group whose student context the scorer scores a second time in "
+        "the teacher pass's layout (the null pass, whose true evidence is 0): the evidence's numerical "
+        "noise floor, at about 1/(2G) more scoring work each; 0 turns it off",
+    )
+    evidence_routing: Literal["fresh", "replay"] = Field(
+        default="fresh",
+        description="MoE routing of both evidence passes: fresh (the paper) or replay, the rollout's "
+        "recorded routes forced (Table 1's ablation 'w/o non-replay recompute'; needs "
+        "rollout.return_routed_experts and the scorer's local backend; see services/scorer/replay.py)",
+    )
 
     @model_validator(mode="after")
     def _template_fields(self):
@@ -233,6 +245,9 @@ class RunSpec(Message):
             raise ValueError("rollout.max_tokens_per_turn cannot exceed rollout.max_context")
         if self.trainer.routing_replay and not self.rollout.return_routed_experts:
             raise ValueError("trainer.routing_replay needs rollout.return_routed_experts")
+        replayed = isinstance(self.algorithm, PbsdSpec) and self.algorithm.evidence_routing == "replay"
+        if replayed and not self.rollout.return_routed_experts:
+            raise ValueError("algorithm.evidence_routing 'replay' needs rollout.return_routed_experts")
         if self.trainer.eval_every and not self.data.validation:
             raise ValueError("trainer.eval_every needs data.validation (the questions to evaluate on)")
         if self.trainer.publish_every > self.rollout.max_staleness + 1:

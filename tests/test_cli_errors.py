@@ -64,6 +64,10 @@ def _eval(f, *extra):
     return ["eval", *(str(x) for name, value in base.items() if value is not None for x in (name, value))]
 
 
+def _teacher(f, *extra):
+    return ["teacher", "check", *_eval(f, *extra)[1:]]
+
+
 # ("<command>: <what is wrong>", its arguments from the fixture, what the line says, the exit code)
 CASES = [
     ("runs list: no trainer", lambda f: ["runs", "list", "--url", f.closed], "no trainer at", 1),
@@ -102,6 +106,10 @@ CASES = [
     ("eval: compare to no report", lambda f: _eval(f, "--compare-to", f.missing), "--compare-to", 2),
     ("eval: compare to not JSON", lambda f: _eval(f, "--compare-to", f.tmp / "not-yaml.yaml"), "not a JSON report", 2),
     ("eval: compare to not a report", lambda f: _eval(f, "--compare-to", f.tmp / "not-a-report.json"), "not a report of an evaluation", 2),
+    ("teacher check: no model", lambda f: _teacher(f, "--model", f.missing), "--model", 2),
+    ("teacher check: questions not JSONL", lambda f: _teacher(f, "--questions", f.tmp / "garbage.jsonl"), "no usable rows (line 1: not valid JSON", 2),
+    ("teacher check: no corpus", lambda f: _teacher(f, "--corpus", f.missing), "--corpus", 2),
+    ("teacher check: a bad deadband", lambda f: _teacher(f, "--eps-pos", "-1"), "eps_pos", 2),
     # refused before the model is loaded (f.ckpt would fail to load) or anything sampled
     ("eval: compare to other questions", lambda f: _eval(f, "--compare-to", f.tmp / "other-report.json"), "3 of the 3 evaluated here are not among its 1", 2),
 ]  # fmt: skip

@@ -78,6 +78,8 @@ def test_demo_runs_end_to_end(tmp_path):
         run_dir / "final" / "config.json"
     ).exists()
     assert all("teacher_higher_frac" in m and m["scored_turns"] > 0 for m in metrics)  # evidence was computed
+    # with the teacher sanity figures and the null pass's noise floor, summed over the step's groups
+    assert all(m["noise_tokens"] > 0 and "answer_free_turns" in m for m in metrics)
     # grounding is measured when a batch has a search (48 tokens a turn rarely finish one)
     assert all(0 <= m.get("grounded_queries_frac", 0) <= 1 for m in metrics)
     groups = [
@@ -101,7 +103,8 @@ def test_demo_runs_end_to_end(tmp_path):
             "answers",
         }
         assert ("change" in evaluation) == (name != "eval-before.json")
-    assert "grounded searches" in report
+    assert "grounded searches" in report and "Does the teacher read x*?" in report
+    assert "data-testid='sanity'" in (out / "viewer-pbsd.html").read_text()
     assert "change of mean@1 from before" in report and "95% CI" in report  # the paired comparison
     assert "change " in result.stdout and "questions better" in result.stdout
     assert _service_processes(out) == []  # nothing left behind

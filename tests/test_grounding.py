@@ -146,18 +146,22 @@ def test_batch_metrics_report_grounding_per_training_step(tiny_checkpoint, monke
     assert sampled["grounded_queries_frac"] == 1.0 and "grounded_reads_frac" not in sampled
 
 
-def test_evidence_by_grounding_splits_scored_actions():
-    from demo.report import evidence_by_grounding
+def test_the_reports_action_rows_come_from_the_scorers_tallies():
+    from demo.report import action_rows
+    from proto.sanity import EvidenceTally, TeacherSanity
 
-    def turn(kind, ok, s, label="high"):
-        return {"grounded": None if kind is None else {"kind": kind, "ok": ok}, "evidence": s, "label": label}
+    def tally(*s):
+        return EvidenceTally.of(s, eps_pos=0.001, eps_neg=0.003)
 
-    rows = [
-        {"turns": [turn("queries", True, 0.2), turn("reads", False, -0.1), turn(None, None, 0.5)]},
-        {"turns": [turn("queries", True, -0.1), turn("queries", False, -0.3), turn("answers", True, 0.0)]},
-        {"turns": [turn("reads", True, None), turn("reads", True, 0.4, label="unscored")]},  # left out
-    ]
-    got = evidence_by_grounding(rows)
+    sanity = TeacherSanity(
+        actions={
+            "answers/grounded": tally(0.0),
+            "reads/made-up": tally(-0.1),
+            "queries/made-up": tally(-0.3),
+            "queries/grounded": tally(0.2, -0.1),
+        }
+    )
+    got = action_rows(sanity)
     assert [(c["action"], c["grounded"], c["turns"]) for c in got] == [
         ("search", True, 2),
         ("search", False, 1),

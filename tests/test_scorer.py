@@ -97,6 +97,20 @@ def group_of(trajectories, algorithm) -> TrajectoryGroup:
     )
 
 
+def contexts_of(tok, t: Trajectory, template: str = TEMPLATE, teacher_max_length: int = 65_536):
+    """The student and teacher contexts the scorer builds for ``t`` of the Vienna question."""
+    return build_contexts(
+        tok,
+        t.prompt_ids.tolist(),
+        t.completion_ids.tolist(),
+        t.loss_mask,
+        t.turn_spans,
+        answer="Danube",
+        template=template,
+        teacher_max_length=teacher_max_length,
+    )
+
+
 def test_teacher_prompt_rewrites_only_the_user_message(tok):
     prompt = tok.prompt_ids("SYSTEM TEXT", "QUESTION TEXT")
     teacher = teacher_prompt_ids(tok, prompt, "Danube", TEMPLATE)
@@ -112,16 +126,7 @@ def test_teacher_prompt_rewrites_only_the_user_message(tok):
 
 def test_phi_by_hand_and_truncation(tok):
     t = _trajectory(tok, ["a", "b c"])
-    c = build_contexts(
-        tok,
-        t.prompt_ids.tolist(),
-        t.completion_ids.tolist(),
-        t.loss_mask,
-        t.turn_spans,
-        answer="Danube",
-        template=TEMPLATE,
-        teacher_max_length=10**6,
-    )
+    c = contexts_of(tok, t, teacher_max_length=10**6)
     shift = len(teacher_prompt_ids(tok, t.prompt_ids.tolist(), "Danube", TEMPLATE)) - len(t.prompt_ids)
     assert shift > 0 and len(c.teacher) - len(c.student) == shift
     np.testing.assert_array_equal(c.loss_positions, np.flatnonzero(t.loss_mask) + len(t.prompt_ids))
@@ -131,16 +136,7 @@ def test_phi_by_hand_and_truncation(tok):
     np.testing.assert_array_equal(c.token_turns, np.repeat([0, 1], [e - s for s, e in t.turn_spans]))
     # cut x* three tokens into the second turn: those tokens and everything after lose phi
     cut = int(c.phi[c.token_turns == 1][0]) + 3
-    c2 = build_contexts(
-        tok,
-        t.prompt_ids.tolist(),
-        t.completion_ids.tolist(),
-        t.loss_mask,
-        t.turn_spans,
-        answer="Danube",
-        template=TEMPLATE,
-        teacher_max_length=cut,
-    )
+    c2 = contexts_of(tok, t, teacher_max_length=cut)
     assert len(c2.teacher) == cut
     assert (c2.phi >= 0).sum() == (c.phi < cut).sum() and np.all(c2.phi[c.phi >= cut] == -1)
 
@@ -158,16 +154,7 @@ async def test_evidence_equals_a_direct_per_sequence_computation(tok, model):
     adv = credit.group_advantages(group.rewards)
     np.testing.assert_allclose(scored.advantages, adv, rtol=1e-6)
     for i, t in enumerate(group.trajectories):
-        c = build_contexts(
-            tok,
-            t.prompt_ids.tolist(),
-            t.completion_ids.tolist(),
-            t.loss_mask,
-            t.turn_spans,
-            answer="Danube",
-            template=TEMPLATE,
-            teacher_max_length=10**6,
-        )
+        c = contexts_of(tok, t, teacher_max_length=10**6)
         student = _direct(model, c.student, c.loss_positions)
         teacher = _direct(model, c.teacher, c.phi)
         expected = [

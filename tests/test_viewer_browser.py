@@ -137,13 +137,20 @@ def test_viewer_tags_grounded_and_made_up_turns(tiny_checkpoint, tmp_path):
         {"kind": "answers", "ok": True},
     ]
 
+    # no null pass on these groups: no turn is judged against a floor
+    assert {(t["floor"], t["within_floor"]) for t in rows[0]["turns"]} == {(None, None)}
+    rows[0]["turns"][1] |= {"floor": 0.0123, "within_floor": True}  # as a measured floor would mark it
+
     page_file = tmp_path / "viewer.html"
-    page_file.write_text(render_viewer(rows))
+    page_file.write_text(render_viewer(rows, summary="<p data-testid='sanity'>Teacher sanity: here.</p>"))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         page = browser.new_page()
         page.goto(page_file.as_uri())
+        assert page.locator("[data-testid=sanity]").inner_text() == "Teacher sanity: here."
         page.locator("tr.traj").first.click()
         tags = page.locator("[data-testid=detail] [data-testid=turn] [data-testid=grounded]")
         assert tags.all_inner_texts() == ["made up", "grounded", "grounded"]
+        floor = page.locator("[data-testid=detail] [data-testid=turn] [data-testid=within-floor]")
+        assert floor.all_inner_texts() == ["\u2248 noise (floor 0.0123)"]
         browser.close()

@@ -112,6 +112,22 @@ def _quantile(q: float, histogram: str, window: str = "5m", by: str = "") -> str
     return f"histogram_quantile({q}, sum(rate({histogram}_bucket[{window}])) by (le{extra}))"
 
 
+def _band(kind: str, band: str, window: str = "10m") -> str:
+    """The fraction of the scorer's turns of ``kind`` in ``band`` over the window (all replicas)."""
+    turns = "pbsd_scorer_sanity_turns_total"
+    return f'sum(rate({turns}{{kind="{kind}",band="{band}"}}[{window}])) / sum(rate({turns}{{kind="{kind}"}}[{window}]))'
+
+
+def _sanity_mean(kind: str, window: str = "10m") -> str:
+    """The scorer's mean s of turns of ``kind`` over the window: (positive - negative sums) / turns."""
+    evidence = "pbsd_scorer_sanity_evidence_total"
+    return (
+        f'(sum(rate({evidence}{{kind="{kind}",sign="positive"}}[{window}])) - '
+        f'sum(rate({evidence}{{kind="{kind}",sign="negative"}}[{window}]))) / '
+        f'sum(rate(pbsd_scorer_sanity_turns_total{{kind="{kind}"}}[{window}]))'
+    )
+
+
 def pipeline() -> dict:
     return dashboard(
         "pbsd-pipeline",
@@ -359,6 +375,58 @@ def credit() -> dict:
                 [("sum(increase(pbsd_scorer_turn_weight_bucket[$__range])) by (le)", "{{le}}")],
                 kind="bargauge",
                 fmt="heatmap",
+            ),
+            row("Does the teacher read x*? (docs/credit-signal.md)"),
+            panel(
+                "Final answers the teacher judges right",
+                "Of the correct final answers (reward > 0), the fraction with s > eps+; of the wrong ones "
+                "(the agent's own final message, reward 0), the fraction with s < -eps-. A teacher that "
+                "reads the verified answer in x* puts both near 1; near 0 it rescales advantages without "
+                "telling right from wrong. Last batch (trainer) and over 10 minutes (scorer).",
+                [
+                    ("pbsd_trainer_correct_final_favoured_fraction", "correct, s > eps+ (last batch)"),
+                    ("pbsd_trainer_wrong_final_disfavoured_fraction", "wrong, s < -eps- (last batch)"),
+                    (_band("correct_final", "above"), "correct, s > eps+ (10m)"),
+                    (_band("wrong_final", "below"), "wrong, s < -eps- (10m)"),
+                ],
+                unit="percentunit",
+                min_=0,
+                max_=1,
+            ),
+            panel(
+                "Evidence on answer-free turns",
+                "Mean s over scored turns that are not a final answer and do not contain the answer. "
+                "An uninformative turn should sit inside the deadband [-eps-, eps+]; a clearly negative "
+                "mean is x* lowering every turn, a global pessimistic rescaling rather than credit.",
+                [
+                    ("pbsd_trainer_answer_free_evidence_mean", "last batch"),
+                    (_sanity_mean("answer_free"), "10m"),
+                ],
+            ),
+            panel(
+                "Evidence by action",
+                "Mean s of searches, page reads and boxed answers, grounded (taken from what the agent "
+                "read) or made up. The teacher should favour grounded actions over made-up ones.",
+                [
+                    ("pbsd_trainer_action_evidence_mean", "{{action}} grounded={{grounded}} (last batch)"),
+                ],
+            ),
+            panel(
+                "Evidence noise floor",
+                "The scorer's null pass: student tokens scored again in the teacher pass's layout, where "
+                "the true evidence is 0. Per-token std of the difference (nats), the fraction of null "
+                "turns outside the deadband, and the fraction of real scored turns whose |s| lies within "
+                "the floor |mu| + 2 sigma / sqrt(tokens).",
+                [
+                    ("pbsd_trainer_noise_floor_std", "per-token std (last batch)"),
+                    (
+                        "sqrt(sum(rate(pbsd_scorer_noise_squared_difference_total[10m])) / "
+                        "sum(rate(pbsd_scorer_noise_tokens_total[10m])))",
+                        "per-token rms (10m)",
+                    ),
+                    ("pbsd_trainer_noise_outside_deadband_fraction", "null turns outside the deadband"),
+                    ("pbsd_trainer_within_noise_floor_fraction", "scored turns within the floor"),
+                ],
             ),
             panel(
                 "Scoring cost",

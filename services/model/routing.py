@@ -12,9 +12,11 @@ renormalised when the model normalises its top-k):
     p = softmax(W_r h)          (float32, as the model computes it)
     w_k = p[e_k] / sum_j p[e_j]  for the recorded experts e_1..e_K   (norm_topk_prob)
 
-so the router still learns. Replay is a context manager bound to one model and one
-forward; any other forward of that model, and every other model object, routes fresh.
-The scorer never enters it.
+so the router still learns. A token whose recorded row is -1 routes fresh (the router's own
+top-k), so a forward may replay some tokens and not others. Replay is a context manager bound
+to one model and one forward; any other forward of that model, and every other model object,
+routes fresh. The scorer enters it only for its replay ablation (services/scorer/replay.py),
+whose privileged context holds tokens the rollout never saw.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
     ``routes``: ``[tokens, moe_layers, top_k]`` for the flattened tokens of the next forward, or
     ``[tokens, num_hidden_layers, top_k]`` as SGLang returns them, a column for every decoder layer
     (a dense layer's, in a model with ``mlp_only_layers`` or ``decoder_sparse_step``, unused).
+    A token whose row is negative routes fresh.
     """
     routers = moe_routers(model)
     width = routes.shape[1] if routes.dim() == 3 else None
@@ -127,6 +130,9 @@ def _replaying_forward(router: nn.Module, indices: torch.Tensor):
         logits = nn.functional.linear(hidden_states, router.weight)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         idx = indices.to(hidden_states.device, torch.long)
+        fresh = idx[:, 0] < 0
+        if fresh.any():  # the router's own choice, as its forward makes it (top-k of the float32 probs)
+            idx = torch.where(fresh[:, None], torch.topk(probs, idx.shape[1], dim=-1).indices, idx)
         weights = probs.gather(1, idx)
         if router.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

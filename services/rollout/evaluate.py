@@ -24,7 +24,7 @@ from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.engine import Engine
 from services.tools.client import Tools
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "sample"]
 
 
 async def evaluate(
@@ -47,31 +47,18 @@ async def evaluate(
     ``judged_accuracy`` beside the exact-match ``accuracy``."""
     limits = limits or AgentLimits(top_p=0.95)
     semaphore = asyncio.Semaphore(concurrency)
-    trajectories: dict[str, list[Trajectory]] = defaultdict(list)
-
-    async def one(qi: int, q: QuestionRecord, i: int) -> None:
-        async with semaphore:
-            t = await run_trajectory(
-                engine,
-                tools,
-                tokenizer,
-                system=system,
-                question=user_prompt(q.question),
-                answer=q.answer,
-                aliases=q.aliases,
-                trajectory_id=f"eval/{q.id}/{i}",
-                sample_index=i,
-                limits=limits,
-                seed=None if seed is None else seed + i + 1000 * qi,
-            )
-            forget = getattr(engine, "forget", None)
-            if forget is not None:
-                forget(t.trajectory_id)
-            trajectories[q.id].append(t)
-            if on_done is not None:
-                on_done()
-
-    await asyncio.gather(*(one(qi, q, i) for qi, q in enumerate(questions) for i in range(samples)))
+    trajectories = await sample(
+        engine,
+        tools,
+        tokenizer,
+        questions,
+        system=system,
+        samples=samples,
+        limits=limits,
+        semaphore=semaphore,
+        seed=seed,
+        on_done=on_done,
+    )
     results = {q.id: [t.reward > 0 for t in trajectories[q.id]] for q in questions}
     all_t = [t for ts in trajectories.values() for t in ts]
     # each trajectory read back as text once: for grounding and, if asked, for the judge
@@ -103,6 +90,50 @@ async def evaluate(
             for q in questions
         },
     }
+
+
+async def sample(
+    engine: Engine,
+    tools: Tools,
+    tokenizer: ChatTokenizer,
+    questions: list[QuestionRecord],
+    *,
+    system: str,
+    samples: int,
+    limits: AgentLimits,
+    semaphore: asyncio.Semaphore,
+    seed: int | None = None,
+    on_done=None,
+) -> dict[str, list[Trajectory]]:
+    """``samples`` trajectories of every question, in sample order, at most as many in flight as
+    ``semaphore`` allows; sample i of question qi is seeded with ``seed + i + 1000 qi``, so a
+    sample does not depend on which ran beside it. ``on_done()`` after each trajectory."""
+    trajectories: dict[str, list[Trajectory]] = defaultdict(list)
+
+    async def one(qi: int, q: QuestionRecord, i: int) -> None:
+        async with semaphore:
+            t = await run_trajectory(
+                engine,
+                tools,
+                tokenizer,
+                system=system,
+                question=user_prompt(q.question),
+                answer=q.answer,
+                aliases=q.aliases,
+                trajectory_id=f"eval/{q.id}/{i}",
+                sample_index=i,
+                limits=limits,
+                seed=None if seed is None else seed + i + 1000 * qi,
+            )
+            forget = getattr(engine, "forget", None)
+            if forget is not None:
+                forget(t.trajectory_id)
+            trajectories[q.id].append(t)
+            if on_done is not None:
+                on_done()
+
+    await asyncio.gather(*(one(qi, q, i) for qi, q in enumerate(questions) for i in range(samples)))
+    return {q.id: sorted(trajectories[q.id], key=lambda t: t.sample_index) for q in questions}
 
 
 async def _judge_all(

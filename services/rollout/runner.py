@@ -1,19 +1,27 @@
-"""Wiring for one-process use of the rollout pieces (``pbsd eval``): engine, tools, tokenizer."""
+"""Wiring for one-process use of the rollout pieces (``pbsd eval``, ``pbsd teacher check``): engine,
+tools, tokenizer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt
 from pbsd.accuracy import check_comparable, compare
 from services.llm.judge import JudgeSettings, LlmJudge
 from services.rollout.agent import AgentLimits
+from services.rollout.engine import Engine
 from services.rollout.evaluate import evaluate
 from services.tools.client import GatewayClient, LocalTools, Tools
 from worldgen.formats import load_questions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def local_tools(corpus: Path) -> Tools:
@@ -31,6 +39,57 @@ def world_date(questions: Path) -> str | None:
         if candidate.exists():
             return json.loads(candidate.read_text()).get("date")
     return None
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What one process needs to sample trajectories: an engine, the tools, the tokenizer and the
+    system prompt (with the catalogue of the tools and the world's date)."""
+
+    engine: Engine
+    tools: Tools
+    tokenizer: ChatTokenizer
+    system: str
+
+
+@contextlib.asynccontextmanager
+async def open_rollout(
+    model: Path,
+    questions: Path,
+    *,
+    corpus: Path | None,
+    tools_url: str | None,
+    sglang_urls: list[str],
+    date: str | None,
+    policy: PreTrainedModel | None = None,
+) -> AsyncIterator[Rollout]:
+    """The in-process engine over ``policy`` (default: ``model`` loaded) or SGLang servers, the offline
+    tools over ``corpus`` or a running gateway; both closed when the block ends."""
+    tools = local_tools(corpus) if corpus is not None else GatewayClient(tools_url)
+    try:  # a gateway that does not answer fails here, before a model is loaded
+        catalogue = await tools.catalogue()
+    except BaseException:
+        await tools.aclose()
+        raise
+    if sglang_urls:
+        from services.rollout.sglang import SglangEngine
+
+        config = json.loads((model / "config.json").read_text())
+        engine = SglangEngine(
+            sglang_urls, layers=config.get("num_hidden_layers"), top_k=config.get("num_experts_per_tok")
+        )
+    else:
+        from services.model.checkpoint import load_model
+        from services.rollout.inprocess import InProcessEngine
+
+        engine = InProcessEngine(policy if policy is not None else load_model(model))
+    try:
+        tokenizer = ChatTokenizer.from_pretrained(model)
+        system = system_prompt(catalogue, date or world_date(questions))
+        yield Rollout(engine, tools, tokenizer, system)
+    finally:
+        await tools.aclose()
+        await engine.aclose()
 
 
 async def eval_main(
@@ -57,45 +116,26 @@ async def eval_main(
     items = report.items[:limit]
     if before is not None:
         check_comparable(before, [q.id for q in items])
-    tools = local_tools(corpus) if corpus is not None else GatewayClient(tools_url)
-    try:  # a gateway that does not answer fails here, before a model is loaded
-        catalogue = await tools.catalogue()
-    except BaseException:
-        await tools.aclose()
-        raise
-    if sglang_urls:
-        from services.rollout.sglang import SglangEngine
-
-        config = json.loads((model / "config.json").read_text())
-        engine = SglangEngine(
-            sglang_urls, layers=config.get("num_hidden_layers"), top_k=config.get("num_experts_per_tok")
-        )
-    else:
-        from services.model.checkpoint import load_model
-        from services.rollout.inprocess import InProcessEngine
-
-        engine = InProcessEngine(load_model(model))
-    tokenizer = ChatTokenizer.from_pretrained(model)
-    system = system_prompt(catalogue, date or world_date(questions))
     judging = JudgeSettings()  # PBSD_JUDGE_BASE_URL set: BrowseComp's grader beside exact match
     judge = LlmJudge.from_settings(judging) if judging.enabled else None
     try:
-        result = await evaluate(
-            engine,
-            tools,
-            tokenizer,
-            items,
-            system=system,
-            samples=samples,
-            limits=limits,
-            concurrency=concurrency,
-            seed=seed,
-            on_done=on_done,
-            judge=judge,
-        )
+        async with open_rollout(
+            model, questions, corpus=corpus, tools_url=tools_url, sglang_urls=sglang_urls, date=date
+        ) as rollout:
+            result = await evaluate(
+                rollout.engine,
+                rollout.tools,
+                rollout.tokenizer,
+                items,
+                system=rollout.system,
+                samples=samples,
+                limits=limits,
+                concurrency=concurrency,
+                seed=seed,
+                on_done=on_done,
+                judge=judge,
+            )
     finally:
-        await tools.aclose()
-        await engine.aclose()
         if judge is not None:
             await judge.aclose()
     result["bad_lines"] = [{"line": n, "problem": m} for n, m in report.problems]

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from services.model.checkpoint import load_weights_into
 from services.model.lm_head import HeadPath
 from services.scorer.logprobs import kernel_path, sequence_logprobs
+from services.scorer.replay import RoutedRequest, replayed_logprobs
 from services.sglang_control import WeightsRefused, load_weights_from_disk
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
@@ -56,6 +57,13 @@ class LocalScorer:
                 chunk_size=self.chunk_size,
                 pack=self.path.pack,
                 head=self.path.head,
+            )
+
+    async def replayed(self, requests: Sequence[RoutedRequest]) -> list[np.ndarray]:
+        """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
+        async with self._lock:
+            return await asyncio.to_thread(
+                replayed_logprobs, self.model, requests, chunk_size=self.chunk_size, head=self.path.head
             )
 
     async def update_weights(self, path: str, version: int) -> None:

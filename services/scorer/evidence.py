@@ -13,6 +13,12 @@ of 1, evidence NaN, so both algorithms share every other line of the pipeline.
 Trajectories that ended in an error (engine or gateway failure) carry no signal about
 the policy: they are left out of the group statistics and get A = 0, w = 1.
 
+The same call also scores the null pass of a sample of the group's student contexts
+(:mod:`services.scorer.noise`), and the diagnostics carry the teacher sanity figures
+(:mod:`services.scorer.sanity`) and the noise floor beside the paper's figure-3 statistics.
+Both passes route MoE tokens fresh; ``evidence_routing = "replay"`` is the paper's ablation
+that forces the rollout's routes instead (:mod:`services.scorer.replay`).
+
 Both passes score the model's own likelihood (temperature 1) whatever temperature the
 rollout sampled at: s is how much the privileged context changes the model's belief in a
 turn, which a sampling temperature would only rescale; it is also what SGLang's prompt
@@ -22,6 +28,7 @@ must match the engine's sampling log-probs, is the one that divides by T.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -31,12 +38,18 @@ from agent.chat import ChatTokenizer
 from pbsd import credit
 from proto.messages import ScoredGroup, ScoreDiagnostics, TrajectoryGroup
 from proto.runs import PbsdSpec
+from proto.sanity import NoiseFloor
 from services.scorer.contexts import Contexts, build_contexts
+from services.scorer.noise import null_floor, null_picks, null_request
+from services.scorer.replay import RoutedRequest, context_routes, routes_at
+from services.scorer.sanity import tally_sanity, turn_kinds
 
-__all__ = ["LogprobFn", "group_advantages", "score_group"]
+__all__ = ["LogprobFn", "ReplayFn", "group_advantages", "score_group"]
 
 # (ids, positions) requests -> log-probs of the tokens at those positions
 LogprobFn = Callable[[Sequence[tuple[Sequence[int], np.ndarray]]], Awaitable[list[np.ndarray]]]
+# the same with each request's MoE routes forced (services.scorer.replay)
+ReplayFn = Callable[[Sequence[RoutedRequest]], Awaitable[list[np.ndarray]]]
 
 
 def group_advantages(group: TrajectoryGroup) -> np.ndarray:
@@ -53,6 +66,7 @@ async def score_group(
     tokenizer: ChatTokenizer,
     logprobs: LogprobFn | None,
     *,
+    replayed: ReplayFn | None = None,
     scorer_version: int | None = None,
     message_id: str | None = None,
 ) -> ScoredGroup:
@@ -75,28 +89,38 @@ async def score_group(
         raise ValueError("a PBSD group needs a likelihood function")
 
     contexts: list[Contexts | None] = []
-    requests: list[tuple[Sequence[int], np.ndarray]] = []
     for t in group.trajectories:
         if t.finish_reason == "error" or t.num_turns == 0:
             contexts.append(None)
             continue
-        c = build_contexts(
-            tokenizer,
-            t.prompt_ids.tolist(),
-            t.completion_ids.tolist(),
-            t.loss_mask,
-            t.turn_spans,
-            answer=group.answer,
-            template=algo.teacher_template,
-            teacher_max_length=algo.teacher_max_length,
+        contexts.append(
+            build_contexts(
+                tokenizer,
+                t.prompt_ids.tolist(),
+                t.completion_ids.tolist(),
+                t.loss_mask,
+                t.turn_spans,
+                answer=group.answer,
+                template=algo.teacher_template,
+                teacher_max_length=algo.teacher_max_length,
+            )
         )
-        contexts.append(c)
-        requests.append((c.student, c.loss_positions))
-        requests.append((c.teacher, c.phi[c.phi >= 0]))
-    answers = await logprobs(requests) if requests else []
+    scored_idx = [i for i, c in enumerate(contexts) if c is not None]
+    nulls = null_picks(scored_idx, algo.noise_floor_samples)
+    requests: list[tuple[Sequence[int], np.ndarray]] = []
+    for i in scored_idx:
+        c = contexts[i]
+        requests += [(c.student, c.loss_positions), (c.teacher, c.phi[c.phi >= 0])]
+    requests += [null_request(contexts[i]) for i in nulls]
+    # reading the turns back as text needs no likelihood: it runs beside the passes
+    answers, kinds = await asyncio.gather(
+        _likelihoods(group, contexts, scored_idx, nulls, requests, logprobs, replayed),
+        asyncio.to_thread(turn_kinds, group, tokenizer),
+    )
 
     evidence, weights, all_s = [], [], []
     unaligned = 0
+    student_of: dict[int, np.ndarray] = {}
     cursor = 0
     for i, (t, c) in enumerate(zip(group.trajectories, contexts, strict=True)):
         if c is None:
@@ -104,6 +128,7 @@ async def score_group(
             weights.append(np.ones(t.num_turns, np.float32))
             continue
         student, teacher_aligned = answers[cursor], answers[cursor + 1]
+        student_of[i] = student
         cursor += 2
         teacher = np.full(len(c.phi), np.nan)
         teacher[c.phi >= 0] = teacher_aligned
@@ -115,6 +140,9 @@ async def score_group(
         evidence.append(s.astype(np.float32))
         weights.append(w.astype(np.float32))
         all_s.append(s[~np.isnan(s)])
+    noise = NoiseFloor()
+    for i, null in zip(nulls, answers[cursor:], strict=True):
+        noise += null_floor(student_of[i], null, contexts[i], algo)
     scored = np.concatenate(all_s) if all_s else np.zeros(0)
     diagnostics = ScoreDiagnostics(
         turns=sum(t.num_turns for t in group.trajectories),
@@ -126,6 +154,8 @@ async def score_group(
         else 0.0,
         unaligned_tokens=unaligned,
         evidence=scored.astype(np.float32),
+        sanity=tally_sanity(kinds, evidence, algo),
+        noise=noise,
     )
     return ScoredGroup(
         group=group,
@@ -138,3 +168,37 @@ async def score_group(
         scoring_s=time.perf_counter() - started,
         **extra,
     )
+
+
+async def _likelihoods(
+    group: TrajectoryGroup,
+    contexts: list[Contexts | None],
+    scored: list[int],
+    nulls: list[int],
+    requests: list[tuple[Sequence[int], np.ndarray]],
+    logprobs: LogprobFn,
+    replayed: ReplayFn | None,
+) -> list[np.ndarray]:
+    """The requests' log-probs in one call: fresh routing, or the rollout's routes replayed
+    (``evidence_routing``; the routes of each request as :mod:`services.scorer.replay` maps them)."""
+    if not requests:
+        return []
+    if group.algorithm.evidence_routing == "fresh":
+        return await logprobs(requests)
+    if replayed is None:
+        raise ValueError(
+            "evidence_routing 'replay' needs a scorer that can force MoE routes (the local backend)"
+        )
+    routes: list[np.ndarray] = []
+    for i in scored:
+        t = group.trajectories[i]
+        if t.routed_experts is None:
+            raise ValueError(
+                f"evidence_routing 'replay': trajectory {t.trajectory_id} carries no routed experts"
+            )
+        routes += context_routes(t.routed_experts, contexts[i], t.prompt_ids.size)
+    routes += [
+        routes_at(group.trajectories[i].routed_experts, np.arange(len(ids) - 1))
+        for i, (ids, _) in zip(nulls, requests[2 * len(scored) :], strict=True)
+    ]
+    return await replayed([(ids, pos, r) for (ids, pos), r in zip(requests, routes, strict=True)])

@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from proto.sanity import ACTION_CLASSES, TURN_KINDS
+
 GROUPS = Counter(
     "pbsd_scorer_groups_total", "Groups handled, scored (PBSD) or passed through (GRPO)", ["kind"]
 )
@@ -35,3 +37,34 @@ WEIGHTS = Histogram(
     buckets=(0.9, 0.92, 0.94, 0.96, 0.98, 0.999, 1.001, 1.02, 1.04, 1.06, 1.08, 1.1),
 )
 POLICY_VERSION = Gauge("pbsd_scorer_policy_version", "Policy version the scorer's weights are at")
+
+# The teacher sanity figures and the noise floor as counters (proto.sanity), so that a dashboard's
+# rate() over a window gives their exact value over every replica's groups in it.
+SANITY_KINDS = (*TURN_KINDS, *ACTION_CLASSES)
+SANITY_TURNS = Counter(
+    "pbsd_scorer_sanity_turns_total",
+    "Scored turns by kind (answer_free, correct_final, queries/grounded, ...) and band "
+    "(above: s > eps+, below: s < -eps-, deadband)",
+    ["kind", "band"],
+)
+SANITY_EVIDENCE = Counter(
+    "pbsd_scorer_sanity_evidence_total",
+    "Sum of the positive (sign=positive) and of minus the negative (sign=negative) s of scored turns, by kind",
+    ["kind", "sign"],
+)
+NOISE_TOKENS = Counter("pbsd_scorer_noise_tokens_total", "Loss tokens scored again in the null pass")
+NOISE_SQUARES = Counter(
+    "pbsd_scorer_noise_squared_difference_total", "Sum of (null - student log-prob)^2 over null-pass tokens"
+)
+NOISE_TURNS = Counter(
+    "pbsd_scorer_noise_turns_total",
+    "Null-pass turns, by whether their s lies outside the deadband",
+    ["outcome"],
+)
+for _kind in SANITY_KINDS:  # every series exists from the start, at 0
+    for _band in ("above", "deadband", "below"):
+        SANITY_TURNS.labels(_kind, _band)
+    for _sign in ("positive", "negative"):
+        SANITY_EVIDENCE.labels(_kind, _sign)
+for _outcome in ("inside", "outside"):
+    NOISE_TURNS.labels(_outcome)

@@ -15,6 +15,7 @@ import numpy as np
 from agent.chat import ChatTokenizer
 from proto.base import derived_id
 from proto.messages import ScoredGroup, TrajectoryGroup, WeightsPublished
+from proto.sanity import NoiseFloor, TeacherSanity
 from proto.streams import SCORED, TRAJECTORIES
 from services.bus import Bus, ConsumerOptions, Delivery
 from services.policy_worker import PolicyWorker
@@ -60,6 +61,8 @@ class ScorerWorker(PolicyWorker):
             group,
             self.tokenizer,
             self.scorer,
+            # only the local backend can force routes (the replay ablation); SGLang's groups fail with the cause
+            replayed=getattr(self.scorer, "replayed", None),
             scorer_version=self.scorer.version,
             message_id=derived_id(group.message_id, "scored"),
         )
@@ -89,3 +92,19 @@ def observe(scored: ScoredGroup) -> None:
         metrics.EVIDENCE.observe(float(s))
     for w in np.concatenate(scored.turn_weights) if scored.turn_weights else ():
         metrics.WEIGHTS.observe(float(w))
+    observe_sanity(d.sanity, d.noise)
+
+
+def observe_sanity(sanity: TeacherSanity, noise: NoiseFloor) -> None:
+    """Add a group's sanity tallies and null pass to the scorer's counters."""
+    for kind, tally in sanity.tallies().items():
+        metrics.SANITY_TURNS.labels(kind, "above").inc(tally.above)
+        metrics.SANITY_TURNS.labels(kind, "below").inc(tally.below)
+        metrics.SANITY_TURNS.labels(kind, "deadband").inc(tally.turns - tally.above - tally.below)
+        # sum_abs = pos + neg and sum_s = pos - neg; max(0, .) absorbs float rounding
+        metrics.SANITY_EVIDENCE.labels(kind, "positive").inc(max(0.0, (tally.sum_abs + tally.sum_s) / 2))
+        metrics.SANITY_EVIDENCE.labels(kind, "negative").inc(max(0.0, (tally.sum_abs - tally.sum_s) / 2))
+    metrics.NOISE_TOKENS.inc(noise.tokens)
+    metrics.NOISE_SQUARES.inc(noise.sum_d2)
+    metrics.NOISE_TURNS.labels("outside").inc(noise.outside)
+    metrics.NOISE_TURNS.labels("inside").inc(noise.turns - noise.outside)

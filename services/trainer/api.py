@@ -173,7 +173,7 @@ async def run_evals(
 
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
 async def viewer(record: Run, limit: int = 400) -> HTMLResponse:
-    from services.trainer.viewer import load_groups, render_viewer, viewer_data
+    from services.trainer.viewer import load_groups, render_viewer, sanity_summary, viewer_data
 
     def render() -> str | None:
         groups = load_groups(Path(record.output_dir)) if record.output_dir else []
@@ -181,7 +181,7 @@ async def viewer(record: Run, limit: int = 400) -> HTMLResponse:
             return None
         tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
         rows = viewer_data(groups, tokenizer, limit=limit)
-        return render_viewer(rows, f"Turn-level credit: {record.name} ({record.id})")
+        return render_viewer(rows, f"Turn-level credit: {record.name} ({record.id})", sanity_summary(groups))
 
     # reading and decoding hundreds of trajectories is seconds of blocking work: off the event
     # loop, which also serves the run's training loop and the other routes

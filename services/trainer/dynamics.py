@@ -2,7 +2,8 @@
 
 Reward and accuracy, turns and tokens per trajectory, staleness, how long sampling and
 scoring took, the credit signal's diagnostics (teacher-higher fraction, mean |s|, filtered
-fraction) weighted by scored turns, and how grounded the batch's searches, reads and answers
+fraction) weighted by scored turns, the teacher sanity figures and the evidence's noise floor
+(:mod:`proto.sanity`, summed over the batch's groups), and how grounded the batch's searches, reads and answers
 are (:mod:`agent.grounding`, on a spread sample of the batch).
 """
 
@@ -15,8 +16,9 @@ from agent.chat import ChatTokenizer
 from agent.grounding import Grounding
 from agent.transcript import turn_texts
 from proto.messages import ScoredGroup
+from proto.sanity import NoiseFloor, TeacherSanity
 
-__all__ = ["GROUNDING_SAMPLE", "batch_metrics", "covered_seconds"]
+__all__ = ["GROUNDING_SAMPLE", "batch_metrics", "covered_seconds", "sanity_metrics"]
 
 
 def covered_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -92,4 +94,21 @@ def batch_metrics(
         out["mean_abs_gap"] = sum(d.mean_abs_gap * d.scored_turns for d in scored) / turns
         out["filtered_frac"] = sum(d.filtered_frac * d.scored_turns for d in scored) / turns
         out["scored_turns"] = float(turns)
+    if scored:
+        out |= sanity_metrics([g for g in groups if g.scored])
+    return out
+
+
+def sanity_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
+    """The teacher sanity figures and the noise floor of scored groups, from their summed counts
+    (exact over the union, not a mean of group means), and the fraction of their scored turns whose
+    |s| lies within the floor measured over all of them (:class:`proto.sanity.NoiseFloor`)."""
+    sanity = sum((g.diagnostics.sanity for g in groups), TeacherSanity())
+    noise = sum((g.diagnostics.noise for g in groups), NoiseFloor())
+    out = sanity.figures() | noise.figures()
+    if noise.tokens:
+        within = [noise.within(*g.scored_turns()) for g in groups]
+        total = sum(w.size for w in within)
+        if total:
+            out["within_noise_floor_frac"] = sum(int(w.sum()) for w in within) / total
     return out

@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from proto.sanity import ACTION_CLASSES
+
 STEP = Gauge("pbsd_trainer_step", "Optimiser steps taken in the current run")
 POLICY_VERSION = Gauge("pbsd_trainer_policy_version", "Latest published policy version")
 LOSS = Gauge("pbsd_trainer_loss", "Policy loss of the last step")
@@ -34,6 +36,37 @@ GROUNDED_READS = Gauge(
 GROUNDED_ANSWERS = Gauge(
     "pbsd_trainer_grounded_answers_fraction",
     "Fraction of boxed answers in the last batch found in a tool result",
+)
+# does the teacher read x* (proto.sanity; docs/credit-signal.md)
+ANSWER_FREE = Gauge(
+    "pbsd_trainer_answer_free_evidence_mean",
+    "Mean s over the last batch's scored turns whose text does not contain the answer (should sit "
+    "inside the deadband)",
+)
+CORRECT_FAVOURED = Gauge(
+    "pbsd_trainer_correct_final_favoured_fraction",
+    "Fraction of the last batch's correct final answers with s > eps+",
+)
+WRONG_DISFAVOURED = Gauge(
+    "pbsd_trainer_wrong_final_disfavoured_fraction",
+    "Fraction of the last batch's wrong final answers with s < -eps-",
+)
+ACTION_EVIDENCE = Gauge(
+    "pbsd_trainer_action_evidence_mean",
+    "Mean s of the last batch's searches, reads and answers, grounded or made up",
+    ["action", "grounded"],
+)
+NOISE_STD = Gauge(
+    "pbsd_trainer_noise_floor_std",
+    "Per-token std of the null pass (student tokens scored again in the teacher's layout), last batch",
+)
+NOISE_OUTSIDE = Gauge(
+    "pbsd_trainer_noise_outside_deadband_fraction",
+    "Fraction of null-pass turns whose s lies outside the deadband, last batch",
+)
+WITHIN_FLOOR = Gauge(
+    "pbsd_trainer_within_noise_floor_fraction",
+    "Fraction of the last batch's scored turns whose |s| lies within the measured noise floor",
 )
 TOKENS_PER_S = Gauge(
     "pbsd_trainer_train_tokens_per_second", "Loss tokens trained per second of optimiser work"
@@ -79,7 +112,18 @@ STEP_GAUGES = {
     "grounded_queries_frac": GROUNDED_SEARCHES,
     "grounded_reads_frac": GROUNDED_READS,
     "grounded_answers_frac": GROUNDED_ANSWERS,
+    "answer_free_mean_s": ANSWER_FREE,
+    "correct_final_favoured_frac": CORRECT_FAVOURED,
+    "wrong_final_disfavoured_frac": WRONG_DISFAVOURED,
+    "noise_std": NOISE_STD,
+    "noise_outside_deadband_frac": NOISE_OUTSIDE,
+    "within_noise_floor_frac": WITHIN_FLOOR,
 }
+for _action in ACTION_CLASSES:  # evidence_queries_grounded_mean_s -> {action="queries", grounded="true"}
+    _kind, _how = _action.split("/")
+    STEP_GAUGES[f"evidence_{_kind}_{_how.replace('-', '_')}_mean_s"] = ACTION_EVIDENCE.labels(
+        _kind, str(_how == "grounded").lower()
+    )
 
 
 def export_step(record: dict[str, float]) -> None:

@@ -4,7 +4,11 @@ For every trained trajectory it shows each assistant turn with its text, its too
 its evidence score s, its weight w, and its credit label, colour-coded as in the
 paper's appendix: *high value* (s > eps+, the teacher finds the turn more likely once
 told the answer), *low value* (s < -eps-), *filtered* (inside the low-SNR deadband,
-weight exactly 1), or *unscored* (GRPO, or no aligned token). Trajectories can be
+weight exactly 1), or *unscored* (GRPO, or no aligned token). A scored turn whose |s| lies
+within the evidence's noise floor (measured by the scorer's null pass over the groups shown:
+``|mu| + 2 sigma / sqrt(turn tokens)``, :class:`proto.sanity.NoiseFloor`) is marked: its sign
+is indistinguishable from the kernels' rounding. Above the list, the teacher sanity figures
+of the same groups (:func:`services.trainer.dynamics.sanity_metrics`). Trajectories can be
 filtered to the correct or the incorrect ones.
 
 The page is self-contained (data, style and script inline): the trainer serves it at
@@ -22,14 +26,16 @@ from typing import Any
 import msgpack
 
 from agent.chat import ChatTokenizer
-from agent.grounding import judge
+from agent.grounding import turn_verdicts
 from agent.toolcall import parse_tool_call
 from agent.transcript import turn_texts
 from proto.base import decode
 from proto.messages import ScoredGroup
 from proto.runs import PbsdSpec
+from proto.sanity import NoiseFloor
+from services.trainer.dynamics import sanity_metrics
 
-__all__ = ["load_groups", "render_viewer", "viewer_data"]
+__all__ = ["load_groups", "render_viewer", "sanity_summary", "viewer_data"]
 
 
 def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
@@ -55,18 +61,20 @@ def viewer_data(
     groups: list[tuple[int, ScoredGroup]], tokenizer: ChatTokenizer, *, limit: int = 400
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    noise = sum((g.diagnostics.noise for _, g in groups if g.scored), NoiseFloor())
     for step, scored in groups:
         algo = scored.group.algorithm
         eps_pos, eps_neg = (algo.eps_pos, algo.eps_neg) if isinstance(algo, PbsdSpec) else (0.0, 0.0)
         for i, t in enumerate(scored.group.trajectories):
             turns = []
             texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)
-            verdicts, answered = judge(scored.group.question, texts, t.final_answer)
-            if texts and verdicts[-1] is None:
-                verdicts[-1] = answered  # the boxed answer is in the last turn
+            verdicts = turn_verdicts(scored.group.question, texts, t.final_answer)
+            sizes = [end - start for start, end in t.turn_spans]
+            floors = noise.floor(sizes)
             for k, (text, result) in enumerate(texts):
                 call = parse_tool_call(text).call
                 s = float(scored.turn_evidence[i][k])
+                measured = scored.scored and not math.isnan(s) and noise.tokens > 0
                 turns.append(
                     {
                         "text": text,
@@ -85,6 +93,10 @@ def viewer_data(
                         "grounded": None
                         if verdicts[k] is None
                         else {"kind": verdicts[k][0], "ok": verdicts[k][1]},
+                        "tokens": sizes[k],
+                        # the noise floor of a turn this long, and whether |s| lies within it
+                        "floor": float(floors[k]) if measured else None,
+                        "within_floor": bool(abs(s) <= floors[k]) if measured else None,
                     }
                 )
             rows.append(
@@ -107,9 +119,37 @@ def viewer_data(
     return rows
 
 
-def render_viewer(rows: list[dict[str, Any]], title: str = "Turn-level credit") -> str:
+def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
+    """The teacher sanity figures and the noise floor of the scored groups, as a paragraph of HTML."""
+    scored = [g for _, g in groups if g.scored]
+    if not scored:
+        return ""
+    f = sanity_metrics(scored)
+
+    def frac(key: str, turns: str) -> str:
+        return f"{f[key]:.0%} of {int(f[turns])}" if key in f else f"none of {int(f[turns])}"
+
+    parts = [
+        f"answer-free turns: mean s {f['answer_free_mean_s']:+.4f} over {int(f['answer_free_turns'])}"
+        if "answer_free_mean_s" in f
+        else "no answer-free turns",
+        f"correct final answers with s &gt; eps+: {frac('correct_final_favoured_frac', 'correct_final_turns')}",
+        f"wrong final answers with s &lt; -eps-: {frac('wrong_final_disfavoured_frac', 'wrong_final_turns')}",
+    ]
+    if "noise_std" in f:
+        parts.append(
+            f"noise floor: per-token std {f['noise_std']:.2g} nats, null turns outside the deadband "
+            f"{f.get('noise_outside_deadband_frac', 0):.0%}, scored turns within the floor "
+            f"{f.get('within_noise_floor_frac', 0):.0%}"
+        )
+    return f"<p class='sanity' data-testid='sanity'>Teacher sanity ({len(scored)} groups): {'; '.join(parts)}.</p>"
+
+
+def render_viewer(rows: list[dict[str, Any]], title: str = "Turn-level credit", summary: str = "") -> str:
+    """The page of ``rows`` (:func:`viewer_data`); ``summary``: HTML above the list (:func:`sanity_summary`)."""
     data = json.dumps(rows).replace("</", "<\\/")
-    return _TEMPLATE.replace("{{TITLE}}", html.escape(title)).replace("{{DATA}}", data)
+    page = _TEMPLATE.replace("{{TITLE}}", html.escape(title)).replace("{{SUMMARY}}", summary)
+    return page.replace("{{DATA}}", data)
 
 
 _TEMPLATE = """<!doctype html>
@@ -134,11 +174,15 @@ tr.traj{cursor:pointer} tr.traj:hover{background:#f5f5ff} tr.selected{background
 pre{white-space:pre-wrap;word-break:break-word;margin:4px 0;font:12px/1.4 ui-monospace,monospace}
 details pre{color:#555}
 .legend span{margin-right:12px}
+.floor{margin-left:6px;padding:0 5px;border:1px dashed #777;border-radius:6px;font-size:11px;color:#555}
+.turn.noise{border-left-style:dashed}.sanity{font-size:12px;color:#333;background:#f6f8fa;padding:4px 6px}
 </style></head><body>
 <div id="side">
 <h1>{{TITLE}}</h1>
 <div class="legend"><span><span class="badge high">high value</span>s &gt; eps+</span><span><span class="badge low">low value</span>s &lt; -eps-</span>
-<span><span class="badge filtered">filtered</span>deadband, w = 1</span><span><span class="badge unscored">unscored</span></span></div>
+<span><span class="badge filtered">filtered</span>deadband, w = 1</span><span><span class="badge unscored">unscored</span></span>
+<span><span class="floor">&asymp; noise</span>|s| within the noise floor</span></div>
+{{SUMMARY}}
 <div class="filters" data-testid="filters">
 <label><input type="radio" name="f" value="all" checked> all</label>
 <label><input type="radio" name="f" value="correct"> correct</label>
@@ -168,9 +212,10 @@ function show(i, tr) {
   document.querySelectorAll('tr.selected').forEach(x => x.classList.remove('selected'));
   if (tr) tr.classList.add('selected');
   const r = rows[i];
-  const turns = r.turns.map((t, k) => `<div class="turn ${t.label}" data-testid="turn" data-label="${t.label}">
+  const turns = r.turns.map((t, k) => `<div class="turn ${t.label}${t.within_floor ? ' noise' : ''}" data-testid="turn" data-label="${t.label}">
     <div class="meta"><span class="badge ${t.label}">${t.label}</span>turn ${k + 1}
     &middot; s = ${fmt(t.evidence, 4)} &middot; w = ${fmt(t.weight, 3)}
+    ${t.within_floor ? `<span class="floor" data-testid="within-floor" title="|s| within the noise floor of a ${t.tokens}-token turn">&asymp; noise (floor ${fmt(t.floor, 4)})</span>` : ''}
     ${t.tool ? '&middot; calls <b>' + esc(t.tool.tool) + '</b> ' + esc(JSON.stringify(t.tool.arguments)) : ''}
     ${t.grounded ? `<span class="ground ${t.grounded.ok ? 'yes' : 'no'}" data-testid="grounded">${t.grounded.ok ? 'grounded' : 'made up'}</span>` : ''}</div>
     <pre>${esc(t.text)}</pre>

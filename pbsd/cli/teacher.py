@@ -1,0 +1,252 @@
+"""``pbsd teacher check``: does a policy's teacher read x*? Its sanity figures, without training.
+
+Samples a PBSD group per question with the in-process engine and the offline tools (as ``pbsd
+eval`` does), scores each group with the scorer's own code (``LocalScorer`` and
+``services.scorer.evidence.score_group``: contexts, both likelihood passes, the null pass, the
+tallies), and sums the tallies into the figures the trainer records per step
+(``services.trainer.dynamics.sanity_metrics``), checked against what a teacher that reads x*
+shows (:mod:`pbsd.sanity`). See docs/credit-signal.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from pbsd.cli.inputs import checkpoint_dir, questions_file
+
+app = typer.Typer(
+    help="Check the PBSD teacher (the answer-aware policy) before a run.",
+    no_args_is_help=True,
+)
+
+
+@app.command("check")
+def check_cmd(
+    model: Path = typer.Option(
+        ..., help="policy checkpoint (HF directory with its tokenizer)", callback=checkpoint_dir
+    ),
+    questions: Path = typer.Option(
+        ...,
+        help="question file (world format, {question, answer} or BrowseComp's)",
+        exists=True,
+        dir_okay=False,
+        callback=questions_file,
+    ),
+    corpus: Path = typer.Option(
+        ..., help="offline corpus: the tool gateway runs in process over it", exists=True, dir_okay=False
+    ),
+    out: Path = typer.Option(Path("teacher-check.json"), help="JSON report to write"),
+    samples: int = typer.Option(4, min=1, help="trajectories per question: one PBSD group each"),
+    limit: int | None = typer.Option(None, help="only the first N questions"),
+    seed: int = typer.Option(0, help="sample i of question q is seeded with seed + i + 1000 q"),
+    max_turns: int = typer.Option(300),
+    max_tokens_per_turn: int = typer.Option(16_384),
+    max_context: int = typer.Option(65_536),
+    temperature: float = typer.Option(1.0),
+    top_p: float = typer.Option(1.0, help="1.0: as RL samples the trajectories the scorer scores"),
+    concurrency: int = typer.Option(16, help="trajectories in flight (the engine batches them)"),
+    date: str | None = typer.Option(None, help="'today' in the system prompt (default: the world's)"),
+    teacher_template: str | None = typer.Option(None, help="x*'s template (default: the paper's)"),
+    eps_pos: float = typer.Option(0.001, help="eps+ of the deadband"),
+    eps_neg: float = typer.Option(0.003, help="eps- of the deadband"),
+    reduce: str = typer.Option("mean", help="turn evidence: mean (Algorithm 1) or sum (section 3)"),
+    noise_floor_samples: int = typer.Option(1, min=0, help="trajectories per group in the null pass"),
+    evidence_routing: str = typer.Option("fresh", help="fresh (the paper) or replay (the ablation)"),
+    dtype: str = typer.Option("float32", help="the scorer's dtype (bfloat16 shows half precision's floor)"),
+    viewer: Path | None = typer.Option(None, help="also write the credit viewer of the scored groups here"),
+    save_groups: Path | None = typer.Option(
+        None,
+        help="also keep the scored groups in DIR/groups/ (as a run's --save-groups: load_groups reads them)",
+    ),
+    strict: bool = typer.Option(False, help="exit 1 when a target is missed"),
+) -> None:
+    """Report the teacher sanity figures and noise floor of a policy.
+
+    Samples a group per question, scores it as the scorer does, and reports the teacher sanity
+    figures and the evidence's noise floor: what a run's evidence would be made of."""
+    import asyncio
+    import json
+
+    from pydantic import ValidationError
+
+    from proto.runs import DEFAULT_TEACHER_TEMPLATE, PbsdSpec
+    from services.rollout.agent import AgentLimits
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise typer.BadParameter(f"{dtype!r}: float32, bfloat16 or float16", param_hint="--dtype")
+    try:
+        spec = PbsdSpec(
+            teacher_template=teacher_template or DEFAULT_TEACHER_TEMPLATE,
+            eps_pos=eps_pos,
+            eps_neg=eps_neg,
+            reduce=reduce,
+            noise_floor_samples=noise_floor_samples,
+            evidence_routing=evidence_routing,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise typer.BadParameter(problems) from None
+    limits = AgentLimits(
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn,
+        max_context=max_context,
+        temperature=temperature,
+        top_p=top_p,
+        return_routed_experts=spec.evidence_routing == "replay",
+    )
+    report, scored = asyncio.run(
+        _check(model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype)
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    if save_groups is not None:
+        from services.trainer.checkpoints import save_groups as keep
+
+        keep(save_groups, 0, scored)
+    if viewer is not None:
+        from agent.chat import ChatTokenizer
+        from services.trainer.viewer import render_viewer, sanity_summary, viewer_data
+
+        groups = [(0, g) for g in scored]
+        rows = viewer_data(groups, ChatTokenizer.from_pretrained(model), limit=len(groups) * samples)
+        viewer.write_text(render_viewer(rows, f"Teacher check: {model}", sanity_summary(groups)))
+    typer.echo(describe(report) + f"\nreport in {out}")
+    if strict and any(c["met"] is False for c in report["checks"]):
+        raise typer.Exit(1)
+
+
+async def _check(model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype):
+    import asyncio
+    import math
+    import time
+    from collections import Counter
+
+    from tqdm import tqdm
+
+    from pbsd.sanity import checks
+    from proto.messages import TrajectoryGroup
+    from proto.sanity import NoiseFloor, TeacherSanity
+    from services.model.checkpoint import load_model
+    from services.rollout.evaluate import sample
+    from services.rollout.runner import open_rollout
+    from services.scorer.backends import LocalScorer
+    from services.scorer.evidence import score_group
+    from services.trainer.dynamics import sanity_metrics
+    from worldgen.formats import load_questions
+
+    loaded = load_questions(questions)
+    loaded.raise_if_empty(questions)
+    items = loaded.items[:limit]
+    policy = load_model(model)
+    started = time.perf_counter()
+    with tqdm(total=len(items) * samples, desc="sampling", unit="traj") as bar:
+        async with open_rollout(
+            model, questions, corpus=corpus, tools_url=None, sglang_urls=[], date=date, policy=policy
+        ) as rollout:
+            tokenizer = rollout.tokenizer
+            trajectories = await sample(
+                rollout.engine,
+                rollout.tools,
+                tokenizer,
+                items,
+                system=rollout.system,
+                samples=samples,
+                limits=limits,
+                semaphore=asyncio.Semaphore(concurrency),
+                seed=seed,
+                on_done=bar.update,
+            )
+    sampled = time.perf_counter()
+    scorer = LocalScorer(policy if dtype == "float32" else load_model(model, dtype=dtype))
+    scored = []
+    for qi, q in enumerate(tqdm(items, desc="scoring", unit="group")):
+        group = TrajectoryGroup(
+            run_id="teacher-check",
+            task_id=f"teacher-check:{qi}",
+            question_id=q.id,
+            question=q.question,
+            answer=q.answer,
+            aliases=q.aliases,
+            policy_version=min(t.policy_version for t in trajectories[q.id]),
+            algorithm=spec,
+            trajectories=tuple(trajectories[q.id]),
+        )
+        scored.append(await score_group(group, tokenizer, scorer, replayed=scorer.replayed))
+    figures = sanity_metrics(scored)
+    all_t = [t for ts in trajectories.values() for t in ts]
+    report: dict[str, Any] = {
+        "model": str(model),
+        "questions_file": str(questions),
+        "questions": len(items),
+        "samples": samples,
+        "seed": seed,
+        "limits": {k: getattr(limits, k) for k in ("max_turns", "max_tokens_per_turn", "max_context")}
+        | {"temperature": limits.temperature, "top_p": limits.top_p},
+        "algorithm": spec.model_dump(mode="json"),
+        "scorer_dtype": dtype,
+        "accuracy": sum(t.reward > 0 for t in all_t) / len(all_t),
+        "finish_reasons": dict(Counter(t.finish_reason for t in all_t)),
+        "figures": figures,
+        "checks": checks(figures, eps_pos=spec.eps_pos, eps_neg=spec.eps_neg),
+        "sanity": sum((g.diagnostics.sanity for g in scored), TeacherSanity()).model_dump(mode="json"),
+        "noise": sum((g.diagnostics.noise for g in scored), NoiseFloor()).model_dump(mode="json"),
+        "per_question": {
+            g.group.question_id: {
+                "correct": [t.reward > 0 for t in g.group.trajectories],
+                "final_evidence": [
+                    None if s.size == 0 or math.isnan(s[-1]) else float(s[-1]) for s in g.turn_evidence
+                ],
+            }
+            for g in scored
+        },
+        "seconds": {"sampling": sampled - started, "scoring": time.perf_counter() - sampled},
+    }
+    return report, scored
+
+
+def describe(report: dict[str, Any]) -> str:
+    """The figures for people, one line each, with the targets (docs/credit-signal.md)."""
+    f = report["figures"]
+    spec = report["algorithm"]
+
+    def frac(key: str, turns: str) -> str:
+        return f"{f[key]:.0%} of {int(f[turns])}" if key in f else f"none of {int(f.get(turns, 0))}"
+
+    def verdict(figure: str) -> str:
+        mark = next(c for c in report["checks"] if c["figure"] == figure)
+        met = {True: "met", False: "missed", None: "no turns"}[mark["met"]]
+        return f"(target {mark['target']}: {met})"
+
+    lines = [
+        f"teacher check of {report['model']}: {report['questions']} questions x {report['samples']} "
+        f"samples, accuracy {report['accuracy']:.3f}, deadband [-{spec['eps_neg']}, {spec['eps_pos']}], "
+        f"{spec['evidence_routing']} routing, scorer in {report['scorer_dtype']}",
+        "  answer-free turns: mean s "
+        + (f"{f['answer_free_mean_s']:+.4f}" if "answer_free_mean_s" in f else "-")
+        + f" over {int(f.get('answer_free_turns', 0))} {verdict('answer_free_mean_s')}",
+        f"  correct final answers with s > eps+: {frac('correct_final_favoured_frac', 'correct_final_turns')} "
+        + verdict("correct_final_favoured_frac"),
+        f"  wrong final answers with s < -eps-: {frac('wrong_final_disfavoured_frac', 'wrong_final_turns')} "
+        + verdict("wrong_final_disfavoured_frac"),
+    ]
+    actions = [
+        f"{kind} {how} {int(f[f'evidence_{kind}_{how}_turns'])} at {f[f'evidence_{kind}_{how}_mean_s']:+.4f}"
+        for kind in ("queries", "reads", "answers")
+        for how in ("grounded", "made_up")
+        if f"evidence_{kind}_{how}_mean_s" in f
+    ]
+    lines.append(
+        f"  mean s by action: {', '.join(actions) or 'none'} "
+        + verdict("grounded_minus_made_up_mean_s").replace("(target", "(grounded minus made-up")
+    )
+    if "noise_std" in f:
+        lines.append(
+            f"  noise floor: per-token std {f['noise_std']:.2g} nats (max {f['noise_max_abs']:.2g}) over "
+            f"{int(f['noise_tokens'])} tokens; null turns outside the deadband "
+            f"{f.get('noise_outside_deadband_frac', 0):.0%}; scored turns within the floor "
+            f"{f.get('within_noise_floor_frac', 0):.0%}"
+        )
+    return "\n".join(lines)

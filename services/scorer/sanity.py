@@ -1,0 +1,91 @@
+"""The teacher sanity figures of one PBSD group (:class:`proto.sanity.TeacherSanity`).
+
+Does the answer-aware teacher read x*? Each scored turn (s not NaN) is exactly one of:
+
+- a *correct final* answer: the last turn of a trajectory with reward > 0 (its boxed answer
+  verified);
+- a *wrong final* answer: the last turn of a trajectory that ended on its own final message
+  (finish reason "answer") with reward 0. A trajectory cut by a turn, token or context limit has
+  no final answer;
+- *answer-bearing*: any other turn whose text (what the assistant wrote in it) mentions the
+  verified answer or an alias (:func:`pbsd.verifier.mentions`: normalised as the verifier
+  normalises, whole words), such as a search for the answer's own page;
+- *answer-free*: every other turn. A teacher told the answer may favour an on-path search, but
+  on the many turns that only format, plan or repeat it should sit in the deadband.
+
+and, besides, of one *action* class when it searches, reads or answers, grounded or made up
+(:func:`agent.grounding.turn_verdicts`, as the credit viewer labels turns).
+
+Reading a trajectory back as text runs at about a million tokens a second on one core, far
+below the cost of the two likelihood passes over the same tokens, so every trajectory is read,
+in a thread beside those passes (:func:`turn_kinds`); the tallies follow the evidence
+(:func:`tally_sanity`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from agent.chat import ChatTokenizer
+from agent.grounding import turn_verdicts
+from agent.transcript import turn_texts
+from pbsd.verifier import mentions
+from proto.messages import TrajectoryGroup
+from proto.runs import PbsdSpec
+from proto.sanity import ACTION_CLASSES, EvidenceTally, TeacherSanity
+
+__all__ = ["TurnKinds", "tally_sanity", "turn_kinds"]
+
+# per trajectory (None: not scored), per turn: its kind and its action class (or None)
+TurnKinds = list[list[tuple[str, str | None]] | None]
+
+
+def turn_kinds(group: TrajectoryGroup, tokenizer: ChatTokenizer) -> TurnKinds:
+    """Every turn's kind and action class. Needs only the tokens, not the evidence: the scorer runs
+    it beside the likelihood passes."""
+    out: TurnKinds = []
+    for t in group.trajectories:
+        if t.finish_reason == "error" or not t.num_turns:
+            out.append(None)
+            continue
+        texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)
+        final = "correct_final" if t.reward > 0 else "wrong_final" if t.finish_reason == "answer" else None
+        kinds = []
+        for k, ((text, _), verdict) in enumerate(
+            zip(texts, turn_verdicts(group.question, texts, t.final_answer), strict=True)
+        ):
+            if final is not None and k == len(texts) - 1:
+                kind = final
+            elif mentions(text, group.answer, group.aliases):
+                kind = "answer_bearing"
+            else:
+                kind = "answer_free"
+            action = None if verdict is None else f"{verdict[0]}/{'grounded' if verdict[1] else 'made-up'}"
+            kinds.append((kind, action))
+        out.append(kinds)
+    return out
+
+
+def tally_sanity(kinds: TurnKinds, evidence: list[np.ndarray], spec: PbsdSpec) -> TeacherSanity:
+    """Tally the per-turn evidence (one array per trajectory, NaN where unscored) by turn kind."""
+    cells: dict[str, list[float]] = defaultdict(list)
+    for turns, s in zip(kinds, evidence, strict=True):
+        if turns is None:
+            continue
+        for (kind, action), value in zip(turns, s, strict=True):  # NaN s: left out by the tally
+            cells[kind].append(value)
+            if action is not None:
+                cells[action].append(value)
+
+    def tally(key: str) -> EvidenceTally:
+        return EvidenceTally.of(cells.get(key, []), eps_pos=spec.eps_pos, eps_neg=spec.eps_neg)
+
+    return TeacherSanity(
+        answer_free=tally("answer_free"),
+        answer_bearing=tally("answer_bearing"),
+        correct_final=tally("correct_final"),
+        wrong_final=tally("wrong_final"),
+        actions={k: a for k in ACTION_CLASSES if (a := tally(k)).turns},
+    )
