@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from agent.catalogue import catalogue
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
 from agent.toolcall import format_tool_call
@@ -38,7 +39,6 @@ from services.rollout.engine import GenerationRequest, GenerationResult
 from services.rollout.inprocess import InProcessEngine
 from services.rollout.runner import local_tools
 from services.rollout.worker import RolloutWorker
-from services.tools.catalogue import catalogue
 from services.tools.client import GatewayClient
 from worldgen.build import build_world
 

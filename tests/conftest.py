@@ -55,10 +55,10 @@ def tiny_checkpoint(tiny_world, tmp_path_factory):
     """A tiny Qwen3-MoE policy (random weights) with a BPE tokenizer trained on the tiny world."""
     import json
 
+    from agent.catalogue import catalogue
     from agent.prompt import system_prompt
     from services.model.checkpoint import save_checkpoint
     from services.model.tiny import TinySpec, build_tiny_model, train_tokenizer
-    from services.tools.catalogue import catalogue
 
     texts = [json.loads(line)["text"] for line in (tiny_world / "corpus.jsonl").read_text().splitlines()]
     texts.append(system_prompt(catalogue(), "2025-06-01"))

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from agent.catalogue import READ, SEARCH
 from agent.grounding import Grounding, names, urls, words
 from agent.toolcall import format_tool_call
-from services.tools.catalogue import READ, SEARCH
 from worldgen.oracle import write_sft_data
 
 

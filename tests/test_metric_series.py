@@ -64,9 +64,9 @@ async def test_a_consumer_exports_its_groups_counters_at_zero(bus):
 
 
 def test_the_gateway_exports_every_tools_outcome_at_zero(tiny_world):
+    from agent.catalogue import TOOLS
+    from services.search.corpus import OfflineCorpus
     from services.tools.backends import OfflineBackend
-    from services.tools.catalogue import TOOLS
-    from services.tools.corpus import OfflineCorpus
     from services.tools.gateway import ToolGateway
     from services.tools.store import MemoryStore
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from agent.catalogue import catalogue, find_tool
 from agent.prompt import system_prompt, user_prompt
 from agent.toolcall import parse_tool_call
 from pbsd.verifier import verify
-from services.tools.catalogue import catalogue, find_tool
 from worldgen.build import build_world
 from worldgen.oracle import load_world_questions, write_sft_data
 

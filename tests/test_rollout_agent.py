@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from agent.catalogue import catalogue
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
 from agent.toolcall import format_tool_call
 from agent.transcript import turn_texts
 from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.sglang import SglangEngine
-from services.tools.catalogue import catalogue
 from services.tools.client import GatewayClient
 from tests.servers import serve
 from tests.sglang_fake import LAYERS, TOP_K, make_sglang, routes_for

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from agent.catalogue import catalogue
 from agent.prompt import system_prompt
 from agent.toolcall import format_tool_call, format_tool_failure, format_tool_result, parse_tool_call
-from services.tools.catalogue import catalogue
 
 CALL = """I should search.
 

@@ -8,11 +8,11 @@ import json
 import httpx
 import pytest
 
+from agent.catalogue import catalogue
+from services.search.corpus import OfflineCorpus
 from services.tools.app import create_app
 from services.tools.backends import OfflineBackend
-from services.tools.catalogue import catalogue
 from services.tools.client import GatewayClient
-from services.tools.corpus import OfflineCorpus
 from services.tools.gateway import InvalidCall, ToolGateway
 from services.tools.settings import ToolsSettings
 from services.tools.store import MemoryStore
@@ -249,4 +249,89 @@ async def test_the_gateway_keeps_answering_while_redis_is_down(world):
         back = await gw.call(*SEARCH, {"q": "festival"}, trajectory_id="t2")
         assert back.ok and not back.cached  # Redis is the store again (and starts empty)
         assert await client.exists("down:tools:budget:t2")
+        assert await client.get("down:tools:budget:t2") == b"1"
+    await client.aclose()
+
+
+async def test_cpu_work_runs_off_the_event_loop_a_bounded_number_at_a_time():
+    """At most ``workers`` jobs run at once; the others wait in the event loop, where a cancelled
+    one never starts; a job cancelled while it runs keeps its slot until it ends."""
+    import threading
+
+    from services.tools.cpu import CpuPool
+
+    pool = CpuPool(workers=1)
+    loop_thread = threading.get_ident()
+    release, started = threading.Event(), []
+
+    def job(name):
+        started.append((name, threading.get_ident() != loop_thread))
+        release.wait(10)
+        return name
+
+    first = asyncio.create_task(pool.run(job, "first"))
+    waiting = asyncio.create_task(pool.run(job, "waiting"))
+    await asyncio.sleep(0.2)
+    assert started == [("first", True)]  # off the loop, and alone
+    waiting.cancel()
+    first.cancel()  # already running: it finishes, and only then frees its slot
+    third = asyncio.create_task(pool.run(job, "third"))
+    await asyncio.sleep(0.2)
+    assert started == [("first", True)]
+    release.set()
+    assert await third == "third"
+    assert [name for name, _ in started] == ["first", "third"]  # "waiting" never ran
+    assert first.cancelled() and waiting.cancelled()
+    pool.close()
+
+
+async def test_a_call_stuck_in_cpu_work_is_answered_at_its_deadline(world):
+    """The deadline holds for work in the CPU pool too: the call fails at its deadline while the
+    job finishes in the background."""
+    import threading
+
+    release = threading.Event()
+
+    class StuckBackend(OfflineBackend):
+        async def search(self, args):
+            return await self.cpu.run(release.wait, 10)
+
+    gw = ToolGateway(
+        StuckBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl")), MemoryStore(), deadline_s=0.2
+    )
+    out = await gw.call(*SEARCH, {"q": "festival"})
+    release.set()
+    assert not out.ok and "no answer within 0.2 s" in out.text
+
+
+async def test_an_unexpected_backend_exception_is_a_failed_call_not_a_500(world, caplog):
+    class BrokenBackend(OfflineBackend):
+        async def read(self, args):
+            raise AssertionError("a bug")
+
+    gw = ToolGateway(BrokenBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl")), MemoryStore())
+    out = await gw.call(*READ, {"url": "kb://x", "info_to_extract": "y"})
+    assert not out.ok and "internal error in the tool gateway (AssertionError)" in out.text
+    assert "failed unexpectedly" in caplog.text
+
+
+async def test_replicas_keep_near_copies_and_count_budgets_in_one_round_trip(redis_url, key_prefix):
+    """A cache entry read from Redis is answered from the process next time (for at most
+    ``near_ttl_s``); a budgeted call counts and looks up together, and counts in Redis even when
+    the answer is near."""
+    from services.bus import redis_client
+    from services.tools.store import RedisStore
+
+    client = redis_client(redis_url)
+    writer, reader = RedisStore(client, key_prefix), RedisStore(client, key_prefix, near_ttl_s=600)
+    uncached = RedisStore(client, key_prefix, near_ttl_s=0)
+    await writer.set("cache:k", "answer", 60)
+    assert await reader.get("cache:k") == "answer"
+    assert await uncached.get("cache:k") == "answer"
+    await client.delete(f"{key_prefix}:tools:cache:k")
+    assert await reader.get("cache:k") == "answer"  # its near copy
+    assert await uncached.get("cache:k") is None  # asks Redis every time
+    assert await reader.incr_and_get("budget:t", 60, "cache:k") == (1, "answer")
+    assert await uncached.incr_and_get("budget:t", 60, "cache:missing") == (2, None)
+    assert 0 < await client.ttl(f"{key_prefix}:tools:budget:t") <= 60
     await client.aclose()

@@ -9,9 +9,9 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from agent.catalogue import GoogleSearchArgs, ScrapeArgs
 from services.llm import ChatClient, LlmSettings
-from services.tools.backends import render
-from services.tools.catalogue import GoogleSearchArgs, ScrapeArgs
+from services.search.offline import render
 from services.tools.fetch import PlainFetcher
 from services.tools.gateway import ToolGateway
 from services.tools.resilience import BreakerState, CircuitBreaker, RateLimiter, Upstream, UpstreamLimits

@@ -40,7 +40,9 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
     run_id = submitted.stdout.strip()
     listed = runner.invoke(app, ["runs", "list", *args])
     assert run_id in listed.output
-    shown = json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).stdout)
+    shown = json.loads(
+        runner.invoke(app, ["runs", "show", run_id, *args]).stdout
+    )  # the trainer logs on stderr
     assert shown["id"] == run_id and shown["spec"]["trainer"]["prompts_per_step"] == 2
     none = runner.invoke(app, ["runs", "evals", run_id, *args])
     assert none.exit_code == 0 and "no validation round recorded yet" in none.output

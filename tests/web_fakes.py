@@ -189,4 +189,36 @@ def make_site(other_base: str | None = None) -> FastAPI:
     async def brotli():
         return Response(b"\x1b\x00", media_type="text/html", headers={"Content-Encoding": "br"})
 
+    # What the fault-injection battery found (issue #25): pages that stalled or crashed the reader.
+    @app.get("/quadratic")
+    async def quadratic(n: int = 80_000):
+        return HTMLResponse("<title>Q</title><p>before</p>" + "<a" * n)
+
+    @app.get("/charset/{name}")
+    async def charset(name: str):
+        return Response(
+            b"<p>The Danube flows through Vienna.</p>", headers={"Content-Type": f"text/html; charset={name}"}
+        )
+
+    @app.get("/marked-section")
+    async def marked_section():
+        return HTMLResponse("<p>The Danube flows through Vienna.</p><![ x")
+
+    @app.get("/corrupt-gzip")
+    async def corrupt_gzip():
+        body = gzip.compress(b"<p>The Danube flows through Vienna.</p>" * 100)
+        return Response(
+            body[:20] + b"\xff" * 40 + body[60:], media_type="text/html", headers={"Content-Encoding": "gzip"}
+        )
+
+    @app.get("/p\u00e4ge")
+    async def non_ascii_path():
+        return HTMLResponse("<title>M\u00fcnchen</title><p>Die Isar flie\u00dft durch M\u00fcnchen.</p>")
+
+    @app.get("/redirect-non-ascii")
+    async def redirect_non_ascii():
+        response = Response(status_code=302)
+        response.raw_headers.append((b"location", "/p\u00e4ge".encode()))  # raw UTF-8, as servers send it
+        return response
+
     return app

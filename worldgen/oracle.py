@@ -19,10 +19,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.catalogue import READ, SEARCH, GoogleSearchArgs, ScrapeArgs, catalogue
 from agent.prompt import system_prompt, user_prompt
 from agent.toolcall import format_tool_call, format_tool_result
-from services.tools.backends import OfflineBackend, render
-from services.tools.catalogue import READ, SEARCH, GoogleSearchArgs, ScrapeArgs, catalogue
+from services.search.offline import OfflineTools, render
 from worldgen.documents import article
 from worldgen.graph import Entity, Graph
 from worldgen.questions import YEAR_ATTR, Hop, Question, describe_hop, named
@@ -128,12 +128,8 @@ class _Episode:
                 "content": f"{thought}\n\n{format_tool_call(tool.server_name, tool.name, args)}",
             }
         )
-        backend = self.oracle.backend
-        result = (
-            backend.search_sync(GoogleSearchArgs(**args))
-            if tool is SEARCH
-            else backend.read_sync(ScrapeArgs(**args))
-        )
+        tools = self.oracle.tools
+        result = tools.search(GoogleSearchArgs(**args)) if tool is SEARCH else tools.read(ScrapeArgs(**args))
         self.messages.append({"role": "user", "content": format_tool_result(render(result))})
         self.calls += 1
         return result
@@ -174,7 +170,7 @@ class Oracle:
     def __init__(
         self,
         graph: Graph,
-        backend: OfflineBackend,
+        tools: OfflineTools,
         *,
         date: str,
         seed: int = 0,
@@ -182,7 +178,7 @@ class Oracle:
         search_num: int = 5,
     ) -> None:
         self.g = graph
-        self.backend = backend
+        self.tools = tools
         self.date = date
         self.seed = seed
         self.detour_rate = detour_rate
@@ -327,7 +323,7 @@ def write_sft_data(
     import json
     from pathlib import Path
 
-    from services.tools.corpus import OfflineCorpus
+    from services.search.corpus import OfflineCorpus
     from worldgen.formats import write_jsonl
     from worldgen.graph import load_graph
 
@@ -335,7 +331,7 @@ def write_sft_data(
     manifest = json.loads((root / "manifest.json").read_text())
     oracle = Oracle(
         load_graph(root),
-        OfflineBackend(OfflineCorpus.from_jsonl(root / "corpus.jsonl")),
+        OfflineTools(OfflineCorpus.from_jsonl(root / "corpus.jsonl")),
         date=manifest["date"],
         seed=seed,
         detour_rate=detour_rate,

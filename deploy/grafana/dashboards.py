@@ -514,9 +514,11 @@ def tools() -> dict:
             ),
             panel(
                 "Refusals",
-                "Page reads refused by the SSRF guard, and calls refused by a trajectory's call budget.",
+                "Page reads refused by the SSRF guard or for a content encoding the reader does not "
+                "decode, and calls refused by a trajectory's call budget.",
                 [
                     ("sum(rate(pbsd_tools_ssrf_blocked_total[5m]))", "SSRF blocked"),
+                    ("sum(rate(pbsd_tools_encoding_refused_total[5m]))", "encoding refused"),
                     ("sum(rate(pbsd_tools_budget_exhausted_total[5m]))", "budget exhausted"),
                 ],
                 unit="ops",

@@ -19,13 +19,21 @@ def serve_tools(
     """The tool gateway (settings from PBSD_TOOLS_* and REDIS_URL)."""
     from services.tools.settings import ToolsSettings
 
-    settings = _service_settings(ToolsSettings)
+    settings = _service_settings(ToolsSettings)  # before the app and its imports: a bad setting is one line
     import uvicorn
 
     from services.tools.app import create_app
+    from services.tools.cpu import responsive_switching
 
+    responsive_switching()  # the event loop waits for no search thread longer than half a millisecond
+    # uvicorn picks uvloop and httptools (dependencies) over asyncio's loop and h11; the access log
+    # would format a line for every call of the hot path
     uvicorn.run(
-        create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
+        create_app(settings),
+        host=host or settings.host,
+        port=port or settings.port,
+        log_level="warning",
+        access_log=False,
     )
 
 

@@ -219,9 +219,9 @@ def init_tiny(world_dir, out, *, sft_data=None, spec: TinySpec = TinySpec(), dat
     import json
     from pathlib import Path
 
+    from agent.catalogue import catalogue
     from agent.prompt import system_prompt
     from services.model.checkpoint import library_versions, save_checkpoint
-    from services.tools.catalogue import catalogue
 
     root = Path(world_dir)
     date = date or json.loads((root / "manifest.json").read_text()).get("date")

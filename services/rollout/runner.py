@@ -25,12 +25,7 @@ if TYPE_CHECKING:
 
 
 def local_tools(corpus: Path) -> Tools:
-    from services.tools.backends import OfflineBackend
-    from services.tools.corpus import OfflineCorpus
-    from services.tools.gateway import ToolGateway
-    from services.tools.store import MemoryStore
-
-    return LocalTools(ToolGateway(OfflineBackend(OfflineCorpus.from_jsonl(corpus)), MemoryStore()))
+    return LocalTools.offline(corpus)
 
 
 def world_date(questions: Path) -> str | None:

@@ -6,24 +6,32 @@
     GET  /metrics  Prometheus
 
 A tool failure is a 200 whose ``text`` says so (the agent reads it and carries on);
-an unknown tool is a 404 and invalid arguments a 422, each naming the field.
+an unknown tool is a 404 and invalid arguments a 422, each naming the field; a body over
+``max_body_bytes`` is a 413 before it is read. The gateway has no authentication: it serves
+the rollout workers inside the cluster and is never exposed beyond it.
+
+``/call`` reads and validates its body itself (pydantic's JSON parser straight from the
+bytes) and answers pre-encoded JSON: it is the hot path of every rollout, and its error
+bodies never echo the input, so a NaN or an infinity in a request cannot break the answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.bus import redis_client
 from services.llm import ChatClient, LlmSettings
+from services.search.corpus import OfflineCorpus
 from services.telemetry import add_metrics_route, setup_logging
 from services.tools.backends import OfflineBackend
-from services.tools.corpus import OfflineCorpus
+from services.tools.cpu import CpuPool
 from services.tools.fetch import PlainFetcher
 from services.tools.gateway import InvalidCall, ToolGateway
 from services.tools.resilience import Upstream, UpstreamLimits
@@ -36,8 +44,8 @@ from services.upstream import RetryPolicy
 class CallRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    server_name: str = Field(min_length=1)
-    tool_name: str = Field(min_length=1)
+    server_name: str = Field(min_length=1, max_length=200)
+    tool_name: str = Field(min_length=1, max_length=200)
     arguments: dict[str, Any] = Field(default_factory=dict)
     trajectory_id: str | None = Field(
         default=None, max_length=200, description="counts the call against this trajectory's budget"
@@ -53,13 +61,37 @@ class CallResponse(BaseModel):
     error: str | None = None
 
 
-def build_backend(settings: ToolsSettings, http: httpx.AsyncClient):
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (BodyTooLarge) past ``limit`` bytes before more is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def field_errors(exc: ValidationError, prefix: tuple[str, ...] = ("body",)) -> list[dict[str, Any]]:
+    """pydantic's errors as FastAPI words them, without the offending input (which may not be JSON)."""
+    return [{"loc": [*prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+
+
+def build_backend(settings: ToolsSettings, http: httpx.AsyncClient, cpu: CpuPool):
     if settings.backend == "offline":
-        return OfflineBackend(OfflineCorpus.from_jsonl(settings.corpus))
+        return OfflineBackend(OfflineCorpus.from_jsonl(settings.corpus), cpu)
     fetcher = PlainFetcher(
         allow=tuple(settings.allow_hosts),
         max_bytes=settings.fetch_max_bytes,
         timeout_s=settings.fetch_timeout_s,
+        cpu=cpu,
     )
     serper = SerperSearch(
         http,
@@ -95,7 +127,9 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient):
             concurrency=settings.summariser_concurrency,
             temperature=None if settings.summariser_omit_temperature else settings.summariser_temperature,
         )
-    return WebBackend(serper, jina, fetcher, summariser)
+    return WebBackend(
+        serper, jina, fetcher, summariser, max_content_chars=settings.summariser_max_content_chars
+    )
 
 
 def create_app(settings: ToolsSettings | None = None) -> FastAPI:
@@ -107,8 +141,21 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
         http = httpx.AsyncClient(timeout=settings.upstream_timeout_s)
         # no retries: while Redis is out of reach the store answers from the process at once
         client = redis_client(settings.redis_url) if settings.use_redis else None
-        store = RedisStore(client, settings.stream_prefix) if client else MemoryStore()
-        backend = build_backend(settings, http)
+        store = (
+            RedisStore(
+                client,
+                settings.stream_prefix,
+                near_items=settings.near_cache_items,
+                near_ttl_s=settings.near_cache_ttl_s,
+            )
+            if client
+            else MemoryStore()
+        )
+        cpu = CpuPool(settings.cpu_workers, nice=settings.cpu_nice)
+        backend = build_backend(settings, http, cpu)
+        # The corpus is millions of objects that live as long as the process: out of the garbage
+        # collector's sight, a full collection no longer stalls every call for ~100 ms.
+        gc.freeze()
         app.state.gateway = ToolGateway(
             backend,
             store,
@@ -126,6 +173,7 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
             await http.aclose()
             if client is not None:
                 await client.aclose()
+            cpu.close()
 
     app = FastAPI(title="pbsd tool gateway", version="0.1.0", lifespan=lifespan)
     add_metrics_route(app)
@@ -142,13 +190,31 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
     async def tools(request: Request) -> dict[str, Any]:
         return {"servers": request.app.state.gateway.catalogue()}
 
-    @app.post("/call", response_model=CallResponse)
-    async def call(body: CallRequest, request: Request) -> CallResponse:
+    @app.post(
+        "/call",
+        response_model=CallResponse,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": CallRequest.model_json_schema()}},
+            }
+        },
+        responses={413: {"description": "the body is over the size limit"}, 404: {}, 422: {}},
+    )
+    async def call(request: Request) -> Response:
+        try:
+            body = CallRequest.model_validate_json(await read_body(request, settings.max_body_bytes))
+        except BodyTooLarge:
+            return JSONResponse(
+                {"detail": f"the request body is over {settings.max_body_bytes} bytes"}, status_code=413
+            )
+        except ValidationError as exc:
+            return JSONResponse({"detail": field_errors(exc)}, status_code=422)
         gw: ToolGateway = request.app.state.gateway
         out = await gw.call(
             body.server_name, body.tool_name, body.arguments, trajectory_id=body.trajectory_id
         )
-        return CallResponse(
+        answer = CallResponse(
             ok=out.ok,
             text=out.text,
             cached=out.cached,
@@ -156,5 +222,6 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
             latency_s=out.latency_s,
             error=out.error,
         )
+        return Response(answer.model_dump_json(), media_type="application/json")
 
     return app

@@ -1,14 +1,22 @@
-"""How the agent loop reaches its tools: the gateway over HTTP, or a gateway in this process."""
+"""How the agent loop reaches its tools: the gateway over HTTP, or a gateway in this process.
+
+This module is the gateway's published client, the one part of ``services/tools`` another
+service imports. Importing it loads no part of the gateway itself: the in-process mode
+(:meth:`LocalTools.offline`) builds one on demand.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from agent.toolcall import format_tool_failure
-from services.tools.gateway import InvalidCall, ToolGateway
+
+if TYPE_CHECKING:
+    from services.tools.gateway import ToolGateway
 
 __all__ = ["GatewayClient", "LocalTools", "ToolReply", "Tools"]
 
@@ -85,7 +93,20 @@ class LocalTools:
     """A gateway running in this process (evaluation and tests without the HTTP service)."""
 
     def __init__(self, gateway: ToolGateway) -> None:
+        from services.tools.gateway import InvalidCall
+
         self.gateway = gateway
+        self._invalid = InvalidCall
+
+    @classmethod
+    def offline(cls, corpus: str | Path) -> LocalTools:
+        """The offline backend over a JSONL corpus, with an in-process cache."""
+        from services.search.corpus import OfflineCorpus
+        from services.tools.backends import OfflineBackend
+        from services.tools.gateway import ToolGateway
+        from services.tools.store import MemoryStore
+
+        return cls(ToolGateway(OfflineBackend(OfflineCorpus.from_jsonl(corpus)), MemoryStore()))
 
     async def aclose(self) -> None:
         return None
@@ -98,6 +119,6 @@ class LocalTools:
     ) -> ToolReply:
         try:
             out = await self.gateway.call(server_name, tool_name, arguments, trajectory_id=trajectory_id)
-        except InvalidCall as exc:
+        except self._invalid as exc:
             return ToolReply(False, format_tool_failure(server_name, tool_name, str(exc)))
         return ToolReply(out.ok, out.text, out.cached, out.latency_s)

@@ -20,10 +20,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from agent.catalogue import READ, SEARCH, TOOLS, ToolSpec, catalogue, find_tool
 from agent.toolcall import DEFAULT_MAX_RESULT_CHARS, format_tool_failure, format_tool_result
+from services.search.offline import render
 from services.tools import metrics
-from services.tools.backends import Backend, render
-from services.tools.catalogue import READ, SEARCH, TOOLS, ToolSpec, catalogue, find_tool
+from services.tools.backends import Backend
 from services.tools.store import Store
 from services.upstream import UpstreamError
 
@@ -138,27 +139,27 @@ class ToolGateway:
         started = time.perf_counter()
         outcome = await self._call(spec, args, trajectory_id)
         elapsed = time.perf_counter() - started
-        metrics.CALL_SECONDS.labels(spec.name, self.backend.name).observe(elapsed)
-        metrics.CALLS.labels(spec.name, self.backend.name, "ok" if outcome.ok else "error").inc()
+        metrics.child(metrics.CALL_SECONDS, spec.name, self.backend.name).observe(elapsed)
+        metrics.child(metrics.CALLS, spec.name, self.backend.name, "ok" if outcome.ok else "error").inc()
         text = format_tool_result(outcome.text, self.max_result_chars)
         return CallOutcome(outcome.ok, text, outcome.cached, outcome.merged, elapsed, outcome.error)
 
     async def _call(self, spec: ToolSpec, args: BaseModel, trajectory_id: str | None) -> CallOutcome:
-        if trajectory_id is not None:
-            used = await self.store.incr(f"budget:{trajectory_id}", self.budget_ttl_s)
+        key = f"cache:{self.backend.name}:{spec.name}:{hashlib.sha256(_canonical(spec, args).encode()).hexdigest()}"
+        if trajectory_id is None:
+            hit = await self.store.get(key)
+        else:  # one round trip: the budget's count and the cache lookup
+            used, hit = await self.store.incr_and_get(f"budget:{trajectory_id}", self.budget_ttl_s, key)
             if used > self.call_budget:
                 metrics.BUDGET_EXHAUSTED.inc()
                 error = f"the call budget of {self.call_budget} tool calls for this trajectory is used up"
                 return CallOutcome(
                     False, format_tool_failure(spec.server_name, spec.name, error), error=error
                 )
-
-        key = f"cache:{self.backend.name}:{spec.name}:{hashlib.sha256(_canonical(spec, args).encode()).hexdigest()}"
-        hit = await self.store.get(key)
         if hit is not None:
-            metrics.CACHE.labels(spec.name, "hit").inc()
+            metrics.child(metrics.CACHE, spec.name, "hit").inc()
             return CallOutcome(True, hit, cached=True)
-        metrics.CACHE.labels(spec.name, "miss").inc()
+        metrics.child(metrics.CACHE, spec.name, "miss").inc()
 
         if key in self._inflight:  # the same call is already running: share its answer
             metrics.MERGED.labels(spec.name).inc()
@@ -182,13 +183,16 @@ class ToolGateway:
             async with asyncio.timeout(self.deadline_s):
                 result = await (self.backend.search(args) if spec is SEARCH else self.backend.read(args))
         except UpstreamError as exc:
-            log.warning("%s failed: %s", spec.name, exc)
-            return False, format_tool_failure(spec.server_name, spec.name, str(exc)), str(exc)
+            error = str(exc)
         except TimeoutError:
             error = f"no answer within {self.deadline_s:g} s"
-            log.warning("%s failed: %s", spec.name, error)
-            return False, format_tool_failure(spec.server_name, spec.name, error), error
-        text = render(result)
-        if spec is SEARCH or result.get("success"):  # failed reads may be transient: never cached
-            await self.store.set(key, text, self.ttl[spec.name])
-        return True, text, None
+        except Exception as exc:  # a bug or a case no backend foresaw: a failed call, not an HTTP 500
+            log.exception("%s failed unexpectedly", spec.name)
+            error = f"internal error in the tool gateway ({type(exc).__name__})"
+        else:
+            text = render(result)
+            if spec is SEARCH or result.get("success"):  # failed reads may be transient: never cached
+                await self.store.set(key, text, self.ttl[spec.name])
+            return True, text, None
+        log.warning("%s failed: %s", spec.name, error)
+        return False, format_tool_failure(spec.server_name, spec.name, error), error

@@ -1,5 +1,7 @@
 """Prometheus metrics of the tool gateway (scraped at ``/metrics``)."""
 
+import functools
+
 from prometheus_client import Counter, Gauge, Histogram
 
 CALLS = Counter("pbsd_tools_calls_total", "Tool calls answered", ["tool", "backend", "outcome"])
@@ -26,4 +28,15 @@ BREAKER_STATE = Gauge(
     "pbsd_tools_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open", ["upstream"]
 )
 SSRF_BLOCKED = Counter("pbsd_tools_ssrf_blocked_total", "Page reads refused by the SSRF guard")
+ENCODING_REFUSED = Counter(
+    "pbsd_tools_encoding_refused_total",
+    "Page reads refused for a content encoding the reader does not decode",
+)
 BUDGET_EXHAUSTED = Counter("pbsd_tools_budget_exhausted_total", "Calls refused by a trajectory's call budget")
+
+
+@functools.cache
+def child(metric, *labels: str):
+    """``metric.labels(*labels)``, looked up once: every call counts on the hot path, and the
+    label values (tools, backends, outcomes) are a handful."""
+    return metric.labels(*labels)

@@ -25,6 +25,25 @@ class ToolsSettings(CommonSettings):
         default=True, description="cache and budgets in Redis (shared by replicas); else in process"
     )
 
+    max_body_bytes: int = Field(
+        default=262_144, ge=1024, description="a /call body past this size is refused (413) unread"
+    )
+    cpu_workers: int = Field(
+        default=1,
+        ge=1,
+        description="threads for CPU-bound work (search, HTML to text, extraction); the event loop keeps "
+        "the rest of a core for sockets and cache hits",
+    )
+    cpu_nice: int = Field(
+        default=5,
+        ge=0,
+        le=19,
+        description="how much lower the CPU threads' OS priority is than the event loop's",
+    )
+    near_cache_items: int = Field(default=10_000, ge=0, description="cache entries kept in the process")
+    near_cache_ttl_s: float = Field(
+        default=600.0, ge=0, description="how long a near copy may answer without asking Redis"
+    )
     search_ttl_s: int = 86_400
     read_ttl_s: int = 7 * 86_400
     max_result_chars: int = DEFAULT_MAX_RESULT_CHARS

@@ -4,6 +4,12 @@ Redis in production (shared by every gateway replica); an in-process store when 
 Redis is configured (one process only, for tools and scripts that run alone). While Redis
 is unreachable the Redis store falls back to an in-process one, so the gateway keeps
 answering (cache misses, budgets counted per replica) instead of failing every call.
+
+The Redis store keeps a near copy of the cache entries it reads and writes in the process
+(at most ``near_items``, each for at most ``near_ttl_s``): a repeated call is answered
+without a round trip to Redis, and a replica follows the shared cache (an entry an
+operator deleted, say) within ``near_ttl_s``. A call with a budget costs one round trip:
+the count and the cache lookup travel together.
 """
 
 from __future__ import annotations
@@ -32,11 +38,24 @@ class Store(Protocol):
 
     async def incr(self, key: str, ttl_s: int) -> int: ...
 
+    async def incr_and_get(self, counter: str, ttl_s: int, key: str) -> tuple[int, str | None]:
+        """``incr(counter, ttl_s)`` and ``get(key)`` at once."""
+        ...
+
 
 class RedisStore:
-    def __init__(self, client: aioredis.Redis, prefix: str = "pbsd") -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "pbsd",
+        *,
+        near_items: int = 10_000,
+        near_ttl_s: float = 600.0,
+    ) -> None:
         self.redis = client
         self.prefix = f"{prefix}:tools:"
+        self.near = MemoryStore(max_items=near_items)  # copies of cache entries Redis holds
+        self.near_ttl_s = near_ttl_s
         self.local = MemoryStore(max_items=10_000)  # while Redis is out of reach
         self._down = False
 
@@ -59,28 +78,54 @@ class RedisStore:
         return result
 
     async def get(self, key: str) -> str | None:
+        near = self.near.peek(key)
+        if near is not None:
+            return near
+
         async def remote():
             value = await self.redis.get(self.prefix + key)
-            return value.decode() if isinstance(value, bytes) else value
+            return self._keep(key, value)
 
         return await self._redis_or_local("get", remote, lambda: self.local.get(key))
 
     async def set(self, key: str, value: str, ttl_s: int) -> None:
-        await self._redis_or_local(
-            "set",
-            lambda: self.redis.set(self.prefix + key, value, ex=ttl_s),
-            lambda: self.local.set(key, value, ttl_s),
-        )
+        async def remote():
+            await self.redis.set(self.prefix + key, value, ex=ttl_s)
+            self.near.put(key, value, min(ttl_s, self.near_ttl_s))
+
+        await self._redis_or_local("set", remote, lambda: self.local.set(key, value, ttl_s))
 
     async def incr(self, key: str, ttl_s: int) -> int:
+        count, _ = await self._count(key, ttl_s, None)
+        return count
+
+    async def incr_and_get(self, counter: str, ttl_s: int, key: str) -> tuple[int, str | None]:
+        near = self.near.peek(key)
+        count, value = await self._count(counter, ttl_s, None if near is not None else key)
+        return count, near if near is not None else value
+
+    async def _count(self, counter: str, ttl_s: int, key: str | None) -> tuple[int, str | None]:
         async def remote():
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.incr(self.prefix + key)
-                pipe.expire(self.prefix + key, ttl_s, nx=True)  # the window starts at the first call
-                count, _ = await pipe.execute()
-            return int(count)
+                pipe.incr(self.prefix + counter)
+                pipe.expire(self.prefix + counter, ttl_s, nx=True)  # the window starts at the first call
+                if key is not None:
+                    pipe.get(self.prefix + key)
+                replies = await pipe.execute()
+            return int(replies[0]), self._keep(key, replies[2]) if key is not None else None
 
-        return await self._redis_or_local("incr", remote, lambda: self.local.incr(key, ttl_s))
+        async def local():
+            return await self.local.incr(counter, ttl_s), await self.local.get(key) if key else None
+
+        return await self._redis_or_local("incr", remote, local)
+
+    def _keep(self, key: str | None, value: bytes | str | None) -> str | None:
+        """A value read from Redis, kept near for the next call."""
+        if value is None or key is None:
+            return None
+        text = value.decode() if isinstance(value, bytes) else value
+        self.near.put(key, text, self.near_ttl_s)
+        return text
 
 
 class MemoryStore:
@@ -101,24 +146,31 @@ class MemoryStore:
         self.items.move_to_end(key)
         return item[1]
 
-    def _put(self, key: str, value, ttl_s: float) -> None:
+    def put(self, key: str, value: str | int, ttl_s: float) -> None:
         self.items[key] = (self.clock() + ttl_s, value)
         self.items.move_to_end(key)
         while len(self.items) > self.max_items:
             self.items.popitem(last=False)
 
-    async def get(self, key: str) -> str | None:
+    def peek(self, key: str) -> str | None:
+        """``get`` without a coroutine: the Redis store's near copies are read on every call."""
         value = self._live(key)
         return value if isinstance(value, str) else None
 
+    async def get(self, key: str) -> str | None:
+        return self.peek(key)
+
     async def set(self, key: str, value: str, ttl_s: int) -> None:
-        self._put(key, value, ttl_s)
+        self.put(key, value, ttl_s)
 
     async def incr(self, key: str, ttl_s: int) -> int:
         value = self._live(key)
         if value is None:
-            self._put(key, 1, ttl_s)
+            self.put(key, 1, ttl_s)
             return 1
         expiry = self.items[key][0]
         self.items[key] = (expiry, int(value) + 1)
         return int(value) + 1
+
+    async def incr_and_get(self, counter: str, ttl_s: int, key: str) -> tuple[int, str | None]:
+        return await self.incr(counter, ttl_s), self.peek(key)

@@ -1,7 +1,7 @@
 """The web backend: Serper for search, Jina Reader (plain HTTP as fallback) for pages, and a
 summariser LLM that extracts evidence and a summary for the agent's goal.
 
-Result shapes are the offline backend's (:mod:`services.tools.backends`). Secrets
+Result shapes are the offline backend's (:mod:`services.search.offline`). Secrets
 (Serper and Jina keys) travel in headers only; no error message or log line carries
 them.
 """
@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,12 +20,13 @@ import httpx
 from json_repair import repair_json
 from pydantic import SecretStr
 
+from agent.catalogue import GoogleSearchArgs, ScrapeArgs
 from services.llm import ChatClient
+from services.search.extractive import IdfTable, extract
+from services.search.offline import read_result
 from services.tools import metrics
-from services.tools.backends import read_result
-from services.tools.catalogue import GoogleSearchArgs, ScrapeArgs
-from services.tools.extractive import IdfTable, extract
-from services.tools.fetch import FetchError, PlainFetcher
+from services.tools.cpu import CpuPool
+from services.tools.fetch import AddressRefused, EncodingRefused, FetchError, PlainFetcher
 from services.tools.resilience import Upstream
 from services.tools.ssrf import BlockedAddress, check_url
 from services.upstream import UpstreamError
@@ -248,13 +250,20 @@ class WebBackend:
         summariser: LlmSummariser | None,
         *,
         extract_chars: int = 2000,
+        max_content_chars: int = 120_000,
     ) -> None:
         self.searcher = search
         self.jina = jina
         self.fetcher = fetcher
         self.summariser = summariser
         self.extract_chars = extract_chars
+        # extraction reads as much of a page as the summariser would: its cost stays bounded
+        self.max_content_chars = max_content_chars
         self._flat_idf = IdfTable()
+
+    @property
+    def cpu(self) -> CpuPool:
+        return self.fetcher.cpu
 
     async def search(self, args: GoogleSearchArgs) -> dict[str, Any]:
         return await self.searcher.search(args)
@@ -277,12 +286,15 @@ class WebBackend:
         if self.summariser is not None:
             evidence, summary = await self.summariser.summarise(page, args.info_to_extract)
         else:
-            ex = extract(
-                page.content,
-                args.info_to_extract,
-                self._flat_idf,
-                title=page.title,
-                max_chars=self.extract_chars,
+            ex = await self.cpu.run(
+                partial(
+                    extract,
+                    page.content[: self.max_content_chars],
+                    args.info_to_extract,
+                    self._flat_idf,
+                    title=page.title,
+                    max_chars=self.extract_chars,
+                )
             )
             evidence, summary = " ".join(ex.evidence), ex.summary
         return read_result(args.url, evidence=evidence, summary=summary)
@@ -299,8 +311,10 @@ class WebBackend:
         try:
             fetched = await self.fetcher.fetch(url)
         except FetchError as exc:
-            if "refused" in str(exc):
+            if isinstance(exc, AddressRefused):
                 metrics.SSRF_BLOCKED.inc()
+            elif isinstance(exc, EncodingRefused):
+                metrics.ENCODING_REFUSED.inc()
             return str(exc)
         return Page(fetched.url, fetched.title, fetched.content, "http")
 

@@ -8,6 +8,7 @@ headquartered in X.") stays attached to the one before, so what "It" is never ge
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -70,6 +71,7 @@ def terms(text: str) -> list[str]:
     return [w for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
+@functools.lru_cache(maxsize=1 << 16)  # snippets stem every word of every hit: most words recur
 def stem(word: str) -> str:
     """A crude suffix stripper so "founded" matches "found" and "cities" matches "city"."""
     if len(word) > 5 and word.endswith("ies"):
@@ -81,16 +83,17 @@ def stem(word: str) -> str:
 
 
 def passages(text: str) -> list[str]:
-    out: list[str] = []
+    """The text's passages, in time linear in its length (a run of continuations is joined once)."""
+    out: list[list[str]] = []
     for s in _SENTENCE.split(text):
         s = s.strip()
         if not s or s.startswith("See also:"):
             continue
         if out and _CONTINUATION.match(s):
-            out[-1] = f"{out[-1]} {s}"
+            out[-1].append(s)
         else:
-            out.append(s)
-    return out
+            out.append([s])
+    return [" ".join(p) for p in out]
 
 
 class IdfTable:
@@ -127,7 +130,7 @@ def rank_passages(
     scored = []
     items = passages(text)
     for i, p in enumerate(items):
-        score = sum(idf.weight(w) for w in wanted & {stem(w) for w in terms(p)})
+        score = sum(idf.weight(w) for w in wanted.intersection(map(stem, terms(p))))
         if score > 0:
             scored.append((-score, i))
     scored.sort()

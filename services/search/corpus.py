@@ -15,18 +15,49 @@ are the passages of a hit that best match the query, as a web engine shows them.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import bm25s
 import numpy as np
 
 from proto.data import CorpusDocument
-from services.tools.extractive import STOPWORDS, Extraction, IdfTable, extract, passages, rank_passages, terms
+from services.search.extractive import (
+    STOPWORDS,
+    Extraction,
+    IdfTable,
+    extract,
+    passages,
+    rank_passages,
+    terms,
+)
 from worldgen.formats import load_corpus
 
 __all__ = ["OfflineCorpus", "SearchHit"]
 
+
+def _bm25s_without_jax():
+    """bm25s, kept from starting JAX. Where JAX is installed, ``import bm25s`` imports ``jax.lax``
+    and runs a ``top_k`` to warm it up (bm25s/selection.py), which starts JAX on the GPU and
+    preallocates most of its memory: the services beside the gateway then die of out-of-memory
+    at start-up. Scoring and selection here are NumPy's (bm25s builds the index), so JAX is
+    hidden while bm25s loads (an import of it fails) and bm25s settles on its NumPy backend."""
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    hidden = {name: sys.modules.get(name) for name in ("jax", "jax.lax")}
+    sys.modules.update(dict.fromkeys(hidden))  # None: "import jax" raises ImportError
+    try:
+        import bm25s
+    finally:
+        for name, module in hidden.items():
+            if module is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = module
+    return bm25s
+
+
+bm25s = _bm25s_without_jax()
 logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs every index build at DEBUG
 
 
@@ -40,17 +71,26 @@ class SearchHit:
 
 
 def _bm25(texts: list[str]) -> bm25s.BM25:
-    index = bm25s.BM25()
+    index = bm25s.BM25()  # the "lucene" variant: a document's score is a sum over the query's words
     index.index(bm25s.tokenize(texts, stopwords=sorted(STOPWORDS), show_progress=False), show_progress=False)
     return index
 
 
 def _scores(index: bm25s.BM25, query: str) -> np.ndarray:
-    """BM25 score of every document; words the index never saw contribute nothing."""
-    words = [w for w in terms(query) if w in index.vocab_dict]
-    if not words:
-        return np.zeros(index.scores["num_docs"], dtype=np.float32)
-    return index.get_scores(words)
+    """BM25 score of every document, as ``index.get_scores`` computes it: the sum, over the
+    query's words, of each document's stored weight for the word; words the index never saw
+    contribute nothing. A word's postings hold each document once, so a plain indexed add does
+    what bm25s's ``np.add.at`` does, several times faster on a common word's long postings."""
+    postings = index.scores
+    indptr, indices, weights = postings["indptr"], postings["indices"], postings["data"]
+    out = np.zeros(postings["num_docs"], dtype=weights.dtype)
+    vocab = index.vocab_dict
+    for word in terms(query):
+        word_id = vocab.get(word)
+        if word_id is not None:
+            start, end = indptr[word_id], indptr[word_id + 1]
+            out[indices[start:end]] += weights[start:end]
+    return out
 
 
 class OfflineCorpus:
@@ -79,10 +119,12 @@ class OfflineCorpus:
         if not terms(query):
             return []
         scores = _scores(self._body, query) + self.title_weight * _scores(self._title, query)
-        k = min(k, len(self.documents))
-        top = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
-        top = top[np.lexsort((top, -scores[top]))]
-        return [(int(i), float(scores[i])) for i in top if scores[i] > 0]
+        # only documents sharing a word with the query can rank: usually a small fraction of them
+        matches = np.flatnonzero(scores > 0)
+        if k < len(matches):
+            matches = matches[np.argpartition(-scores[matches], k - 1)[:k]]
+        top = matches[np.lexsort((matches, -scores[matches]))]
+        return [(int(i), float(scores[i])) for i in top]
 
     def search(self, query: str, *, num: int = 10, page: int = 1) -> list[SearchHit]:
         """Hits ``(page - 1) * num`` to ``page * num`` for ``query``, best first."""

@@ -1,0 +1,51 @@
+"""The offline search index: its scores are bm25s's, its ranking and snippets are stable."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from services.search.corpus import OfflineCorpus, _scores
+from services.search.extractive import passages, terms
+from worldgen.build import build_world
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    world = tmp_path_factory.mktemp("search-world")
+    build_world(world, seed=7, entities=400, n_rl=20, n_val=5, n_sft=5)
+    return OfflineCorpus.from_jsonl(world / "corpus.jsonl"), world
+
+
+def test_scores_are_bm25s_own(corpus):
+    index, world = corpus
+    questions = [
+        json.loads(line)["question"] for line in (world / "questions" / "rl.jsonl").read_text().splitlines()
+    ]
+    queries = (
+        [d.title for d in index.documents[:40]] + questions + ["city city river", "zzz unknown", "the of"]
+    )
+    for bm25 in (index._body, index._title):
+        for q in queries:
+            words = [w for w in terms(q) if w in bm25.vocab_dict]
+            ours = _scores(bm25, q)
+            theirs = bm25.get_scores(words) if words else np.zeros_like(ours)
+            np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_ranking_is_by_score_then_corpus_order(corpus):
+    index, _ = corpus
+    for doc in index.documents[:20]:
+        ranked = index.top_k(doc.title, 8)
+        assert index.documents[ranked[0][0]].url == doc.url
+        assert all((-a[1], a[0]) <= (-b[1], b[0]) for a, b in itertools.pairwise(ranked))
+        assert all(score > 0 for _, score in ranked)
+    assert index.top_k("the of and", 5) == [] and index.top_k("zzzunknownword", 5) == []
+
+
+def test_continuations_stay_with_their_sentence():
+    text = "Vienna is a city. It is big. Its river is the Danube. Paris too.\nSee also: Graz"
+    assert passages(text) == ["Vienna is a city. It is big. Its river is the Danube.", "Paris too."]
