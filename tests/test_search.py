@@ -46,6 +46,25 @@ def test_ranking_is_by_score_then_corpus_order(corpus):
     assert index.top_k("the of and", 5) == [] and index.top_k("zzzunknownword", 5) == []
 
 
+def test_the_cut_among_equal_scores_follows_the_corpus_order():
+    """Many documents score alike for a vague query: the ones that make the cut are the first in
+    the corpus, exactly the k best by (score, corpus order), whatever the selection algorithm."""
+    from proto.data import CorpusDocument
+
+    docs = [
+        CorpusDocument(url=f"kb://c/{i}", title=f"Congress {i}", text="A congress was held.")
+        for i in range(60)
+    ]
+    docs[37] = CorpusDocument(url="kb://c/37", title="Congress congress", text="A congress was held.")
+    index = OfflineCorpus(docs)
+    scores = _scores(index._body, "congress") + index.title_weight * _scores(index._title, "congress")
+    exact = sorted(range(len(docs)), key=lambda i: (-scores[i], i))
+    for k in (1, 3, 5, 8, 59):
+        assert [i for i, _ in index.top_k("congress", k)] == exact[:k]
+    assert [i for i, _ in index.top_k("congress", 3)] == [37, 0, 1]
+    assert [h.position for h in index.search("congress", num=3, page=2)] == [4, 5, 6]
+
+
 def test_continuations_stay_with_their_sentence():
     text = "Vienna is a city. It is big. Its river is the Danube. Paris too.\nSee also: Graz"
     assert passages(text) == ["Vienna is a city. It is big. Its river is the Danube.", "Paris too."]

@@ -122,7 +122,13 @@ class OfflineCorpus:
         # only documents sharing a word with the query can rank: usually a small fraction of them
         matches = np.flatnonzero(scores > 0)
         if k < len(matches):
-            matches = matches[np.argpartition(-scores[matches], k - 1)[:k]]
+            # the k-th best score, then every document above it and the first ones at it: which
+            # of several equal documents make the cut is the corpus order's choice, not that of
+            # the selection algorithm (argpartition's pick among ties varies with NumPy's version)
+            ranked = -scores[matches]
+            kth = np.partition(ranked, k - 1)[k - 1]
+            above = matches[ranked < kth]
+            matches = np.concatenate([above, matches[ranked == kth][: k - len(above)]])
         top = matches[np.lexsort((matches, -scores[matches]))]
         return [(int(i), float(scores[i])) for i in top]
 
