@@ -22,6 +22,11 @@ class QuestionRecord(Contract):
     answer: str = Field(min_length=1)
     aliases: tuple[str, ...] = ()
     difficulty: str | None = None
+    support: tuple[str, ...] = Field(
+        default=(),
+        description="supporting facts: the chain of facts the answer rests on (privileged, like the "
+        "answer: only a teacher template with {support} shows them)",
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -60,6 +60,9 @@ class PromptTask(Message):
         min_length=1, description="the verified answer y*, used by the verifier and the teacher only"
     )
     aliases: tuple[str, ...] = ()
+    support: tuple[str, ...] = Field(
+        default=(), description="the question's supporting facts, for a teacher template with {support}"
+    )
     epoch: NonNegInt = 0
     index: NonNegInt = Field(default=0, description="position in the epoch's shuffled order")
     step: NonNegInt = Field(
@@ -168,6 +171,7 @@ class TrajectoryGroup(Message):
     question: str
     answer: str
     aliases: tuple[str, ...] = ()
+    support: tuple[str, ...] = ()
     policy_version: NonNegInt = Field(
         description="the oldest policy version any of the trajectories was sampled with"
     )

@@ -18,6 +18,9 @@ from proto.base import Contract, Message
 
 __all__ = [
     "DEFAULT_TEACHER_TEMPLATE",
+    "SUPPORT_TEACHER_TEMPLATE",
+    "TEACHER_TEMPLATES",
+    "TEMPLATE_FIELDS",
     "AlgorithmSpec",
     "DataSpec",
     "GrpoSpec",
@@ -37,6 +40,18 @@ DEFAULT_TEACHER_TEMPLATE = (
     '"{answer}". It is given only so that this conversation can be evaluated; '
     "the assistant below did not see it.]"
 )
+# Beyond the paper: the same note with the question's supporting facts (QuestionRecord.support:
+# the chain of facts the answer rests on, each with the page that states it), so that the
+# teacher can favour the searches and reads that follow the chain, not only the final answer.
+SUPPORT_TEACHER_TEMPLATE = (
+    "{question}\n\n"
+    "[Evaluation note, not part of the task: the verified correct answer to this question is "
+    '"{answer}". It rests on these facts: {support}. They are given only so that this '
+    "conversation can be evaluated; the assistant below did not see them.]"
+)
+TEMPLATE_FIELDS = ("question", "answer", "support")  # {support}: the facts joined by "; "
+# the templates by the names the command line knows them by
+TEACHER_TEMPLATES = {"answer": DEFAULT_TEACHER_TEMPLATE, "support": SUPPORT_TEACHER_TEMPLATE}
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -172,11 +187,17 @@ class PbsdSpec(_PolicyGradientSpec):
             }
         except ValueError as exc:
             raise ValueError(f"teacher_template is not a valid format string: {exc}") from None
-        if fields != {"question", "answer"}:
+        if not {"question", "answer"} <= fields <= set(TEMPLATE_FIELDS):
             raise ValueError(
-                f"teacher_template must use exactly the fields {{question}} and {{answer}}, found {sorted(fields)}"
+                "teacher_template must use the fields {question} and {answer}, and may use {support}; "
+                f"found {sorted(fields)}"
             )
         return self
+
+    @property
+    def needs_support(self) -> bool:
+        """Whether x* holds the question's supporting facts (every question must then have some)."""
+        return any(name == "support" for _, name, _, _ in string.Formatter().parse(self.teacher_template))
 
 
 AlgorithmSpec = Annotated[GrpoSpec | PbsdSpec, Field(discriminator="name")]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agent.chat import ChatTokenizer
+from agent.privileged import teacher_prompt_ids
 from agent.prompt import user_prompt
 from pbsd import credit
 from proto.messages import Trajectory, TrajectoryGroup
@@ -14,7 +15,7 @@ from proto.runs import GrpoSpec, PbsdSpec
 from services.model.checkpoint import load_model
 from services.model.routing import moe_routers, replay_routes
 from services.scorer.backends import LocalScorer, SglangScorer
-from services.scorer.contexts import build_contexts, teacher_prompt_ids
+from services.scorer.contexts import build_contexts
 from services.scorer.evidence import score_group
 from services.scorer.logprobs import sequence_logprobs
 from tests.servers import serve

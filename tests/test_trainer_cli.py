@@ -150,6 +150,37 @@ def test_model_tiny_and_sft(tiny_world, tmp_path):
     assert not_a_world.exit_code == 2 and "not a world" in not_a_world.output
 
 
+def test_sft_also_learns_conversations_in_the_teachers_format(tiny_world, tiny_checkpoint, tmp_path):
+    """``--teacher-format NAME:FRACTION``: that share of the conversations is learned a second time
+    after x*; which ones is the seed's choice, and ``--limit`` takes the first conversations."""
+    from agent.chat import ChatTokenizer
+    from proto.runs import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE
+    from services.trainer.sft import SftConfig, lay_out
+    from worldgen.oracle import write_sft_data
+
+    data = tmp_path / "sft.jsonl"
+    write_sft_data(tiny_world, data, limit=10)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    formats = ((DEFAULT_TEACHER_TEMPLATE, 1.0), (SUPPORT_TEACHER_TEMPLATE, 0.5))
+    samples, skipped, (answer, support) = lay_out(tok, rows, SftConfig(teacher_formats=formats))
+    assert answer == len(rows) and 0 < support < len(rows) and skipped == 0  # all, then about half
+    assert len(samples) == len(rows) + answer + support
+    assert {s.trajectory_id for s in samples} >= {f"{rows[0]['id']}/x*0", rows[0]["id"]}
+    again = lay_out(tok, rows, SftConfig(teacher_formats=formats))[0]
+    assert [s.trajectory_id for s in again] == [s.trajectory_id for s in samples]  # seeded
+    other = lay_out(tok, rows, SftConfig(teacher_formats=formats, seed=1))[0]
+    assert [s.trajectory_id for s in other] != [s.trajectory_id for s in samples]
+
+    base = ["sft", "--data", str(data), "--model", str(tiny_checkpoint), "--out", str(tmp_path / "tuned")]
+    done = runner.invoke(app, [*base, "--teacher-format", "support", "--limit", "2", "--batch-size", "4"])
+    assert done.exit_code == 0, done.output
+    stats = json.loads((tmp_path / "tuned" / "pbsd.json").read_text())["sft"]
+    assert stats["conversations"] == 4 and stats["teacher_format_conversations"] == [2]
+    bad = runner.invoke(app, [*base, "--teacher-format", "hint:0.5"])
+    assert bad.exit_code == 2 and "answer" in bad.output and "support" in bad.output
+
+
 def test_sft_token_layout_matches_the_rollouts(tiny_checkpoint):
     from agent.chat import ChatTokenizer
     from services.trainer.sft import encode_conversation

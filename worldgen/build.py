@@ -23,6 +23,7 @@ from worldgen.formats import dumps, write_jsonl, write_parquet
 from worldgen.graph import Graph, generate
 from worldgen.questions import QuestionBuilder
 from worldgen.splits import Splits, TooFewQuestions, make_splits
+from worldgen.support import supporting_facts
 
 FORMAT = "pbsd-world/1"
 WORLD_DATE = "2025-06-01"  # the "today" of the world, used in the agent's system prompt for its data
@@ -123,7 +124,9 @@ def build_world(
         "relations": [{"source": s, "relation": r, "target": d} for s, r, d in graph.relations()],
     }
     for split, qs in splits.items():
-        tables[f"questions/{split}"] = [{**q.to_json(), "split": split} for q in qs]
+        tables[f"questions/{split}"] = [
+            {**q.to_json(), "support": supporting_facts(graph, q), "split": split} for q in qs
+        ]
     files: dict[str, str] = {}
     for name, rows in tables.items():
         path = out / f"{name}.jsonl"

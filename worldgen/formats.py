@@ -116,7 +116,11 @@ def load_questions(path: str | Path) -> LoadReport:
             ]
             report.problems.append((n, f"missing field(s) {', '.join(missing)}"))
             continue
-        known = {k: row.pop(k) for k in ("id", "question", "answer", "aliases", "difficulty") if k in row}
+        known = {
+            k: row.pop(k)
+            for k in ("id", "question", "answer", "aliases", "difficulty", "support")
+            if k in row
+        }
         known.setdefault("id", f"{path.stem}-{n}")
         known["answer"] = str(known["answer"])
         try:
@@ -143,3 +147,16 @@ def load_corpus(path: str | Path) -> LoadReport:
         except ValidationError as exc:
             report.problems.append((n, _validation_message(exc)))
     return report
+
+
+def require_support(algorithm: Any, questions: list[QuestionRecord], path: str | Path) -> None:
+    """Refuse (ValueError) a PBSD teacher template with ``{support}`` over questions that have no
+    supporting facts: x* could not be built for them, and every group would fail in the scorer."""
+    if not getattr(algorithm, "needs_support", False):
+        return
+    missing = [q.id for q in questions if not q.support]
+    if missing:
+        raise ValueError(
+            f"the teacher template uses {{support}}, but {len(missing)} of {len(questions)} questions in "
+            f"{path} have no supporting facts (field 'support'), e.g. {missing[0]!r}"
+        )

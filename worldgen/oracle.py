@@ -90,6 +90,7 @@ class OracleTrajectory:
     messages: list[dict[str, str]]
     tool_calls: int = 0
     detours: int = 0
+    support: tuple[str, ...] = ()  # the question's supporting facts: for the teacher's format in SFT
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +101,7 @@ class OracleTrajectory:
             "messages": self.messages,
             "tool_calls": self.tool_calls,
             "detours": self.detours,
+            "support": list(self.support),
         }
 
 
@@ -200,7 +202,9 @@ class Oracle:
         ep.messages.append(
             {"role": "assistant", "content": f"{reasoning} The answer is {answer}.\n\n\\boxed{{{answer}}}"}
         )
-        return OracleTrajectory(trajectory_id, q.id, q.question, q.answer, ep.messages, ep.calls, ep.detours)
+        return OracleTrajectory(
+            trajectory_id, q.id, q.question, q.answer, ep.messages, ep.calls, ep.detours, q.support
+        )
 
     # -- the walk along the hop path ---------------------------------------------------
     def _walk(self, ep: _Episode, q: Question) -> tuple[str, str]:

@@ -115,11 +115,13 @@ class Question:
     answer_kind: str  # "name" or "year"
     clue: StartClue | None  # None: the start entity is named
     difficulty: str
+    support: tuple[str, ...] = ()  # the facts the answer rests on (worldgen.support), privileged
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["aliases"] = list(self.aliases)
         d["hops"] = [asdict(h) for h in self.hops]
+        d["support"] = list(self.support)
         return d
 
     @classmethod
@@ -128,6 +130,7 @@ class Question:
             **{
                 **d,
                 "aliases": tuple(d["aliases"]),
+                "support": tuple(d.get("support", ())),
                 "hops": tuple(Hop(**h) for h in d["hops"]),
                 "clue": StartClue(**d["clue"]) if d.get("clue") else None,
             }

@@ -108,13 +108,19 @@ class Renamer:
 
 def rename_trajectory(row: dict, renamer: Renamer) -> dict:
     """A copy of an oracle trajectory row with its invented words renamed everywhere."""
-    texts = [row["question"], row["answer"], *(m["content"] for m in row["messages"])]
+    texts = [
+        row["question"],
+        row["answer"],
+        *row.get("support", ()),
+        *(m["content"] for m in row["messages"]),
+    ]
     mapping = renamer.mapping(texts)
     rewrite = renamer.rewriter(mapping)
     return {
         **row,
         "question": rewrite(row["question"]),
         "answer": rewrite(row["answer"]),
+        "support": [rewrite(fact) for fact in row.get("support", ())],
         "messages": [{**m, "content": rewrite(m["content"])} for m in row["messages"]],
         "renamed": len(mapping),
     }

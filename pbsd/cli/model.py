@@ -103,6 +103,12 @@ def sft_cmd(
     loss_on: str = typer.Option(
         "assistant", help="assistant: learn the assistant's tokens; turns: the tool results too"
     ),
+    teacher_format: list[str] = typer.Option(
+        [],
+        help="NAME:FRACTION (NAME answer or support, the teacher templates of proto/runs.py): also "
+        "learn that fraction of the conversations after the teacher's privileged prompt; repeatable",
+    ),
+    limit: int | None = typer.Option(None, help="learn only the first N conversations of --data"),
 ) -> None:
     """Supervised fine-tuning: the warm start before RL.
 
@@ -123,6 +129,8 @@ def sft_cmd(
             seed=seed,
             save_every_epoch=save_every_epoch,
             loss_on=loss_on,
+            teacher_formats=tuple(teacher_formats(teacher_format)),
+            limit=limit,
         )
     except ValueError as e:  # the choices live in SftConfig; say it as a usage error
         raise typer.BadParameter(str(e)) from None
@@ -132,3 +140,19 @@ def sft_cmd(
         f"wrote {out}: {stats['steps']} steps, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
         f"in {stats['seconds']:.0f}s"
     )
+
+
+def teacher_formats(options: list[str]) -> list[tuple[str, float]]:
+    """``NAME:FRACTION`` options as (template, fraction) pairs; ValueError names a bad one."""
+    from proto.runs import TEACHER_TEMPLATES as templates
+
+    out = []
+    for option in options:
+        name, _, fraction = option.partition(":")
+        if name not in templates:
+            raise ValueError(f"--teacher-format {option!r}: the name is one of {sorted(templates)}")
+        try:
+            out.append((templates[name], float(fraction or 1)))
+        except ValueError:
+            raise ValueError(f"--teacher-format {option!r}: the fraction is a number in (0, 1]") from None
+    return out

@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 
+from pbsd.cli.errors import UserError
 from pbsd.cli.inputs import checkpoint_dir, questions_file
 
 app = typer.Typer(
@@ -49,7 +50,11 @@ def check_cmd(
     top_p: float = typer.Option(1.0, help="1.0: as RL samples the trajectories the scorer scores"),
     concurrency: int = typer.Option(16, help="trajectories in flight (the engine batches them)"),
     date: str | None = typer.Option(None, help="'today' in the system prompt (default: the world's)"),
-    teacher_template: str | None = typer.Option(None, help="x*'s template (default: the paper's)"),
+    teacher_template: str = typer.Option(
+        "answer",
+        help="x*'s template: answer (the paper's), support (the answer and the question's supporting "
+        "facts), or a template of your own with {question}, {answer} and optionally {support}",
+    ),
     eps_pos: float = typer.Option(0.001, help="eps+ of the deadband"),
     eps_neg: float = typer.Option(0.003, help="eps- of the deadband"),
     reduce: str = typer.Option("mean", help="turn evidence: mean (Algorithm 1) or sum (section 3)"),
@@ -72,14 +77,14 @@ def check_cmd(
 
     from pydantic import ValidationError
 
-    from proto.runs import DEFAULT_TEACHER_TEMPLATE, PbsdSpec
+    from proto.runs import TEACHER_TEMPLATES, PbsdSpec
     from services.rollout.agent import AgentLimits
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter(f"{dtype!r}: float32, bfloat16 or float16", param_hint="--dtype")
     try:
         spec = PbsdSpec(
-            teacher_template=teacher_template or DEFAULT_TEACHER_TEMPLATE,
+            teacher_template=TEACHER_TEMPLATES.get(teacher_template, teacher_template),
             eps_pos=eps_pos,
             eps_neg=eps_neg,
             reduce=reduce,
@@ -135,11 +140,15 @@ async def _check(model, questions, corpus, spec, limits, samples, limit, seed, c
     from services.scorer.backends import LocalScorer
     from services.scorer.evidence import score_group
     from services.trainer.dynamics import sanity_metrics
-    from worldgen.formats import load_questions
+    from worldgen.formats import load_questions, require_support
 
     loaded = load_questions(questions)
     loaded.raise_if_empty(questions)
     items = loaded.items[:limit]
+    try:  # before any sampling: x* could not be built for a question without facts
+        require_support(spec, items, questions)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     policy = load_model(model)
     started = time.perf_counter()
     with tqdm(total=len(items) * samples, desc="sampling", unit="traj") as bar:
@@ -170,6 +179,7 @@ async def _check(model, questions, corpus, spec, limits, samples, limit, seed, c
             question=q.question,
             answer=q.answer,
             aliases=q.aliases,
+            support=q.support,
             policy_version=min(t.policy_version for t in trajectories[q.id]),
             algorithm=spec,
             trajectories=tuple(trajectories[q.id]),

@@ -127,6 +127,7 @@ class RolloutWorker(PolicyWorker):
             question=task.question,
             answer=task.answer,
             aliases=task.aliases,
+            support=task.support,
             policy_version=min(t.policy_version for t in trajectories),
             algorithm=task.algorithm,
             trajectories=tuple(trajectories),

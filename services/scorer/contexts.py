@@ -5,8 +5,9 @@ The student context is the trajectory exactly as sampled: ``prompt_ids + complet
 The teacher context x* is the same conversation with the verified answer added to the
 question by a teacher-only template. It is built from the same tokens: the system
 message and everything after the user message are kept id for id; only the user
-message is rewritten (``template.format(question=<the user message>, answer=y*)``,
-encoded once, between the same ``<|im_start|>`` and ``<|im_end|>`` tokens). The
+message is rewritten (``template.format(question=<the user message>, answer=y*)``, and
+``support=`` the question's supporting facts where the template asks for them; see
+``agent.privileged``), encoded once, between the same ``<|im_start|>`` and ``<|im_end|>`` tokens. The
 trajectory's completion is then appended unchanged, so every completion token k has
 its teacher position ``phi(k) = k + len(teacher prompt) - len(student prompt)``.
 
@@ -17,13 +18,15 @@ phi falls beyond the cut have no privileged position and are left out of the evi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from agent.chat import ChatTokenizer
+from agent.privileged import teacher_prompt_ids
 
-__all__ = ["Contexts", "build_contexts", "teacher_prompt_ids"]
+__all__ = ["Contexts", "build_contexts"]
 
 
 @dataclass(frozen=True)
@@ -37,30 +40,6 @@ class Contexts:
     token_turns: np.ndarray  # turn index of each loss token
 
 
-def teacher_prompt_ids(
-    tokenizer: ChatTokenizer, prompt_ids: list[int], answer: str, template: str
-) -> list[int]:
-    """The student prompt with its (last) user message rewritten by the teacher template."""
-    start_id = tokenizer.encode(tokenizer.fmt.start)[0]
-    end_id = tokenizer.end_id
-    starts = [i for i, t in enumerate(prompt_ids) if t == start_id]
-    if len(starts) < 2:
-        raise ValueError("the prompt has no user message before the assistant's opening")
-    user_start = starts[
-        -2
-    ]  # the last <|im_start|> opens the assistant turn; the one before, the user message
-    try:
-        user_end = prompt_ids.index(end_id, user_start)
-    except ValueError:
-        raise ValueError("the user message is not closed") from None
-    segment = tokenizer.decode(prompt_ids[user_start + 1 : user_end])
-    role, sep, content = segment.partition("\n")
-    if role != "user" or not sep:
-        raise ValueError(f"expected a user message before the assistant turn, found role {role!r}")
-    rewritten = tokenizer.encode(f"user\n{template.format(question=content, answer=answer)}")
-    return prompt_ids[: user_start + 1] + rewritten + prompt_ids[user_end:]
-
-
 def build_contexts(
     tokenizer: ChatTokenizer,
     prompt_ids: list[int],
@@ -71,8 +50,9 @@ def build_contexts(
     answer: str,
     template: str,
     teacher_max_length: int,
+    support: Sequence[str] = (),
 ) -> Contexts:
-    teacher_prompt = teacher_prompt_ids(tokenizer, prompt_ids, answer, template)
+    teacher_prompt = teacher_prompt_ids(tokenizer, prompt_ids, answer, template, support)
     shift = len(teacher_prompt) - len(prompt_ids)
     completion_loss = np.flatnonzero(np.asarray(loss_mask) == 1)
     loss_positions = completion_loss + len(prompt_ids)

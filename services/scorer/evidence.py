@@ -103,6 +103,7 @@ async def score_group(
                 answer=group.answer,
                 template=algo.teacher_template,
                 teacher_max_length=algo.teacher_max_length,
+                support=group.support,
             )
         )
     scored_idx = [i for i, c in enumerate(contexts) if c is not None]

@@ -29,7 +29,9 @@ __all__ = ["PromptController", "question_task"]
 
 def question_task(q: QuestionRecord, **fields) -> PromptTask:
     """The prompt task that asks ``q`` (training or validation: ``fields`` say which and when)."""
-    return PromptTask(question_id=q.id, question=q.question, answer=q.answer, aliases=q.aliases, **fields)
+    return PromptTask(
+        question_id=q.id, question=q.question, answer=q.answer, aliases=q.aliases, support=q.support, **fields
+    )
 
 
 class PromptController:

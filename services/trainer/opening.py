@@ -40,7 +40,7 @@ from services.trainer.evaluation import Evaluator
 from services.trainer.publishing import WeightPublisher
 from services.trainer.runs import ACTIVE, FINISHED, RunStore
 from services.trainer.settings import TrainerSettings
-from worldgen.formats import load_questions
+from worldgen.formats import load_questions, require_support
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ async def open_run(
     (out / "weights").mkdir(parents=True, exist_ok=True)
     report = load_questions(spec.data.train)
     report.raise_if_empty(Path(spec.data.train))
+    require_support(spec.algorithm, report.items, spec.data.train)
     # loading and saving run off the event loop, which serves the API and its health probes
     tokenizer = await asyncio.to_thread(
         AutoTokenizer.from_pretrained, spec.model.tokenizer or spec.model.path

@@ -9,6 +9,14 @@ results are where names repeat most (a search result's title in its snippet, a p
 address in its read), the signal copying grows from. The loss is the mean negative
 log-likelihood over the learned tokens of each optimiser batch; AdamW with linear warm-up, then a
 constant learning rate or (``lr_decay="cosine"``) a decay to a tenth of it at the last step.
+
+``teacher_formats`` also lays conversations out in the teacher's format: the same conversation
+after x*, the prompt a PBSD teacher template builds from the question, its verified answer and
+(with ``{support}``) its supporting facts. A pretrained LLM reads a note placed in its prompt; a
+small model trained from scratch has never seen one, so its teacher lowers the likelihood of
+everything after x* and PBSD's evidence carries no information (docs/credit-signal.md). Learning
+the oracle's trajectories after x* as well teaches it what the note means: the same searches and
+reads as without it, and the answer the note names.
 """
 
 from __future__ import annotations
@@ -28,12 +36,13 @@ import numpy as np
 import torch
 
 from agent.chat import ChatTokenizer
-from proto.runs import LrDecay, TrainerSpec
+from agent.privileged import teacher_prompt_ids
+from proto.runs import LrDecay, PbsdSpec, TrainerSpec
 from services.model.checkpoint import library_versions, load_model, save_checkpoint
 from services.trainer.batch import TrainSample, micro_batches
 from services.trainer.policy import PolicyTrainer
 
-__all__ = ["SftConfig", "encode_conversation", "progress_bar", "run_sft"]
+__all__ = ["SftConfig", "encode_conversation", "lay_out", "progress_bar", "run_sft", "teacher_format"]
 
 
 LossOn = Literal["assistant", "turns"]
@@ -53,6 +62,11 @@ class SftConfig:
     seed: int = 0
     save_every_epoch: bool = False  # also write <out>-epoch-<n> after each epoch but the last
     loss_on: LossOn = "assistant"  # "turns": tool results are learned too
+    # (teacher template, fraction): each conversation is also learned, with this probability, after
+    # the privileged prompt x* that the scorer builds with that template (agent.privileged), so
+    # that the teacher's context is one the model has seen and learnt to use
+    teacher_formats: tuple[tuple[str, float], ...] = ()
+    limit: int | None = None  # learn only the first ``limit`` conversations of the data
 
     def __post_init__(self) -> None:
         # a dataclass does not check its Literals: a typo would silently train on the default, or
@@ -60,6 +74,10 @@ class SftConfig:
         for name, allowed in (("loss_on", LossOn), ("lr_decay", LrDecay)):
             if getattr(self, name) not in get_args(allowed):
                 raise ValueError(f"{name} must be one of {get_args(allowed)}, not {getattr(self, name)!r}")
+        for template, fraction in self.teacher_formats:
+            if not 0 < fraction <= 1:
+                raise ValueError(f"a teacher format's fraction must be in (0, 1], not {fraction}")
+            PbsdSpec(teacher_template=template)  # the run's own check of the template's fields
 
 
 def encode_conversation(
@@ -85,6 +103,41 @@ def encode_conversation(
     if messages[-1]["role"] != "assistant":
         raise ValueError("a conversation ends with the assistant's answer")
     return ids, mask
+
+
+def teacher_format(
+    tok: ChatTokenizer, row: dict, ids: list[int], mask: list[int], template: str
+) -> tuple[list[int], list[int]]:
+    """A conversation's (ids, mask) with its prompt replaced by x*, built exactly as the scorer
+    builds it for the teacher pass; what follows the prompt is unchanged, id for id."""
+    messages = row["messages"]
+    prompt = len(tok.prompt_ids(messages[0]["content"], messages[1]["content"]))
+    privileged = teacher_prompt_ids(tok, ids[:prompt], row["answer"], template, row.get("support", ()))
+    return privileged + ids[prompt:], [0] * len(privileged) + mask[prompt:]
+
+
+def lay_out(
+    tok: ChatTokenizer, rows: list[dict], config: SftConfig
+) -> tuple[list[TrainSample], int, list[int]]:
+    """The training samples of ``rows``: each conversation as the rollout lays it out and, drawn
+    per teacher format with its fraction (seeded by ``config.seed``), after that format's x*.
+    Also how many were skipped as too long, and how many were drawn for each teacher format."""
+    samples, skipped, privileged = [], 0, [0] * len(config.teacher_formats)
+    draws = random.Random(f"pbsd-sft-teacher-formats-{config.seed}")
+    for n, row in enumerate(rows):
+        key = row.get("id", str(n))
+        ids, mask = encode_conversation(tok, row["messages"], config.loss_on)
+        laid_out = [(ids, mask, key)]
+        for f, (template, fraction) in enumerate(config.teacher_formats):
+            if draws.random() < fraction:  # drawn for every conversation: the choice is the seed's
+                privileged[f] += 1
+                laid_out.append((*teacher_format(tok, row, ids, mask, template), f"{key}/x*{f}"))
+        for ids_, mask_, key_ in laid_out:
+            if len(ids_) > config.max_tokens:
+                skipped += 1
+                continue
+            samples.append(_sample(ids_, mask_, key_))
+    return samples, skipped, privileged
 
 
 def _sample(ids: list[int], mask: list[int], key: str) -> TrainSample:
@@ -131,17 +184,9 @@ def run_sft(
     torch.manual_seed(config.seed)
     tok = ChatTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir)
-    samples, skipped = [], 0
     raw = data.read_bytes()
-    for n, line in enumerate(raw.decode().splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        ids, mask = encode_conversation(tok, row["messages"], config.loss_on)
-        if len(ids) > config.max_tokens:
-            skipped += 1
-            continue
-        samples.append(_sample(ids, mask, row.get("id", str(n))))
+    rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()][: config.limit]
+    samples, skipped, privileged = lay_out(tok, rows, config)
     if not samples:
         raise ValueError(f"{data}: no usable conversations")
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
@@ -182,6 +227,7 @@ def run_sft(
     elapsed = time.perf_counter() - started
     stats = {
         "conversations": len(samples),
+        "teacher_format_conversations": privileged,
         "skipped": skipped,
         "steps": trainer.step,
         "epochs": config.epochs,

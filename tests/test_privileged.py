@@ -1,0 +1,109 @@
+"""The privileged context: supporting facts from the world, the teacher templates that use them,
+and SFT conversations laid out after x* exactly as the scorer builds x*."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from agent.chat import ChatTokenizer
+from agent.privileged import fill_template, teacher_prompt_ids
+from proto.runs import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE, PbsdSpec
+from services.scorer.contexts import build_contexts
+from services.trainer.sft import SftConfig, encode_conversation, teacher_format
+from worldgen.formats import load_questions, require_support
+from worldgen.graph import load_graph
+from worldgen.oracle import load_world_questions
+
+
+def test_every_question_carries_the_chain_of_facts_its_answer_rests_on(tiny_world):
+    g = load_graph(tiny_world)
+    documents = {json.loads(x)["url"]: json.loads(x)["text"] for x in (tiny_world / "corpus.jsonl").open()}
+    for split in ("rl", "validation", "sft"):
+        for q in load_world_questions(tiny_world, split):
+            clue = 1 if q.clue is not None else 0
+            year = 1 if q.answer_kind == "year" else 0
+            assert len(q.support) == clue + len(q.hops) + year, q.id
+            for hop, fact in zip(q.hops, q.support[clue:], strict=False):
+                source, target = g.entities[hop.source], g.entities[hop.target]
+                assert fact.endswith(f" is {target.name} (page {source.url})"), fact
+                assert target.name in documents[source.url]  # the page named states the fact
+            assert q.answer in q.support[-1]
+    # the question files a run reads keep them
+    records = load_questions(tiny_world / "questions" / "rl.jsonl").items
+    assert all(r.support for r in records) and "support" not in records[0].metadata
+
+
+def test_the_templates_and_their_fields():
+    assert not PbsdSpec().needs_support
+    assert PbsdSpec(teacher_template=SUPPORT_TEACHER_TEMPLATE).needs_support
+    for bad in ("{question} {facts} {answer}", "{question} only", "{answer} {support}"):
+        with pytest.raises(ValueError, match="teacher_template"):
+            PbsdSpec(teacher_template=bad)
+    text = fill_template(SUPPORT_TEACHER_TEMPLATE, "Q?", "Vienna", ["a is b (page kb://a)", "b is Vienna"])
+    assert text.startswith("Q?\n\n") and '"Vienna"' in text and "a is b (page kb://a); b is Vienna" in text
+    assert fill_template(DEFAULT_TEACHER_TEMPLATE, "Q?", "Vienna") == DEFAULT_TEACHER_TEMPLATE.format(
+        question="Q?", answer="Vienna"
+    )
+    with pytest.raises(ValueError, match="no supporting facts"):
+        fill_template(SUPPORT_TEACHER_TEMPLATE, "Q?", "Vienna", [])
+
+
+def test_a_run_with_the_support_template_refuses_questions_without_facts(tiny_world, tmp_path):
+    records = load_questions(tiny_world / "questions" / "rl.jsonl").items
+    support = PbsdSpec(teacher_template=SUPPORT_TEACHER_TEMPLATE)
+    require_support(support, records, "rl.jsonl")
+    require_support(PbsdSpec(), [r.model_copy(update={"support": ()}) for r in records], "rl.jsonl")
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"id": "q1", "question": "Q?", "answer": "A"}) + "\n")
+    with pytest.raises(ValueError, match=r"1 of 1 questions in .*bare.jsonl have no supporting facts"):
+        require_support(support, load_questions(bare).items, bare)
+
+
+@pytest.mark.parametrize("template", [DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE])
+def test_sft_lays_out_a_conversation_after_the_very_x_star_the_scorer_scores(tiny_checkpoint, template):
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    row = {
+        "answer": "Vienna",
+        "support": ["the capital of Austria is Vienna (page kb://country/austria)"],
+        "messages": [
+            {"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": "What is the capital of Austria?"},
+            {"role": "assistant", "content": "Let me search."},
+            {"role": "user", "content": "Vienna is the capital."},
+            {"role": "assistant", "content": "\\boxed{Vienna}"},
+        ],
+    }
+    ids, mask = encode_conversation(tok, row["messages"])
+    privileged, privileged_mask = teacher_format(tok, row, ids, mask, template)
+    prompt = tok.prompt_ids(row["messages"][0]["content"], row["messages"][1]["content"])
+    x_star = teacher_prompt_ids(tok, prompt, "Vienna", template, row["support"])
+    assert privileged == x_star + ids[len(prompt) :]
+    assert privileged_mask == [0] * len(x_star) + mask[len(prompt) :]
+    # the scorer's teacher context of the same trajectory, token for token
+    completion = ids[len(prompt) :]
+    loss = np.asarray(mask[len(prompt) :])
+    contexts = build_contexts(
+        tok,
+        prompt,
+        completion,
+        loss,
+        [(0, len(completion))],
+        answer="Vienna",
+        template=template,
+        teacher_max_length=10_000,
+        support=row["support"],
+    )
+    assert contexts.teacher == privileged
+    decoded = tok.decode(x_star)
+    assert "Vienna" in decoded and (("kb://country/austria" in decoded) == ("{support}" in template))
+
+
+def test_sft_config_checks_its_teacher_formats():
+    assert SftConfig(teacher_formats=((DEFAULT_TEACHER_TEMPLATE, 0.5),)).teacher_formats
+    with pytest.raises(ValueError, match="fraction"):
+        SftConfig(teacher_formats=((DEFAULT_TEACHER_TEMPLATE, 0.0),))
+    with pytest.raises(ValueError, match="teacher_template"):
+        SftConfig(teacher_formats=(("{question} {hint}", 0.5),))
