@@ -22,6 +22,7 @@ from services.local_redis import free_port
 from services.model.checkpoint import load_model, load_weights_into, save_checkpoint
 from services.trainer.checkpoints import TrainState
 from services.trainer.publishing import WeightPublisher
+from services.weights import layout as layout_module
 from services.weights.layout import HubLayout, Piece, digest
 from services.weights.sender import WeightBroadcaster, buckets
 from tests.servers import wait_http
@@ -29,16 +30,9 @@ from tests.servers import wait_http
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """A small Qwen3-MoE policy (4 experts: its checkpoint and memory layouts differ) with a tokenizer."""
-    from services.model.tiny import TinySpec, build_tiny_model, train_tokenizer
-
-    texts = ["the quick brown fox jumps over the lazy dog " * 20, "search the corpus and read pages " * 20]
-    tokenizer = train_tokenizer(texts, vocab_size=300)
-    spec = TinySpec(vocab_size=300, hidden_size=32, head_dim=8, moe_intermediate_size=16, num_experts=4)
-    model = build_tiny_model(tokenizer, spec)
-    return save_checkpoint(model, tmp_path_factory.mktemp("weights") / "v0", tokenizer=tokenizer)
+@pytest.fixture
+def checkpoint(moe_checkpoint) -> Path:
+    return moe_checkpoint
 
 
 class Trainer:
@@ -73,6 +67,16 @@ def test_the_layout_names_and_addresses_exactly_what_the_checkpoint_holds(checkp
         if piece.index is None:  # a view: it shares the parameter's memory
             assert layout.view(state, piece).untyped_storage().data_ptr() == state[piece.param].data_ptr()
     assert layout.digest(model) == digest(on_disk.items())
+
+
+def test_the_row_shortcut_finds_what_probing_every_element_finds(checkpoint, monkeypatch):
+    model = load_model(checkpoint)
+    shortcut = HubLayout(model)
+    monkeypatch.setattr(layout_module, "_rows", lambda *args: None)
+    every = HubLayout(model)
+    assert [(p.name, p.param, p.shape, p.start, p.index) for p in shortcut.pieces] == [
+        (p.name, p.param, p.shape, p.start, p.index) for p in every.pieces
+    ]
 
 
 def test_writing_the_checkpoint_tensors_in_place_equals_loading_the_checkpoint(checkpoint):
