@@ -23,7 +23,7 @@ it holds the checkpoint's tensors by name in a dict (what ``load_weights`` reads
 tests' eyes only, answers ``GET /weights_digest`` with their digest and ``GET /control`` with the
 control calls it got.
 
-Run as ``python -m tests.sglang_weights_fake CHECKPOINT PORT``; a group's name is one per
+Run as ``python -m tests.sglang_weights_fake CHECKPOINT PORT [LACKING]``; a group's name is one per
 process in torch, so it runs apart from the trainer, as SGLang does.
 """
 
@@ -80,11 +80,13 @@ def _receive(group, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
     return weights
 
 
-def make_app(checkpoint: str, *, tp_rank: int = 0) -> FastAPI:
+def make_app(checkpoint: str, *, tp_rank: int = 0, lacking: str | None = None) -> FastAPI:
     """:func:`tests.sglang_fake.make_sglang` (pause, continue, model info, health) with the
-    distributed weight update on top; its ``version`` is the served ``weight_version``."""
+    distributed weight update on top; its ``version`` is the served ``weight_version``. ``lacking``:
+    a tensor its model does not have (an update naming it fails, as a mismatched model's does)."""
     app = make_sglang(lambda ids: [], version=0)
     app.state.weights = load_file(f"{checkpoint}/model.safetensors")
+    app.state.weights.pop(lacking, None)
     app.state.groups = {}
 
     def answer(ok: bool, message: str) -> JSONResponse:
@@ -167,4 +169,7 @@ def make_app(checkpoint: str, *, tp_rank: int = 0) -> FastAPI:
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(make_app(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+    lacking = sys.argv[3] if len(sys.argv) > 3 else None
+    uvicorn.run(
+        make_app(sys.argv[1], lacking=lacking), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning"
+    )

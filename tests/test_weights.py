@@ -28,6 +28,7 @@ from services.weights.sender import WeightBroadcaster, buckets
 from tests.servers import wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
+FIRST = "model.embed_tokens.weight"
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ class Receivers:
 
     def __init__(self, checkpoint: Path, redis_url: str = "", prefix: str = "") -> None:
         self.checkpoint = checkpoint
-        self.ports = {kind: free_port() for kind in ("sglang", "engine", "scorer")}
+        self.ports = {kind: free_port() for kind in ("sglang", "engine", "scorer", "mismatched")}
         self.env = {
             **os.environ,
             "REDIS_URL": redis_url,
@@ -126,6 +127,8 @@ class Receivers:
             port = str(self.ports[kind])
             command = {
                 "sglang": ["-m", "tests.sglang_weights_fake", str(self.checkpoint), port],
+                # an SGLang server whose model lacks the first tensor sent
+                "mismatched": ["-m", "tests.sglang_weights_fake", str(self.checkpoint), port, FIRST],
                 "engine": ["-m", "tests.weights_receiver_app", "engine", str(self.checkpoint), port],
                 "scorer": ["-m", "pbsd.cli", "serve", "scorer", "--port", port],
             }[kind]
@@ -272,3 +275,30 @@ def test_a_broadcast_publication_points_at_an_older_copy_only():
         WeightsPublished(**base, version=3, transport="broadcast", path_version=4)
     with pytest.raises(ValueError, match="disk publication"):
         WeightsPublished(**base, version=5, path_version=4)
+
+
+@pytest.mark.slow
+async def test_a_broadcast_broken_half_way_goes_to_disk_and_leaves_the_others_torn(
+    receivers, checkpoint, bus, tmp_path
+):
+    receivers.start("mismatched", "engine")
+    run = Run(checkpoint, bus, tmp_path, [receivers.url("mismatched"), receivers.url("engine")])
+    assert run.publisher.broadcaster.layout(run.trainer.model).pieces[0].name == FIRST
+    await run.publisher.announce(run.state, str(checkpoint))
+    try:
+        event = await run.publish()  # the first bucket fails on the mismatched server
+    finally:
+        await run.publisher.aclose()
+    assert (event.transport, event.version) == ("disk", 1)
+    assert digest(load_file(str(Path(event.path) / "model.safetensors")).items()) == run.trainer.digest()
+    async with httpx.AsyncClient(timeout=60) as http:
+        engine = (await http.get(receivers.url("engine") + "/model_info")).json()
+        control = (await http.get(receivers.url("mismatched") + "/control")).json()
+    assert engine["weight_version"] == "-1"  # torn: its worker reloads the disk copy the event names
+    # the server was kept paused until it had loaded the whole version from disk
+    assert [route for route, _ in control][-3:] == [
+        "destroy_weights_update_group",
+        "update_weights_from_disk",
+        "continue_generation",
+    ]
+    assert control[-2][1] == {"model_path": event.path, "weight_version": "1", "flush_cache": True}

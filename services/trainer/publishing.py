@@ -11,8 +11,9 @@ receivers (:mod:`services.weights.sender`), then the event announces it with ``t
 as ``path``/``path_version``: a consumer that was not in the group (it was down, or joined
 late) loads that copy and rejoins at the next version. Whenever a receiver is left out of a
 version it is also written to disk, so the one that missed it catches up to it, not to an older
-checkpoint; when no group forms at all, or a broadcast breaks half-way (the members' weights
-are then torn), the version is published the disk way.
+checkpoint; when no group forms at all, or a broadcast breaks half-way, the version is published
+the disk way (the members a broken broadcast left paused with torn weights load it from there
+before they resume: :meth:`WeightBroadcaster.recover`).
 """
 
 from __future__ import annotations
@@ -89,8 +90,13 @@ class WeightPublisher:
         except BroadcastFailed as exc:
             log.error("version %d: the broadcast failed (%s); publishing it on disk", state.version, exc)
             left_out = None
+        except Exception:  # never the run's end: the disk still carries the version
+            log.exception("version %d: no broadcast; publishing it on disk", state.version)
+            left_out = None
         if left_out is None or not self.broadcaster.members:
             await self._write_and_announce(trainer, tokenizer, state)
+            if left_out is None:  # members paused with torn weights load the copy before they resume
+                await self.broadcaster.recover(*self.disk)
             m.PUBLISH_SECONDS.labels("disk").observe(time.perf_counter() - started)
             return
         m.PUBLISH_SECONDS.labels("broadcast").observe(time.perf_counter() - started)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-__all__ = ["DTYPES", "broadcast", "close_group", "dtype_name", "open_group"]
+__all__ = ["DTYPES", "broadcast", "close_group", "dtype_name", "open_group", "use_device"]
 
 DTYPES = {
     name: getattr(torch, name)
@@ -38,10 +38,26 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def use_device(device: torch.device | None) -> None:
+    """Make ``device`` this thread's CUDA device: NCCL works on the current one, and a thread starts
+    on ``cuda:0`` whatever device its process's model is on."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def open_group(
-    *, address: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float
+    *,
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    name: str,
+    backend: str,
+    timeout_s: float,
+    device: torch.device | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) the group ``name``; blocks until all ``world_size`` ranks have joined."""
+    use_device(device)
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(
         dist.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout)
@@ -68,6 +84,7 @@ def close_group(group: dist.ProcessGroup) -> None:
 
 def broadcast(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
     """Broadcast (rank 0) or receive (the others) ``tensors`` in order; returns once all are done."""
+    use_device(tensors[0].device if tensors else None)
     works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
     for work in works:
         work.wait()

@@ -88,8 +88,10 @@ class WeightReceiver:
             return False, f"group {name} already exists"
         backend = body.get("backend", "nccl")
         try:
+            device = next(self.target().model.parameters()).device if backend == "nccl" else None
             group = await asyncio.to_thread(
                 open_group,
+                device=device,
                 address=body["master_address"],
                 port=int(body["master_port"]),
                 rank=int(body["rank_offset"]),
@@ -147,6 +149,9 @@ class WeightReceiver:
         if not len(names) == len(dtypes) == len(shapes):
             return False, "names, dtypes and shapes differ in length"
         name = body.get("group_name", "weight_update_group")
+        version = body.get("weight_version")
+        if version is not None and not str(version).isdigit():
+            return False, f"weight_version {version!r} is not a version number"
         if name not in self.groups:
             return (
                 False,
@@ -157,9 +162,9 @@ class WeightReceiver:
         try:
             error = await asyncio.to_thread(self._receive, *self.groups[name], names, dtypes, shapes)
             self._failed = self._failed or error is not None
-            self._partial = body.get("weight_version") is None
+            self._partial = version is None
             if not self._failed and not self._partial:
-                self._version = int(body["weight_version"])
+                self._version = int(version)
         finally:
             if implicit:
                 await self.resume()

@@ -13,7 +13,7 @@ One version::
         POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
             weight_version (the last bucket only)} to every member, and meanwhile broadcast the
             bucket's tensors from rank 0; each member answers once it has received them
-    POST /continue_generation to the members (also after a failure)
+    POST /continue_generation to the members
 
 The HTTP calls and the broadcast run at once because a member answers only after its receive
 ends. The tensors are views of the model's own memory (:class:`HubLayout`): nothing is copied
@@ -21,7 +21,8 @@ on a GPU; with gloo and a GPU model each tensor is first copied to the host.
 
 :meth:`WeightBroadcaster.publish` returns the receivers left out (they missed this version); a
 failure in the middle of a version takes the group down and raises :class:`BroadcastFailed`:
-the members' weights are then torn and the caller falls back to a copy on disk.
+the members' weights are then torn, they stay paused, and the caller writes the version to disk
+and calls :meth:`WeightBroadcaster.recover`, which has them load it before they continue.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class WeightBroadcaster:
         self.members: list[str] = []
         self.sent: int | None = None  # the version the members hold
         self._layout: tuple[int, HubLayout] | None = None
+        self.device: torch.device | None = None  # the model's CUDA device, for NCCL
+        self.stranded: list[str] = []  # members a failed version left paused (see recover)
 
     def layout(self, model: nn.Module) -> HubLayout:
         if self._layout is None or self._layout[0] != id(model):
@@ -102,25 +105,49 @@ class WeightBroadcaster:
     async def publish(self, model: nn.Module, version: int) -> list[str]:
         """Send ``model``'s weights as ``version`` to every receiver that can take them; the ones
         left out. Raises :class:`BroadcastFailed` when the version did not reach every member."""
+        self.device = next(model.parameters()).device if self.backend == "nccl" else None
         await self._ensure_group()
         left_out = [u for u in self.urls if u not in self.members]
         if not self.members:
             return left_out
-        layout = self.layout(model)
         paused = await self._call_all("/pause_generation", {"mode": self.pause_mode})
         try:
             if len(paused) < len(self.members):
                 raise BroadcastFailed("a member did not pause")
+            layout = self.layout(model)
             pieces = list(buckets(layout.pieces, self.bucket_bytes))
             for i, bucket in enumerate(pieces):
                 await self._send(model, layout, bucket, version if i == len(pieces) - 1 else None)
-        except BroadcastFailed:
+        except Exception as exc:  # the members may hold part of the version: the group goes, they stay paused
+            self.stranded = paused
             await self._teardown()
-            raise
-        finally:
-            await self._call_all("/continue_generation", {}, only=paused)
+            raise exc if isinstance(exc, BroadcastFailed) else BroadcastFailed(repr(exc)) from exc
+        await self._call_all("/continue_generation", {}, only=paused)
         self.sent = version
         return left_out
+
+    async def recover(self, path: str, version: int) -> None:
+        """After a :class:`BroadcastFailed`: the members it left paused, with part of a version in them,
+        load the whole of ``version`` from ``path`` (``/update_weights_from_disk``; SGLang's servers
+        would otherwise resume sampling with torn weights), then continue. Our own receivers have no
+        such route: they resume torn and serve nothing until their worker loads the copy the disk
+        publication names."""
+        stranded, self.stranded = self.stranded, []
+        body = {"model_path": path, "weight_version": str(version), "flush_cache": True}
+        for url in stranded:
+            with contextlib.suppress(httpx.HTTPError):
+                response = await self.http.post(
+                    f"{url}/update_weights_from_disk", json=body, timeout=self.timeout_s
+                )
+                if response.status_code not in (200, 404):
+                    log.warning(
+                        "%s did not reload %s: HTTP %d %s",
+                        url,
+                        path,
+                        response.status_code,
+                        response.text[:200],
+                    )
+        await self._call_all("/continue_generation", {}, only=stranded)
 
     async def _send(
         self, model: nn.Module, layout: HubLayout, bucket: list[Piece], version: int | None
@@ -190,6 +217,7 @@ class WeightBroadcaster:
         host = asyncio.create_task(
             asyncio.to_thread(
                 open_group,
+                device=self.device,
                 address=self.master_address,
                 port=port,
                 rank=0,
@@ -205,7 +233,13 @@ class WeightBroadcaster:
             host.add_done_callback(_close_when_done)
             log.warning("the weight group did not form: %s", "; ".join(failed))
             return
-        self.group, self.group_name, self.members, self.sent = await host, name, urls, None
+        try:
+            group = await host
+        except Exception:
+            log.exception("the weight group did not form on the trainer's side")
+            await self._call_all("/destroy_weights_update_group", {"group_name": name}, only=urls)
+            return
+        self.group, self.group_name, self.members, self.sent = group, name, urls, None
         log.info("weight group %s formed: trainer + %s (world %d, %s)", name, urls, world, self.backend)
 
     async def _teardown(self) -> None:
