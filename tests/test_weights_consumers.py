@@ -170,3 +170,32 @@ def test_settings_refuse_a_broadcast_nobody_can_take(moe_checkpoint):
             model=str(moe_checkpoint), engine="sglang", sglang_urls=["http://s"], accept_broadcast=True
         )
     assert TrainerSettings(local_mode=True, weights_transport="broadcast", weights_receivers=["http://s"])
+
+
+async def test_a_receiver_that_refuses_to_join_sits_the_next_publications_out():
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from torch import nn
+
+    from services.weights.sender import BENCH, WeightBroadcaster
+
+    app, joins = FastAPI(), []
+
+    @app.get("/model_info")
+    async def model_info():
+        return {"weight_version": "default"}
+
+    @app.post("/init_weights_update_group")
+    async def init_group():
+        joins.append(1)
+        return JSONResponse({"success": False, "message": "Failed to initialize"}, status_code=400)
+
+    with serve(app) as url:
+        broadcaster = WeightBroadcaster([url], master_address="127.0.0.1", timeout_s=2)
+        model = nn.Linear(2, 2)
+        left_out = [await broadcaster.publish(model, v) for v in range(1, BENCH + 2)]
+        assert len(joins) == 1  # asked at the first publication, then left out of BENCH
+        left_out.append(await broadcaster.publish(model, BENCH + 2))
+        await broadcaster.aclose()
+    assert left_out == [[url]] * (BENCH + 2)  # every version went without it
+    assert len(joins) == 2  # asked again

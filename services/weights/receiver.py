@@ -160,7 +160,10 @@ class WeightReceiver:
         implicit = not self._held
         await self.pause()
         try:
-            error = await asyncio.to_thread(self._receive, *self.groups[name], names, dtypes, shapes)
+            try:
+                error = await asyncio.to_thread(self._receive, *self.groups[name], names, dtypes, shapes)
+            except Exception as exc:  # a receive cut off (the sender died, a timeout): part of it is in
+                error = repr(exc)
             self._failed = self._failed or error is not None
             self._partial = version is None
             if not self._failed and not self._partial:

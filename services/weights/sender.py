@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 __all__ = ["BroadcastFailed", "WeightBroadcaster", "buckets"]
 
 
+BENCH = 5  # publications a receiver that refused to join the group sits out (as if it were down)
+
+
 class BroadcastFailed(Exception):
     """A version did not reach every member of the group; the group is down."""
 
@@ -90,6 +93,7 @@ class WeightBroadcaster:
         self._layout: tuple[int, HubLayout] | None = None
         self.device: torch.device | None = None  # the model's CUDA device, for NCCL
         self.stranded: list[str] = []  # members a failed version left paused (see recover)
+        self._benched: dict[str, int] = {}  # receivers that refused to join: publications to sit out
 
     def layout(self, model: nn.Module) -> HubLayout:
         if self._layout is None or self._layout[0] != id(model):
@@ -185,7 +189,8 @@ class WeightBroadcaster:
         served = dict(
             zip(self.urls, await asyncio.gather(*(self._served(u) for u in self.urls)), strict=True)
         )
-        reachable = [u for u in self.urls if served[u] is not None]
+        reachable = [u for u in self.urls if served[u] is not None and u not in self._benched]
+        self._benched = {u: n - 1 for u, n in self._benched.items() if n > 1}
         intact = self.sent is not None and all(served[u] == str(self.sent) for u in self.members)
         if self.group is not None and intact and reachable == self.members:
             return
@@ -231,6 +236,11 @@ class WeightBroadcaster:
         failed = [f"{u}: {a}" for u, a in zip(urls, answers, strict=True) if a is not True]
         if failed:  # the host waits out its timeout in its thread; this version goes without a group
             host.add_done_callback(_close_when_done)
+            refused = [
+                u for u, a in zip(urls, answers, strict=True) if a is not True and "Timeout" not in str(a)
+            ]
+            # the others waited for it in the rendezvous until the timeout: it sits the next ones out
+            self._benched.update(dict.fromkeys(refused, BENCH))
             log.warning("the weight group did not form: %s", "; ".join(failed))
             return
         try:
