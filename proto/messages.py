@@ -271,7 +271,10 @@ class ScoredGroup(Message):
 
 
 class WeightsPublished(Message):
-    """A new policy version is on disk; rollout workers and scorers reload from ``path``."""
+    """A new policy version. ``transport`` "disk": it is at ``path``, and every consumer reloads from
+    there. "broadcast": the trainer has already sent it over a ``torch.distributed`` group to the
+    consumers in that group (SGLang's distributed weight update); a consumer still behind it missed
+    the broadcast and falls back to the newest copy on disk, ``path``, which holds ``path_version``."""
 
     run_id: str = Field(min_length=1)
     version: NonNegInt
@@ -279,6 +282,25 @@ class WeightsPublished(Message):
     path: str = Field(min_length=1, description="Hugging Face checkpoint directory (safetensors)")
     format: Literal["safetensors"] = "safetensors"
     created_at: float = Field(default_factory=_now)
+    transport: Literal["disk", "broadcast"] = "disk"
+    path_version: NonNegInt | None = Field(
+        default=None,
+        description="the version the checkpoint at path holds when it is not version (a broadcast "
+        "whose newest disk copy is an older full checkpoint); None: version",
+    )
+
+    @model_validator(mode="after")
+    def _disk_copy_is_not_newer(self):
+        if self.path_version is not None and self.path_version > self.version:
+            raise ValueError(f"path_version {self.path_version} is newer than version {self.version}")
+        if self.transport == "disk" and self.path_version not in (None, self.version):
+            raise ValueError("a disk publication holds its own version at path")
+        return self
+
+    def disk_copy(self) -> WeightsPublished:
+        """The publication of the copy at ``path`` alone: what a consumer that missed a broadcast loads."""
+        version = self.version if self.path_version is None else self.path_version
+        return self.model_copy(update={"version": version, "transport": "disk", "path_version": None})
 
 
 class DeadLetter(Message):

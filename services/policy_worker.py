@@ -73,28 +73,66 @@ class PolicyWorker(abc.ABC):
             return False
         return _stream_id(self.newest[0]) > _stream_id(published_at)
 
+    @property
+    def server(self):
+        """The engine or scorer that holds the weights (subclasses); one that serves them from SGLang
+        servers follows broadcasts itself (``follow_broadcast``: each server that missed one loads
+        the disk copy)."""
+        return None
+
+    async def follow_broadcast(self, event: WeightsPublished) -> None:
+        """``event`` was broadcast to the weight group. A model in the group has it already; one that
+        missed it (it was down, or not yet up) loads the newest copy on disk if that is newer than
+        what it holds, and takes the next version from the group."""
+        follow = getattr(self.server, "follow_broadcast", None)
+        if follow is not None:
+            try:
+                await follow(event.version, event.disk_copy().path, event.disk_copy().version)
+            except Exception:
+                log.exception("%s could not bring its servers to policy version %d", self.name, event.version)
+            self.loaded_run = event.run_id
+            return
+        if event.run_id == self.loaded_run and self.version >= event.version:
+            return
+        copy = event.disk_copy()
+        if event.run_id != self.loaded_run or copy.version > self.version:
+            await self._load(copy)
+        else:
+            log.warning(
+                "%s missed policy version %d and holds %d; the next broadcast brings it up to date",
+                self.name,
+                event.version,
+                self.version,
+            )
+
     async def _see(self, entry_id: str, event: WeightsPublished) -> None:
-        """Bring the model to ``event`` if it is another version or run; a failed load is logged and
-        retried a few times, and never ends the following (the next publication is taken as usual)."""
+        """Bring the model to ``event`` if it is another version or run (a broadcast one: see
+        :meth:`follow_broadcast`); a failed load is logged and retried a few times, and never ends the
+        following (the next publication is taken as usual)."""
         self.newest = (entry_id, event.run_id)
-        if event.version != self.version or event.run_id != self.loaded_run:
-            attempts = 1 + len(self.load_retry_delays_s)
-            for attempt, delay in enumerate((*self.load_retry_delays_s, None), start=1):
-                try:
-                    await self.apply_weights(event)
-                    break
-                except Exception:
-                    log.exception(
-                        "%s could not load policy version %d (attempt %d of %d)",
-                        self.name,
-                        event.version,
-                        attempt,
-                        attempts,
-                    )
-                    if delay is not None:
-                        await asyncio.sleep(delay)
+        if event.transport == "broadcast":
+            await self.follow_broadcast(event)
+        elif event.version != self.version or event.run_id != self.loaded_run:
+            await self._load(event)
         async with self.weights_changed:
             self.weights_changed.notify_all()
+
+    async def _load(self, event: WeightsPublished) -> None:
+        attempts = 1 + len(self.load_retry_delays_s)
+        for attempt, delay in enumerate((*self.load_retry_delays_s, None), start=1):
+            try:
+                await self.apply_weights(event)
+                return
+            except Exception:
+                log.exception(
+                    "%s could not load policy version %d (attempt %d of %d)",
+                    self.name,
+                    event.version,
+                    attempt,
+                    attempts,
+                )
+                if delay is not None:
+                    await asyncio.sleep(delay)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.prepare()

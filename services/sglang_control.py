@@ -14,6 +14,7 @@ with the new one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -21,7 +22,7 @@ from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightsRefused", "load_weights_from_disk", "model_info"]
+__all__ = ["WeightsRefused", "follow_broadcast", "load_weights_from_disk", "model_info"]
 
 
 class WeightsRefused(Exception):
@@ -63,3 +64,34 @@ async def load_weights_from_disk(
             log.warning("sglang %s serves the weights at %s although it reported: %s", url, path, message)
             return
     raise WeightsRefused(f"{url} refused the weights at {path}: HTTP {response.status_code} {message}")
+
+
+async def follow_broadcast(
+    http: httpx.AsyncClient,
+    urls: list[str],
+    version: int,
+    copy: tuple[str, int],
+    retry: RetryPolicy,
+    reload: Callable[[str, str, int], Awaitable[None]],
+) -> int | None:
+    """After the trainer broadcast ``version``: ``reload(url, path, disk_version)`` the disk copy
+    (``copy``: path, version) on every server that serves neither that version nor anything as new
+    as the copy (it restarted, or was left out of the weight group); the oldest version served then
+    (None: no server answers). A server that does not answer is left alone: the trainer brings it
+    back into the group once it is up again."""
+    path, disk_version = copy
+    behind, served = [], []
+    for url in urls:
+        try:
+            tag = str((await model_info(http, url, retry)).get("weight_version"))
+        except UpstreamError as exc:
+            log.warning("sglang %s does not answer (%s)", url, exc)
+            continue
+        held = int(tag) if tag.isdigit() else None
+        if held is not None and held >= min(version, disk_version + 1):
+            served.append(held)
+        else:
+            behind.append(url)
+    for url in behind:
+        await reload(url, path, disk_version)
+    return min([*served, *([disk_version] if behind else [])], default=None)

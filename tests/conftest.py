@@ -67,6 +67,20 @@ def tiny_checkpoint(tiny_world, tmp_path_factory):
     return save_checkpoint(model, tmp_path_factory.mktemp("tiny-ckpt") / "v0", tokenizer=tokenizer)
 
 
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory):
+    """A very small Qwen3-MoE policy with a tokenizer, built in seconds (no world): 4 experts, so its
+    checkpoint layout (one tensor per expert) differs from the fused one transformers holds."""
+    from services.model.checkpoint import save_checkpoint
+    from services.model.tiny import TinySpec, build_tiny_model, train_tokenizer
+
+    texts = ["the quick brown fox jumps over the lazy dog " * 20, "search the corpus and read pages " * 20]
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    spec = TinySpec(vocab_size=300, hidden_size=32, head_dim=8, moe_intermediate_size=16, num_experts=4)
+    model = build_tiny_model(tokenizer, spec)
+    return save_checkpoint(model, tmp_path_factory.mktemp("moe") / "v0", tokenizer=tokenizer)
+
+
 TOKEN = "test-token-5b1d"
 
 

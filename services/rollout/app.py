@@ -18,6 +18,7 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 from services.telemetry import setup_logging
 from services.tools.client import GatewayClient
+from services.weights.receiver import WeightReceiver, add_weight_routes
 
 
 def build_engine(settings: RolloutSettings) -> Engine:
@@ -62,4 +63,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
     async def healthy(worker: RolloutWorker) -> bool:
         return await worker.engine.health()
 
-    return worker_app("pbsd rollout", start, healthy, grace_s=settings.shutdown_grace_s)
+    app = worker_app("pbsd rollout", start, healthy, grace_s=settings.shutdown_grace_s)
+    if settings.accept_broadcast:
+        add_weight_routes(app, WeightReceiver(lambda: app.state.worker.engine))
+    return app

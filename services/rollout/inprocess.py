@@ -47,6 +47,7 @@ from services.model.routing import RouteRecorder
 from services.rollout import rowwise
 from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
 from services.rollout.sampling import sample_rows
+from services.weights.receiver import TORN
 
 __all__ = ["InProcessEngine"]
 
@@ -83,6 +84,13 @@ class _Reload:
     done: concurrent.futures.Future
 
 
+@dataclass
+class _Hold:  # the worker parks: a broadcast writes into the model (services.weights.receiver)
+    parked: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    resume: threading.Event = field(default_factory=threading.Event)
+    version: int | None = None  # what the model holds afterwards (None: unchanged; TORN: half-written)
+
+
 _STOP = object()
 
 
@@ -117,6 +125,8 @@ class InProcessEngine:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._forget: deque[str] = deque()
+        self._hold: _Hold | None = None
+        self._deferred: list[_Job] = []  # requests that came while the weights were torn
         self.tokens_fed = 0  # prefill + decode tokens run through the model
         self.decode_steps = 0  # batched decode forwards
         self.decoded_rows = 0  # rows over all decode forwards (/ decode_steps: the mean batch)
@@ -138,6 +148,25 @@ class InProcessEngine:
         self._ensure_worker()
         self._queue.put(_Reload(path, version, done))
         await asyncio.wrap_future(done)
+
+    # -- a receiver of broadcast weights (services.weights.receiver.Holdable) --------------------
+    @property
+    def weights_version(self) -> int:
+        return self.weight_version
+
+    async def hold(self) -> None:
+        """Park the worker once the sequences decoding now have finished their turn."""
+        self._hold = _Hold()
+        self._ensure_worker()
+        self._queue.put(self._hold)
+        await asyncio.wrap_future(self._hold.parked)
+
+    async def release(self, version: int | None) -> None:
+        """Resume; new weights drop every cache. Torn weights admit nothing until a reload."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.version = version
+            hold.resume.set()
 
     async def health(self) -> bool:
         return self._worker is None or self._worker.is_alive()
@@ -166,8 +195,13 @@ class InProcessEngine:
         with torch.no_grad():
             while True:
                 jobs = []
+                torn = self.weight_version == TORN
                 if control is None:
-                    jobs, control = self._take(block=not running, room=self.max_batch - len(running))
+                    ready = bool(self._deferred) and not torn
+                    jobs, control = self._take(
+                        block=not (running or ready), room=self.max_batch - len(running)
+                    )
+                jobs, self._deferred = ([], self._deferred + jobs) if torn else (self._deferred + jobs, [])
                 while self._forget:
                     self._sessions.pop(self._forget.popleft(), None)
                 if jobs:
@@ -179,7 +213,7 @@ class InProcessEngine:
                 if control is _STOP:
                     self._fail_queued()
                     return
-                self._reload(control)
+                self._park(control) if isinstance(control, _Hold) else self._reload(control)
                 control = None
 
     def _take(self, *, block: bool, room: int) -> tuple[list[_Job], object]:
@@ -206,7 +240,16 @@ class InProcessEngine:
                 j.loop.call_soon_threadsafe(_set_exception, j.future, exc)
             return []
 
+    def _park(self, hold: _Hold) -> None:
+        hold.parked.set_result(None)
+        hold.resume.wait()
+        if hold.version is not None:
+            self._new_weights(hold.version)
+
     def _fail_queued(self) -> None:
+        for job in self._deferred:
+            job.loop.call_soon_threadsafe(_set_exception, job.future, EngineError("engine closed"))
+        self._deferred = []
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -216,6 +259,8 @@ class InProcessEngine:
                 item.loop.call_soon_threadsafe(_set_exception, item.future, EngineError("engine closed"))
             elif isinstance(item, _Reload):
                 item.done.set_exception(EngineError("engine closed"))
+            elif isinstance(item, _Hold):
+                item.parked.set_exception(EngineError("engine closed"))
 
     def _reload(self, reload: _Reload) -> None:
         try:
@@ -223,10 +268,13 @@ class InProcessEngine:
         except Exception as exc:  # the caller gets it
             reload.done.set_exception(exc)
             return
-        self.weight_version = reload.version
+        self._new_weights(reload.version)
+        reload.done.set_result(None)
+
+    def _new_weights(self, version: int) -> None:
+        self.weight_version = version
         self._sessions.clear()  # caches computed with the old weights are stale
         self._prompts.clear()
-        reload.done.set_result(None)
 
     # -- admission: a prefill per request ---------------------------------------------------
     def _admit(self, jobs: list[_Job]) -> list[_Job]:

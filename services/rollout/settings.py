@@ -36,11 +36,20 @@ class RolloutSettings(WorkerSettings):
         ),
     )
     claim_idle_ms: int = 600_000
+    accept_broadcast: bool = Field(
+        default=False,
+        description="take policy versions the trainer broadcasts (SGLang's weight-update endpoints on "
+        "this service's port; list its URL in PBSD_TRAINER_WEIGHTS_RECEIVERS): engine inprocess only",
+    )
     host: str = "127.0.0.1"
     port: int = 8002
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.accept_broadcast and self.engine != "inprocess":
+            raise ValueError(
+                "accept_broadcast needs the inprocess engine: SGLang servers take broadcasts themselves"
+            )
         if self.engine == "sglang" and not self.sglang_urls:
             raise ValueError("the sglang engine needs PBSD_ROLLOUT_SGLANG_URLS")
         return self

@@ -42,7 +42,7 @@ import httpx
 import numpy as np
 
 from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
-from services.sglang_control import WeightsRefused, load_weights_from_disk, model_info
+from services.sglang_control import WeightsRefused, follow_broadcast, load_weights_from_disk, model_info
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
 log = logging.getLogger(__name__)
@@ -181,14 +181,27 @@ class SglangEngine:
         """Pause every server, load the checkpoint, flush caches, continue."""
         async with self._update_lock:
             for url in self.urls:
-                await self._post(url, "/pause_generation", {"mode": self.pause_mode})
-                try:
-                    await load_weights_from_disk(self.http, url, path, version, self.retry)
-                except WeightsRefused as exc:
-                    raise EngineError(str(exc)) from None
-                finally:
-                    await self._post(url, "/continue_generation", {})
+                await self._reload(url, path, version)
             self.weight_version = version
+
+    async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
+        """The trainer broadcast ``version`` to the servers in its weight group; the ones that missed
+        it load the disk copy (``path``, ``disk_version``). The engine's version is the oldest served."""
+        async with self._update_lock:
+            oldest = await follow_broadcast(
+                self.http, self.urls, version, (path, disk_version), self.retry, self._reload
+            )
+            if oldest is not None:
+                self.weight_version = oldest
+
+    async def _reload(self, url: str, path: str, version: int) -> None:
+        await self._post(url, "/pause_generation", {"mode": self.pause_mode})
+        try:
+            await load_weights_from_disk(self.http, url, path, version, self.retry)
+        except WeightsRefused as exc:
+            raise EngineError(str(exc)) from None
+        finally:
+            await self._post(url, "/continue_generation", {})
 
     async def _post(self, url: str, path: str, body: dict) -> dict:
         response = await send_with_retries(

@@ -64,6 +64,10 @@ class RolloutWorker(PolicyWorker):
     def version(self) -> int:
         return self.engine.weight_version
 
+    @property
+    def server(self):
+        return self.engine
+
     async def prepare(self) -> None:
         self.system = system_prompt(await self.tools.catalogue(), self.date)
 

@@ -15,6 +15,7 @@ from services.policy_worker import worker_app
 from services.scorer.settings import ScorerSettings
 from services.scorer.worker import ScorerWorker
 from services.telemetry import setup_logging
+from services.weights.receiver import WeightReceiver, add_weight_routes
 
 log = logging.getLogger(__name__)
 
@@ -64,4 +65,7 @@ def create_app(settings: ScorerSettings | None = None) -> FastAPI:
         )
         return worker, [bus.close]
 
-    return worker_app("pbsd evidence scorer", start, grace_s=settings.shutdown_grace_s)
+    app = worker_app("pbsd evidence scorer", start, grace_s=settings.shutdown_grace_s)
+    if settings.accept_broadcast:
+        add_weight_routes(app, WeightReceiver(lambda: app.state.worker.scorer))
+    return app

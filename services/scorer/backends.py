@@ -18,8 +18,9 @@ from services.model.checkpoint import load_weights_into
 from services.model.lm_head import HeadPath
 from services.scorer.logprobs import kernel_path, sequence_logprobs
 from services.scorer.replay import RoutedRequest, replayed_logprobs
-from services.sglang_control import WeightsRefused, load_weights_from_disk
+from services.sglang_control import WeightsRefused, follow_broadcast, load_weights_from_disk
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
+from services.weights.receiver import TORN
 
 __all__ = ["LocalScorer", "SglangScorer"]
 
@@ -46,8 +47,11 @@ class LocalScorer:
         self.path = kernel_path(model, pack=pack, head=head)
         self.version = version
         self._lock = asyncio.Lock()
+        self._whole = asyncio.Event()  # cleared while a broken broadcast leaves the weights torn
+        self._whole.set()
 
     async def __call__(self, requests: Sequence[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
+        await self._whole.wait()
         async with self._lock:
             return await asyncio.to_thread(
                 sequence_logprobs,
@@ -61,6 +65,7 @@ class LocalScorer:
 
     async def replayed(self, requests: Sequence[RoutedRequest]) -> list[np.ndarray]:
         """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
+        await self._whole.wait()
         async with self._lock:
             return await asyncio.to_thread(
                 replayed_logprobs, self.model, requests, chunk_size=self.chunk_size, head=self.path.head
@@ -70,6 +75,24 @@ class LocalScorer:
         async with self._lock:
             await asyncio.to_thread(load_weights_into, self.model, path)
             self.version = version
+            self._whole.set()
+
+    # -- a receiver of broadcast weights (services.weights.receiver.Holdable) ---------------------
+    @property
+    def weights_version(self) -> int:
+        return self.version
+
+    async def hold(self) -> None:
+        await self._lock.acquire()  # the pass in progress ends first; no other starts
+
+    async def release(self, version: int | None) -> None:
+        if version is not None:
+            self.version = version
+            if version == TORN:  # scoring waits for a whole copy (the next publication's disk load)
+                self._whole.clear()
+            else:
+                self._whole.set()
+        self._lock.release()
 
 
 class SglangScorer:
@@ -122,8 +145,19 @@ class SglangScorer:
 
     async def update_weights(self, path: str, version: int) -> None:
         for url in self.urls:
-            try:
-                await load_weights_from_disk(self.http, url, path, version, self.retry)
-            except WeightsRefused as exc:
-                raise UpstreamError(f"sglang {url}", str(exc)) from None
+            await self._reload(url, path, version)
         self.version = version
+
+    async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
+        """As :meth:`SglangEngine.follow_broadcast`: servers that missed ``version`` load the disk copy."""
+        oldest = await follow_broadcast(
+            self.http, self.urls, version, (path, disk_version), self.retry, self._reload
+        )
+        if oldest is not None:
+            self.version = oldest
+
+    async def _reload(self, url: str, path: str, version: int) -> None:
+        try:
+            await load_weights_from_disk(self.http, url, path, version, self.retry)
+        except WeightsRefused as exc:
+            raise UpstreamError(f"sglang {url}", str(exc)) from None

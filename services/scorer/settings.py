@@ -40,11 +40,20 @@ class ScorerSettings(WorkerSettings):
     )
     concurrency: int = 1
     claim_idle_ms: int = 600_000
+    accept_broadcast: bool = Field(
+        default=False,
+        description="take policy versions the trainer broadcasts (SGLang's weight-update endpoints on "
+        "this service's port; list its URL in PBSD_TRAINER_WEIGHTS_RECEIVERS): backend local only",
+    )
     host: str = "127.0.0.1"
     port: int = 8003
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.accept_broadcast and self.backend != "local":
+            raise ValueError(
+                "accept_broadcast needs the local backend: SGLang servers take broadcasts themselves"
+            )
         if self.backend == "sglang" and not self.sglang_urls:
             raise ValueError("the sglang backend needs PBSD_SCORER_SGLANG_URLS")
         return self

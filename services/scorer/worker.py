@@ -48,6 +48,10 @@ class ScorerWorker(PolicyWorker):
     def version(self) -> int:
         return self.scorer.version
 
+    @property
+    def server(self):
+        return self.scorer
+
     async def load_weights(self, event: WeightsPublished) -> None:
         await self.scorer.update_weights(event.path, event.version)
         metrics.POLICY_VERSION.set(event.version)

@@ -128,8 +128,11 @@ class RunExecutor:
         run = await open_run(self.bus, self.store, self.settings, run_id, resume=resume, hold=self._hold)
         if run is None:
             return
-        finished = await self._train(run, stop)
-        await self._close(run, finished)
+        try:
+            finished = await self._train(run, stop)
+            await self._close(run, finished)
+        finally:
+            await run.publisher.aclose()  # the run's weight group, if it has one
 
     async def _train(self, run: Run, stop: asyncio.Event) -> str:
         """The step loop; returns how the run ended: completed, cancelled or interrupted."""
@@ -269,6 +272,8 @@ class RunExecutor:
         from any other checkpoint may have lost steps, and publishes the prompts out again)."""
         path = run.out / "checkpoints" / f"step-{run.state.step:06d}"
         await asyncio.to_thread(run.trainer.save_weights, path / "model", tokenizer=run.tokenizer)
+        # what a consumer that missed a broadcast loads
+        run.publisher.saved(path / "model", run.state.version)
         await asyncio.to_thread(run.trainer.save_state, path / "state.pt")
         write_checkpoint(
             path,

@@ -132,3 +132,14 @@ def export_step(record: dict[str, float]) -> None:
         if key in record:
             gauge.set(record[key])
     STEP_SECONDS.observe(record["step_s"])
+
+
+PUBLISH_SECONDS = Histogram(
+    "pbsd_trainer_publish_seconds",
+    "Seconds to hand a policy version to the consumers, by transport (disk: write the checkpoint; "
+    "broadcast: the in-memory update of every member of the weight group)",
+    ["transport"],
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+)
+for _transport in ("disk", "broadcast"):  # both series exist before the first publication
+    PUBLISH_SECONDS.labels(_transport)

@@ -37,7 +37,7 @@ from services.trainer.checkpoints import (
 from services.trainer.controller import PromptController
 from services.trainer.distributed import make_trainer
 from services.trainer.evaluation import Evaluator
-from services.trainer.publishing import WeightPublisher
+from services.trainer.publishing import WeightPublisher, broadcaster
 from services.trainer.runs import ACTIVE, FINISHED, RunStore
 from services.trainer.settings import TrainerSettings
 from worldgen.formats import load_questions, require_support
@@ -139,7 +139,9 @@ async def open_run(
     if found not in ACTIVE:
         log.info("run %s was %s while its model loaded: it does not start", run_id, found)
         return None
-    publisher = WeightPublisher(bus, run_id, out, keep=settings.keep_weights)
+    publisher = WeightPublisher(
+        bus, run_id, out, keep=settings.keep_weights, broadcaster=broadcaster(settings)
+    )
     await publisher.announce(state, initial_weights)
 
     controller = PromptController(

@@ -1,15 +1,28 @@
-"""Publishing policy versions: the trainer's weights written out and announced on the bus.
+"""Publishing policy versions: the trainer's weights handed to the consumers and announced on the bus.
 
-Version ``v`` is written to ``runs/<id>/weights/v<v>/`` and announced with a
-``WeightsPublished`` event; rollout workers and the scorer load it from there. Only the
-newest ``keep`` versions stay on disk (a consumer that falls further behind reads a newer
-one when it catches up).
+Disk (the default): version ``v`` is written to ``runs/<id>/weights/v<v>/`` and announced with a
+``WeightsPublished`` event; rollout workers and the scorer load it from there. Only the newest
+``keep`` versions stay on disk (a consumer that falls further behind reads a newer one when it
+catches up).
+
+Broadcast (``weights_transport``): version ``v`` goes over a ``torch.distributed`` group to the
+receivers (:mod:`services.weights.sender`), then the event announces it with ``transport``
+"broadcast" and the newest full copy on disk (the run's last checkpoint, or its initial model)
+as ``path``/``path_version``: a consumer that was not in the group (it was down, or joined
+late) loads that copy and rejoins at the next version. Whenever a receiver is left out of a
+version it is also written to disk, so the one that missed it catches up to it, not to an older
+checkpoint; when no group forms at all, or a broadcast breaks half-way, the version is published
+the disk way (the members a broken broadcast left paused with torn weights load it from there
+before they resume: :meth:`WeightBroadcaster.recover`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
+import socket
+import time
 from pathlib import Path
 
 from proto.messages import WeightsPublished
@@ -17,36 +30,113 @@ from proto.streams import WEIGHTS
 from services.bus import Bus
 from services.trainer import metrics as m
 from services.trainer.checkpoints import TrainState
+from services.weights.sender import BroadcastFailed, WeightBroadcaster
 
-__all__ = ["WeightPublisher"]
+log = logging.getLogger(__name__)
+
+__all__ = ["WeightPublisher", "broadcaster"]
+
+
+def broadcaster(settings) -> WeightBroadcaster | None:
+    """The broadcaster ``settings`` (TrainerSettings) ask for; None for the disk transport."""
+    if settings.weights_transport != "broadcast":
+        return None
+    address = settings.weights_master_address
+    if address is None:
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            address = "127.0.0.1"
+    return WeightBroadcaster(
+        settings.weights_receivers,
+        master_address=address,
+        master_port=settings.weights_master_port,
+        backend=settings.weights_backend or ("nccl" if settings.device.startswith("cuda") else "gloo"),
+        bucket_bytes=settings.weights_bucket_mb << 20,
+        timeout_s=settings.weights_timeout_s,
+    )
 
 
 class WeightPublisher:
-    def __init__(self, bus: Bus, run_id: str, out: Path, *, keep: int) -> None:
+    def __init__(
+        self, bus: Bus, run_id: str, out: Path, *, keep: int, broadcaster: WeightBroadcaster | None = None
+    ) -> None:
         self.bus = bus
         self.run_id = run_id
         self.out = out
         self.keep = keep
+        self.broadcaster = broadcaster
+        self.disk: tuple[str, int] | None = None  # the newest full copy on disk and its version
 
     async def announce(self, state: TrainState, path: str) -> None:
         """Tell consumers that ``state.version`` is at ``path``."""
-        await self.bus.publish(
-            WEIGHTS, WeightsPublished(run_id=self.run_id, version=state.version, step=state.step, path=path)
-        )
-        m.POLICY_VERSION.set(state.version)
+        self.saved(path, state.version)
+        await self._event(state, path)
+
+    def saved(self, path: str | Path, version: int) -> None:
+        """A full copy of ``version`` is at ``path`` (a checkpoint the executor wrote)."""
+        self.disk = (str(path), version)
 
     async def publish(self, trainer, tokenizer, state: TrainState) -> None:
-        """Write the trainer's current weights as ``state.version``, announce them, prune old ones."""
+        """Hand the trainer's current weights to the consumers as ``state.version`` and announce them."""
+        started = time.perf_counter()
+        if self.broadcaster is None or getattr(trainer, "stage", 0) == 3:
+            # ZeRO-3 holds each parameter in shards across ranks: only the disk path gathers them
+            await self._write_and_announce(trainer, tokenizer, state)
+            m.PUBLISH_SECONDS.labels("disk").observe(time.perf_counter() - started)
+            return
+        try:
+            left_out = await self.broadcaster.publish(trainer.model, state.version)
+        except BroadcastFailed as exc:
+            log.error("version %d: the broadcast failed (%s); publishing it on disk", state.version, exc)
+            left_out = None
+        except Exception:  # never the run's end: the disk still carries the version
+            log.exception("version %d: no broadcast; publishing it on disk", state.version)
+            left_out = None
+        if left_out is None or not self.broadcaster.members:
+            await self._write_and_announce(trainer, tokenizer, state)
+            if left_out is None:  # members paused with torn weights load the copy before they resume
+                await self.broadcaster.recover(*self.disk)
+            m.PUBLISH_SECONDS.labels("disk").observe(time.perf_counter() - started)
+            return
+        m.PUBLISH_SECONDS.labels("broadcast").observe(time.perf_counter() - started)
+        if left_out:
+            log.warning(
+                "version %d: %s missed the broadcast; writing it to disk for them", state.version, left_out
+            )
+            self.saved(await self._write(trainer, tokenizer, state), state.version)
+        assert self.disk is not None  # announce() at the run's opening recorded the first copy
+        path, version = self.disk
+        await self._event(state, path, transport="broadcast", path_version=version)
+
+    async def aclose(self) -> None:
+        if self.broadcaster is not None:
+            await self.broadcaster.aclose()
+
+    async def _write_and_announce(self, trainer, tokenizer, state: TrainState) -> None:
+        path = await self._write(trainer, tokenizer, state)
+        await self.announce(state, str(path))
+
+    async def _write(self, trainer, tokenizer, state: TrainState) -> Path:
         path = await asyncio.to_thread(
             trainer.save_weights,
             self.out / "weights" / f"v{state.version:06d}",
             tokenizer=tokenizer,
             meta={"run_id": self.run_id, "version": state.version, "step": state.step},
         )
-        await self.announce(state, str(path))
         self._prune()
+        return path
+
+    async def _event(self, state: TrainState, path: str, **fields) -> None:
+        await self.bus.publish(
+            WEIGHTS,
+            WeightsPublished(run_id=self.run_id, version=state.version, step=state.step, path=path, **fields),
+        )
+        m.POLICY_VERSION.set(state.version)
 
     def _prune(self) -> None:
+        """Keep the newest ``keep`` written versions, and always the copy the announcements point at."""
         versions = sorted((self.out / "weights").glob("v*"))
         for old in versions[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if self.disk is None or Path(self.disk[0]) != old:
+                shutil.rmtree(old, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -26,6 +27,30 @@ class TrainerSettings(CommonSettings):
     chunk_size: int = Field(default=1024, description="rows of full-vocabulary logits alive at once")
     keep_weights: int = Field(default=3, ge=1, description="published weight versions kept on disk")
     claim_idle_ms: int = 1_800_000
+    weights_transport: Literal["disk", "broadcast"] = Field(
+        default="disk",
+        description="how each policy version reaches the consumers: written to disk and reloaded, or "
+        "broadcast over a torch.distributed group to weights_receivers (docs/weights.md); disk "
+        "stays in use whenever no group can form",
+    )
+    weights_receivers: list[str] = Field(
+        default_factory=list,
+        description="base URLs that take broadcast versions by SGLang's distributed weight update: "
+        "SGLang servers, and scorers or rollout workers with PBSD_*_ACCEPT_BROADCAST",
+    )
+    weights_master_address: str | None = Field(
+        default=None,
+        description="the address the receivers reach this trainer at for the group's rendezvous "
+        "(default: this host's address)",
+    )
+    weights_master_port: int = Field(default=0, ge=0, description="rendezvous port (0: a free one each time)")
+    weights_backend: Literal["nccl", "gloo"] | None = Field(
+        default=None, description="default: nccl when the trainer is on CUDA, else gloo"
+    )
+    weights_bucket_mb: int = Field(default=512, gt=0, description="MiB of tensors per update request")
+    weights_timeout_s: float = Field(
+        default=300.0, gt=0, description="how long a group formation or one bucket may take"
+    )
     hub_models: bool = Field(
         default=False, description="accept model paths that are hub ids, not local directories"
     )
@@ -41,6 +66,12 @@ class TrainerSettings(CommonSettings):
         description="on SIGTERM, how long the run in progress may take to finish its step and "
         "checkpoint before it is cut off (keep it under the orchestrator's grace period)",
     )
+
+    @model_validator(mode="after")
+    def _receivers(self):
+        if self.weights_transport == "broadcast" and not self.weights_receivers:
+            raise ValueError("weights_transport broadcast needs PBSD_TRAINER_WEIGHTS_RECEIVERS")
+        return self
 
     @model_validator(mode="after")
     def _auth(self):

@@ -1,0 +1,201 @@
+"""What a consumer does with a broadcast publication: nothing when it was in the group, the disk copy
+when it missed the version and the copy is newer than what it holds; SGLang servers that missed it
+reload the copy, one by one; a model a broken broadcast left torn serves nothing until a whole copy
+is in; a hold that no /continue_generation ends runs out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from proto.messages import WeightsPublished
+from services.model.checkpoint import load_model
+from services.policy_worker import PolicyWorker
+from services.rollout.engine import GenerationRequest
+from services.rollout.inprocess import InProcessEngine
+from services.rollout.sglang import SglangEngine
+from services.scorer.backends import LocalScorer, SglangScorer
+from services.weights.receiver import TORN, WeightReceiver
+from tests.servers import serve
+from tests.sglang_fake import make_sglang
+
+
+class Worker(PolicyWorker):
+    """A worker whose model is a version number; it records what it loads."""
+
+    stream = None
+
+    def __init__(self, version: int, run: str | None) -> None:
+        super().__init__(None, name="w")
+        self._version, self.loaded_run, self.loads = version, run, []
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def load_weights(self, event: WeightsPublished) -> None:
+        self.loads.append((event.path, event.version))
+        self._version = event.version
+
+    async def handle(self, message, delivery) -> None:
+        raise AssertionError
+
+
+def broadcast(version: int, path_version: int, run: str = "r") -> WeightsPublished:
+    return WeightsPublished(
+        run_id=run, version=version, step=version, path=f"/c/{path_version}", transport="broadcast",
+        path_version=path_version,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("held", "run", "event", "loads"),
+    [
+        (3, "r", broadcast(3, 0), []),  # it was in the group
+        (4, "r", broadcast(3, 0), []),  # it is ahead of a publication read late
+        (2, "r", broadcast(4, 3), [("/c/3", 3)]),  # missed it: the copy is newer
+        (TORN, "r", broadcast(4, 3), [("/c/3", 3)]),  # a broken broadcast left it torn
+        (3, "r", broadcast(5, 2), []),  # missed it, but the copy is older: the next version brings it
+        (7, None, broadcast(5, 2), [("/c/2", 2)]),  # restarted (or another run): the copy, whatever it held
+        (1, "r", broadcast(1, 1).disk_copy(), []),  # a disk publication it holds already
+        (1, "r", WeightsPublished(run_id="r", version=2, step=2, path="/w/2"), [("/w/2", 2)]),
+    ],
+)
+async def test_a_worker_takes_the_disk_copy_only_when_it_missed_the_version(held, run, event, loads):
+    worker = Worker(held, run)
+    await worker._see("1-0", event)
+    assert worker.loads == loads
+    assert worker.loaded_run == event.run_id
+
+
+async def test_sglang_servers_that_missed_a_broadcast_reload_the_copy_and_only_they():
+    fresh, restarted = make_sglang(lambda ids: [], version=5), make_sglang(lambda ids: [])
+    old = make_sglang(lambda ids: [], version=2)
+    with serve(fresh) as a, serve(restarted) as b, serve(old) as c:
+        engine = SglangEngine([a, b, c])
+        await engine.follow_broadcast(5, "/ckpt/step-3", 3)
+        scorer = SglangScorer([a, c])
+        await scorer.follow_broadcast(5, "/ckpt/step-3", 3)
+        await engine.aclose()
+    assert fresh.state.control == []  # it holds version 5 already
+    for app in (restarted, old):
+        reloads = [body for route, body in app.state.control if route == "update_weights_from_disk"]
+        assert reloads[0] == {"model_path": "/ckpt/step-3", "weight_version": "3", "flush_cache": True}
+    assert [r for r, _ in restarted.state.control] == [
+        "pause_generation",
+        "update_weights_from_disk",
+        "continue_generation",
+    ]
+    assert engine.weight_version == 3 and scorer.version == 3  # the oldest any server holds
+
+
+async def test_a_torn_scorer_scores_nothing_until_a_whole_copy_is_in(moe_checkpoint):
+    scorer = LocalScorer(load_model(moe_checkpoint))
+    request = [([1, 2, 3, 4], np.array([1, 2, 3]))]
+    await scorer.hold()
+    await scorer.release(TORN)
+    pending = asyncio.ensure_future(scorer(request))
+    await asyncio.sleep(0.2)
+    assert not pending.done() and scorer.version == TORN
+    await scorer.update_weights(str(moe_checkpoint), 6)
+    (logprobs,) = await asyncio.wait_for(pending, 60)
+    assert scorer.version == 6 and logprobs.shape == (3,)
+
+
+async def test_the_engine_parks_for_a_broadcast_and_defers_requests_while_torn(moe_checkpoint):
+    engine = InProcessEngine(load_model(moe_checkpoint))
+    request = GenerationRequest([1, 2, 3], max_new_tokens=3, seed=0)
+    try:
+        before = await engine.generate(request)
+        await engine.hold()
+        pending = asyncio.ensure_future(engine.generate(request))
+        await asyncio.sleep(0.2)
+        assert not pending.done()  # parked: nothing runs on weights being written
+        await engine.release(5)
+        after = await asyncio.wait_for(pending, 60)
+        assert after.weight_version == 5 and after.output_ids == before.output_ids  # same weights here
+
+        await engine.hold()
+        await engine.release(TORN)
+        pending = asyncio.ensure_future(engine.generate(request))
+        await asyncio.sleep(0.2)
+        assert not pending.done()  # torn: deferred until a whole copy is in
+        await engine.update_weights(str(moe_checkpoint), 6)
+        assert (await asyncio.wait_for(pending, 60)).weight_version == 6
+    finally:
+        await engine.aclose()
+
+
+class Held:
+    """A model server that records holds and releases."""
+
+    model = None
+    weights_version = 0
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    async def hold(self) -> None:
+        self.calls.append("hold")
+
+    async def release(self, version) -> None:
+        self.calls.append(("release", version))
+
+
+async def test_a_pause_without_a_continue_runs_out():
+    target = Held()
+    receiver = WeightReceiver(lambda: target, lease_s=0.1)
+    await receiver.pause()
+    await asyncio.sleep(0.4)
+    assert target.calls == ["hold", ("release", None)]  # nothing was written: the weights are as they were
+    await receiver.resume()  # a late continue changes nothing
+    assert len(target.calls) == 2
+
+
+def test_settings_refuse_a_broadcast_nobody_can_take(moe_checkpoint):
+    from services.rollout.settings import RolloutSettings
+    from services.scorer.settings import ScorerSettings
+    from services.trainer.settings import TrainerSettings
+
+    with pytest.raises(ValueError, match="WEIGHTS_RECEIVERS"):
+        TrainerSettings(local_mode=True, weights_transport="broadcast")
+    with pytest.raises(ValueError, match="accept_broadcast"):
+        ScorerSettings(
+            model=str(moe_checkpoint), backend="sglang", sglang_urls=["http://s"], accept_broadcast=True
+        )
+    with pytest.raises(ValueError, match="accept_broadcast"):
+        RolloutSettings(
+            model=str(moe_checkpoint), engine="sglang", sglang_urls=["http://s"], accept_broadcast=True
+        )
+    assert TrainerSettings(local_mode=True, weights_transport="broadcast", weights_receivers=["http://s"])
+
+
+async def test_a_receiver_that_refuses_to_join_sits_the_next_publications_out():
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from torch import nn
+
+    from services.weights.sender import BENCH, WeightBroadcaster
+
+    app, joins = FastAPI(), []
+
+    @app.get("/model_info")
+    async def model_info():
+        return {"weight_version": "default"}
+
+    @app.post("/init_weights_update_group")
+    async def init_group():
+        joins.append(1)
+        return JSONResponse({"success": False, "message": "Failed to initialize"}, status_code=400)
+
+    with serve(app) as url:
+        broadcaster = WeightBroadcaster([url], master_address="127.0.0.1", timeout_s=2)
+        model = nn.Linear(2, 2)
+        left_out = [await broadcaster.publish(model, v) for v in range(1, BENCH + 2)]
+        assert len(joins) == 1  # asked at the first publication, then left out of BENCH
+        left_out.append(await broadcaster.publish(model, BENCH + 2))
+        await broadcaster.aclose()
+    assert left_out == [[url]] * (BENCH + 2)  # every version went without it
+    assert len(joins) == 2  # asked again
