@@ -13,25 +13,30 @@ the data order). Run-to-run variance is usually the larger part, and a bootstrap
 alone would leave it out. So each resample b draws both levels with replacement::
 
     Q_b      Q question indices: the same for every variant and for the warm policy (paired)
-    R_{v,b}  R_v run indices of variant v, drawn for each variant on its own
-    m_{v,b} = 1 / (R_v Q) * sum_{i in R_{v,b}} sum_{j in Q_b} a_v[i, j]
+    R_b      R run indices, the same for every variant run with the same seeds (paired by seed)
+    m_{v,b} = 1 / (R_v Q) * sum_{i in R_b} sum_{j in Q_b} a_v[i, j]
 
 and the 95% interval is the 2.5th and 97.5th percentiles of m_{v,b} over the resamples
 (percentile bootstrap, ``np.percentile``'s linear interpolation). A difference against a
 baseline variant, m_{v,b} - m_{base,b}, and a variant's change from the warm policy, whose one
 evaluation w (a vector over the same questions) gives w_b = 1/Q * sum_{j in Q_b} w[j], are
-taken within each resample, so what a question's difficulty adds to both cancels.
+taken within each resample, so what a question's difficulty adds to both cancels, and so does
+what a seed adds to both runs of that seed.
 
-Runs are resampled per variant, not paired by seed: seed s of two variants shares only its
-first batch of trajectories (the same warm policy and sampling seeds) before the updates
-diverge, and variants may have different numbers of runs. Were the runs of equal seeds
-positively correlated, pairing them would narrow the difference's interval; leaving them
-unpaired errs on the wide side.
+Pairing by seed follows the design: run s of every variant starts from the same warm policy
+with the same sampling seeds, so the variants' first batches are the same trajectories and
+later ones differ only as far as the policies have moved apart (common random numbers). Two
+variants are paired by seed when they were run with the same list of seeds (rows in that
+order); a variant with other seeds gets run draws of its own, and its differences are paired
+by question only (``paired_by_seed`` says which). Pairing two independent sets of runs would
+not bias the interval either: resampling pairs of independent runs gives the difference the
+variance independent resampling gives it.
 
 Reproducible: the question draws come from ``np.random.default_rng(seed)``
-(``integers(0, Q, (resamples, Q))``), variant v's run draws from
-``np.random.default_rng([seed, zlib.crc32(v.encode())])`` (``integers(0, R_v, (resamples,
-R_v))``), so a variant's figures do not depend on which other variants are compared.
+(``integers(0, Q, (resamples, Q))``), the run draws of a variant run with seeds ``s_1..s_R``
+from ``np.random.default_rng([seed, zlib.crc32(repr([s_1, ..., s_R]).encode())])``
+(``integers(0, R, (resamples, R))``), so a variant's figures do not depend on which other
+variants are compared.
 
 Each run's own figure (its mean over questions, with the interval of the question level alone)
 is reported too. Pure functions of arrays, no I/O.
@@ -40,7 +45,7 @@ is reported too. Pure functions of arrays, no I/O.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -74,14 +79,15 @@ def _matrix(name: str, values: Any) -> np.ndarray:
 def compare_variants(
     accuracy: Mapping[str, Any],
     *,
+    seeds: Mapping[str, Sequence[int]] | None = None,
     baseline: str | None = None,
     before: Any = None,
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Mean@k of each variant (``accuracy``: name -> (runs, questions) matrix of per-question
-    accuracy, every variant on the same questions in the same order) with its two-level
-    bootstrap 95% interval; with ``baseline`` (one of the names) each other variant's difference
+    accuracy, every variant on the same questions in the same order; ``seeds``: name -> the seed
+    of each row, default 0..R-1) with its two-level bootstrap 95% interval; with ``baseline`` (one of the names) each other variant's difference
     from it; with ``before`` (the warm policy's per-question accuracy) each variant's change
     from it. ``above_zero`` is the fraction of resamples in which a difference or change is
     positive: a description of the bootstrap distribution, not a p-value."""
@@ -96,6 +102,12 @@ def compare_variants(
             f"every variant must be evaluated on the same questions, got {sorted(sizes)} of them"
         )
     (q,) = sizes
+    run_seeds = {name: list(range(a.shape[0])) for name, a in matrices.items()} | {
+        name: [int(x) for x in v] for name, v in (seeds or {}).items()
+    }
+    for name, a in matrices.items():
+        if len(run_seeds[name]) != a.shape[0] or len(set(run_seeds[name])) != a.shape[0]:
+            raise ValueError(f"{name}: {a.shape[0]} runs need as many distinct seeds, got {run_seeds[name]}")
     if baseline is not None and baseline not in matrices:
         raise ValueError(f"baseline {baseline!r} is not among the variants {sorted(matrices)}")
     # counts, divided after the sums: a 0/1 accuracy's resampled means are then exact fractions
@@ -116,12 +128,13 @@ def compare_variants(
     samples: dict[str, np.ndarray] = {}
     for name, a in matrices.items():
         runs = a.shape[0]
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        rng = np.random.default_rng([seed, zlib.crc32(repr(run_seeds[name]).encode())])
         run_counts = resample_counts(rng.integers(0, runs, (resamples, runs)), runs)
         per_run_b = question_counts @ a.T / q  # (resamples, runs): each run on the resampled questions
         samples[name] = (per_run_b * run_counts).sum(axis=1) / runs
         out["variants"][name] = {
             "runs": runs,
+            "seeds": run_seeds[name],
             "mean": float(a.mean()),
             "ci95": _interval(samples[name]),
             "per_run": [
@@ -137,5 +150,6 @@ def compare_variants(
                 out["variants"][name]["difference"] = {
                     "against": baseline,
                     **paired(samples[name], samples[baseline], float(a.mean() - base)),
+                    "paired_by_seed": run_seeds[name] == run_seeds[baseline],
                 }
     return out

@@ -43,7 +43,7 @@ def test_two_runs_and_two_questions_match_the_exact_bootstrap_distribution():
     out = compare_variants({"v": a}, resamples=10_000, seed=3)
     assert out["variants"]["v"]["mean"] == 0.25
     assert out["variants"]["v"]["ci95"] == [0.0, 1.0]  # 7/16 of the mass at 0, 1/16 at 1
-    samples = _slow_bootstrap(a, "v", 10_000, seed=3)
+    samples = _slow_bootstrap(a, [0, 1], 10_000, seed=3)
     assert samples.mean() == pytest.approx(0.25, abs=0.01)
     assert samples.std() == pytest.approx(np.sqrt(5 / 64), abs=0.01)
     values, counts = np.unique(samples, return_counts=True)
@@ -51,11 +51,12 @@ def test_two_runs_and_two_questions_match_the_exact_bootstrap_distribution():
     assert (counts / counts.sum()) == pytest.approx([7 / 16, 1 / 4, 1 / 4, 1 / 16], abs=0.015)
 
 
-def _slow_bootstrap(a: np.ndarray, name: str, resamples: int, seed: int) -> np.ndarray:
+def _slow_bootstrap(a: np.ndarray, seeds: list[int], resamples: int, seed: int) -> np.ndarray:
     """The two-level bootstrap written out one resample at a time, with the documented draws."""
     runs, q = a.shape
     questions = np.random.default_rng(seed).integers(0, q, (resamples, q))
-    picked = np.random.default_rng([seed, zlib.crc32(name.encode())]).integers(0, runs, (resamples, runs))
+    rng = np.random.default_rng([seed, zlib.crc32(repr(seeds).encode())])
+    picked = rng.integers(0, runs, (resamples, runs))
     return np.array([a[np.ix_(picked[b], questions[b])].mean() for b in range(resamples)])
 
 
@@ -67,8 +68,8 @@ def test_the_fast_bootstrap_equals_the_slow_reference():
     out = compare_variants(
         {"grpo": grpo, "pbsd": pbsd}, baseline="grpo", before=before, resamples=500, seed=11
     )
-    slow_g = _slow_bootstrap(grpo, "grpo", 500, 11)
-    slow_p = _slow_bootstrap(pbsd, "pbsd", 500, 11)
+    slow_g = _slow_bootstrap(grpo, [0, 1, 2], 500, 11)
+    slow_p = _slow_bootstrap(pbsd, [0, 1], 500, 11)
     questions = np.random.default_rng(11).integers(0, 7, (500, 7))
     slow_before = before[questions].mean(axis=1)
 
@@ -107,6 +108,24 @@ def test_a_variant_whose_runs_agree_differs_from_its_shifted_twin_by_exactly_the
     assert out["variants"]["grpo"]["ci95"][0] < out["variants"]["grpo"]["ci95"][1]  # questions vary
 
 
+def test_runs_of_the_same_seeds_are_paired():
+    """Seed s lifts both variants alike (what a seed adds cancels) and PBSD adds 0.1 to every run:
+    paired by seed, the difference is 0.1 in every resample; with other seeds for PBSD its runs
+    are drawn on their own and the seeds' spread enters the difference."""
+    rng = np.random.default_rng(4)
+    questions = rng.random(30) * 0.5
+    lift = np.array([0.0, 0.3, 0.45])[:, None]
+    grpo, pbsd = questions + lift, questions + lift + 0.1
+    paired = compare_variants({"grpo": grpo, "pbsd": pbsd}, baseline="grpo")["variants"]["pbsd"]
+    assert paired["difference"]["paired_by_seed"] and paired["seeds"] == [0, 1, 2]
+    assert paired["difference"]["ci95"] == pytest.approx([0.1, 0.1])
+    apart = compare_variants({"grpo": grpo, "pbsd": pbsd}, seeds={"pbsd": [3, 4, 5]}, baseline="grpo")[
+        "variants"
+    ]["pbsd"]["difference"]
+    assert not apart["paired_by_seed"] and apart["mean"] == pytest.approx(0.1)
+    assert apart["ci95"][0] < 0 < 0.2 < apart["ci95"][1]
+
+
 def test_seeded_and_independent_of_the_other_variants():
     rng = np.random.default_rng(2)
     a, b = rng.random((3, 9)), rng.random((3, 9))
@@ -130,6 +149,7 @@ def test_resample_counts():
         ({"a": [[]]}, {}, "non-empty"),
         ({"a": [[float("nan")]]}, {}, "finite"),
         ({}, {}, "no variants"),
+        ({"a": [[1.0], [0.0]]}, {"seeds": {"a": [1, 1]}}, "distinct seeds"),
     ],
 )
 def test_bad_input_is_refused(accuracy, kwargs, message):
