@@ -58,7 +58,7 @@ def compare_cmd(
         False, help="train and evaluate nothing: write the summary and report of what has finished"
     ),
 ) -> None:
-    """Train K seeds of each variant from the same warm policy and compare them.
+    """Train seeds x variants from one warm policy and compare them.
 
     Every run goes through the real pipeline (Redis and the four services, started once, runs
     submitted one after another through the trainer's API); every final policy and the warm
@@ -103,7 +103,12 @@ def compare_cmd(
 
     from demo.compare import run_compare
 
-    summary = run_compare(compare, out, report_only=report_only)
+    try:
+        summary = run_compare(compare, out, report_only=report_only)
+    except SystemExit as exc:  # the demo's code stops with a sentence for the user
+        if isinstance(exc.code, str):
+            raise UserError(exc.code) from None
+        raise
     typer.echo(describe(summary))
 
 
