@@ -111,9 +111,9 @@ def read_json(path: Path) -> Any | None:
         return None
 
 
-def check_resume(config: CompareConfig, out: Path) -> None:
-    """Refuse an ``out`` whose earlier comparison computed its runs with other settings; then
-    record ``config`` as the comparison's."""
+def check_resume(config: CompareConfig, out: Path, *, record: bool = True) -> None:
+    """Refuse an ``out`` whose earlier comparison computed its runs with other settings; then,
+    with ``record``, keep ``config`` as the comparison's."""
     path = out / "compare-config.json"
     earlier = read_json(path)
     if earlier is not None:
@@ -126,7 +126,8 @@ def check_resume(config: CompareConfig, out: Path) -> None:
                 + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
                 + "); use another --out, or the same settings to resume it"
             )
-    _write_atomic(path, config.model_dump(mode="json"))
+    if record:
+        _write_atomic(path, config.model_dump(mode="json"))
 
 
 def run_compare(config: CompareConfig, out: Path, *, report_only: bool = False) -> dict[str, Any]:
@@ -144,22 +145,34 @@ def _run_compare(config: CompareConfig, out: Path, report_only: bool) -> dict[st
     out = out.absolute()  # the services get paths under it, whatever their working directory
     out.mkdir(parents=True, exist_ok=True)
     say(f"output in {out}")
-    check_resume(config, out)
-    world, manifest = prepare_world(config.demo, out)
-    policy = out / "policy-sft"
-    if not (policy / "config.json").exists():  # check_resume holds a kept policy to these settings
-        policy = prepare_policy(config.demo, world, world_fingerprint(manifest), out)
-    questions = reserve_files(config.demo, world, out / "data")
-    say(
-        f"{questions.train_questions} RL questions to train on, {questions.evaluation_questions} "
-        f"held-out questions x {config.demo.eval_samples} samples to evaluate on"
-    )
-    if not report_only:
+    if report_only:  # beside a comparison still running: read its files, write none of them
+        check_resume(config, out, record=False)
+        questions = _written_questions(out / "data")
+    else:
+        check_resume(config, out)
+        world, manifest = prepare_world(config.demo, out)
+        policy = out / "policy-sft"
+        if not (policy / "config.json").exists():  # check_resume holds a kept policy to these settings
+            policy = prepare_policy(config.demo, world, world_fingerprint(manifest), out)
+        questions = reserve_files(config.demo, world, out / "data")
+        say(
+            f"{questions.train_questions} RL questions to train on, {questions.evaluation_questions} "
+            f"held-out questions x {config.demo.eval_samples} samples to evaluate on"
+        )
         _train_and_evaluate(config, out, world, policy, questions)
     summary = summarise(config, out, questions, seconds=time.perf_counter() - started)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_atomic(out / "summary.json", summary)
     summary["report"] = str(write_report(summary, out))
     return summary
+
+
+def _written_questions(data: Path) -> QuestionFiles:
+    """The question files an earlier invocation wrote into ``data``."""
+    train, held = data / "train.jsonl", data / "reserve.jsonl"
+    if not (train.exists() and held.exists()):
+        raise SystemExit(f"{data.parent} holds no comparison to report on (no {held})")
+    count = [len(f.read_text().splitlines()) for f in (train, held)]
+    return QuestionFiles(train, held, count[0], count[1])
 
 
 def _train_and_evaluate(

@@ -1,6 +1,7 @@
 """``pbsd compare`` end to end at the smallest size: a tiny world and a tiny policy, GRPO and PBSD
 x 1 seed x 2 steps through real Redis and the four services, the paired evaluation, the summary
-and report; then the same command again, which finds everything done and trains nothing."""
+and report; then the same command again, which finds everything done and trains nothing, and
+--report-only with a seed more, which lists its runs as pending."""
 
 from __future__ import annotations
 
@@ -74,3 +75,12 @@ def test_compare_runs_end_to_end_and_resumes(tmp_path, tiny_checkpoint):
     assert "services up" not in again.stdout + again.stderr
     assert sorted(p.name for p in (out / "runs").iterdir()) == runs
     assert json.loads((out / "summary.json").read_text())["statistics"] == stats
+
+    # a second seed asked for, reported on without training: its runs are pending
+    report_only = [*cmd, "--report-only"]
+    report_only[report_only.index("--seeds") + 1] = "2"
+    pending = subprocess.run(report_only, cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env)
+    assert pending.returncode == 0, pending.stdout[-4000:] + pending.stderr[-4000:]
+    assert "pending: grpo-s1, pbsd-s1" in pending.stdout
+    assert json.loads((out / "compare-config.json").read_text())["seeds"] == [0]  # a report records nothing
+    assert sorted(p.name for p in (out / "runs").iterdir()) == runs
