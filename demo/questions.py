@@ -11,6 +11,14 @@ The validation split (``eval_split="validation"``) is stricter: no answer it hol
 to any training question (``worldgen/splits.py``). It therefore takes the questions whose
 answers are rarest, and those are nearly all multi-hop. The default world's 200 hold 7 easy
 ones, so a policy that trains on easy questions would be judged on three-hop ones.
+
+A comparison of several runs (``pbsd compare``) wants more held-out questions than the RL split
+can spare: the default world has 118 easy RL questions. Its evaluation takes them from the
+world's *reserve* (:func:`reserve`): questions of the candidate pool the splits were drawn from
+that no split holds (``worldgen.build.regenerate_pool``), held to the rules above and the
+validation split's: no answer a validation question has, no question text and no hop path that
+any split or any other reserve question has. The default world holds 474 easy ones before the
+path rule and 419 after.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Any, NamedTuple
 from demo.config import DemoConfig
 from worldgen.formats import write_jsonl
 
-__all__ = ["QuestionFiles", "question_files", "set_aside"]
+__all__ = ["QuestionFiles", "question_files", "reserve", "reserve_files", "set_aside"]
 
 Question = dict[str, Any]
 
@@ -74,6 +82,52 @@ def question_files(config: DemoConfig, world: Path, data: Path) -> QuestionFiles
             f"(RL on {'+'.join(config.difficulty)}, evaluation from the {config.eval_split} split); "
             "build more entities or widen the difficulties"
         )
-    write_jsonl(data / "rl.jsonl", train)
-    write_jsonl(data / "eval.jsonl", held)
-    return QuestionFiles(data / "rl.jsonl", data / "eval.jsonl", len(train), len(held))
+    return _written(data, ("rl.jsonl", train), ("eval.jsonl", held))
+
+
+def reserve_files(config: DemoConfig, world: Path, data: Path) -> QuestionFiles:
+    """``train.jsonl``, the world's RL questions of ``config``'s difficulties (the reserve shares no
+    hop path with them, so none is set aside), and ``reserve.jsonl``, ``config.eval_questions`` of
+    the world's reserve of those difficulties, in the folder ``data`` (``pbsd compare``)."""
+    train = [q for q in _split(world, "rl") if q["difficulty"] in config.difficulty]
+    held = reserve(world, list(config.difficulty), config.eval_questions)
+    if len(held) < config.eval_questions or not train:
+        raise SystemExit(
+            f"the world holds {len(held)} reserve questions of {'+'.join(config.difficulty)} (asked for "
+            f"{config.eval_questions}) and {len(train)} RL questions to train on: build more entities, "
+            "widen the difficulties or evaluate fewer questions"
+        )
+    return _written(data, ("train.jsonl", train), ("reserve.jsonl", held))
+
+
+def _written(
+    data: Path, train: tuple[str, list[Question]], held: tuple[str, list[Question]]
+) -> QuestionFiles:
+    for name, rows in (train, held):
+        write_jsonl(data / name, rows)
+    return QuestionFiles(data / train[0], data / held[0], len(train[1]), len(held[1]))
+
+
+def reserve(world: Path, difficulty: list[str], n: int) -> list[Question]:
+    """The first ``n`` questions of ``world``'s regenerated pool (in pool order, so the same world
+    gives the same list) that no split holds, of one of the difficulties ``difficulty``, whose
+    answer answers no validation question, whose text is no split question's, and whose hop path
+    no split question and no other unused pool question walks. Each row carries ``"split":
+    "reserve"``."""
+    from worldgen.build import regenerate_pool
+
+    splits = [q for name in ("sft", "rl", "validation") for q in _split(world, name)]
+    taken = {q["id"] for q in splits}
+    texts = {q["question"] for q in splits}
+    validation_answers = {q["answer_entity"] for q in splits if q["split"] == "validation"}
+    unused = [q.to_json() for q in regenerate_pool(world) if q.id not in taken]
+    fit = [
+        q
+        for q in unused
+        if q["difficulty"] in difficulty
+        and q["answer_entity"] not in validation_answers
+        and q["question"] not in texts
+    ]
+    fit_ids = {q["id"] for q in fit}
+    held, _ = set_aside(fit, splits + [q for q in unused if q["id"] not in fit_ids], n)
+    return [{**q, "split": "reserve"} for q in held]

@@ -191,6 +191,11 @@ def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path, questio
     }
 
 
+def submit_run(api: httpx.Client, spec: dict[str, Any]) -> str:
+    """Submit a run spec through the trainer's REST API; its run id."""
+    return api.post("/runs", json=spec).raise_for_status().json()["id"]
+
+
 def follow_run(
     api: httpx.Client,
     run_id: str,
@@ -231,17 +236,9 @@ def follow_run(
         time.sleep(1.0)
 
 
-def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
-    with sigterm_as_interrupt():  # `kill` stops the services as Ctrl-C does
-        return _run_demo(config, out)
-
-
-def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
-    started = time.perf_counter()
-    out = out.absolute()  # the services and Redis get paths under it, whatever their working directory
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "demo-config.json").write_text(config.model_dump_json(indent=2))
-    say(f"output in {out}")
+def prepare_world(config: DemoConfig, out: Path) -> tuple[Path, dict[str, Any]]:
+    """The world in ``out/world`` (built there unless an earlier demo built it with these very
+    settings) and its manifest."""
     world = out / "world"
     if not (world / "manifest.json").exists():
         build_world(
@@ -262,52 +259,52 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
         )
     made.write_text(json.dumps(asked))
     manifest = json.loads((world / "manifest.json").read_text())
-    date = manifest["date"]
     say(f"world: {config.entities} entities, questions {manifest['questions']}")
-    # the world's fingerprint tells whether the committed policy was supervised on this very world
-    policy = prepare_policy(config, world, world_fingerprint(manifest), out)
-    questions = question_files(config, world, out / "data")
-    algorithms = ["pbsd", "grpo"] if config.algorithm == "both" else [config.algorithm]
+    return world, manifest
 
-    evals = {"before": evaluate(config, policy, questions.evaluation, world, "before", out)}
-    runs: dict[str, dict[str, Any]] = {}
-    token = secrets.token_urlsafe(24)
-    with contextlib.ExitStack() as stack:
-        redis_server = stack.enter_context(LocalRedis(workdir=out / "redis", persist=False))
-        common = {"REDIS_URL": redis_server.url, "PBSD_STREAM_PREFIX": "demo", "PBSD_LOG_LEVEL": "INFO"}
-        logs = out / "logs"
-        services = [
-            ServiceProcess(
-                "tools",
-                port=free_port(),
-                log=logs / "tools.log",
-                env={**common, "PBSD_TOOLS_CORPUS": str(world / "corpus.jsonl")},
-            ),
-            ServiceProcess(
-                "scorer",
-                port=free_port(),
-                log=logs / "scorer.log",
-                env={**common, "PBSD_SCORER_MODEL": str(policy), "PBSD_SCORER_SHUTDOWN_GRACE_S": "10"},
-            ),
-        ]
-        tools_url = services[0].url
-        services.append(
-            ServiceProcess(
-                "rollout",
-                port=free_port(),
-                log=logs / "rollout.log",
-                env={
-                    **common,
-                    "PBSD_ROLLOUT_MODEL": str(policy),
-                    "PBSD_ROLLOUT_TOOLS_URL": tools_url,
-                    "PBSD_ROLLOUT_CONCURRENCY": str(config.rollout_concurrency),
-                    "PBSD_ROLLOUT_DATE": date,
-                    "PBSD_ROLLOUT_SEED": str(config.seed),
-                    "PBSD_ROLLOUT_SHUTDOWN_GRACE_S": "10",
-                },
-            )
+
+def start_services(
+    stack: contextlib.ExitStack, config: DemoConfig, world: Path, policy: Path, out: Path, token: str
+) -> list[ServiceProcess]:
+    """A private Redis and the four services, tools, scorer, rollout and trainer (last), started,
+    healthy, and stopped when ``stack`` closes; the trainer's REST API takes ``token`` and keeps
+    its runs in ``out/runs``."""
+    redis_server = stack.enter_context(LocalRedis(workdir=out / "redis", persist=False))
+    common = {"REDIS_URL": redis_server.url, "PBSD_STREAM_PREFIX": "demo", "PBSD_LOG_LEVEL": "INFO"}
+    logs = out / "logs"
+    services = [
+        ServiceProcess(
+            "tools",
+            port=free_port(),
+            log=logs / "tools.log",
+            env={**common, "PBSD_TOOLS_CORPUS": str(world / "corpus.jsonl")},
+        ),
+        ServiceProcess(
+            "scorer",
+            port=free_port(),
+            log=logs / "scorer.log",
+            env={**common, "PBSD_SCORER_MODEL": str(policy), "PBSD_SCORER_SHUTDOWN_GRACE_S": "10"},
+        ),
+    ]
+    tools_url = services[0].url
+    services.append(
+        ServiceProcess(
+            "rollout",
+            port=free_port(),
+            log=logs / "rollout.log",
+            env={
+                **common,
+                "PBSD_ROLLOUT_MODEL": str(policy),
+                "PBSD_ROLLOUT_TOOLS_URL": tools_url,
+                "PBSD_ROLLOUT_CONCURRENCY": str(config.rollout_concurrency),
+                "PBSD_ROLLOUT_DATE": json.loads((world / "manifest.json").read_text())["date"],
+                "PBSD_ROLLOUT_SEED": str(config.seed),
+                "PBSD_ROLLOUT_SHUTDOWN_GRACE_S": "10",
+            },
         )
-        trainer = ServiceProcess(
+    )
+    services.append(
+        ServiceProcess(
             "trainer",
             port=free_port(),
             log=logs / "trainer.log",
@@ -320,25 +317,45 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
                 "PBSD_TRAINER_SHUTDOWN_GRACE_S": "10",
             },
         )
-        services.append(trainer)
-        for service in tqdm(services, desc="start services", unit="service"):
-            stack.callback(service.stop)
-            service.start()
-        for service in services:
-            service.wait_healthy(timeout=600)
-        say("services up: " + ", ".join(f"{s.name} {s.url}" for s in services) + f" (logs in {logs})")
+    )
+    for service in tqdm(services, desc="start services", unit="service"):
+        stack.callback(service.stop)
+        service.start()
+    for service in services:
+        service.wait_healthy(timeout=600)
+    say("services up: " + ", ".join(f"{s.name} {s.url}" for s in services) + f" (logs in {logs})")
+    return services
+
+
+def run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
+    with sigterm_as_interrupt():  # `kill` stops the services as Ctrl-C does
+        return _run_demo(config, out)
+
+
+def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    out = out.absolute()  # the services and Redis get paths under it, whatever their working directory
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo-config.json").write_text(config.model_dump_json(indent=2))
+    say(f"output in {out}")
+    world, manifest = prepare_world(config, out)
+    # the world's fingerprint tells whether the committed policy was supervised on this very world
+    policy = prepare_policy(config, world, world_fingerprint(manifest), out)
+    questions = question_files(config, world, out / "data")
+    algorithms = ["pbsd", "grpo"] if config.algorithm == "both" else [config.algorithm]
+
+    evals = {"before": evaluate(config, policy, questions.evaluation, world, "before", out)}
+    runs: dict[str, dict[str, Any]] = {}
+    token = secrets.token_urlsafe(24)
+    with contextlib.ExitStack() as stack:
+        services = start_services(stack, config, world, policy, out, token)
+        trainer = services[-1]
         with httpx.Client(
             base_url=trainer.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
         ) as api:
             for algorithm in algorithms:
-                run_id = (
-                    api.post(
-                        "/runs",
-                        json=run_spec(config, algorithm, policy, questions.train, questions.train_questions),
-                    )
-                    .raise_for_status()
-                    .json()["id"]
-                )
+                spec = run_spec(config, algorithm, policy, questions.train, questions.train_questions)
+                run_id = submit_run(api, spec)
                 say(f"submitted {algorithm} run {run_id}")
                 record = follow_run(api, run_id, config.steps, algorithm, services, config.stall_timeout_s)
                 runs[algorithm] = {"id": run_id, "dir": str(out / "runs" / run_id), "record": record}

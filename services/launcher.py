@@ -87,6 +87,20 @@ class ServiceProcess:
                 + (f"; see {self.log}" if self.log else "")
             )
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time the process has used so far (user and system, its threads and its reaped
+        children), from ``/proc``; None off Linux or once it has gone. On a machine shared with
+        other jobs this, unlike wall time, measures the service's own work."""
+        if self.process is None:
+            return None
+        try:
+            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        except OSError:
+            return None
+        # fields 14-17 (utime, stime, cutime, cstime), counted after the parenthesised command name
+        fields = stat.rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while True:

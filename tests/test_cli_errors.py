@@ -45,6 +45,8 @@ def f(tiny_world, tmp_path_factory):
     other = {"per_question": {"elsewhere": {"correct": [True, False]}}}
     (tmp / "other-report.json").write_text(json.dumps(other))
     (tmp / "not-a-report.json").write_text(json.dumps({"accuracy": 0.5}))
+    (tmp / "earlier-compare").mkdir()
+    (tmp / "earlier-compare" / "compare-config.json").write_text(json.dumps({"demo": {"steps": 7}}))
     looks_like_a_checkpoint = tmp / "ckpt"
     looks_like_a_checkpoint.mkdir()
     (looks_like_a_checkpoint / "config.json").write_text("{}")
@@ -98,6 +100,11 @@ CASES = [
     ("demo: config not a mapping", lambda f: ["demo", "--config", str(f.tmp / "list.yaml")], "not a mapping", 1),
     ("demo: a bad setting", lambda f: ["demo", "--config", str(f.tmp / "bad-setting.yaml")], "steps: Input should be a valid integer", 1),
     ("demo: no policy", lambda f: ["demo", "--policy", str(f.missing)], "--policy", 2),
+    ("compare: unknown variant", lambda f: ["compare", "--out", str(f.missing), "--variants", "grpo,ppo"], "unknown variants ['ppo']", 1),
+    ("compare: seeds not numbers", lambda f: ["compare", "--out", str(f.missing), "--seeds", "a,b"], "a number of seeds K", 2),
+    ("compare: no policy", lambda f: ["compare", "--out", str(f.missing), "--policy", str(f.missing)], "--policy", 2),
+    ("compare: a bad setting", lambda f: ["compare", "--out", str(f.missing), "--config", str(f.tmp / "bad-setting.yaml")], "steps: Input should be a valid integer", 1),
+    ("compare: other settings than the comparison resumed", lambda f: ["compare", "--out", str(f.tmp / "earlier-compare")], "other settings (steps 7 -> 16", 1),
     ("eval: no model", lambda f: _eval(f, "--model", f.missing), "--model", 2),
     ("eval: no questions", lambda f: _eval(f, "--questions", f.missing), "--questions", 2),
     ("eval: questions not JSONL", lambda f: _eval(f, "--questions", f.tmp / "garbage.jsonl"), "no usable rows (line 1: not valid JSON", 2),

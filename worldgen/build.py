@@ -21,7 +21,7 @@ from pathlib import Path
 from worldgen.documents import build_corpus
 from worldgen.formats import dumps, write_jsonl, write_parquet
 from worldgen.graph import Graph, generate
-from worldgen.questions import QuestionBuilder
+from worldgen.questions import Question, QuestionBuilder
 from worldgen.splits import Splits, TooFewQuestions, make_splits
 from worldgen.support import supporting_facts
 
@@ -83,6 +83,31 @@ def smallest_world(
         middle = (low + high) // 2
         low, high = (low, middle) if holds(middle) else (middle, high)
     return high
+
+
+def regenerate_pool(world: Path) -> list[Question]:
+    """The candidate pool ``world``'s splits were drawn from, generated again from its manifest
+    (seed, entities, pool size) exactly as :func:`build_world` generates it: its questions that no
+    split holds are questions of this world that nothing has used. Raises ValueError unless the
+    regenerated pool holds every question of every split as written (a world built by other
+    code, or edited, has no pool to regenerate)."""
+    manifest = json.loads((world / "manifest.json").read_text())
+    graph = generate(manifest["seed"], manifest["entities"])
+    # a pool that fell short of its requested size (the builder ran out of attempts) is regenerated
+    # with the size requested by default, so that the builder runs out at the same attempt
+    requested = max(manifest["question_pool"], _pool_size(sum(manifest["questions"].values())))
+    pool = QuestionBuilder(graph, manifest["seed"]).build(requested)[: manifest["question_pool"]]
+    by_id = {q.id: q.to_json() for q in pool}
+    for split in manifest["questions"]:
+        for line in (world / "questions" / f"{split}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            row.pop("split", None)
+            if by_id.get(row["id"]) != row:
+                raise ValueError(
+                    f"{world}: question {row['id']} of the {split} split is not the regenerated pool's "
+                    f"{row['id']}; the world was not built by worldgen.build_world from its manifest"
+                )
+    return pool
 
 
 def build_world(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from pbsd.cli import demo, evaluate, model, runs, schemas, serve, teacher, world
+from pbsd.cli import compare, demo, evaluate, model, runs, schemas, serve, teacher, world
 from pbsd.cli.errors import Group
 
 __all__ = ["app"]
@@ -27,6 +27,7 @@ app.add_typer(runs.app, name="runs")
 app.add_typer(teacher.app, name="teacher")
 app.command("sft")(model.sft_cmd)
 app.command("demo")(demo.demo_cmd)
+app.command("compare")(compare.compare_cmd)
 app.command("eval")(evaluate.eval_cmd)
 
 

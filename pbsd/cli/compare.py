@@ -1,0 +1,137 @@
+"""``pbsd compare``: K seeds x variants from one warm policy, compared on held-out questions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from demo.variants import VARIANTS
+from pbsd.cli.errors import UserError
+from pbsd.cli.inputs import checkpoint_dir, demo_settings, read_document
+
+# the comparison's own defaults where neither --config nor an option sets them
+EVAL_QUESTIONS = 200
+EVAL_SAMPLES = 2
+
+
+def seed_list(text: str) -> list[int]:
+    """``K`` (seeds 0..K-1) or a comma-separated list (``3,4``; a single seed: ``5,``)."""
+    try:
+        if "," not in text:
+            return list(range(int(text)))
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: a number of seeds K, or seeds separated by commas") from None
+
+
+def compare_cmd(
+    out: Path = typer.Option(..., help="output folder; the same folder again resumes the comparison"),
+    variants: str = typer.Option(
+        "grpo,pbsd", help=f"comma-separated, of: {', '.join(VARIANTS)} (demo/variants.py, docs/compare.md)"
+    ),
+    seeds: str = typer.Option("3", help="K (seeds 0..K-1) or a comma-separated list of seeds"),
+    baseline: str = typer.Option("grpo", help="the variant every other is compared against"),
+    config: Path | None = typer.Option(
+        None, help="a YAML or JSON file of demo settings (see demo/config.py)", exists=True, dir_okay=False
+    ),
+    policy: Path | None = typer.Option(
+        None, help="start every run from this checkpoint instead of the warm policy", callback=checkpoint_dir
+    ),
+    steps: int | None = typer.Option(None, help="training steps of each run"),
+    prompts_per_step: int | None = typer.Option(None),
+    group_size: int | None = typer.Option(None),
+    max_turns: int | None = typer.Option(None),
+    max_tokens_per_turn: int | None = typer.Option(None),
+    eval_questions: int | None = typer.Option(
+        None, help=f"held-out questions from the world's reserve (default {EVAL_QUESTIONS})"
+    ),
+    eval_samples: int | None = typer.Option(
+        None, help=f"samples per question: k of mean@k (default {EVAL_SAMPLES})"
+    ),
+    resamples: int = typer.Option(10_000, min=1, help="bootstrap resamples"),
+    bootstrap_seed: int = typer.Option(0),
+    stall_timeout: float | None = typer.Option(
+        None, help="stop a run that makes no training step for this many seconds (default 600)"
+    ),
+    report_only: bool = typer.Option(
+        False, help="train and evaluate nothing: write the summary and report of what has finished"
+    ),
+) -> None:
+    """Train seeds x variants from one warm policy and compare them.
+
+    Every run goes through the real pipeline (Redis and the four services, started once, runs
+    submitted one after another through the trainer's API); every final policy and the warm
+    policy are evaluated on the same held-out questions with the same sampling seeds. The report
+    gives mean@k per variant and each difference from the baseline with two-level
+    (runs x questions) paired-bootstrap 95% intervals, learning curves and the teacher sanity
+    figures. See docs/compare.md.
+    """
+    from pydantic import ValidationError
+
+    from demo.compare import CompareConfig
+
+    given = (read_document(config) or {}) if config is not None else {}
+    settings = demo_settings(
+        config,
+        steps=steps,
+        prompts_per_step=prompts_per_step,
+        group_size=group_size,
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn,
+        eval_questions=eval_questions or (None if "eval_questions" in given else EVAL_QUESTIONS),
+        eval_samples=eval_samples or (None if "eval_samples" in given else EVAL_SAMPLES),
+        stall_timeout_s=stall_timeout,
+        policy=str(policy.absolute()) if policy is not None else None,
+    )
+    try:
+        compare = CompareConfig(
+            demo=settings,
+            variants=[v.strip() for v in variants.split(",") if v.strip()],
+            seeds=seed_list(seeds),
+            baseline=baseline,
+            resamples=resamples,
+            bootstrap_seed=bootstrap_seed,
+        )
+    except ValidationError as exc:
+        raise UserError(
+            "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors()
+            )
+        ) from None
+
+    from demo.compare import run_compare
+
+    try:
+        summary = run_compare(compare, out, report_only=report_only)
+    except SystemExit as exc:  # the demo's code stops with a sentence for the user
+        if isinstance(exc.code, str):
+            raise UserError(exc.code) from None
+        raise
+    typer.echo(describe(summary))
+
+
+def describe(summary: dict) -> str:
+    """The comparison's table for people: each variant's mean@k and its difference from the baseline."""
+    k = summary["eval_samples"]
+    stats = summary["statistics"]
+    lines = ["=" * 72]
+    if stats is None:
+        lines.append("no run has finished yet")
+    else:
+        if "before" in stats:
+            b = stats["before"]
+            lines.append(
+                f"  {'warm policy':18} mean@{k} {b['mean']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]"
+            )
+        for name, f in stats["variants"].items():
+            line = f"  {name:18} mean@{k} {f['mean']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}] over {f['runs']} runs"
+            if "difference" in f:
+                d = f["difference"]
+                line += f"; minus {d['against']} {d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+            lines.append(line)
+    if summary["pending"]:
+        lines.append(f"  pending: {', '.join(summary['pending'])} (run the same command again)")
+    lines += [f"  report: {summary['report']}", "=" * 72]
+    return "\n".join(lines)

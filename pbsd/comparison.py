@@ -1,0 +1,155 @@
+r"""Comparing training variants run several times each: mean@k with two-level paired-bootstrap intervals.
+
+A comparison trains R_v runs (seeds) of each variant v from the same warm policy and evaluates
+every final policy on the same Q held-out questions with the same sampling seeds. Per variant
+its data is a matrix a_v of shape (R_v, Q): a_v[r, q] is run r's accuracy on question q over
+its k samples. The variant's figure is mean@k over runs and questions::
+
+    m_v = 1 / (R_v Q) * sum_r sum_q a_v[r, q]
+
+Two things stand between m_v and what a repetition of the comparison would measure: which
+questions were drawn, and how the runs went (their seeds decide the sampled trajectories and
+the data order). Run-to-run variance is usually the larger part, and a bootstrap over questions
+alone would leave it out. So each resample b draws both levels with replacement::
+
+    Q_b      Q question indices: the same for every variant and for the warm policy (paired)
+    R_b      R run indices, the same for every variant run with the same seeds (paired by seed)
+    m_{v,b} = 1 / (R_v Q) * sum_{i in R_b} sum_{j in Q_b} a_v[i, j]
+
+and the 95% interval is the 2.5th and 97.5th percentiles of m_{v,b} over the resamples
+(percentile bootstrap, ``np.percentile``'s linear interpolation). A difference against a
+baseline variant, m_{v,b} - m_{base,b}, and a variant's change from the warm policy, whose one
+evaluation w (a vector over the same questions) gives w_b = 1/Q * sum_{j in Q_b} w[j], are
+taken within each resample, so what a question's difficulty adds to both cancels, and so does
+what a seed adds to both runs of that seed.
+
+Pairing by seed follows the design: run s of every variant starts from the same warm policy
+with the same sampling seeds, so the variants' first batches are the same trajectories and
+later ones differ only as far as the policies have moved apart (common random numbers). Two
+variants are paired by seed when they were run with the same list of seeds (rows in that
+order); a variant with other seeds gets run draws of its own, and its differences are paired
+by question only (``paired_by_seed`` says which). Pairing two independent sets of runs would
+not bias the interval either: resampling pairs of independent runs gives the difference the
+variance independent resampling gives it.
+
+Reproducible: the question draws come from ``np.random.default_rng(seed)``
+(``integers(0, Q, (resamples, Q))``), the run draws of a variant run with seeds ``s_1..s_R``
+from ``np.random.default_rng([seed, zlib.crc32(repr([s_1, ..., s_R]).encode())])``
+(``integers(0, R, (resamples, R))``), so a variant's figures do not depend on which other
+variants are compared.
+
+Each run's own figure (its mean over questions, with the interval of the question level alone)
+is reported too. Pure functions of arrays, no I/O.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DEFAULT_RESAMPLES", "compare_variants", "resample_counts"]
+
+DEFAULT_RESAMPLES = 10_000
+
+
+def resample_counts(draws: np.ndarray, n: int) -> np.ndarray:
+    """``draws`` (resamples, m) of indices in [0, n) as counts (resamples, n): how often each index was drawn."""
+    b = draws.shape[0]
+    flat = (draws + n * np.arange(b)[:, None]).ravel()
+    return np.bincount(flat, minlength=b * n).reshape(b, n)
+
+
+def _interval(samples: np.ndarray) -> list[float]:
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return [float(low), float(high)]
+
+
+def _matrix(name: str, values: Any) -> np.ndarray:
+    a = np.asarray(values, dtype=float)
+    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+        raise ValueError(f"{name}: expected a non-empty (runs, questions) matrix, got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name}: accuracies must be finite")
+    return a
+
+
+def compare_variants(
+    accuracy: Mapping[str, Any],
+    *,
+    seeds: Mapping[str, Sequence[int]] | None = None,
+    baseline: str | None = None,
+    before: Any = None,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Mean@k of each variant (``accuracy``: name -> (runs, questions) matrix of per-question
+    accuracy, every variant on the same questions in the same order; ``seeds``: name -> the seed
+    of each row, default 0..R-1) with its two-level bootstrap 95% interval; with ``baseline`` (one of the names) each other variant's difference
+    from it; with ``before`` (the warm policy's per-question accuracy) each variant's change
+    from it. ``above_zero`` is the fraction of resamples in which a difference or change is
+    positive: a description of the bootstrap distribution, not a p-value."""
+    if resamples < 1:
+        raise ValueError("resamples must be at least 1")
+    matrices = {name: _matrix(name, values) for name, values in accuracy.items()}
+    if not matrices:
+        raise ValueError("no variants to compare")
+    sizes = {a.shape[1] for a in matrices.values()}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"every variant must be evaluated on the same questions, got {sorted(sizes)} of them"
+        )
+    (q,) = sizes
+    run_seeds = {name: list(range(a.shape[0])) for name, a in matrices.items()} | {
+        name: [int(x) for x in v] for name, v in (seeds or {}).items()
+    }
+    for name, a in matrices.items():
+        if len(run_seeds[name]) != a.shape[0] or len(set(run_seeds[name])) != a.shape[0]:
+            raise ValueError(f"{name}: {a.shape[0]} runs need as many distinct seeds, got {run_seeds[name]}")
+    if baseline is not None and baseline not in matrices:
+        raise ValueError(f"baseline {baseline!r} is not among the variants {sorted(matrices)}")
+    # counts, divided after the sums: a 0/1 accuracy's resampled means are then exact fractions
+    question_counts = resample_counts(np.random.default_rng(seed).integers(0, q, (resamples, q)), q)
+
+    def paired(samples: np.ndarray, reference: np.ndarray, point: float) -> dict[str, Any]:
+        d = samples - reference
+        return {"mean": point, "ci95": _interval(d), "above_zero": float((d > 0).mean())}
+
+    out: dict[str, Any] = {"questions": q, "resamples": resamples, "seed": seed, "variants": {}}
+    before_b = None
+    if before is not None:
+        w = np.asarray(before, dtype=float)
+        if w.shape != (q,) or not np.isfinite(w).all():
+            raise ValueError(f"before: expected {q} finite per-question accuracies, got shape {w.shape}")
+        before_b = question_counts @ w / q
+        out["before"] = {"mean": float(w.mean()), "ci95": _interval(before_b)}
+    samples: dict[str, np.ndarray] = {}
+    for name, a in matrices.items():
+        runs = a.shape[0]
+        rng = np.random.default_rng([seed, zlib.crc32(repr(run_seeds[name]).encode())])
+        run_counts = resample_counts(rng.integers(0, runs, (resamples, runs)), runs)
+        per_run_b = question_counts @ a.T / q  # (resamples, runs): each run on the resampled questions
+        samples[name] = (per_run_b * run_counts).sum(axis=1) / runs
+        out["variants"][name] = {
+            "runs": runs,
+            "seeds": run_seeds[name],
+            "mean": float(a.mean()),
+            "ci95": _interval(samples[name]),
+            "per_run": [
+                {"mean": float(a[r].mean()), "ci95": _interval(per_run_b[:, r])} for r in range(runs)
+            ],
+        }
+        if before_b is not None:
+            out["variants"][name]["change"] = paired(samples[name], before_b, float(a.mean() - w.mean()))
+    if baseline is not None:
+        base = matrices[baseline].mean()
+        for name, a in matrices.items():
+            if name != baseline:
+                out["variants"][name]["difference"] = {
+                    "against": baseline,
+                    **paired(samples[name], samples[baseline], float(a.mean() - base)),
+                    "paired_by_seed": run_seeds[name] == run_seeds[baseline],
+                }
+    return out
