@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from proto.runs import SUPPORT_TEACHER_TEMPLATE
+
 __all__ = ["VARIANTS", "Variant", "merge", "variant_spec"]
 
 
@@ -33,6 +35,11 @@ VARIANTS: dict[str, Variant] = {
     "pbsd": Variant(
         "PBSD as in the paper: the answer-only teacher, deadband [-0.003, 0.001], fresh routing",
         {"algorithm": {"name": "pbsd"}},
+    ),
+    "pbsd-support": Variant(
+        "PBSD whose teacher is also told the question's supporting facts (beyond the paper: "
+        "proto.runs.SUPPORT_TEACHER_TEMPLATE)",
+        {"algorithm": {"name": "pbsd", "teacher_template": SUPPORT_TEACHER_TEMPLATE}},
     ),
     "pbsd-no-deadband": Variant(
         "PBSD with eps+ = eps- = 0, every turn weighted (Table 1's '0% filtered' ablation)",

@@ -39,6 +39,11 @@ def test_every_variant_is_a_valid_run_spec_that_differs_only_in_its_overrides():
     replay = RunSpec.model_validate(variant_spec("pbsd-replay", BASE))
     assert replay.algorithm.evidence_routing == "replay" and replay.rollout.return_routed_experts
     assert not replay.trainer.routing_replay  # the policy update is the other variants'
+    support = RunSpec.model_validate(variant_spec("pbsd-support", BASE)).algorithm
+    assert support.needs_support and not pbsd.algorithm.needs_support
+    assert support.model_dump(exclude={"teacher_template"}) == pbsd.algorithm.model_dump(
+        exclude={"teacher_template"}
+    )
     assert pbsd.algorithm == RunSpec.model_validate(BASE | {"algorithm": {"name": "pbsd"}}).algorithm
 
 

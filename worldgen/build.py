@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from worldgen.documents import build_corpus
@@ -85,6 +85,11 @@ def smallest_world(
     return high
 
 
+def with_support(graph: Graph, pool: list[Question]) -> list[Question]:
+    """The questions with their supporting facts (:mod:`worldgen.support`)."""
+    return [replace(q, support=tuple(supporting_facts(graph, q))) for q in pool]
+
+
 def regenerate_pool(world: Path) -> list[Question]:
     """The candidate pool ``world``'s splits were drawn from, generated again from its manifest
     (seed, entities, pool size) exactly as :func:`build_world` generates it: its questions that no
@@ -96,7 +101,9 @@ def regenerate_pool(world: Path) -> list[Question]:
     # a pool that fell short of its requested size (the builder ran out of attempts) is regenerated
     # with the size requested by default, so that the builder runs out at the same attempt
     requested = max(manifest["question_pool"], _pool_size(sum(manifest["questions"].values())))
-    pool = QuestionBuilder(graph, manifest["seed"]).build(requested)[: manifest["question_pool"]]
+    pool = with_support(
+        graph, QuestionBuilder(graph, manifest["seed"]).build(requested)[: manifest["question_pool"]]
+    )
     by_id = {q.id: q.to_json() for q in pool}
     for split in manifest["questions"]:
         for line in (world / "questions" / f"{split}.jsonl").read_text().splitlines():
@@ -134,7 +141,9 @@ def build_world(
     timings["documents"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    pool = QuestionBuilder(graph, seed).build(questions or _pool_size(n_rl + n_val + n_sft))
+    pool = with_support(
+        graph, QuestionBuilder(graph, seed).build(questions or _pool_size(n_rl + n_val + n_sft))
+    )
     splits = make_splits(pool, n_rl=n_rl, n_val=n_val, n_sft=n_sft, seed=seed)
     timings["questions"] = time.perf_counter() - t
 
@@ -149,9 +158,7 @@ def build_world(
         "relations": [{"source": s, "relation": r, "target": d} for s, r, d in graph.relations()],
     }
     for split, qs in splits.items():
-        tables[f"questions/{split}"] = [
-            {**q.to_json(), "support": supporting_facts(graph, q), "split": split} for q in qs
-        ]
+        tables[f"questions/{split}"] = [{**q.to_json(), "split": split} for q in qs]
     files: dict[str, str] = {}
     for name, rows in tables.items():
         path = out / f"{name}.jsonl"
