@@ -35,7 +35,7 @@ class PolicyWorker(abc.ABC):
         self.bus = bus
         self.name = name
         self.concurrency = concurrency
-        self.options = options or ConsumerOptions(claim_idle_ms=600_000)
+        self.options = options or ConsumerOptions()
         self.ready = asyncio.Event()
         # the newest weights event seen (its stream id and run), loaded or not, and the run of the
         # weights loaded: a prompt of another run must not be sampled with them

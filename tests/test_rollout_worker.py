@@ -23,7 +23,7 @@ from tests.servers import serve
 from tests.sglang_fake import LAYERS, TOP_K, make_sglang
 from tests.test_rollout_agent import SEARCH, FixedTools, scripted
 
-FAST = ConsumerOptions(block_ms=50, claim_idle_ms=5000)
+FAST = ConsumerOptions(block_ms=50, heartbeat_ms=500)
 
 
 def _task(step: int = 0, group_size: int = 3, staleness: int = 1, run_id: str = "r") -> PromptTask:

@@ -36,7 +36,7 @@ class _Pipeline:
             redis_url=url,
             stream_prefix=prefix,
             runs_dir=tmp_path / "runs",
-            claim_idle_ms=2000,
+            heartbeat_s=0.2,
         )
         self.fake = FakePipeline(self.fake_bus, ChatTokenizer.from_pretrained(tiny_checkpoint), **fake)
         self.fake_stop, self.stop = asyncio.Event(), asyncio.Event()

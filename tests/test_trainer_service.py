@@ -135,7 +135,7 @@ class FakePipeline:
         self.hold_after, self.release = hold_after, asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
-        opts = ConsumerOptions(block_ms=100, claim_idle_ms=5000)
+        opts = ConsumerOptions(block_ms=100, heartbeat_ms=500)
         await asyncio.gather(
             self.bus.consume(PROMPTS, "fake", self.handle, options=opts, stop=stop), self.follow(stop)
         )
@@ -259,7 +259,7 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
         redis_url=redis_url,
         stream_prefix=key_prefix,
         runs_dir=tmp_path / "runs",
-        claim_idle_ms=2000,
+        heartbeat_s=0.2,
     )
     store = RunStore(bus.redis, key_prefix)
     spec = _spec(tiny_world, tiny_checkpoint, max_steps=3)

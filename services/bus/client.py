@@ -33,15 +33,28 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 _MAX_CAUSE = 4000
 
+# Heartbeats a consumer may miss in a row before what it holds counts as abandoned: enough that a
+# loaded event loop or a short network blip never hands live work to another consumer, few
+# enough that a dead consumer's work moves on within a minute at the default heartbeat.
+MISSED_BEATS = 10
+
 
 @dataclass(frozen=True)
 class ConsumerOptions:
     block_ms: int = 1000  # XREADGROUP block; also how often ``stop`` is checked
     count: int = 1  # entries fetched a read; handled one after another
-    claim_idle_ms: int = 60_000  # pending this long without a heartbeat = the consumer is dead
+    heartbeat_ms: int = 5_000  # how often a live consumer renews the idle time of what it holds
     max_deliveries: int = 5  # beyond this the entry is dead-lettered
     done_ttl_s: int = 7 * 24 * 3600  # how long processed message ids are remembered
     trim_interval_s: float = 1.0  # at most one acknowledged-history trim per interval
+
+    @property
+    def claim_idle_ms(self) -> int:
+        """Pending this long without a heartbeat, an entry's consumer is taken for dead and another
+        consumer (any name) takes the entry over: ``MISSED_BEATS`` heartbeats. Consumers look for
+        such entries once a heartbeat, so a dead consumer's work moves on within
+        ``(MISSED_BEATS + 1) * heartbeat_ms`` (55 s at the default heartbeat)."""
+        return self.heartbeat_ms * MISSED_BEATS
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,12 @@ def _next_id(entry_id: str) -> str:
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _ids(entries: list[tuple]) -> str:
+    """The entry ids of a batch, for a log line (the first few, and how many more)."""
+    shown = ", ".join(e[0] for e in entries[:5])
+    return shown + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
 
 
 class Bus:
@@ -344,6 +363,13 @@ class Bus:
             mine = [(i, f, True) for i, f in entries if f]  # trimmed entries come back without fields
             if mine:
                 metrics.RECLAIMED.labels(stream.name, group).inc(len(mine))
+                log.info(
+                    "%s took back %d %s entries it held before it stopped: %s",
+                    consumer,
+                    len(mine),
+                    stream.name,
+                    _ids(mine),
+                )
                 return mine
             if entries:
                 return []
@@ -353,9 +379,17 @@ class Bus:
                 stream, group, consumer, options, cursor.position, count
             )
             if cursor.position == "0-0":
-                cursor.next_claim = now + options.claim_idle_ms / 2000
+                cursor.next_claim = now + options.heartbeat_ms / 1000
             if claimed:
                 metrics.RECLAIMED.labels(stream.name, group).inc(len(claimed))
+                log.warning(
+                    "%s took over %d %s entries a dead consumer left (no heartbeat for %.0f s): %s",
+                    consumer,
+                    len(claimed),
+                    stream.name,
+                    options.claim_idle_ms / 1000,
+                    _ids(claimed),
+                )
                 return [(i, f, True) for i, f in claimed]
         reply = await self.redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=options.block_ms)
         return [(_s(i), f, False) for _k, entries in reply or [] for i, f in entries]
@@ -476,7 +510,7 @@ class Bus:
         self, key: str, group: str, consumer: str, entry_ids: list[str], options: ConsumerOptions
     ) -> None:
         """Reset the entries' idle time while they are being worked on, so no one reclaims them."""
-        interval = max(options.claim_idle_ms / 3000, 0.05)
+        interval = max(options.heartbeat_ms / 1000, 0.05)
         while True:
             await asyncio.sleep(interval)
             if not entry_ids:

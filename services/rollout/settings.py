@@ -35,7 +35,6 @@ class RolloutSettings(WorkerSettings):
             "only when started with --enable-deterministic-inference"
         ),
     )
-    claim_idle_ms: int = 600_000
     host: str = "127.0.0.1"
     port: int = 8002
 

@@ -39,7 +39,6 @@ class ScorerSettings(WorkerSettings):
         description="consumer name in the stream group; must differ between replicas (default: from the host name)",
     )
     concurrency: int = 1
-    claim_idle_ms: int = 600_000
     host: str = "127.0.0.1"
     port: int = 8003
 

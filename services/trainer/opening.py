@@ -155,7 +155,7 @@ async def open_run(
         out_at_checkpoint = [i for i in range(controller.next_index) if i not in done]
         await controller.republish(out_at_checkpoint, state.step)
         log.info("run %s: %d prompts out at the checkpoint published again", run_id, len(out_at_checkpoint))
-    options = ConsumerOptions(block_ms=500, claim_idle_ms=settings.claim_idle_ms)
+    options = settings.consumer_options(block_ms=500)
     evaluator = None
     if spec.data.validation:
         evaluator = Evaluator(

@@ -7,10 +7,10 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.settings import CommonSettings
+from services.settings import ConsumerSettings
 
 
-class TrainerSettings(CommonSettings):
+class TrainerSettings(ConsumerSettings):
     model_config = SettingsConfigDict(env_prefix="PBSD_TRAINER_", extra="ignore")
 
     api_token: SecretStr | None = Field(default=None, description="bearer token for the REST API")
@@ -25,7 +25,6 @@ class TrainerSettings(CommonSettings):
     gradient_checkpointing: bool = False
     chunk_size: int = Field(default=1024, description="rows of full-vocabulary logits alive at once")
     keep_weights: int = Field(default=3, ge=1, description="published weight versions kept on disk")
-    claim_idle_ms: int = 1_800_000
     hub_models: bool = Field(
         default=False, description="accept model paths that are hub ids, not local directories"
     )
