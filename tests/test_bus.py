@@ -480,3 +480,25 @@ async def test_a_killed_consumer_with_default_settings_is_replaced_within_a_minu
         bus, PROMPTS, handler, lambda: got, consumer="rollout-pod-b-0", options=options, timeout=90
     )
     assert got[0] <= (options.claim_idle_ms + options.heartbeat_ms) / 1000 + 5
+
+
+async def test_publish_ahead_puts_messages_before_what_the_group_has_not_read(bus: Bus):
+    """Issue 25, item 2: prompts a resume publishes again go first. Entries already delivered stay
+    where they are; the undelivered ones queue behind the new messages, in their order, unchanged."""
+    for i in range(4):
+        await bus.publish(PROMPTS, ex.example_task(i))
+    held = await bus.collect(PROMPTS, "c", 1, _yes, options=FAST)  # index 0 is delivered, pending
+    moved = await bus.publish_ahead(PROMPTS, [ex.example_task(10), ex.example_task(11)])
+    assert moved == 3
+    order = []
+
+    async def handler(msg, delivery):
+        order.append(msg.index)
+
+    await _run_until(bus, PROMPTS, handler, lambda: len(order) == 5, consumer="c2")
+    assert order == [10, 11, 1, 2, 3]
+    await bus.commit(held)
+    assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+    with pytest.raises(TypeError):
+        await bus.publish_ahead(PROMPTS, [ex.example_weights(1)])
+    assert await bus.publish_ahead(TRAJECTORIES, []) == 0

@@ -169,6 +169,13 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _check_type(stream: StreamDef, message: Message) -> None:
+    if not isinstance(message, stream.model):
+        raise TypeError(
+            f"stream {stream.name!r} carries {stream.model.__name__}, got {type(message).__name__}"
+        )
+
+
 def _ids(entries: list[tuple]) -> str:
     """The entry ids of a batch, for a log line (the first few, and how many more)."""
     shown = ", ".join(e[0] for e in entries[:5])
@@ -198,10 +205,7 @@ class Bus:
     # -- publishing -----------------------------------------------------------------
     async def publish(self, stream: StreamDef[M], message: M) -> str:
         """XADD the message (approximate MAXLEN trim); returns the entry id."""
-        if not isinstance(message, stream.model):
-            raise TypeError(
-                f"stream {stream.name!r} carries {stream.model.__name__}, got {type(message).__name__}"
-            )
+        _check_type(stream, message)
         payload = encode(message)
         entry_id = await self.redis.xadd(
             self.key(stream),
@@ -213,6 +217,43 @@ class Bus:
         metrics.PUBLISHED_BYTES.labels(stream.name).inc(len(payload))
         return _s(entry_id)
 
+    # Entries the group has not been delivered yet are after its last-delivered-id: they are taken
+    # off, the new messages added, and they are added back behind them, unchanged and in their order.
+    # One script, so no consumer reads the stream halfway through.
+    _AHEAD = """
+    local last = '0-0'
+    for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+        local fields = {}
+        for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
+        if fields['name'] == ARGV[1] then last = fields['last-delivered-id'] end
+    end
+    local queued = redis.call('XRANGE', KEYS[1], '(' .. last, '+')
+    for _, entry in ipairs(queued) do redis.call('XDEL', KEYS[1], entry[1]) end
+    for i = 3, #ARGV, 2 do
+        redis.call('XADD', KEYS[1], '*', 'type', ARGV[2], 'mid', ARGV[i], 'data', ARGV[i + 1])
+    end
+    for _, entry in ipairs(queued) do redis.call('XADD', KEYS[1], '*', unpack(entry[2])) end
+    return #queued
+    """
+
+    async def publish_ahead(self, stream: StreamDef[M], messages: list[M]) -> int:
+        """Publish ``messages`` ahead of every entry the stream's group has not been delivered yet: the
+        group reads them next. The entries queued behind them keep their payloads and their order but
+        get new entry ids. Returns how many entries were queued behind them."""
+        if not messages:
+            return 0
+        for message in messages:
+            _check_type(stream, message)
+        await self.ensure_group(stream)
+        payloads = [encode(m) for m in messages]
+        args = [x for m, p in zip(messages, payloads, strict=True) for x in (m.message_id, p)]
+        moved = await self.redis.eval(
+            self._AHEAD, 1, self.key(stream), stream.group, stream.model.__name__, *args
+        )
+        metrics.PUBLISHED.labels(stream.name).inc(len(messages))
+        metrics.PUBLISHED_BYTES.labels(stream.name).inc(sum(len(p) for p in payloads))
+        return int(moved)
+
     # -- broadcast streams (weights) ------------------------------------------------
     async def latest(self, stream: StreamDef[M]) -> tuple[str, M] | None:
         """The newest entry of a stream, or None when it is empty."""
@@ -221,6 +262,16 @@ class Bus:
             return None
         entry_id, fields = entries[0]
         return _s(entry_id), decode(stream.model, fields[b"data"])
+
+    async def newest(self, stream: StreamDef[M], count: int) -> list[tuple[str, M]]:
+        """The newest ``count`` entries of a stream, oldest first (undecodable ones logged and left out)."""
+        out = []
+        for entry_id, fields in reversed(await self.redis.xrevrange(self.key(stream), count=count)):
+            try:
+                out.append((_s(entry_id), decode(stream.model, fields[b"data"])))
+            except (ValueError, KeyError) as exc:
+                log.error("skipping undecodable %s entry %s: %s", stream.name, _s(entry_id), exc)
+        return out
 
     async def follow(
         self,
