@@ -129,7 +129,7 @@ class FakePipeline:
 
     def __init__(self, bus: Bus, tok: ChatTokenizer, *, hold_after: int | None = None) -> None:
         self.bus, self.tok = bus, tok
-        self.version = 0
+        self.version, self.timeline = 0, ""
         self.tasks: list[PromptTask] = []
         # answer no task past the first ``hold_after`` until ``release`` is set
         self.hold_after, self.release = hold_after, asyncio.Event()
@@ -142,7 +142,7 @@ class FakePipeline:
 
     async def follow(self, stop):
         async for _, event in self.bus.follow(WEIGHTS, after="0-0", block_ms=100, stop=stop):
-            self.version = event.version
+            self.version, self.timeline = event.version, event.timeline
 
     async def handle(self, task: PromptTask, delivery) -> None:
         if self.hold_after is not None and len(self.tasks) >= self.hold_after:
@@ -174,6 +174,7 @@ class FakePipeline:
             question=task.question,
             answer=task.answer,
             policy_version=self.version,
+            policy_timelines={self.timeline: self.version} if self.timeline else {},
             algorithm=task.algorithm,
             trajectories=tuple(trajs),
         )

@@ -29,9 +29,12 @@ class WeightPublisher:
         self.keep = keep
 
     async def announce(self, state: TrainState, path: str) -> None:
-        """Tell consumers that ``state.version`` is at ``path``."""
+        """Tell consumers that ``state.version`` of ``state.timeline`` is at ``path``."""
         await self.bus.publish(
-            WEIGHTS, WeightsPublished(run_id=self.run_id, version=state.version, step=state.step, path=path)
+            WEIGHTS,
+            WeightsPublished(
+                run_id=self.run_id, version=state.version, step=state.step, path=path, timeline=state.timeline
+            ),
         )
         m.POLICY_VERSION.set(state.version)
 
