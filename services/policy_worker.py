@@ -23,6 +23,7 @@ from fastapi import FastAPI, Response
 from proto.messages import RunEnded, WeightsPublished
 from proto.streams import RUN_ENDS, WEIGHTS, StreamDef
 from services.bus import Bus, ConsumerOptions, Delivery
+from services.http_guard import BodyLimit
 from services.tasks import cancel_and_wait
 from services.telemetry import add_metrics_route
 
@@ -252,6 +253,7 @@ def worker_app(
 
     app = FastAPI(title=title, version="0.1.0", lifespan=lifespan)
     add_metrics_route(app)
+    app.add_middleware(BodyLimit, max_bytes=64 * 1024)  # its routes take no body: none is held
 
     @app.get("/health")
     async def health(response: Response) -> dict:

@@ -68,6 +68,12 @@ class ConsumerSettings(CommonSettings):
 _HUB_ID = re.compile(r"(?:[\w\-.]+/)?[\w\-.]{1,96}")
 
 
+def is_hub_id(value: str) -> bool:
+    """Whether ``value`` has the form of a Hugging Face hub id, not of a path: one or two parts,
+    none of them starting with "." (so no ``..``), and no leading ``/`` or ``~``."""
+    return bool(_HUB_ID.fullmatch(value)) and not any(part.startswith(".") for part in value.split("/"))
+
+
 class WorkerSettings(ConsumerSettings):
     """What the bus-consuming workers (scorer, rollout) share beside the common settings."""
 
@@ -79,7 +85,7 @@ class WorkerSettings(ConsumerSettings):
         path = Path(value)
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"{value} is not a checkpoint directory (no config.json in it)")
-        if not path.is_dir() and (value.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(value)):
+        if not path.is_dir() and not is_hub_id(value):
             raise ValueError(f"no checkpoint directory {value} (nor is it a hub id like org/name)")
         return value
 

@@ -578,16 +578,29 @@ def test_batch_metrics_say_how_far_the_evidence_scorer_lagged(tiny_checkpoint):
 
 # -- REST edges ------------------------------------------------------------------------------
 async def _parked_run(redis_url, key_prefix, spec, state: str) -> str:
-    """A run in ``state`` that the api fixture's executor never starts: off the queue at once."""
+    """A run in ``state`` that the api fixture's executor never starts: never on the queue (a run
+    queued and taken off again could be taken by the executor in between)."""
+    import time
+
     import redis.asyncio as aioredis
 
+    from proto.base import new_id
     from proto.runs import RunSpec
+    from services.trainer.runs import RunRecord, _to_hash
 
     client = aioredis.Redis.from_url(redis_url)
     store = RunStore(client, key_prefix)
-    record = await store.create(RunSpec.model_validate(spec))
-    assert await client.lrem(f"{key_prefix}:runs:queue", 0, record.id) == 1, "the executor took it first"
-    await store.update(record.id, state=state)
+    now = time.time()
+    record = RunRecord(
+        id=f"run-{time.strftime('%Y%m%d-%H%M%S')}-{new_id()[:6]}",
+        name="parked",
+        state=state,
+        created_at=now,
+        updated_at=now,
+        spec=RunSpec.model_validate(spec),
+    )
+    await client.hset(f"{key_prefix}:run:{record.id}", mapping=_to_hash(record))
+    await client.zadd(f"{key_prefix}:runs", {record.id: now})
     await store.add_metrics(record.id, {"step": 1.0})  # what a training step writes
     await store.add_metrics(record.id, {"step": 1.0}, series="evals")
     await store.mark_trained(record.id, ["t/0"])

@@ -21,6 +21,21 @@ class TrainerSettings(ConsumerSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     runs_dir: Path = Path("runs")
+    data_roots: list[Path] = Field(
+        default_factory=lambda: [Path(".")],
+        min_length=1,
+        description="folders a run's question files may lie in (JSON list; default: the working "
+        "directory); a spec naming a path outside them is refused",
+    )
+    model_roots: list[Path] = Field(
+        default_factory=lambda: [Path(".")],
+        min_length=1,
+        description="folders a run's checkpoint, tokenizer and DeepSpeed config may lie in, beside "
+        "runs_dir (JSON list; default: the working directory)",
+    )
+    max_body_bytes: int = Field(
+        default=1 << 20, gt=0, description="request bodies over this are refused (413) before they are read"
+    )
     device: str = "cpu"
     gradient_checkpointing: bool = False
     chunk_size: int = Field(default=1024, description="rows of full-vocabulary logits alive at once")
