@@ -16,7 +16,7 @@ import pytest
 
 from agent.chat import ChatTokenizer
 from proto.runs import RunSpec
-from proto.streams import SCORED, WEIGHTS
+from proto.streams import RUN_ENDS, SCORED, WEIGHTS
 from services.bus import REDIS_DOWN, Bus
 from services.local_redis import LocalRedis, free_port
 from services.trainer import opening as opening_module
@@ -160,6 +160,9 @@ async def test_a_cancel_survives_a_restart(pipeline, tiny_world, tiny_checkpoint
     p.serve()
     done = await p.until(record.id, _finished)
     assert done.state == "cancelled" and done.step < 4
+    # the workers are told: they drop the run's prompts still on the bus on sight (issue 25, item 3)
+    ends = [(e.run_id, e.state) for _, e in await p.bus.read_all(RUN_ENDS)]
+    assert ends == [(record.id, "cancelled")]
 
 
 async def test_a_run_lost_between_the_queue_and_running_is_queued_again(
@@ -434,3 +437,6 @@ async def test_a_resume_trains_no_discarded_weights_and_samples_each_prompt_once
         old = group.group.policy_timelines.get(lost[0].timeline)
         assert old is None or old <= 2, (step, group.group.task_id, group.group.policy_timelines)
     assert (await bus.redis.xpending(bus.key(SCORED), "trainer"))["pending"] == 0
+    assert [(e.run_id, e.state, e.step) for _, e in await bus.read_all(RUN_ENDS)] == [
+        (record.id, "completed", 6)
+    ]
