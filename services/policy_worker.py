@@ -126,8 +126,9 @@ class PolicyWorker(abc.ABC):
         return _stream_id(self.newest[0]) > _stream_id(published_at)
 
     async def _see(self, entry_id: str, event: WeightsPublished) -> None:
-        """Bring the model to ``event`` if it is another version or run; a failed load is logged and
-        retried a few times, and never ends the following (the next publication is taken as usual)."""
+        """Bring the model to ``event`` if it is another version, run or timeline; a failed load is
+        logged and retried a few times, and never ends the following (the next publication is taken
+        as usual)."""
         self.newest = (entry_id, event)
         if (event.version, event.run_id, event.timeline) != (
             self.version,

@@ -141,7 +141,6 @@ async def open_run(
     if resume:
         if crashed:
             again = await _consumed_since(store, run_id, state, saved.get("trained_ids", []))
-        await store.reset_consumed(run_id, saved.get("trained_ids", []), state.dropped_indices)
         await store.truncate_metrics(run_id, state.step)  # the steps lost with a crash
         truncate_lines(out / "metrics.jsonl", state.step)
     # "cancelling" (asked for before a restart) stays; "cancelled" means it came while loading
@@ -184,6 +183,8 @@ async def open_run(
         out_at_checkpoint = [i for i in range(controller.next_index) if i not in done]
         await controller.republish(out_at_checkpoint, state.step)
         log.info("run %s: %d prompts out at the checkpoint published again", run_id, len(out_at_checkpoint))
+    if resume:  # only now: a crash before the prompts went out again must find the same sets
+        await store.reset_consumed(run_id, saved.get("trained_ids", []), state.dropped_indices)
     options = settings.consumer_options(block_ms=500)
     evaluator = None
     if spec.data.validation:
