@@ -312,6 +312,9 @@ def start_services(
                 **common,
                 "PBSD_TRAINER_API_TOKEN": token,
                 "PBSD_TRAINER_RUNS_DIR": str(out / "runs"),
+                # the run specs name the questions and the policy under out/, and nothing else
+                "PBSD_TRAINER_DATA_ROOTS": json.dumps([str(out)]),
+                "PBSD_TRAINER_MODEL_ROOTS": json.dumps([str(out)]),
                 "PBSD_TRAINER_SAVE_GROUPS": "1",
                 # nothing here outlives the demo: a stop need not wait for a step to finish
                 "PBSD_TRAINER_SHUTDOWN_GRACE_S": "10",

@@ -4,6 +4,7 @@ from proto.base import SCHEMA_VERSION, Contract, Message, decode, encode, new_id
 from proto.messages import (
     DeadLetter,
     PromptTask,
+    RunEnded,
     ScoredGroup,
     ScoreDiagnostics,
     ToolCall,
@@ -34,6 +35,7 @@ __all__ = [
     "PbsdSpec",
     "PromptTask",
     "RolloutSpec",
+    "RunEnded",
     "RunSpec",
     "ScoreDiagnostics",
     "ScoredGroup",

@@ -28,6 +28,7 @@ __all__ = [
     "FINISH_REASONS",
     "DeadLetter",
     "PromptTask",
+    "RunEnded",
     "ScoreDiagnostics",
     "ScoredGroup",
     "ToolCall",
@@ -175,6 +176,12 @@ class TrajectoryGroup(Message):
     policy_version: NonNegInt = Field(
         description="the oldest policy version any of the trajectories was sampled with"
     )
+    policy_timelines: dict[str, NonNegInt] = Field(
+        default_factory=dict,
+        description="every weights timeline (WeightsPublished.timeline) the sampling worker held while it "
+        "sampled the group, with the newest version of it held; the trainer drops the group when any of "
+        "them is a version a resume discarded. Empty: the sender does not say (version rules only)",
+    )
     algorithm: AlgorithmSpec
     trajectories: tuple[Trajectory, ...] = Field(min_length=1)
     created_at: float = Field(default_factory=_now)
@@ -274,13 +281,24 @@ class WeightsPublished(Message):
     """A new policy version. ``transport`` "disk": it is at ``path``, and every consumer reloads from
     there. "broadcast": the trainer has already sent it over a ``torch.distributed`` group to the
     consumers in that group (SGLang's distributed weight update); a consumer still behind it missed
-    the broadcast and falls back to the newest copy on disk, ``path``, which holds ``path_version``."""
+    the broadcast and falls back to the newest copy on disk, ``path``, which holds ``path_version``.
+
+    ``(timeline, version)`` names the weights: a trainer that resumes a run from a checkpoint
+    starts a new timeline, and the versions an earlier timeline published after that checkpoint
+    are lost (its version numbers come again, with other weights). Within the timeline a resume
+    starts, the versions up to the checkpoint's are the same weights as before."""
 
     run_id: str = Field(min_length=1)
     version: NonNegInt
     step: NonNegInt
     path: str = Field(min_length=1, description="Hugging Face checkpoint directory (safetensors)")
     format: Literal["safetensors"] = "safetensors"
+    timeline: str = Field(
+        default="",
+        max_length=64,
+        description="the publishing trainer's timeline, a nonce each opening of the run (start or resume) "
+        "draws; empty from a publisher that does not say",
+    )
     created_at: float = Field(default_factory=_now)
     transport: Literal["disk", "broadcast"] = "disk"
     path_version: NonNegInt | None = Field(
@@ -301,6 +319,16 @@ class WeightsPublished(Message):
         """The publication of the copy at ``path`` alone: what a consumer that missed a broadcast loads."""
         version = self.version if self.path_version is None else self.path_version
         return self.model_copy(update={"version": version, "transport": "disk", "path_version": None})
+
+
+class RunEnded(Message):
+    """A run has ended (completed, cancelled or failed): its prompts and groups still on the bus are
+    work for no one, and workers drop them on sight."""
+
+    run_id: str = Field(min_length=1)
+    state: Literal["completed", "cancelled", "failed"]
+    step: NonNegInt = 0
+    created_at: float = Field(default_factory=_now)
 
 
 class DeadLetter(Message):

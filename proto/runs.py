@@ -8,10 +8,11 @@ clipping 0.2 / 0.28, and PBSD with delta 0.1, c 0.1, eps+ 0.001, eps- 0.003.
 
 from __future__ import annotations
 
+import math
 import string
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pbsd import credit
 from proto.base import Contract, Message
@@ -59,7 +60,13 @@ UnitFloat = Annotated[float, Field(ge=0, le=1)]
 LrDecay = Literal["constant", "cosine"]  # after warm-up (also pbsd sft's --lr-decay)
 
 
-class ModelSpec(Contract):
+class _Spec(Contract):
+    """A part of the run specification: numbers are finite (NaN and infinities are refused)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class ModelSpec(_Spec):
     path: str = Field(
         min_length=1, description="Hugging Face checkpoint directory (or hub id where the hub is reachable)"
     )
@@ -75,7 +82,7 @@ class ModelSpec(Contract):
     )
 
 
-class DataSpec(Contract):
+class DataSpec(_Spec):
     train: str = Field(min_length=1, description="question file (JSONL or Parquet) for RL")
     validation: str | None = Field(
         default=None,
@@ -92,7 +99,7 @@ class DataSpec(Contract):
     )
 
 
-class RolloutSpec(Contract):
+class RolloutSpec(_Spec):
     group_size: PositiveInt = Field(default=8, description="G, trajectories sampled per prompt")
     temperature: Annotated[float, Field(ge=1e-5)] = Field(
         default=1.0,
@@ -119,7 +126,7 @@ class RolloutSpec(Contract):
     )
 
 
-class _PolicyGradientSpec(Contract):
+class _PolicyGradientSpec(_Spec):
     eps_low: Annotated[float, Field(ge=0, lt=1)] = 0.2
     eps_high: Annotated[float, Field(ge=0)] = 0.28
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "constant"] = (
@@ -203,7 +210,18 @@ class PbsdSpec(_PolicyGradientSpec):
 AlgorithmSpec = Annotated[GrpoSpec | PbsdSpec, Field(discriminator="name")]
 
 
-class TrainerSpec(Contract):
+def _finite(value: Any) -> bool:
+    """Whether every number in a JSON-like value is finite."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    return True
+
+
+class TrainerSpec(_Spec):
     prompts_per_step: PositiveInt = Field(default=32, description="groups per optimiser step")
     max_steps: PositiveInt = 100
     lr: PositiveFloat = 3e-6
@@ -249,9 +267,18 @@ class TrainerSpec(Contract):
         "warm-up/decay schedule and grad_clip",
     )
 
+    @field_validator("deepspeed_config")
+    @classmethod
+    def _finite_config(cls, value):
+        if isinstance(value, dict) and not _finite(value):
+            raise ValueError("deepspeed_config must hold finite numbers only (no NaN or Infinity)")
+        return value
+
 
 class RunSpec(Message):
     """A whole RL run. ``algorithm`` is ``{"name": "pbsd", ...}`` or ``{"name": "grpo", ...}``."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     name: str = Field(default="run", min_length=1, max_length=128)
     model: ModelSpec

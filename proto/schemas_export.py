@@ -11,18 +11,12 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from proto.messages import DeadLetter, PromptTask, ScoredGroup, TrajectoryGroup, WeightsPublished
 from proto.runs import RunSpec
+from proto.streams import ALL_STREAMS
 
 SCHEMA_DIR = Path(__file__).parent / "schemas"
-EXPORTED: tuple[type[BaseModel], ...] = (
-    RunSpec,
-    PromptTask,
-    TrajectoryGroup,
-    ScoredGroup,
-    WeightsPublished,
-    DeadLetter,
-)
+# the run specification, then every stream's message model once, in the streams' order
+EXPORTED: tuple[type[BaseModel], ...] = (RunSpec, *dict.fromkeys(s.model for s in ALL_STREAMS))
 
 
 def render_schemas() -> dict[str, str]:

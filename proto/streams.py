@@ -5,6 +5,7 @@
     scored        evidence scorers -> trainer                      group "trainer"
     evals         rollout workers -> trainer (validation groups)   group "trainer"
     weights       trainer -> every rollout worker and scorer       broadcast (no group)
+    run-ends      trainer -> every rollout worker and scorer       broadcast (no group)
     dead-letters  any consumer -> operators                        read by hand / dashboards
 
 Keys are ``{prefix}:{name}`` so that several deployments can share one Redis.
@@ -17,13 +18,21 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
-from proto.messages import DeadLetter, PromptTask, ScoredGroup, TrajectoryGroup, WeightsPublished
+from proto.messages import (
+    DeadLetter,
+    PromptTask,
+    RunEnded,
+    ScoredGroup,
+    TrajectoryGroup,
+    WeightsPublished,
+)
 
 __all__ = [
     "ALL_STREAMS",
     "DEAD_LETTERS",
     "EVALS",
     "PROMPTS",
+    "RUN_ENDS",
     "SCORED",
     "TRAJECTORIES",
     "WEIGHTS",
@@ -48,6 +57,7 @@ TRAJECTORIES = StreamDef("trajectories", TrajectoryGroup, group="scorer")
 SCORED = StreamDef("scored", ScoredGroup, group="trainer")
 EVALS = StreamDef("evals", TrajectoryGroup, group="trainer")
 WEIGHTS = StreamDef("weights", WeightsPublished, group=None)
+RUN_ENDS = StreamDef("run-ends", RunEnded, group=None)
 DEAD_LETTERS = StreamDef("dead-letters", DeadLetter, group=None)
 
-ALL_STREAMS: tuple[StreamDef, ...] = (PROMPTS, TRAJECTORIES, SCORED, EVALS, WEIGHTS, DEAD_LETTERS)
+ALL_STREAMS: tuple[StreamDef, ...] = (PROMPTS, TRAJECTORIES, SCORED, EVALS, WEIGHTS, RUN_ENDS, DEAD_LETTERS)

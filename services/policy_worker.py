@@ -1,6 +1,13 @@
 """What the rollout workers and the scorer have in common: consume one stream with a few
 concurrent consumers while keeping a model at the newest published policy version, and
-run as a small FastAPI app with ``/health`` and ``/metrics``."""
+run as a small FastAPI app with ``/health`` and ``/metrics``.
+
+Weights are named by ``(timeline, version)`` (:class:`proto.messages.WeightsPublished`): a
+publication of another timeline is loaded even when its version number is the one held, since
+after a trainer's resume a number can name other weights. What a piece of work sampled with is
+recorded by :meth:`PolicyWorker.holding`. Runs that ended (the ``run-ends`` stream) are
+remembered, and their messages dropped on sight, unprocessed.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +15,15 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 from fastapi import FastAPI, Response
 
-from proto.messages import WeightsPublished
-from proto.streams import WEIGHTS, StreamDef
+from proto.messages import RunEnded, WeightsPublished
+from proto.streams import RUN_ENDS, WEIGHTS, StreamDef
 from services.bus import Bus, ConsumerOptions, Delivery
+from services.http_guard import BodyLimit
 from services.tasks import cancel_and_wait
 from services.telemetry import add_metrics_route
 
@@ -24,10 +33,12 @@ __all__ = ["PolicyWorker", "worker_app"]
 
 
 class PolicyWorker(abc.ABC):
-    """Subclasses set ``stream``, and implement ``version``, ``load_weights`` and ``handle``."""
+    """Subclasses set ``stream``, and implement ``version``, ``load_weights`` and ``handle``; the
+    messages of ``stream`` carry a ``run_id``."""
 
     stream: StreamDef
     load_retry_delays_s: tuple[float, ...] = (2.0, 4.0)  # a failed load is tried again after these
+    remembered_ends: int = 10_000  # the newest run ends read at start (older runs left nothing behind)
 
     def __init__(
         self, bus: Bus, *, name: str, concurrency: int = 1, options: ConsumerOptions | None = None
@@ -35,13 +46,16 @@ class PolicyWorker(abc.ABC):
         self.bus = bus
         self.name = name
         self.concurrency = concurrency
-        self.options = options or ConsumerOptions(claim_idle_ms=600_000)
+        self.options = options or ConsumerOptions()
         self.ready = asyncio.Event()
-        # the newest weights event seen (its stream id and run), loaded or not, and the run of the
-        # weights loaded: a prompt of another run must not be sampled with them
-        self.newest: tuple[str, str] | None = None
+        # the newest weights event seen (its stream id and the event), loaded or not, and the run and
+        # timeline of the weights loaded: a prompt of another run must not be sampled with them
+        self.newest: tuple[str, WeightsPublished] | None = None
         self.loaded_run: str | None = None
-        self.weights_changed = asyncio.Condition()
+        self.loaded_timeline: str | None = None
+        self.ended: set[str] = set()  # runs whose end was announced
+        self.weights_changed = asyncio.Condition()  # notified on every weights event and run end
+        self._holding: list[dict[str, int]] = []
 
     @property
     @abc.abstractmethod
@@ -59,17 +73,55 @@ class PolicyWorker(abc.ABC):
     async def prepare(self) -> None:  # noqa: B027 - an optional hook, not an abstract step
         """Work to do once before consuming (a subclass hook)."""
 
+    def dropped_ended(self, message) -> None:
+        """A message of an ended run was dropped unprocessed (a subclass counts it)."""
+        log.info("%s dropped a message of run %s, which has ended", self.name, message.run_id)
+
     async def apply_weights(self, event: WeightsPublished) -> None:
-        log.info("%s loading policy version %d from %s", self.name, event.version, event.path)
+        log.info(
+            "%s loading policy version %d (timeline %s) from %s",
+            self.name,
+            event.version,
+            event.timeline or "-",
+            event.path,
+        )
+        for held in self._holding:  # before the load: a load that fails halfway may have changed weights
+            _see_weights(held, event.timeline, event.version)
         await self.load_weights(event)
-        self.loaded_run = event.run_id
+        self.loaded_run, self.loaded_timeline = event.run_id, event.timeline
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[dict[str, int]]:
+        """The weights the model holds while the block runs, as ``{timeline: newest version}``
+        (``TrajectoryGroup.policy_timelines``): the ones loaded when it starts and every load it sees
+        begin. Weights without a timeline are left out."""
+        held: dict[str, int] = {}
+        if self.loaded_timeline:
+            _see_weights(held, self.loaded_timeline, self.version)
+        self._holding.append(held)
+        try:
+            yield held
+        finally:
+            self._holding.remove(held)
+
+    def holds_newest(self, run_id: str) -> bool:
+        """Whether the model holds ``run_id``'s weights of the newest timeline announced (a worker
+        holding a timeline a resume abandoned must not sample with it once it knows)."""
+        if self.newest is None:
+            return True  # nothing published yet: the model the engine started with
+        newest = self.newest[1]
+        if self.loaded_run != run_id:
+            return False
+        return newest.run_id != run_id or newest.timeline == self.loaded_timeline
 
     def run_is_over(self, run_id: str, published_at: str) -> bool:
         """Whether a message of ``run_id`` published at stream id ``published_at`` belongs to a run that
-        has ended: weights of another run were published after it. Runs follow one another and each
-        publishes its weights before its prompts, so a prompt newer than the newest weights is still
-        current even when those weights are of the run before."""
-        if self.newest is None or self.newest[1] == run_id:
+        has ended: its end was announced, or weights of another run were published after it. Runs
+        follow one another and each publishes its weights before its prompts, so a prompt newer than
+        the newest weights is still current even when those weights are of the run before."""
+        if run_id in self.ended:
+            return True
+        if self.newest is None or self.newest[1].run_id == run_id:
             return False
         return _stream_id(self.newest[0]) > _stream_id(published_at)
 
@@ -90,12 +142,14 @@ class PolicyWorker(abc.ABC):
                 await follow(event.version, event.disk_copy().path, event.disk_copy().version)
             except Exception:
                 log.exception("%s could not bring its servers to policy version %d", self.name, event.version)
-            self.loaded_run = event.run_id
+            self._received(event)
             return
-        if event.run_id == self.loaded_run and self.version >= event.version:
+        same_weights = (event.run_id, event.timeline) == (self.loaded_run, self.loaded_timeline)
+        if same_weights and self.version >= event.version:
+            self._received(event)  # the group brought it
             return
         copy = event.disk_copy()
-        if event.run_id != self.loaded_run or copy.version > self.version:
+        if not same_weights or copy.version > self.version:
             await self._load(copy)
         else:
             log.warning(
@@ -105,14 +159,24 @@ class PolicyWorker(abc.ABC):
                 self.version,
             )
 
+    def _received(self, event: WeightsPublished) -> None:
+        """The broadcast ``event`` reached the model through the weight group, not ``apply_weights``."""
+        for held in self._holding:
+            _see_weights(held, event.timeline, event.version)
+        self.loaded_run, self.loaded_timeline = event.run_id, event.timeline
+
     async def _see(self, entry_id: str, event: WeightsPublished) -> None:
-        """Bring the model to ``event`` if it is another version or run (a broadcast one: see
-        :meth:`follow_broadcast`); a failed load is logged and retried a few times, and never ends the
-        following (the next publication is taken as usual)."""
-        self.newest = (entry_id, event.run_id)
+        """Bring the model to ``event`` if it is another version, run or timeline (a broadcast one:
+        see :meth:`follow_broadcast`); a failed load is logged and retried a few times, and never
+        ends the following (the next publication is taken as usual)."""
+        self.newest = (entry_id, event)
         if event.transport == "broadcast":
             await self.follow_broadcast(event)
-        elif event.version != self.version or event.run_id != self.loaded_run:
+        elif (event.version, event.run_id, event.timeline) != (
+            self.version,
+            self.loaded_run,
+            self.loaded_timeline,
+        ):
             await self._load(event)
         async with self.weights_changed:
             self.weights_changed.notify_all()
@@ -134,40 +198,64 @@ class PolicyWorker(abc.ABC):
                 if delay is not None:
                     await asyncio.sleep(delay)
 
+    async def _end(self, entry_id: str, event: RunEnded) -> None:
+        self.ended.add(event.run_id)
+        async with self.weights_changed:
+            self.weights_changed.notify_all()
+
+    async def _unless_ended(self, message, delivery: Delivery) -> None:
+        if message.run_id in self.ended:
+            self.dropped_ended(message)
+            return
+        await self.handle(message, delivery)
+
     async def run(self, stop: asyncio.Event) -> None:
         await self.prepare()
         latest = await self.bus.latest(WEIGHTS)  # catch up with what was published while we were away
         cursor = latest[0] if latest else "0-0"
         if latest:
             await self._see(*latest)
-        follower = asyncio.create_task(self._follow(cursor, stop))
+        ends = await self.bus.newest(RUN_ENDS, self.remembered_ends)
+        self.ended.update(event.run_id for _, event in ends)
+        followers = [
+            asyncio.create_task(self._follow(WEIGHTS, cursor, self._see, stop)),
+            asyncio.create_task(self._follow(RUN_ENDS, ends[-1][0] if ends else "0-0", self._end, stop)),
+        ]
         self.ready.set()
         try:
             await asyncio.gather(
                 *(
                     self.bus.consume(
-                        self.stream, f"{self.name}-{i}", self.handle, options=self.options, stop=stop
+                        self.stream, f"{self.name}-{i}", self._unless_ended, options=self.options, stop=stop
                     )
                     for i in range(self.concurrency)
                 )
             )
         finally:
-            await cancel_and_wait(follower)
+            for follower in followers:
+                await cancel_and_wait(follower)
 
-    async def _follow(self, cursor: str, stop: asyncio.Event) -> None:
-        """Every publication, for the worker's whole life: a lost connection is retried, not fatal
-        (a follower that died would leave the worker at its old version for good)."""
+    async def _follow(
+        self, stream: StreamDef, cursor: str, see: Callable[[str, Any], Awaitable[None]], stop: asyncio.Event
+    ) -> None:
+        """Every event of a broadcast stream, for the worker's whole life: a lost connection is retried,
+        not fatal (a weights follower that died would leave the worker at its old version for good)."""
         while not stop.is_set():
             try:
-                async for entry, event in self.bus.follow(WEIGHTS, after=cursor, stop=stop):
-                    await self._see(entry, event)
+                async for entry, event in self.bus.follow(stream, after=cursor, stop=stop):
+                    await see(entry, event)
                     cursor = entry
                 return
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("%s lost the weights stream; following again in 1 s", self.name)
+                log.exception("%s lost the %s stream; following again in 1 s", self.name, stream.name)
                 await asyncio.sleep(1.0)
+
+
+def _see_weights(held: dict[str, int], timeline: str, version: int) -> None:
+    if timeline:
+        held[timeline] = max(held.get(timeline, version), version)
 
 
 def _stream_id(entry_id: str) -> tuple[int, int]:
@@ -211,6 +299,7 @@ def worker_app(
 
     app = FastAPI(title=title, version="0.1.0", lifespan=lifespan)
     add_metrics_route(app)
+    app.add_middleware(BodyLimit, max_bytes=64 * 1024)  # its routes take no body: none is held
 
     @app.get("/health")
     async def health(response: Response) -> dict:

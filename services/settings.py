@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.bus import ConsumerOptions
 
 
 class CommonSettings(BaseSettings):
@@ -45,11 +48,33 @@ class CommonSettings(BaseSettings):
             yield key, (_redact_url(value) if key == "redis_url" else value)
 
 
+class ConsumerSettings(CommonSettings):
+    """What every service that consumes from the bus (rollout, scorer, trainer) shares."""
+
+    heartbeat_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="how often a consumer renews the idle time of what it holds on the bus; what a "
+        "dead consumer held moves to another (whatever its name) after MISSED_BEATS (10) missed "
+        "beats, so within a minute at the default",
+    )
+
+    def consumer_options(self, **kwargs: Any) -> ConsumerOptions:
+        return ConsumerOptions(heartbeat_ms=round(self.heartbeat_s * 1000), **kwargs)
+
+
 # the form of a Hugging Face hub id ("org/name" or "name"), which no local path with more parts has
 _HUB_ID = re.compile(r"(?:[\w\-.]+/)?[\w\-.]{1,96}")
 
 
-class WorkerSettings(CommonSettings):
+def is_hub_id(value: str) -> bool:
+    """Whether ``value`` has the form of a Hugging Face hub id, not of a path: one or two parts,
+    none of them starting with "." (so no ``..``), and no leading ``/`` or ``~``."""
+    return bool(_HUB_ID.fullmatch(value)) and not any(part.startswith(".") for part in value.split("/"))
+
+
+class WorkerSettings(ConsumerSettings):
     """What the bus-consuming workers (scorer, rollout) share beside the common settings."""
 
     @field_validator("model", check_fields=False)
@@ -60,7 +85,7 @@ class WorkerSettings(CommonSettings):
         path = Path(value)
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"{value} is not a checkpoint directory (no config.json in it)")
-        if not path.is_dir() and (value.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(value)):
+        if not path.is_dir() and not is_hub_id(value):
             raise ValueError(f"no checkpoint directory {value} (nor is it a hub id like org/name)")
         return value
 

@@ -85,14 +85,21 @@ TOKEN = "test-token-5b1d"
 
 
 @pytest.fixture
-def api(redis_url, key_prefix, tmp_path):
-    """A trainer service (REST API and executor) on a free port, bearer token ``TOKEN``."""
+def api(redis_url, key_prefix, tmp_path, tmp_path_factory):
+    """A trainer service (REST API and executor) on a free port, bearer token ``TOKEN``; its data and
+    model roots are the test session's temporary folder (the tiny world and checkpoint are there)."""
     from services.trainer.app import create_app
     from services.trainer.settings import TrainerSettings
     from tests.servers import serve
 
+    roots = [tmp_path_factory.getbasetemp()]
     settings = TrainerSettings(
-        api_token=TOKEN, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
+        api_token=TOKEN,
+        redis_url=redis_url,
+        stream_prefix=key_prefix,
+        runs_dir=tmp_path / "runs",
+        data_roots=roots,
+        model_roots=roots,
     )
     with serve(create_app(settings)) as url:
         yield url

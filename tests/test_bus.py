@@ -16,7 +16,7 @@ from proto import examples as ex
 from proto.streams import DEAD_LETTERS, PROMPTS, TRAJECTORIES, WEIGHTS
 from services.bus import Bus, ConsumerOptions
 
-FAST = ConsumerOptions(block_ms=50, claim_idle_ms=300, max_deliveries=3, trim_interval_s=0.0)
+FAST = ConsumerOptions(block_ms=50, heartbeat_ms=30, max_deliveries=3, trim_interval_s=0.0)
 
 
 async def _run_until(bus: Bus, stream, handler, predicate, *, consumer="c1", options=FAST, timeout=10.0):
@@ -90,11 +90,9 @@ async def test_publish_checks_the_type(bus: Bus):
         await bus.publish(TRAJECTORIES, ex.example_task())
 
 
-async def test_consumer_killed_mid_handler_is_reclaimed(bus: Bus, redis_url, key_prefix):
-    """A consumer process dies (SIGKILL) inside its handler; another takes the entry over."""
-    await bus.ensure_group(PROMPTS)
-    task = ex.example_task()
-    await bus.publish(PROMPTS, task)
+async def _kill_mid_handler(redis_url: str, key_prefix: str, task, consumer: str, options: str) -> None:
+    """A consumer process (``ConsumerOptions(options)``) takes ``task`` and is killed (SIGKILL)
+    inside its handler."""
     script = textwrap.dedent(f"""
         import asyncio
         from services.bus import Bus, ConsumerOptions
@@ -104,13 +102,13 @@ async def test_consumer_killed_mid_handler_is_reclaimed(bus: Bus, redis_url, key
             async def handler(msg, delivery):
                 await bus.redis.set({key_prefix!r} + ":started", msg.message_id)
                 await asyncio.sleep(3600)
-            await bus.consume(PROMPTS, "doomed", handler, options=ConsumerOptions(block_ms=50, claim_idle_ms=300))
+            await bus.consume(PROMPTS, {consumer!r}, handler, options=ConsumerOptions({options}))
         asyncio.run(main())
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd())
     try:
         sync = redis.Redis.from_url(redis_url)
-        for _ in range(500):
+        for _ in range(1000):
             if sync.get(f"{key_prefix}:started"):
                 break
             await asyncio.sleep(0.02)
@@ -120,6 +118,14 @@ async def test_consumer_killed_mid_handler_is_reclaimed(bus: Bus, redis_url, key
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_consumer_killed_mid_handler_is_reclaimed(bus: Bus, redis_url, key_prefix):
+    """A consumer process dies (SIGKILL) inside its handler; another takes the entry over."""
+    await bus.ensure_group(PROMPTS)
+    task = ex.example_task()
+    await bus.publish(PROMPTS, task)
+    await _kill_mid_handler(redis_url, key_prefix, task, "doomed", "block_ms=50, heartbeat_ms=30")
     got = []
 
     async def handler(msg, delivery):
@@ -255,7 +261,7 @@ async def test_trimming_keeps_only_unacknowledged_history(bus: Bus):
     async def handler(msg, delivery):
         processed.append(msg.index)
 
-    opts = ConsumerOptions(block_ms=50, claim_idle_ms=300, count=1, trim_interval_s=0.0)
+    opts = ConsumerOptions(block_ms=50, heartbeat_ms=30, count=1, trim_interval_s=0.0)
     await _run_until(bus, PROMPTS, handler, lambda: len(processed) == 20, options=opts)
     assert (
         await bus.stream_length(PROMPTS) <= 1
@@ -357,7 +363,7 @@ async def test_a_restarted_collector_gets_its_own_held_messages_back_at_once(bus
     async def accept(task):
         return True
 
-    slow = ConsumerOptions(block_ms=50, claim_idle_ms=600_000)
+    slow = ConsumerOptions(block_ms=50, heartbeat_ms=60_000)
     held = await bus.collect(PROMPTS, "trainer-r", 2, accept, options=slow)
     held.stop_heartbeat()  # shut down without committing
     again = await bus.collect(PROMPTS, "trainer-r", 3, accept, options=slow)
@@ -382,3 +388,117 @@ async def test_collected_messages_of_a_dead_collector_are_reclaimed(bus: Bus):
     stop = asyncio.Event()
     stop.set()
     assert (await bus.collect(PROMPTS, "x", 1, accept, options=FAST, stop=stop)).messages == []
+
+
+# -- issue 25, item 4: a dead consumer's work moves on within a minute, to any name, and says so --
+def test_the_claim_idle_limit_follows_the_heartbeat_and_is_about_a_minute(tmp_path):
+    """It was 600 s for the rollout and the scorer and 1,800 s for the trainer, set apart from the
+    heartbeat: a replacement under another name waited that long for a dead consumer's work."""
+    from pathlib import Path
+
+    from services.bus.client import MISSED_BEATS
+    from services.rollout.settings import RolloutSettings
+    from services.scorer.settings import ScorerSettings
+    from services.trainer.settings import TrainerSettings
+
+    model = str(Path(__file__).parents[1] / "assets" / "demo-policy")
+    for settings in (
+        RolloutSettings(model=model),
+        ScorerSettings(model=model),
+        TrainerSettings(local_mode=True, runs_dir=tmp_path),
+    ):
+        options = settings.consumer_options()
+        assert options.claim_idle_ms == MISSED_BEATS * options.heartbeat_ms == 50_000
+        assert options.claim_idle_ms + options.heartbeat_ms <= 60_000  # the next scan finds it
+    assert ConsumerOptions(heartbeat_ms=40).claim_idle_ms == 40 * MISSED_BEATS
+
+
+async def test_a_replacement_of_another_name_takes_over_a_dead_consumers_entry_and_logs_it(bus: Bus, caplog):
+    """The consumer holding an entry dies (its heartbeat stops); a replacement with a different
+    consumer name takes the entry over once MISSED_BEATS beats are missed, not before, and logs it."""
+    import logging
+    import time
+
+    await bus.publish(PROMPTS, ex.example_task(7))
+    held = await bus.collect(PROMPTS, "rollout-old-host-0", 1, _yes, options=FAST)
+    held.stop_heartbeat()  # the process is gone
+    died = time.monotonic()
+    got: list[tuple[int, float]] = []
+
+    async def handler(msg, delivery):
+        got.append((msg.index, time.monotonic() - died))
+
+    with caplog.at_level(logging.INFO, logger="services.bus.client"):
+        await _run_until(bus, PROMPTS, handler, lambda: got, consumer="rollout-new-host-0")
+    ((index, after),) = got
+    assert index == 7 and after >= FAST.claim_idle_ms / 1000
+    assert after < FAST.claim_idle_ms / 1000 + 1.0  # a heartbeat's scan later, with slack for a busy machine
+    took = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+    assert len(took) == 1 and "rollout-new-host-0 took over 1 prompts entries" in took[0]
+
+
+async def test_a_restarted_consumer_logs_what_it_took_back(bus: Bus, caplog):
+    import logging
+
+    for i in range(2):
+        await bus.publish(PROMPTS, ex.example_task(i))
+    held = await bus.collect(PROMPTS, "scorer-a-0", 2, _yes, options=FAST)
+    held.stop_heartbeat()
+    with caplog.at_level(logging.INFO, logger="services.bus.client"):
+        again = await bus.collect(PROMPTS, "scorer-a-0", 2, _yes, options=FAST)
+    ids = ", ".join(entry_id for entry_id, _ in again.items)
+    await bus.commit(again)
+    lines = [r.getMessage() for r in caplog.records if "took back" in r.getMessage()]
+    assert lines == [f"scorer-a-0 took back 2 prompts entries it held before it stopped: {ids}"]
+
+
+async def _yes(message) -> bool:
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_killed_consumer_with_default_settings_is_replaced_within_a_minute(
+    bus: Bus, redis_url, key_prefix
+):
+    """kill -9 of a consumer process mid-handler with the services' default heartbeat; a
+    replacement under another name (a new pod) gets the entry within about a minute."""
+    import time
+
+    await bus.ensure_group(PROMPTS)
+    task = ex.example_task()
+    await bus.publish(PROMPTS, task)
+    await _kill_mid_handler(redis_url, key_prefix, task, "rollout-pod-a-0", "")
+    killed = time.monotonic()
+    got = []
+
+    async def handler(msg, delivery):
+        got.append(time.monotonic() - killed)
+
+    options = ConsumerOptions(block_ms=200)
+    await _run_until(
+        bus, PROMPTS, handler, lambda: got, consumer="rollout-pod-b-0", options=options, timeout=90
+    )
+    assert got[0] <= (options.claim_idle_ms + options.heartbeat_ms) / 1000 + 5
+
+
+async def test_publish_ahead_puts_messages_before_what_the_group_has_not_read(bus: Bus):
+    """Issue 25, item 2: prompts a resume publishes again go first. Entries already delivered stay
+    where they are; the undelivered ones queue behind the new messages, in their order, unchanged."""
+    for i in range(4):
+        await bus.publish(PROMPTS, ex.example_task(i))
+    held = await bus.collect(PROMPTS, "c", 1, _yes, options=FAST)  # index 0 is delivered, pending
+    moved = await bus.publish_ahead(PROMPTS, [ex.example_task(10), ex.example_task(11)])
+    assert moved == 3
+    order = []
+
+    async def handler(msg, delivery):
+        order.append(msg.index)
+
+    await _run_until(bus, PROMPTS, handler, lambda: len(order) == 5, consumer="c2")
+    assert order == [10, 11, 1, 2, 3]
+    await bus.commit(held)
+    assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+    with pytest.raises(TypeError):
+        await bus.publish_ahead(PROMPTS, [ex.example_weights(1)])
+    assert await bus.publish_ahead(TRAJECTORIES, []) == 0

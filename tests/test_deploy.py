@@ -531,6 +531,8 @@ def pipeline(redis_server, tiny_checkpoint, tiny_world, tmp_path_factory):
                 **common,
                 "PBSD_TRAINER_LOCAL_MODE": "1",
                 "PBSD_TRAINER_RUNS_DIR": str(tmp / "runs"),
+                "PBSD_TRAINER_DATA_ROOTS": json.dumps([str(tmp_path_factory.getbasetemp())]),
+                "PBSD_TRAINER_MODEL_ROOTS": json.dumps([str(tmp_path_factory.getbasetemp())]),
                 "PBSD_TRAINER_LAG_INTERVAL_S": "0.2",
             },
         ),

@@ -20,7 +20,7 @@ from proto import (
     encode,
 )
 from proto import examples as ex
-from proto.messages import DeadLetter, WeightsPublished
+from proto.messages import DeadLetter, RunEnded, WeightsPublished
 from proto.schemas_export import SCHEMA_DIR, render_schemas
 from proto.streams import ALL_STREAMS
 
@@ -204,5 +204,6 @@ def test_every_stream_has_a_distinct_key_and_message_model():
         TrajectoryGroup,
         ScoredGroup,
         WeightsPublished,
+        RunEnded,
         DeadLetter,
     }

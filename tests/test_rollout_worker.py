@@ -23,7 +23,7 @@ from tests.servers import serve
 from tests.sglang_fake import LAYERS, TOP_K, make_sglang
 from tests.test_rollout_agent import SEARCH, FixedTools, scripted
 
-FAST = ConsumerOptions(block_ms=50, claim_idle_ms=5000)
+FAST = ConsumerOptions(block_ms=50, heartbeat_ms=500)
 
 
 def _task(step: int = 0, group_size: int = 3, staleness: int = 1, run_id: str = "r") -> PromptTask:
@@ -282,3 +282,123 @@ async def test_the_runs_seed_fixes_the_samples_whichever_worker_draws_them(bus, 
     assert run_seeded[0] != run_seeded[1]  # each sample of the prompt has its own seed
     assert await completions(unseeded, 11) == await completions(unseeded, 11)
     assert await completions(unseeded, 11) != await completions(unseeded, 12)
+
+
+# -- issue 25, items 1 and 3: weights named by timeline, ended runs dropped on sight ------------
+class _GatedTools(FixedTools):
+    """Tools whose first call waits for ``release``: the test acts while a group is half sampled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.called, self.release = asyncio.Event(), asyncio.Event()
+
+    async def call(self, server, tool, args, *, trajectory_id=None):
+        self.called.set()
+        await self.release.wait()
+        return await super().call(server, tool, args, trajectory_id=trajectory_id)
+
+
+def _weights(version: int, timeline: str, path: str | None = None, run_id: str = "r") -> WeightsPublished:
+    return WeightsPublished(
+        run_id=run_id,
+        version=version,
+        step=version,
+        timeline=timeline,
+        path=path or f"/ckpt/{timeline}/v{version}",
+    )
+
+
+def _loads(app) -> list[str]:
+    return [c[1]["model_path"] for c in app.state.control if c[0] == "update_weights_from_disk"]
+
+
+async def test_a_group_sampled_across_a_resume_names_both_timelines(bus, tok):
+    """The trainer resumes (timeline B) from its checkpoint at version 2 while a group is half
+    sampled with timeline A's version 2: the worker loads B's version 2 although the number is the
+    one it holds, and the group says it was sampled under both."""
+    turns = ["search\n" + format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
+    app = make_sglang(scripted(tok, turns), version=0)
+    tools = _GatedTools()
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        await bus.publish(WEIGHTS, _weights(2, "A"))
+        worker, stop, task = await _start(bus, engine, tok, tools)
+        await bus.publish(PROMPTS, _task(step=2, group_size=1))
+        await asyncio.wait_for(tools.called.wait(), 20)
+        await bus.publish(WEIGHTS, _weights(2, "B"))
+        async with asyncio.timeout(20):
+            while worker.loaded_timeline != "B":
+                await asyncio.sleep(0.05)
+        tools.release.set()
+        (group,) = await _groups(bus, 1)
+        stop.set()
+        await task
+        await engine.aclose()
+    assert _loads(app) == ["/ckpt/A/v2", "/ckpt/B/v2"]
+    assert group.policy_version == 2 and group.policy_timelines == {"A": 2, "B": 2}
+
+
+async def test_a_worker_that_knows_of_a_resume_does_not_sample_with_the_abandoned_timeline(bus, tok):
+    """It holds timeline A's version 3, which the resume (B, from the checkpoint at 2) discarded, and
+    B's weights fail to load: a prompt that version 3 would satisfy waits for B's weights instead."""
+    app = make_sglang(scripted(tok, ["\\boxed{Danube}"]), version=0)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K, retry=RetryPolicy(max_attempts=1))
+        await bus.publish(WEIGHTS, _weights(3, "A"))
+        worker, stop, task = await _start(bus, engine, tok)
+        worker.load_retry_delays_s = ()
+        await bus.publish(WEIGHTS, _weights(2, "B", "/ckpt/missing/B/v2"))
+        await bus.publish(PROMPTS, _task(step=3, group_size=1))  # needs version >= 2
+        await asyncio.sleep(0.8)
+        assert await bus.read_all(TRAJECTORIES) == []  # not sampled with the lost version 3
+        await bus.publish(WEIGHTS, _weights(3, "B"))
+        (group,) = await _groups(bus, 1)
+        stop.set()
+        await task
+        await engine.aclose()
+    assert group.policy_version == 3 and group.policy_timelines == {"B": 3}
+
+
+async def test_prompts_of_an_ended_run_are_dropped_on_sight_waiting_or_not(bus, tok):
+    """A cancelled run's leftover prompts: one arrives after the end was announced, one was waiting
+    for a version that will never come; neither is sampled, both are counted, and a worker started
+    afterwards knows of the end too."""
+    from prometheus_client import REGISTRY
+
+    from proto.messages import RunEnded
+    from proto.streams import RUN_ENDS
+
+    def dropped() -> float:
+        return REGISTRY.get_sample_value("pbsd_rollout_stale_tasks_total") or 0.0
+
+    before = dropped()
+    app = make_sglang(scripted(tok, ["\\boxed{Danube}"]), version=0)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        await bus.publish(WEIGHTS, _weights(1, "A"))
+        _worker, stop, task = await _start(bus, engine, tok)
+        await bus.publish(PROMPTS, _task(step=9, group_size=1))  # waits for version 8
+        await asyncio.sleep(0.3)
+        await bus.publish(RUN_ENDS, RunEnded(run_id="r", state="cancelled", step=1))
+        await bus.publish(
+            PROMPTS, _task(step=1, group_size=1)
+        )  # could be sampled at once, but the run is over
+        async with asyncio.timeout(10):
+            while dropped() < before + 2:
+                await asyncio.sleep(0.05)
+        stop.set()
+        await task
+        later = RolloutWorker(bus, engine, FixedTools(), tok, options=FAST)
+        stop = asyncio.Event()
+        task = asyncio.create_task(later.run(stop))
+        await asyncio.wait_for(later.ready.wait(), 10)
+        await bus.publish(PROMPTS, _task(step=0, group_size=1))
+        async with asyncio.timeout(10):
+            while dropped() < before + 3:
+                await asyncio.sleep(0.05)
+        stop.set()
+        await task
+        await engine.aclose()
+    assert await bus.read_all(TRAJECTORIES) == [] and "r" in later.ended
+    assert not [r for r in app.state.requests]  # nothing was generated for the ended run
+    assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0

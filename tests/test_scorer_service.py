@@ -59,3 +59,40 @@ async def test_scorer_service(bus, redis_url, key_prefix, tiny_checkpoint, tmp_p
     ):
         assert name in metrics
     assert 'pbsd_scorer_groups_total{kind="passthrough"} 1.0' in metrics
+
+
+async def test_groups_of_an_ended_run_are_dropped_unscored(bus, tiny_checkpoint):
+    """Issue 25, item 3: a run that ended leaves groups on the trajectories stream; the scorer
+    drops them on sight (counted) and scores the next run's."""
+    from prometheus_client import REGISTRY
+
+    from agent.chat import ChatTokenizer
+    from proto.messages import RunEnded
+    from proto.streams import RUN_ENDS
+    from services.bus import ConsumerOptions
+    from services.scorer.app import build_scorer
+    from services.scorer.worker import ScorerWorker
+
+    def dropped() -> float:
+        return REGISTRY.get_sample_value("pbsd_scorer_ended_run_groups_total") or 0.0
+
+    before = dropped()
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    await bus.publish(RUN_ENDS, RunEnded(run_id="r", state="completed", step=3))
+    worker = ScorerWorker(
+        bus,
+        build_scorer(ScorerSettings(model=str(tiny_checkpoint))),
+        tok,
+        options=ConsumerOptions(block_ms=50),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    leftover = _group(tok, PbsdSpec(teacher_template=TEMPLATE))
+    current = leftover.model_copy(update={"run_id": "r2", "message_id": "next-run-group"})
+    await bus.publish(TRAJECTORIES, leftover)
+    await bus.publish(TRAJECTORIES, current)
+    (scored,) = await _wait_for(bus, SCORED, 1)
+    stop.set()
+    await task
+    assert scored.group.run_id == "r2" and dropped() == before + 1
+    assert (await bus.redis.xpending(bus.key(TRAJECTORIES), "scorer"))["pending"] == 0

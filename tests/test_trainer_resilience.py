@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import sys
 import time
+from collections import Counter
 
 import pytest
 
 from agent.chat import ChatTokenizer
 from proto.runs import RunSpec
+from proto.streams import RUN_ENDS, SCORED, WEIGHTS
 from services.bus import REDIS_DOWN, Bus
 from services.local_redis import LocalRedis, free_port
 from services.trainer import opening as opening_module
@@ -36,7 +38,7 @@ class _Pipeline:
             redis_url=url,
             stream_prefix=prefix,
             runs_dir=tmp_path / "runs",
-            claim_idle_ms=2000,
+            heartbeat_s=0.2,
         )
         self.fake = FakePipeline(self.fake_bus, ChatTokenizer.from_pretrained(tiny_checkpoint), **fake)
         self.fake_stop, self.stop = asyncio.Event(), asyncio.Event()
@@ -158,6 +160,9 @@ async def test_a_cancel_survives_a_restart(pipeline, tiny_world, tiny_checkpoint
     p.serve()
     done = await p.until(record.id, _finished)
     assert done.state == "cancelled" and done.step < 4
+    # the workers are told: they drop the run's prompts still on the bus on sight (issue 25, item 3)
+    ends = [(e.run_id, e.state) for _, e in await p.bus.read_all(RUN_ENDS)]
+    assert ends == [(record.id, "cancelled")]
 
 
 async def test_a_run_lost_between_the_queue_and_running_is_queued_again(
@@ -346,3 +351,92 @@ def test_the_api_answers_503_while_redis_is_unreachable(tmp_path):
         r = httpx.get(f"{base}/runs", timeout=30)
         assert r.status_code == 503 and "Redis is unreachable" in r.json()["detail"]
         assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok"
+
+
+class _LaggingPipeline(FakePipeline):
+    """The fake rollout and scorer, waiting as a rollout worker does for the version a prompt's step
+    needs, except that the prompts in ``lagging`` are answered (the first time) by a worker still
+    holding ``weights`` (version, timeline): one that has not heard of a resume yet."""
+
+    def __init__(self, *args, lagging: set[int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lagging, self.weights = lagging, (0, "")
+
+    async def handle(self, task, delivery) -> None:
+        while self.version < task.step - task.rollout.max_staleness:
+            await asyncio.sleep(0.02)
+        if task.index in self.lagging and task.purpose == "train":
+            self.lagging.discard(task.index)
+            followed = self.version, self.timeline
+            self.version, self.timeline = self.weights
+            try:
+                await super().handle(task, delivery)
+            finally:
+                self.version, self.timeline = followed
+            return
+        await super().handle(task, delivery)
+
+
+async def test_a_resume_trains_no_discarded_weights_and_samples_each_prompt_once(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """Issue 25, items 1 and 2. The trainer dies after step 3 (checkpoint at step 2), version 3 of its
+    timeline lost with it. The resumed run publishes again, ahead of the queue, only the prompts
+    step 3 consumed (4 and 5; the rest are in flight and come back); a worker still holding the
+    lost version 3 answers prompt 10 after the new timeline's version 3 exists: that group is
+    dropped as lost (it used to be trained: same number, within the staleness bound) and its
+    prompt sampled again. Every prompt is trained on once, no trained group holds lost weights."""
+    from services.trainer.viewer import load_groups
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    settings = TrainerSettings(
+        local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
+    )
+    store = RunStore(bus.redis, key_prefix)
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=6, checkpoint_every=2))
+    record = await store.create(spec)
+    fake, fake_stop = _LaggingPipeline(bus, tok, hold_after=6, lagging={10}), asyncio.Event()
+    fake_task = asyncio.create_task(fake.run(fake_stop))
+    serving = asyncio.create_task(RunExecutor(bus, store, settings, save_groups=True).serve(asyncio.Event()))
+    async with asyncio.timeout(120):
+        while (await store.get(record.id)).step < 3:
+            await asyncio.sleep(0.05)
+    await kill(serving)  # version 3 is lost: the last checkpoint is step 2's
+    lost = [w for _, w in await bus.read_all(WEIGHTS) if w.run_id == record.id and w.version == 3]
+    assert len(lost) == 1
+    fake.weights = (3, lost[0].timeline)
+    before = len(fake.tasks)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(RunExecutor(bus, store, settings, save_groups=True).serve(stop))
+    async with asyncio.timeout(60):  # the resumed run has announced its timeline: let the workers go on
+        while len({w.timeline for _, w in await bus.read_all(WEIGHTS)}) < 2:
+            await asyncio.sleep(0.05)
+    fake.release.set()
+    async with asyncio.timeout(120):
+        while (await store.get(record.id)).state not in ("completed", "failed"):
+            assert not serving.done()
+            await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.wait_for(serving, 60)
+    fake_stop.set()
+    await fake_task
+    done = await store.get(record.id)
+    assert (done.state, done.step) == ("completed", 6), done.error
+    after = [t.index for t in fake.tasks[before:] if t.purpose == "train"]
+    assert after[1:3] == [4, 5]  # behind the one the fake held, ahead of 7, 8, 9 still queued
+    sampled = Counter(t.index for t in fake.tasks if t.purpose == "train")
+    assert sampled[4] == sampled[5] == sampled[10] == 2  # step 3's (trained, then lost) and the lagging one
+    assert all(n == 1 for i, n in sampled.items() if i not in (4, 5, 10)), sampled  # nothing else twice
+    history = await store.metrics(record.id)
+    assert history[-1]["dropped_lost"] == 1 and "dropped_stale" not in history[-1]
+    trained = await store.trained_ids(record.id)
+    assert len(trained) == len(set(trained)) == 6 * 2 * 2
+    timelines = {w.timeline for _, w in await bus.read_all(WEIGHTS) if w.run_id == record.id}
+    assert len(timelines) == 2 and lost[0].timeline in timelines
+    for step, group in load_groups(settings.runs_dir / record.id):
+        old = group.group.policy_timelines.get(lost[0].timeline)
+        assert old is None or old <= 2, (step, group.group.task_id, group.group.policy_timelines)
+    assert (await bus.redis.xpending(bus.key(SCORED), "trainer"))["pending"] == 0
+    assert [(e.run_id, e.state, e.step) for _, e in await bus.read_all(RUN_ENDS)] == [
+        (record.id, "completed", 6)
+    ]

@@ -129,20 +129,20 @@ class FakePipeline:
 
     def __init__(self, bus: Bus, tok: ChatTokenizer, *, hold_after: int | None = None) -> None:
         self.bus, self.tok = bus, tok
-        self.version = 0
+        self.version, self.timeline = 0, ""
         self.tasks: list[PromptTask] = []
         # answer no task past the first ``hold_after`` until ``release`` is set
         self.hold_after, self.release = hold_after, asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
-        opts = ConsumerOptions(block_ms=100, claim_idle_ms=5000)
+        opts = ConsumerOptions(block_ms=100, heartbeat_ms=500)
         await asyncio.gather(
             self.bus.consume(PROMPTS, "fake", self.handle, options=opts, stop=stop), self.follow(stop)
         )
 
     async def follow(self, stop):
         async for _, event in self.bus.follow(WEIGHTS, after="0-0", block_ms=100, stop=stop):
-            self.version = event.version
+            self.version, self.timeline = event.version, event.timeline
 
     async def handle(self, task: PromptTask, delivery) -> None:
         if self.hold_after is not None and len(self.tasks) >= self.hold_after:
@@ -174,6 +174,7 @@ class FakePipeline:
             question=task.question,
             answer=task.answer,
             policy_version=self.version,
+            policy_timelines={self.timeline: self.version} if self.timeline else {},
             algorithm=task.algorithm,
             trajectories=tuple(trajs),
         )
@@ -259,7 +260,7 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
         redis_url=redis_url,
         stream_prefix=key_prefix,
         runs_dir=tmp_path / "runs",
-        claim_idle_ms=2000,
+        heartbeat_s=0.2,
     )
     store = RunStore(bus.redis, key_prefix)
     spec = _spec(tiny_world, tiny_checkpoint, max_steps=3)
@@ -577,16 +578,29 @@ def test_batch_metrics_say_how_far_the_evidence_scorer_lagged(tiny_checkpoint):
 
 # -- REST edges ------------------------------------------------------------------------------
 async def _parked_run(redis_url, key_prefix, spec, state: str) -> str:
-    """A run in ``state`` that the api fixture's executor never starts: off the queue at once."""
+    """A run in ``state`` that the api fixture's executor never starts: never on the queue (a run
+    queued and taken off again could be taken by the executor in between)."""
+    import time
+
     import redis.asyncio as aioredis
 
+    from proto.base import new_id
     from proto.runs import RunSpec
+    from services.trainer.runs import RunRecord, _to_hash
 
     client = aioredis.Redis.from_url(redis_url)
     store = RunStore(client, key_prefix)
-    record = await store.create(RunSpec.model_validate(spec))
-    assert await client.lrem(f"{key_prefix}:runs:queue", 0, record.id) == 1, "the executor took it first"
-    await store.update(record.id, state=state)
+    now = time.time()
+    record = RunRecord(
+        id=f"run-{time.strftime('%Y%m%d-%H%M%S')}-{new_id()[:6]}",
+        name="parked",
+        state=state,
+        created_at=now,
+        updated_at=now,
+        spec=RunSpec.model_validate(spec),
+    )
+    await client.hset(f"{key_prefix}:run:{record.id}", mapping=_to_hash(record))
+    await client.zadd(f"{key_prefix}:runs", {record.id: now})
     await store.add_metrics(record.id, {"step": 1.0})  # what a training step writes
     await store.add_metrics(record.id, {"step": 1.0}, series="evals")
     await store.mark_trained(record.id, ["t/0"])

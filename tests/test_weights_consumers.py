@@ -30,6 +30,7 @@ class Worker(PolicyWorker):
     def __init__(self, version: int, run: str | None) -> None:
         super().__init__(None, name="w")
         self._version, self.loaded_run, self.loads = version, run, []
+        self.loaded_timeline = ""  # what a publisher that names no timeline announces
 
     @property
     def version(self) -> int:

@@ -233,7 +233,7 @@ def pipeline() -> dict:
             ),
             panel(
                 "Dropped groups and dead letters",
-                "Groups the trainer did not train on, by reason (stale, future, duplicate, foreign), and "
+                "Groups the trainer did not train on, by reason (stale, lost, future, duplicate, foreign), and "
                 "entries moved to the dead-letter stream, by cause.",
                 [
                     (

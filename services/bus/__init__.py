@@ -5,9 +5,11 @@ Delivery is at-least-once with idempotent consumers:
 * ``publish`` XADDs the binary message with approximate MAXLEN trimming;
 * ``consume`` reads with XREADGROUP (blocking), runs the handler, and only then
   marks the message id done and XACKs, atomically;
-* entries a dead consumer left pending longer than ``claim_idle_ms`` are taken
-  over with XAUTOCLAIM; a live consumer keeps its in-progress entry fresh with a
-  heartbeat so it is not stolen mid-handler;
+* a live consumer keeps what it holds fresh with a heartbeat (``heartbeat_ms``) so it
+  is not stolen mid-handler; entries a dead consumer left pending for
+  ``MISSED_BEATS`` heartbeats (``claim_idle_ms``) are taken over with XAUTOCLAIM by
+  any consumer of the group, whatever its name, and a restarted consumer of the same
+  name takes back its own at once; both are logged;
 * payloads that fail validation, and entries delivered more than ``max_deliveries``
   times, go to the dead-letter stream with the cause;
 * a redelivered message whose id was already processed is acknowledged without

@@ -33,15 +33,28 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 _MAX_CAUSE = 4000
 
+# Heartbeats a consumer may miss in a row before what it holds counts as abandoned: enough that a
+# loaded event loop or a short network blip never hands live work to another consumer, few
+# enough that a dead consumer's work moves on within a minute at the default heartbeat.
+MISSED_BEATS = 10
+
 
 @dataclass(frozen=True)
 class ConsumerOptions:
     block_ms: int = 1000  # XREADGROUP block; also how often ``stop`` is checked
     count: int = 1  # entries fetched a read; handled one after another
-    claim_idle_ms: int = 60_000  # pending this long without a heartbeat = the consumer is dead
+    heartbeat_ms: int = 5_000  # how often a live consumer renews the idle time of what it holds
     max_deliveries: int = 5  # beyond this the entry is dead-lettered
     done_ttl_s: int = 7 * 24 * 3600  # how long processed message ids are remembered
     trim_interval_s: float = 1.0  # at most one acknowledged-history trim per interval
+
+    @property
+    def claim_idle_ms(self) -> int:
+        """Pending this long without a heartbeat, an entry's consumer is taken for dead and another
+        consumer (any name) takes the entry over: ``MISSED_BEATS`` heartbeats. Consumers look for
+        such entries once a heartbeat, so a dead consumer's work moves on within
+        ``(MISSED_BEATS + 1) * heartbeat_ms`` (55 s at the default heartbeat)."""
+        return self.heartbeat_ms * MISSED_BEATS
 
 
 @dataclass(frozen=True)
@@ -156,6 +169,19 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _check_type(stream: StreamDef, message: Message) -> None:
+    if not isinstance(message, stream.model):
+        raise TypeError(
+            f"stream {stream.name!r} carries {stream.model.__name__}, got {type(message).__name__}"
+        )
+
+
+def _ids(entries: list[tuple]) -> str:
+    """The entry ids of a batch, for a log line (the first few, and how many more)."""
+    shown = ", ".join(e[0] for e in entries[:5])
+    return shown + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+
+
 class Bus:
     """One Redis connection pool, shared by every stream a service touches."""
 
@@ -179,10 +205,7 @@ class Bus:
     # -- publishing -----------------------------------------------------------------
     async def publish(self, stream: StreamDef[M], message: M) -> str:
         """XADD the message (approximate MAXLEN trim); returns the entry id."""
-        if not isinstance(message, stream.model):
-            raise TypeError(
-                f"stream {stream.name!r} carries {stream.model.__name__}, got {type(message).__name__}"
-            )
+        _check_type(stream, message)
         payload = encode(message)
         entry_id = await self.redis.xadd(
             self.key(stream),
@@ -194,6 +217,43 @@ class Bus:
         metrics.PUBLISHED_BYTES.labels(stream.name).inc(len(payload))
         return _s(entry_id)
 
+    # Entries the group has not been delivered yet are after its last-delivered-id: they are taken
+    # off, the new messages added, and they are added back behind them, unchanged and in their order.
+    # One script, so no consumer reads the stream halfway through.
+    _AHEAD = """
+    local last = '0-0'
+    for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+        local fields = {}
+        for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
+        if fields['name'] == ARGV[1] then last = fields['last-delivered-id'] end
+    end
+    local queued = redis.call('XRANGE', KEYS[1], '(' .. last, '+')
+    for _, entry in ipairs(queued) do redis.call('XDEL', KEYS[1], entry[1]) end
+    for i = 3, #ARGV, 2 do
+        redis.call('XADD', KEYS[1], '*', 'type', ARGV[2], 'mid', ARGV[i], 'data', ARGV[i + 1])
+    end
+    for _, entry in ipairs(queued) do redis.call('XADD', KEYS[1], '*', unpack(entry[2])) end
+    return #queued
+    """
+
+    async def publish_ahead(self, stream: StreamDef[M], messages: list[M]) -> int:
+        """Publish ``messages`` ahead of every entry the stream's group has not been delivered yet: the
+        group reads them next. The entries queued behind them keep their payloads and their order but
+        get new entry ids. Returns how many entries were queued behind them."""
+        if not messages:
+            return 0
+        for message in messages:
+            _check_type(stream, message)
+        await self.ensure_group(stream)
+        payloads = [encode(m) for m in messages]
+        args = [x for m, p in zip(messages, payloads, strict=True) for x in (m.message_id, p)]
+        moved = await self.redis.eval(
+            self._AHEAD, 1, self.key(stream), stream.group, stream.model.__name__, *args
+        )
+        metrics.PUBLISHED.labels(stream.name).inc(len(messages))
+        metrics.PUBLISHED_BYTES.labels(stream.name).inc(sum(len(p) for p in payloads))
+        return int(moved)
+
     # -- broadcast streams (weights) ------------------------------------------------
     async def latest(self, stream: StreamDef[M]) -> tuple[str, M] | None:
         """The newest entry of a stream, or None when it is empty."""
@@ -202,6 +262,16 @@ class Bus:
             return None
         entry_id, fields = entries[0]
         return _s(entry_id), decode(stream.model, fields[b"data"])
+
+    async def newest(self, stream: StreamDef[M], count: int) -> list[tuple[str, M]]:
+        """The newest ``count`` entries of a stream, oldest first (undecodable ones logged and left out)."""
+        out = []
+        for entry_id, fields in reversed(await self.redis.xrevrange(self.key(stream), count=count)):
+            try:
+                out.append((_s(entry_id), decode(stream.model, fields[b"data"])))
+            except (ValueError, KeyError) as exc:
+                log.error("skipping undecodable %s entry %s: %s", stream.name, _s(entry_id), exc)
+        return out
 
     async def follow(
         self,
@@ -344,6 +414,13 @@ class Bus:
             mine = [(i, f, True) for i, f in entries if f]  # trimmed entries come back without fields
             if mine:
                 metrics.RECLAIMED.labels(stream.name, group).inc(len(mine))
+                log.info(
+                    "%s took back %d %s entries it held before it stopped: %s",
+                    consumer,
+                    len(mine),
+                    stream.name,
+                    _ids(mine),
+                )
                 return mine
             if entries:
                 return []
@@ -353,9 +430,17 @@ class Bus:
                 stream, group, consumer, options, cursor.position, count
             )
             if cursor.position == "0-0":
-                cursor.next_claim = now + options.claim_idle_ms / 2000
+                cursor.next_claim = now + options.heartbeat_ms / 1000
             if claimed:
                 metrics.RECLAIMED.labels(stream.name, group).inc(len(claimed))
+                log.warning(
+                    "%s took over %d %s entries a dead consumer left (no heartbeat for %.0f s): %s",
+                    consumer,
+                    len(claimed),
+                    stream.name,
+                    options.claim_idle_ms / 1000,
+                    _ids(claimed),
+                )
                 return [(i, f, True) for i, f in claimed]
         reply = await self.redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=options.block_ms)
         return [(_s(i), f, False) for _k, entries in reply or [] for i, f in entries]
@@ -476,7 +561,7 @@ class Bus:
         self, key: str, group: str, consumer: str, entry_ids: list[str], options: ConsumerOptions
     ) -> None:
         """Reset the entries' idle time while they are being worked on, so no one reclaims them."""
-        interval = max(options.claim_idle_ms / 3000, 0.05)
+        interval = max(options.heartbeat_ms / 1000, 0.05)
         while True:
             await asyncio.sleep(interval)
             if not entry_ids:

@@ -11,7 +11,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from agent.chat import ChatTokenizer
-from services.bus import Bus, ConsumerOptions
+from services.bus import Bus
 from services.policy_worker import worker_app
 from services.rollout.engine import Engine
 from services.rollout.settings import RolloutSettings
@@ -56,7 +56,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             concurrency=settings.concurrency,
             date=settings.date,
             seed=settings.seed,
-            options=ConsumerOptions(claim_idle_ms=settings.claim_idle_ms),
+            options=settings.consumer_options(),
         )
         return worker, [tools.aclose, engine.aclose, bus.close]
 

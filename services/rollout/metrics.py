@@ -41,5 +41,6 @@ STALENESS = Histogram(
 )
 WAITING = Gauge("pbsd_rollout_waiting_for_weights", "Prompts held back until a newer policy version arrives")
 STALE_TASKS = Counter(
-    "pbsd_rollout_stale_tasks_total", "Prompts dropped because their run had ended (newer run's weights seen)"
+    "pbsd_rollout_stale_tasks_total",
+    "Prompts dropped because their run had ended (its end announced, or a newer run's weights seen)",
 )

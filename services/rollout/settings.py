@@ -35,7 +35,6 @@ class RolloutSettings(WorkerSettings):
             "only when started with --enable-deterministic-inference"
         ),
     )
-    claim_idle_ms: int = 600_000
     accept_broadcast: bool = Field(
         default=False,
         description="take policy versions the trainer broadcasts (SGLang's weight-update endpoints on "

@@ -7,8 +7,14 @@ failed (the engine gave up, the tool gateway is down) stays in the group, marked
 with its cause; the trainer decides what to drop.
 
 Staleness: a prompt meant for training step s is only started once the engine holds
-policy version >= s - max_staleness; until then the worker waits for the next weights
-event instead of flooding the stream with stale groups.
+policy version >= s - max_staleness, of the newest timeline its run announced; until then
+the worker waits for the next weights event instead of flooding the stream with stale
+groups. A group records every weights timeline it was sampled under
+(``policy_timelines``), so the trainer can tell a version a resume discarded from the
+version of the same number it trains on now.
+
+A prompt of a run that has ended (announced on the run-ends stream, or a newer run's
+weights seen) is dropped on sight, while it waits, and once sampled, unpublished.
 
 A validation prompt (``purpose == "eval"``, published by the trainer with its own sampling
 settings) is sampled the same way and its group goes to the evals stream, for the trainer.
@@ -81,9 +87,8 @@ class RolloutWorker(PolicyWorker):
         hold a sampling slot each for good, waiting for a version that never comes."""
         version = task.step - task.rollout.max_staleness
 
-        def ready() -> bool:  # with nothing published yet, the model the engine started with
-            same_run = self.newest is None or self.loaded_run == task.run_id
-            return same_run and self.engine.weight_version >= version
+        def ready() -> bool:
+            return self.holds_newest(task.run_id) and self.engine.weight_version >= version
 
         def over() -> bool:
             return self.run_is_over(task.run_id, delivery.entry_id)
@@ -98,12 +103,18 @@ class RolloutWorker(PolicyWorker):
         return not over()
 
     # -- one prompt -------------------------------------------------------------------
+    def dropped_ended(self, task: PromptTask) -> None:
+        log.info("dropped a prompt of run %s, which has ended (task %s)", task.run_id, task.task_id)
+        metrics.STALE_TASKS.inc()
+
     async def handle(self, task: PromptTask, delivery: Delivery) -> None:
         if not await self.wait_for_version(task, delivery):
-            log.info("dropped a prompt of run %s, which has ended (task %s)", task.run_id, task.task_id)
-            metrics.STALE_TASKS.inc()
+            self.dropped_ended(task)
             return
         group = await self.sample_group(task)
+        if task.run_id in self.ended:  # it ended while the group was sampled: no one wants it
+            self.dropped_ended(task)
+            return
         if task.purpose == "eval":  # a validation prompt: straight to the trainer, nothing to score
             await self.bus.publish(EVALS, group)
             metrics.EVAL_GROUPS.inc()
@@ -122,7 +133,8 @@ class RolloutWorker(PolicyWorker):
             top_p=r.top_p,
             return_routed_experts=r.return_routed_experts,
         )
-        trajectories = await asyncio.gather(*(self._sample(task, i, limits) for i in range(r.group_size)))
+        with self.holding() as held:
+            trajectories = await asyncio.gather(*(self._sample(task, i, limits) for i in range(r.group_size)))
         return TrajectoryGroup(
             message_id=derived_id(task.message_id, "group"),
             run_id=task.run_id,
@@ -133,6 +145,7 @@ class RolloutWorker(PolicyWorker):
             aliases=task.aliases,
             support=task.support,
             policy_version=min(t.policy_version for t in trajectories),
+            policy_timelines=held,
             algorithm=task.algorithm,
             trajectories=tuple(trajectories),
         )

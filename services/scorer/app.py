@@ -10,7 +10,7 @@ import logging
 from fastapi import FastAPI
 
 from agent.chat import ChatTokenizer
-from services.bus import Bus, ConsumerOptions
+from services.bus import Bus
 from services.policy_worker import worker_app
 from services.scorer.settings import ScorerSettings
 from services.scorer.worker import ScorerWorker
@@ -61,7 +61,7 @@ def create_app(settings: ScorerSettings | None = None) -> FastAPI:
             ChatTokenizer.from_pretrained(settings.model),
             name=settings.worker_name,
             concurrency=settings.concurrency,
-            options=ConsumerOptions(claim_idle_ms=settings.claim_idle_ms),
+            options=settings.consumer_options(),
         )
         return worker, [bus.close]
 

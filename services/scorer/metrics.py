@@ -7,6 +7,9 @@ from proto.sanity import ACTION_CLASSES, TURN_KINDS
 GROUPS = Counter(
     "pbsd_scorer_groups_total", "Groups handled, scored (PBSD) or passed through (GRPO)", ["kind"]
 )
+ENDED_RUN_GROUPS = Counter(
+    "pbsd_scorer_ended_run_groups_total", "Groups dropped unscored because their run had ended"
+)
 SCORED_TOKENS = Counter(
     "pbsd_scorer_scored_tokens_total", "Tokens whose student or teacher log-prob was computed"
 )

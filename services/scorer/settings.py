@@ -39,7 +39,6 @@ class ScorerSettings(WorkerSettings):
         description="consumer name in the stream group; must differ between replicas (default: from the host name)",
     )
     concurrency: int = 1
-    claim_idle_ms: int = 600_000
     accept_broadcast: bool = Field(
         default=False,
         description="take policy versions the trainer broadcasts (SGLang's weight-update endpoints on "

@@ -56,6 +56,10 @@ class ScorerWorker(PolicyWorker):
         await self.scorer.update_weights(event.path, event.version)
         metrics.POLICY_VERSION.set(event.version)
 
+    def dropped_ended(self, group: TrajectoryGroup) -> None:
+        log.info("dropped a group of run %s, which has ended (task %s)", group.run_id, group.task_id)
+        metrics.ENDED_RUN_GROUPS.inc()
+
     async def handle(self, group: TrajectoryGroup, delivery: Delivery) -> None:
         scored = await self.score(group)
         await self.bus.publish(SCORED, scored)

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.bus import redis_client
+from services.http_guard import field_errors
 from services.llm import ChatClient, LlmSettings
 from services.search.corpus import OfflineCorpus
 from services.telemetry import add_metrics_route, setup_logging
@@ -77,11 +78,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLarge
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def field_errors(exc: ValidationError, prefix: tuple[str, ...] = ("body",)) -> list[dict[str, Any]]:
-    """pydantic's errors as FastAPI words them, without the offending input (which may not be JSON)."""
-    return [{"loc": [*prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
 
 
 def build_backend(settings: ToolsSettings, http: httpx.AsyncClient, cpu: CpuPool):
@@ -209,7 +205,7 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
                 {"detail": f"the request body is over {settings.max_body_bytes} bytes"}, status_code=413
             )
         except ValidationError as exc:
-            return JSONResponse({"detail": field_errors(exc)}, status_code=422)
+            return JSONResponse({"detail": field_errors(exc.errors(), ("body",))}, status_code=422)
         gw: ToolGateway = request.app.state.gateway
         out = await gw.call(
             body.server_name, body.tool_name, body.arguments, trajectory_id=body.trajectory_id

@@ -1,15 +1,18 @@
 """Which scored groups a step may train on, and how many prompts are still out.
 
-A group is dropped when it belongs to another run (``foreign``), was sampled by a policy
-version the trainer never reached (``future``: a timeline a resume abandoned), is more
-than ``rollout.max_staleness`` versions old (``stale``), or holds a trajectory already
-trained or already in this batch (``duplicate``: a redelivery). A stale or future group's
-prompt gets a replacement; a duplicate's was trained already.
+A group is dropped when it belongs to another run (``foreign``), was sampled with weights a
+resume discarded (``lost``: a version of an abandoned timeline, :mod:`services.trainer.timelines`),
+by a policy version the trainer never reached (``future``: from a sender that does not name
+timelines), is more than ``rollout.max_staleness`` versions old (``stale``), or holds a
+trajectory already trained or already in this batch (``duplicate``: a redelivery). A stale or
+future group's prompt gets a replacement; a lost group's prompt is sampled again (published
+ahead of the queue), unless another copy of it was trained; a duplicate's was trained already.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from proto.messages import ScoredGroup
 from proto.runs import RunSpec
@@ -17,6 +20,7 @@ from services.trainer import metrics as m
 from services.trainer.checkpoints import TrainState, prompt_index
 from services.trainer.controller import PromptController
 from services.trainer.runs import RunStore
+from services.trainer.timelines import lost_weights
 
 log = logging.getLogger(__name__)
 
@@ -31,32 +35,48 @@ async def accept(
     scored: ScoredGroup,
     *,
     batch_ids: set[str],
+    again: Callable[[int, str], Awaitable[None]] | None = None,
 ) -> bool:
-    """Whether ``scored`` joins the batch; a dropped group is counted in ``state`` and the metrics."""
+    """Whether ``scored`` joins the batch; a dropped group is counted in ``state`` and the metrics.
+    ``again(index, cause)`` publishes a lost group's prompt once more."""
     group = scored.group
+    ids = [t.trajectory_id for t in group.trajectories]
+    index = prompt_index(group.task_id)
     reason = None
+    lost = lost_weights(group.policy_timelines, current=state.timeline, lineage=state.lineage)
     if group.run_id != run_id:
         reason = "foreign"
+    elif lost is not None:
+        reason = "lost"
+        log.warning(
+            "dropping group %s: sampled with version %d of timeline %s, which a resume discarded",
+            group.task_id,
+            lost[1],
+            lost[0],
+        )
+        trained = any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids))
+        if again is not None and index is not None and not trained:
+            await again(index, group.message_id)
     elif group.policy_version > state.version:
-        reason = "future"  # sampled by a timeline abandoned at a resume
+        reason = "future"  # sampled by a timeline abandoned at a resume (a sender that names none)
     elif state.version - group.policy_version > spec.rollout.max_staleness:
         reason = "stale"
+    elif any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids)):
+        reason = "duplicate"
     else:
-        ids = [t.trajectory_id for t in group.trajectories]
-        if any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids)):
-            reason = "duplicate"
-        else:
-            batch_ids.update(ids)
-            m.STALENESS.observe(state.version - group.policy_version)
-            m.GROUPS.inc()
-            return True
+        batch_ids.update(ids)
+        m.STALENESS.observe(state.version - group.policy_version)
+        m.GROUPS.inc()
+        return True
     m.DROPPED.labels(reason).inc()
     state.drops[reason] = state.drops.get(reason, 0) + 1
     if reason in ("stale", "future"):
         state.dropped += 1  # its prompt needs a replacement
-        if (index := prompt_index(group.task_id)) is not None:
+        if index is not None:
             state.dropped_indices.append(index)
-    log.info("dropping a %s group (%s)", reason, group.task_id)
+            await store.mark_dropped(run_id, index)
+    if reason != "lost":
+        log.info("dropping a %s group (%s)", reason, group.task_id)
     return False
 
 

@@ -11,8 +11,12 @@
     GET  /runs/{id}/viewer       the turn-level credit viewer (HTML; needs a trainer started with --save-groups)
 
 Every route needs ``Authorization: Bearer <PBSD_TRAINER_API_TOKEN>`` unless the trainer
-runs in local mode. Validation errors are 422s whose ``loc`` names the field. A ``{id}`` that
+runs in local mode; the token is checked before anything of the body is read
+(:class:`AuthenticateFirst`), and bodies are capped (``PBSD_TRAINER_MAX_BODY_BYTES``, 413).
+Validation errors are 422s whose ``loc`` names the field, without the input. A ``{id}`` that
 is not of the form the trainer makes (``run-YYYYmmdd-HHMMSS-xxxxxx``) is a 404 like an unknown run.
+The paths a run spec names are resolved against the trainer's roots
+(:mod:`services.trainer.spec_paths`).
 """
 
 from __future__ import annotations
@@ -26,14 +30,19 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proto.runs import RunSpec
 from services.trainer.runs import FINISHED, RunRecord, RunStore
 from services.trainer.settings import TrainerSettings
+from services.trainer.spec_paths import SpecPathError, resolve_spec_paths
 
-__all__ = ["router"]
+__all__ = ["AuthenticateFirst", "router"]
+
+# the most a series index may be: Redis answers an index past a signed 64-bit integer with an error
+MAX_SERIES_INDEX = 2**31 - 1
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -46,20 +55,45 @@ def _store(request: Request) -> RunStore:
     return request.app.state.store
 
 
+def _token_accepted(settings: TrainerSettings, request: Request) -> bool:
+    token = settings.api_token
+    if token is None:
+        return True  # local mode
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        # a browser opening the credit viewer cannot send a header: ?token= works too
+        given = request.query_params.get("token", "")
+    return hmac.compare_digest(given.encode(), token.get_secret_value().encode())
+
+
+_UNAUTHORIZED = {"detail": "missing or wrong bearer token"}
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
 async def require_token(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
-    token = _settings(request).api_token
-    if token is None:
-        return  # local mode
-    # a browser opening the credit viewer cannot send a header: ?token= works too
-    given = credentials.credentials if credentials is not None else request.query_params.get("token", "")
-    if not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "missing or wrong bearer token",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    """The routes' dependency (it also puts the scheme in the OpenAPI document)."""
+    if not _token_accepted(_settings(request), request):
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, _UNAUTHORIZED["detail"], headers=_CHALLENGE)
+
+
+class AuthenticateFirst:
+    """ASGI middleware: a request for ``/runs`` without the token is answered 401 before anything of
+    its body is read or validated, so an anonymous client can make the trainer neither hold a large
+    body nor describe the run specification in a 422."""
+
+    def __init__(self, app: ASGIApp, settings: TrainerSettings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        guarded = scope["type"] == "http" and (path == "/runs" or path.startswith("/runs/"))
+        if guarded and not _token_accepted(self.settings, Request(scope)):
+            response = JSONResponse(_UNAUTHORIZED, status_code=401, headers=_CHALLENGE)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 router = APIRouter(dependencies=[Depends(require_token)])
@@ -97,19 +131,16 @@ def _field_error(loc: list[str], msg: str) -> HTTPException:
     )
 
 
-@router.post("/runs", status_code=status.HTTP_201_CREATED)
+@router.post(
+    "/runs",
+    status_code=status.HTTP_201_CREATED,
+    responses={401: {"description": "no token, or a wrong one"}, 413: {"description": "body too large"}},
+)
 async def submit(spec: RunSpec, request: Request) -> dict[str, str]:
-    settings = _settings(request)
-    if not Path(spec.data.train).is_file():
-        raise _field_error(["data", "train"], f"no file at {spec.data.train} on the trainer")
-    if spec.data.validation and not Path(spec.data.validation).is_file():
-        raise _field_error(["data", "validation"], f"no file at {spec.data.validation} on the trainer")
-    if not Path(spec.model.path).is_dir() and not settings.hub_models:
-        raise _field_error(["model", "path"], f"no checkpoint directory at {spec.model.path} on the trainer")
-    if spec.model.tokenizer and not Path(spec.model.tokenizer).is_dir() and not settings.hub_models:
-        raise _field_error(
-            ["model", "tokenizer"], f"no tokenizer directory at {spec.model.tokenizer} on the trainer"
-        )
+    try:
+        spec = await asyncio.to_thread(resolve_spec_paths, spec, _settings(request))
+    except SpecPathError as exc:
+        raise _field_error(exc.loc, exc.msg) from None
     record = await _store(request).create(spec)
     return {"id": record.id, "state": record.state}
 
@@ -147,9 +178,11 @@ async def delete(record: Run, request: Request, files: bool = False) -> Response
             status.HTTP_409_CONFLICT,
             {"msg": f"run {record.id} is {record.state}: cancel it first", "state": record.state},
         )
-    if files and record.output_dir:
-        folder = Path(record.output_dir).resolve()
+    if files:
+        # the run's folder is runs_dir/<id> from the moment the executor opens it (a run that failed
+        # before it started, which never recorded output_dir, has one too: its weights/ folder)
         runs_dir = _settings(request).runs_dir.resolve()
+        folder = Path(record.output_dir).resolve() if record.output_dir else runs_dir / record.id
         if folder.parent != runs_dir:  # never remove anything but a run folder of this trainer
             raise HTTPException(status.HTTP_409_CONFLICT, f"{folder} is not under {runs_dir}")
         await asyncio.to_thread(shutil.rmtree, folder, True)
@@ -159,20 +192,20 @@ async def delete(record: Run, request: Request, files: bool = False) -> Response
 
 @router.get("/runs/{run_id}/metrics")
 async def run_metrics(
-    record: Run, request: Request, since: Annotated[int, Query(ge=0)] = 0
+    record: Run, request: Request, since: Annotated[int, Query(ge=0, le=MAX_SERIES_INDEX)] = 0
 ) -> list[dict[str, Any]]:
     return await _store(request).metrics(record.id, since, series="metrics")
 
 
 @router.get("/runs/{run_id}/evals")
 async def run_evals(
-    record: Run, request: Request, since: Annotated[int, Query(ge=0)] = 0
+    record: Run, request: Request, since: Annotated[int, Query(ge=0, le=MAX_SERIES_INDEX)] = 0
 ) -> list[dict[str, Any]]:
     return await _store(request).metrics(record.id, since, series="evals")
 
 
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
-async def viewer(record: Run, limit: int = 400) -> HTMLResponse:
+async def viewer(record: Run, limit: Annotated[int, Query(ge=1, le=100_000)] = 400) -> HTMLResponse:
     from services.trainer.viewer import load_groups, render_viewer, sanity_summary, viewer_data
 
     def render() -> str | None:

@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse
 
 from services.bus import REDIS_DOWN, Bus, redis_client
 from services.bus.lag import StreamLagMonitor
+from services.http_guard import BodyLimit, install_validation_handler
 from services.telemetry import add_metrics_route, setup_logging
-from services.trainer.api import router
+from services.trainer.api import AuthenticateFirst, router
 from services.trainer.executor import RunExecutor
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
@@ -69,6 +70,10 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
     )
     add_metrics_route(app)
     app.include_router(router)
+    install_validation_handler(app)
+    # the outermost first: a request without the token is refused before its size is even looked at
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthenticateFirst, settings=settings)
 
     async def redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": f"Redis is unreachable: {exc}"}, status_code=503)

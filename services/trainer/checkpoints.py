@@ -1,8 +1,9 @@
 """A run's resumable state on disk: full checkpoints, the step records, the saved groups.
 
 A full checkpoint ``runs/<id>/checkpoints/step-<n>/`` holds the model, the optimiser and
-schedule state (``state.pt``), and ``trainer.json``: the :class:`TrainState`, the data
-position, the ids of every trajectory trained so far, and whether it was taken as the
+schedule state (``state.pt``), and ``trainer.json``: the :class:`TrainState` (with the
+weights timeline it was written in), the data position, the ids of every trajectory trained
+so far, and whether it was taken as the
 trainer shut down (``interrupted``: nothing happened after it, so a resume from it has
 nothing to redo). ``checkpoints/latest`` names the newest complete one.
 """
@@ -39,6 +40,9 @@ class TrainState:
     # data (None in checkpoints written before it was recorded: every step was whole then)
     trained_prompts: int | None = None
     dropped_indices: list[int] = field(default_factory=list)  # the prompts of the groups dropped
+    # the weights timeline this state was reached in, and its lineage (services.trainer.timelines)
+    timeline: str = ""
+    lineage: dict[str, int] = field(default_factory=dict)
 
     def prompts_trained(self, prompts_per_step: int) -> int:
         return self.trained_prompts if self.trained_prompts is not None else self.step * prompts_per_step

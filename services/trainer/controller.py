@@ -11,9 +11,14 @@ Task ids depend only on the run and the index (trajectory ids, and so the traine
 "trained once" check, follow from them), so publishing a prompt twice is harmless:
 consumers process each message id once. Message ids also carry the run's timeline, a
 nonce that a resume after a crash starts anew (see :meth:`PromptController.republish`).
+A prompt published once more (after a crash, or because its group was sampled with weights a
+resume discarded) goes ahead of every prompt still queued, labelled for the step training now,
+so that it is sampled next and with current weights, not after the queue and stale.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -44,7 +49,9 @@ class PromptController:
         *,
         next_index: int = 0,
         timeline: str = "",
+        on_published: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
+        """``on_published(n)``: told after every publication that the first ``n`` prompts are out."""
         if not questions:
             raise ValueError("the run has no questions")
         self.bus = bus
@@ -53,6 +60,7 @@ class PromptController:
         self.questions = questions[: spec.data.max_questions] if spec.data.max_questions else questions
         self.next_index = next_index
         self.timeline = timeline
+        self.on_published = on_published
         self._orders: dict[int, np.ndarray] = {}
 
     @property
@@ -65,25 +73,28 @@ class PromptController:
             self._orders[epoch] = rng.permutation(len(self.questions))
         return self._orders[epoch]
 
-    def task(self, index: int, current_step: int = 0) -> PromptTask:
+    def task(
+        self, index: int, current_step: int = 0, *, again: str | None = None, place: int = 0
+    ) -> PromptTask:
         """Prompt ``index``, labelled with the step meant to train on it: its place in the data order,
         but never beyond what the rollout may sample now (replacements for dropped groups would
-        otherwise wait for a policy version that only they could bring)."""
+        otherwise wait for a policy version that only they could bring). ``again``: the prompt is
+        published once more, ahead of the queue, ``place`` prompts from its front: labelled with the
+        step that place reaches from ``current_step``; its message id is derived from ``again`` too."""
         d = len(self.questions)
         epoch, position = divmod(index, d)
         q = self.questions[int(self.order(epoch)[position])]
+        per_step, slack = self.spec.trainer.prompts_per_step, self.spec.rollout.max_staleness
+        step = index // per_step if again is None else current_step + place // per_step
+        parts = [p for p in (self.timeline, again) if p]
         return question_task(
             q,
-            message_id=derived_id(
-                self.run_id, "prompt", str(index), *([self.timeline] if self.timeline else [])
-            ),
+            message_id=derived_id(self.run_id, "prompt", str(index), *parts),
             run_id=self.run_id,
             task_id=f"{self.run_id}:{index}",
             epoch=epoch,
             index=index,
-            step=min(
-                index // self.spec.trainer.prompts_per_step, current_step + self.spec.rollout.max_staleness
-            ),
+            step=min(step, current_step + slack),
             rollout=self.spec.rollout,
             algorithm=self.spec.algorithm,
             seed=self.spec.trainer.seed,
@@ -95,12 +106,17 @@ class PromptController:
         return min(self.total, (step + 1 + self.spec.rollout.max_staleness) * per_step + dropped)
 
     async def republish(self, indices: list[int], step: int) -> None:
-        """After a crash, the prompts that were out at the checkpoint: groups sampled from them may
-        have been trained on in steps the checkpoint lost (and acknowledged), or dropped without
-        their replacement surviving. Under the new timeline's message ids the rollout samples them
-        again; a group that does arrive twice is the same trajectories, trained once."""
-        for index in indices:
-            await self.bus.publish(PROMPTS, self.task(index, step))
+        """After a crash, the prompts whose groups the lost steps consumed (trained on or dropped, and
+        acknowledged), ahead of the queue: under the new timeline's message ids the rollout samples
+        them again; a group that does arrive twice is the same trajectories, trained once."""
+        tasks = [self.task(index, step, again="", place=k) for k, index in enumerate(indices)]
+        await self.bus.publish_ahead(PROMPTS, tasks)
+
+    async def again(self, index: int, cause: str, step: int) -> None:
+        """Prompt ``index`` once more, ahead of the queue: its group (message id ``cause``) was sampled
+        with weights a resume discarded. The message id follows from the group's, so a redelivered
+        group does not have its prompt sampled twice."""
+        await self.bus.publish_ahead(PROMPTS, [self.task(index, step, again=cause)])
 
     async def top_up(self, step: int, dropped: int) -> int:
         """Publish prompts up to the allowance; returns how many were published."""
@@ -109,4 +125,6 @@ class PromptController:
             await self.bus.publish(PROMPTS, self.task(self.next_index, step))
             self.next_index += 1
             published += 1
+            if self.on_published is not None:
+                await self.on_published(self.next_index)
         return published

@@ -4,15 +4,18 @@
     publish the first prompts
     repeat until max_steps, the end of the data, or a cancel:
         collect prompts_per_step scored groups (held, not yet acknowledged), dropping
-            groups of another run, groups older than max_staleness versions (or from a
-            future the trainer never reached, after a resume), and trajectories already trained
+            groups of another run, groups sampled with weights a resume discarded (their
+            prompts are published again), groups older than max_staleness versions, and
+            trajectories already trained
         one optimiser step; version += 1; publish the new weights (every publish_every
             steps, and whenever a validation round is due)
         remember the trained trajectory ids, then acknowledge the groups
         every checkpoint_every steps a full checkpoint; metrics for the step
         every eval_every steps a validation round (services.trainer.evaluation)
-        publish more prompts (one replacement for every dropped group)
+        publish more prompts (one replacement for every dropped group, published as soon as
+            the group is dropped)
     with data.validation, evaluate the last version and wait for it
+    announce the run's end (run-ends stream): workers drop what is left of it on sight
 
 Opening a run, and resuming one after a crash or a restart, is :mod:`services.trainer.opening`;
 which groups a step admits, :mod:`services.trainer.admission`; what a step records,
@@ -24,6 +27,7 @@ patience (``redis_patience_s``) is a crash too: the executor waits for Redis and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -31,8 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proto.messages import ScoredGroup
-from proto.streams import SCORED
+from proto.base import derived_id
+from proto.messages import RunEnded, ScoredGroup
+from proto.streams import RUN_ENDS, SCORED
 from services.bus import REDIS_DOWN, Bus, Held
 from services.tasks import cancel_and_wait, within
 from services.trainer import metrics as m
@@ -112,6 +117,8 @@ class RunExecutor:
         except Exception as exc:
             log.exception("run %s failed", run_id)
             await self.store.update(run_id, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            with contextlib.suppress(*REDIS_DOWN):  # without it, workers drop its prompts at the next run
+                await self._announce_end(run_id, "failed")
         finally:
             self.current = None
             trainer, self._trainer = self._trainer, None
@@ -173,13 +180,23 @@ class RunExecutor:
             # the data is out: the last groups make a smaller batch, and collecting ends once none
             # can arrive any more (a group dropped now is not replaced)
             want = min(want, run.outstanding())
-        admit = functools.partial(accept, self.store, run.id, run.spec, run.state, batch_ids=set())
+        admit = functools.partial(
+            accept,
+            self.store,
+            run.id,
+            run.spec,
+            run.state,
+            batch_ids=set(),
+            again=lambda index, cause: run.controller.again(index, cause, run.state.step),
+        )
         kept: list[ScoredGroup] = []
 
         async def keep(scored: ScoredGroup) -> bool:
             ok = await admit(scored)
             if ok:
                 kept.append(scored)
+            else:  # a dropped group's replacement goes out now: this batch may be waiting for it
+                await run.controller.top_up(run.state.step, run.state.dropped)
             if run.data_out and len(kept) >= run.outstanding():
                 halt.set()  # every group that can still come is in: no more to wait for
             return ok
@@ -262,6 +279,12 @@ class RunExecutor:
             meta={"run_id": run.id, "version": run.state.version, "step": run.state.step},
         )
         await self.store.update(run.id, state=finished)
+        await self._announce_end(run.id, finished, run.state.step)
+
+    async def _announce_end(self, run_id: str, state: str, step: int = 0) -> None:
+        """Tell the workers the run is over: its prompts and groups still on the bus are dropped on sight."""
+        ended = RunEnded(message_id=derived_id(run_id, "ended"), run_id=run_id, state=state, step=step)
+        await self.bus.publish(RUN_ENDS, ended)
 
     async def _publish(self, run: Run) -> None:
         await run.publisher.publish(run.trainer, run.tokenizer, run.state)

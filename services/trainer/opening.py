@@ -1,15 +1,21 @@
 """Opening a run: its model (or last checkpoint) loaded, its first version and prompts published.
 
 A trainer killed mid-run resumes from its last full checkpoint when it starts again: model,
-optimiser, schedule, RNG, data position and the trained-id set are restored. After a crash
+optimiser, schedule, RNG, data position and the trained-id set are restored. Every opening
+draws a weights timeline (:mod:`services.trainer.timelines`): the versions a crash discarded
+keep their old timeline, and groups sampled with them are told apart and dropped. After a crash
 (any checkpoint but the one a clean shutdown writes, or none at all) the step records past
-the checkpoint are dropped and the prompts that were out are published again under a new
-timeline (:meth:`PromptController.republish`).
+the checkpoint are dropped, and the prompts whose groups the lost steps consumed are published
+again, ahead of the queue (:meth:`PromptController.republish`). Prompts still in flight (on the
+bus, or being sampled or scored) are not: their groups come back to the resumed run. The run
+store's trained and dropped sets and its count of published prompts tell the two apart; a run
+whose store lacks the count publishes again every prompt that was out at the checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections.abc import Callable
@@ -40,6 +46,7 @@ from services.trainer.evaluation import Evaluator
 from services.trainer.publishing import WeightPublisher, broadcaster
 from services.trainer.runs import ACTIVE, FINISHED, RunStore
 from services.trainer.settings import TrainerSettings
+from services.trainer.timelines import lineage
 from worldgen.formats import load_questions, require_support
 
 log = logging.getLogger(__name__)
@@ -130,8 +137,11 @@ async def open_run(
         crashed = not saved.get("interrupted", False)
         initial_weights = str(latest / "model")
         log.info("run %s resumes from %s at step %d", run_id, latest.name, state.step)
+    timeline = new_id()[:8]
+    again: tuple[list[int], int] | None = None
     if resume:
-        await store.reset_trained(run_id, saved.get("trained_ids", []))
+        if crashed:
+            again = await _consumed_since(store, run_id, state, saved.get("trained_ids", []))
         await store.truncate_metrics(run_id, state.step)  # the steps lost with a crash
         truncate_lines(out / "metrics.jsonl", state.step)
     # "cancelling" (asked for before a restart) stays; "cancelled" means it came while loading
@@ -139,6 +149,12 @@ async def open_run(
     if found not in ACTIVE:
         log.info("run %s was %s while its model loaded: it does not start", run_id, found)
         return None
+    opened = await store.timelines(run_id)
+    state.lineage = lineage(
+        opened, checkpoint=(state.timeline, state.version, state.lineage) if latest else None
+    )
+    state.timeline = timeline
+    await store.add_timeline(run_id, timeline, state.version)  # known before anything is announced in it
     publisher = WeightPublisher(
         bus, run_id, out, keep=settings.keep_weights, broadcaster=broadcaster(settings)
     )
@@ -150,15 +166,29 @@ async def open_run(
         spec,
         report.items,
         next_index=state.next_index,
-        timeline=new_id()[:8] if crashed else "",
+        timeline=timeline if crashed else "",
+        on_published=functools.partial(store.set_published, run_id),
     )
-    if crashed and latest:
+    if again is not None:
+        consumed, controller.next_index = again
+        await controller.republish(consumed, state.step)
+        log.info(
+            "run %s: %d prompts whose groups the lost steps consumed published again, ahead of the "
+            "queue (%s); the others of the %d published are in flight",
+            run_id,
+            len(consumed),
+            consumed[:20],
+            controller.next_index,
+        )
+    elif crashed and latest:  # the store does not say what is in flight: everything out again
         trained = {prompt_index(t) for t in saved.get("trained_ids", [])}
         done = trained | set(state.dropped_indices)
         out_at_checkpoint = [i for i in range(controller.next_index) if i not in done]
         await controller.republish(out_at_checkpoint, state.step)
         log.info("run %s: %d prompts out at the checkpoint published again", run_id, len(out_at_checkpoint))
-    options = ConsumerOptions(block_ms=500, claim_idle_ms=settings.claim_idle_ms)
+    if resume:  # only now: a crash before the prompts went out again must find the same sets
+        await store.reset_consumed(run_id, saved.get("trained_ids", []), state.dropped_indices)
+    options = settings.consumer_options(block_ms=500)
     evaluator = None
     if spec.data.validation:
         evaluator = Evaluator(
@@ -174,6 +204,8 @@ async def open_run(
         if state.step == 0:
             await evaluator.start_round(state.version, state.step)
     await controller.top_up(state.step, state.dropped)
+    if resume:
+        await store.set_published(run_id, controller.next_index)
     return Run(
         id=run_id,
         spec=spec,
@@ -188,3 +220,18 @@ async def open_run(
         options=options,
         published=state.version,
     )
+
+
+async def _consumed_since(
+    store: RunStore, run_id: str, state: TrainState, trained_ids: list[str]
+) -> tuple[list[int], int] | None:
+    """After a crash, before the run store's sets are put back to the checkpoint's: the prompts
+    whose groups steps after the checkpoint consumed (trained on, or dropped and replaced, and
+    acknowledged either way: they will not come back), and how many prompts the run had
+    published. Every other prompt published is still in flight. None: the store kept no count."""
+    published = await store.published(run_id)
+    if published is None:
+        return None
+    done = {prompt_index(t) for t in trained_ids} | set(state.dropped_indices)
+    consumed = {prompt_index(t) for t in await store.trained_ids(run_id)} | await store.dropped(run_id)
+    return sorted(i for i in consumed - done if i is not None), max(published, state.next_index)

@@ -69,7 +69,7 @@ class WeightPublisher:
         self.disk: tuple[str, int] | None = None  # the newest full copy on disk and its version
 
     async def announce(self, state: TrainState, path: str) -> None:
-        """Tell consumers that ``state.version`` is at ``path``."""
+        """Tell consumers that ``state.version`` of ``state.timeline`` is at ``path``."""
         self.saved(path, state.version)
         await self._event(state, path)
 
@@ -130,7 +130,14 @@ class WeightPublisher:
     async def _event(self, state: TrainState, path: str, **fields) -> None:
         await self.bus.publish(
             WEIGHTS,
-            WeightsPublished(run_id=self.run_id, version=state.version, step=state.step, path=path, **fields),
+            WeightsPublished(
+                run_id=self.run_id,
+                version=state.version,
+                step=state.step,
+                path=path,
+                timeline=state.timeline,
+                **fields,
+            ),
         )
         m.POLICY_VERSION.set(state.version)
 

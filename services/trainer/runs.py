@@ -6,6 +6,11 @@
 {prefix}:run:{id}:metrics     list of per-step metric records (JSON)
 {prefix}:run:{id}:evals       list of validation rounds (JSON; runs with data.validation)
 {prefix}:run:{id}:trained     set of trajectory ids already trained on (duplicates are dropped)
+{prefix}:run:{id}:dropped     set of prompt indices whose groups were dropped and replaced (stale)
+{prefix}:run:{id}:timelines   hash: every weights timeline the run opened -> the version it opened at
+
+The run's hash also counts the prompts published (``published``): with the trained and dropped
+sets, a resume after a crash tells the prompts still in flight from those the lost steps consumed.
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ class RunStore:
     async def delete(self, run_id: str) -> None:
         """Forget a run: its record, metrics, validation rounds and trained set (files stay)."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(*(self._key(run_id, s) for s in ("", ":metrics", ":evals", ":trained")))
+            pipe.delete(*(self._key(run_id, s) for s in _SERIES))
             pipe.zrem(f"{self.prefix}:runs", run_id)
             pipe.lrem(f"{self.prefix}:runs:queue", 0, run_id)
             await pipe.execute()
@@ -166,19 +171,48 @@ class RunStore:
             return []
         return [bool(x) for x in await self.redis.smismember(self._key(run_id, ":trained"), trajectory_ids)]
 
-    async def reset_trained(self, run_id: str, trajectory_ids: list[str]) -> None:
-        """After a resume from a checkpoint: the trained set is the checkpoint's."""
+    async def reset_consumed(self, run_id: str, trajectory_ids: list[str], dropped: list[int]) -> None:
+        """After a resume from a checkpoint: the trained and dropped sets are the checkpoint's."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key(run_id, ":trained"))
+            pipe.delete(self._key(run_id, ":trained"), self._key(run_id, ":dropped"))
             if trajectory_ids:
                 pipe.sadd(self._key(run_id, ":trained"), *trajectory_ids)
+            if dropped:
+                pipe.sadd(self._key(run_id, ":dropped"), *dropped)
             await pipe.execute()
+
+    async def mark_dropped(self, run_id: str, index: int) -> None:
+        """Prompt ``index``'s group was dropped and the prompt replaced by another."""
+        await self.redis.sadd(self._key(run_id, ":dropped"), index)
+
+    async def dropped(self, run_id: str) -> set[int]:
+        return {int(x) for x in await self.redis.smembers(self._key(run_id, ":dropped"))}
+
+    async def set_published(self, run_id: str, count: int) -> None:
+        """The run has published its first ``count`` prompts (written after they are on the bus)."""
+        await self.redis.hset(self._key(run_id), "published", str(count))
+
+    async def published(self, run_id: str) -> int | None:
+        """How many prompts the run has published; None when it never said (or its record is gone)."""
+        value = await self.redis.hget(self._key(run_id), "published")
+        return int(value) if value else None
+
+    async def add_timeline(self, run_id: str, timeline: str, version: int) -> None:
+        await self.redis.hset(self._key(run_id, ":timelines"), timeline, str(version))
+
+    async def timelines(self, run_id: str) -> dict[str, int]:
+        """Every weights timeline the run opened, with the version it opened at."""
+        found = await self.redis.hgetall(self._key(run_id, ":timelines"))
+        return {_s(k): int(v) for k, v in found.items()}
 
     async def trained_ids(self, run_id: str) -> list[str]:
         return sorted(
             x.decode() if isinstance(x, bytes) else x
             for x in await self.redis.smembers(self._key(run_id, ":trained"))
         )
+
+
+_SERIES = ("", ":metrics", ":evals", ":trained", ":dropped", ":timelines")
 
 
 def _s(value: bytes | str | None) -> str | None:

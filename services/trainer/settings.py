@@ -8,10 +8,10 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.settings import CommonSettings
+from services.settings import ConsumerSettings
 
 
-class TrainerSettings(CommonSettings):
+class TrainerSettings(ConsumerSettings):
     model_config = SettingsConfigDict(env_prefix="PBSD_TRAINER_", extra="ignore")
 
     api_token: SecretStr | None = Field(default=None, description="bearer token for the REST API")
@@ -22,11 +22,25 @@ class TrainerSettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     runs_dir: Path = Path("runs")
+    data_roots: list[Path] = Field(
+        default_factory=lambda: [Path(".")],
+        min_length=1,
+        description="folders a run's question files may lie in (JSON list; default: the working "
+        "directory); a spec naming a path outside them is refused",
+    )
+    model_roots: list[Path] = Field(
+        default_factory=lambda: [Path(".")],
+        min_length=1,
+        description="folders a run's checkpoint, tokenizer and DeepSpeed config may lie in, beside "
+        "runs_dir (JSON list; default: the working directory)",
+    )
+    max_body_bytes: int = Field(
+        default=1 << 20, gt=0, description="request bodies over this are refused (413) before they are read"
+    )
     device: str = "cpu"
     gradient_checkpointing: bool = False
     chunk_size: int = Field(default=1024, description="rows of full-vocabulary logits alive at once")
     keep_weights: int = Field(default=3, ge=1, description="published weight versions kept on disk")
-    claim_idle_ms: int = 1_800_000
     weights_transport: Literal["disk", "broadcast"] = Field(
         default="disk",
         description="how each policy version reaches the consumers: written to disk and reloaded, or "
