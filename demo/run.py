@@ -145,7 +145,9 @@ def evaluate(
             limit=None,
             limits=limits,
             concurrency=config.eval_concurrency,
-            date=None,
+            # the world's "today", as in the warm start's trajectories and the training rollouts:
+            # the calendar's would make the samples depend on the day the demo runs
+            date=json.loads((world / "manifest.json").read_text())["date"],
             seed=config.seed,
             on_done=lambda: bar.update(1),
             before=before,
