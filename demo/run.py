@@ -338,7 +338,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     started = time.perf_counter()
     out = out.absolute()  # the services and Redis get paths under it, whatever their working directory
     out.mkdir(parents=True, exist_ok=True)
-    (out / "demo-config.json").write_text(config.model_dump_json(indent=2))
+    (out / "demo-config.json").write_text(json.dumps(config.settings_used(), indent=2))
     say(f"output in {out}")
     world, manifest = prepare_world(config, out)
     # the world's fingerprint tells whether the committed policy was supervised on this very world
