@@ -36,14 +36,19 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _figure(chart: Chart, folder: Path) -> str:
-    """Render once: the PNG goes to ``folder``, and inline (base64) with its caption into the report."""
-    chart.figure.tight_layout()
+def _png(fig, path: Path) -> str:
+    """Render once: the PNG goes to ``path`` and, base64-encoded, inline into a report."""
+    fig.tight_layout()
     buf = io.BytesIO()
-    chart.figure.savefig(buf, format="png", dpi=110)
-    plt.close(chart.figure)
-    (folder / f"{chart.name}.png").write_bytes(buf.getvalue())
-    data = base64.b64encode(buf.getvalue()).decode()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path.write_bytes(buf.getvalue())
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _figure(chart: Chart, folder: Path) -> str:
+    """A chart as the report shows it: the PNG inline, under it the caption that says what it shows."""
+    data = _png(chart.figure, folder / f"{chart.name}.png")
     return (
         f"<figure><img alt='{html.escape(chart.name)}' src='data:image/png;base64,{data}'>"
         f"<figcaption>{html.escape(chart.caption)}</figcaption></figure>"
