@@ -107,6 +107,13 @@ class DemoConfig(BaseModel):
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
+    def settings_used(self) -> dict[str, object]:
+        """The settings that take effect, as ``demo-config.json`` records them (``--config`` loads
+        the file again): ``eval_difficulty`` only where the validation split is evaluated, since
+        questions set aside from the RL split have the RL difficulties (``difficulty``)."""
+        unused = {"eval_difficulty"} if self.eval_split == "rl" else set()
+        return self.model_dump(mode="json", exclude=unused)
+
     def warm_start(self) -> dict[str, object]:
         """The settings that shape the warm policy beyond the world itself (the world has its own
         fingerprint): the committed policy stands in for a rebuild only where all of them are the

@@ -11,15 +11,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on servers and in CI
 import matplotlib.pyplot as plt
 import numpy as np
 
 from agent.chat import ChatTokenizer
 from agent.grounding import KINDS, ratio
 from demo.config import DemoConfig
+from demo.figures import Chart, charts
 from pbsd import credit
 from pbsd.accuracy import describe_change
 from pbsd.sanity import MIN_FRACTION, checks
@@ -30,8 +28,7 @@ from services.trainer.viewer import load_groups, render_viewer, sanity_summary, 
 
 __all__ = ["write_report"]
 
-COLORS = {"pbsd": "#1f6feb", "grpo": "#d97706"}
-VIEWER_ROWS = 400  # trajectories on the viewer page (the statistics use all of them)
+VIEWER_ROWS = 600  # trajectories on a viewer page, spread over every step (the statistics use all)
 
 
 def _metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -40,7 +37,7 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def _png(fig, path: Path) -> str:
-    """Render once: the PNG goes to ``path`` and, base64-encoded, inline into the report."""
+    """Render once: the PNG goes to ``path`` and, base64-encoded, inline into a report."""
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -49,93 +46,13 @@ def _png(fig, path: Path) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _series(ax, metrics: dict[str, list[dict]], key: str, label: str, style: str = "-") -> None:
-    for algo, rows in metrics.items():
-        xs = [r["step"] for r in rows if key in r]
-        ys = [r[key] for r in rows if key in r]
-        if xs:
-            ax.plot(xs, ys, style, marker="o", color=COLORS.get(algo), label=f"{algo.upper()} {label}")
-
-
-def figures(
-    out: Path,
-    metrics: dict[str, list[dict]],
-    evidence: np.ndarray,
-    deadband: tuple[float, float],
-    evals: dict[str, Any],
-    samples: int,
-) -> dict[str, str]:
-    figs = out / "figures"
-    figs.mkdir(exist_ok=True)
-    made = {}
-
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    _series(ax, metrics, "reward_mean", "reward")
-    _series(ax, metrics, "accuracy", "accuracy", "--")
-    ax.set(xlabel="training step", ylabel="per batch", title="Reward and accuracy")
-    ax.legend(fontsize=8)
-    made["reward_accuracy"] = _png(fig, figs / "reward_accuracy.png")
-
-    if any(k.startswith("grounded_") for rows in metrics.values() for r in rows for k in r):
-        fig, ax = plt.subplots(figsize=(6, 3.4))
-        for (key, (_, label)), style in zip(KINDS.items(), ("-", "--", ":"), strict=True):
-            _series(ax, metrics, f"grounded_{key}_frac", label, style)
-        ax.set(
-            xlabel="training step",
-            ylabel="fraction grounded",
-            title="Grounded searches, reads, answers",
-            ylim=(0, 1.05),
-        )
-        ax.legend(fontsize=8)
-        made["grounding"] = _png(fig, figs / "grounding.png")
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
-    _series(a1, metrics, "turns_mean", "")
-    a1.set(xlabel="training step", title="Turns per trajectory")
-    _series(a2, metrics, "tokens_mean", "all tokens")
-    _series(a2, metrics, "generated_tokens_mean", "generated", "--")
-    a2.set(xlabel="training step", title="Tokens per trajectory")
-    a1.legend(fontsize=8)
-    a2.legend(fontsize=8)
-    made["turns_tokens"] = _png(fig, figs / "turns_tokens.png")
-
-    pbsd = {k: v for k, v in metrics.items() if k == "pbsd"}
-    if pbsd and any("teacher_higher_frac" in r for r in pbsd["pbsd"]):
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
-        _series(a1, pbsd, "teacher_higher_frac", "")
-        a1.set(xlabel="training step", title="Turns where teacher > student")
-        _series(a2, pbsd, "mean_abs_gap", "")
-        a2.set(xlabel="training step", title="Mean |teacher - student| (per turn)")
-        made["credit_signal"] = _png(fig, figs / "credit_signal.png")
-
-    if evidence.size:
-        fig, ax = plt.subplots(figsize=(6, 3.4))
-        lim = float(np.quantile(np.abs(evidence), 0.99)) or 0.01
-        ax.hist(np.clip(evidence, -lim, lim), bins=60, color=COLORS["pbsd"])
-        eps_pos, eps_neg = deadband
-        ax.axvspan(
-            -eps_neg, eps_pos, color="#999", alpha=0.35, label=f"deadband [-{eps_neg}, {eps_pos}] (w = 1)"
-        )
-        ax.set(xlabel="turn evidence s", ylabel="turns", title="Evidence scores of every scored turn")
-        ax.legend(fontsize=8)
-        made["evidence"] = _png(fig, figs / "evidence.png")
-
-    labels, values = [], []
-    for name, report in evals.items():
-        labels.append(name)
-        values.append(report["accuracy"]["all"][f"mean@{samples}"])
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    bars = ax.bar(
-        labels,
-        values,
-        color=["#777" if n == "before" else COLORS.get(n.split("-")[-1], "#444") for n in labels],
+def _figure(chart: Chart, folder: Path) -> str:
+    """A chart as the report shows it: the PNG inline, under it the caption that says what it shows."""
+    data = _png(chart.figure, folder / f"{chart.name}.png")
+    return (
+        f"<figure><img alt='{html.escape(chart.name)}' src='data:image/png;base64,{data}'>"
+        f"<figcaption>{html.escape(chart.caption)}</figcaption></figure>"
     )
-    ax.bar_label(bars, fmt="%.2f")
-    ax.set(
-        ylabel=f"mean@{samples}", title="Accuracy before and after RL", ylim=(0, max([*values, 0.05]) * 1.25)
-    )
-    made["before_after"] = _png(fig, figs / "before_after.png")
-    return made
 
 
 def action_rows(sanity: TeacherSanity) -> list[dict[str, Any]]:
@@ -187,18 +104,35 @@ def _fraction(part: dict[str, float]) -> str:
     return ratio(part) + (f" ({part['fraction']:.2f})" if part["total"] else "")
 
 
+def plural(n: int, noun: str) -> str:
+    """ "1 sample", "2 samples"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def eval_set(config: DemoConfig, n: int) -> str:
     """What the before/after evaluation of ``n`` questions measured, in a sentence (see demo/questions.py)."""
+    each = f"{plural(config.eval_samples, 'sample')} each"
     if config.eval_split == "validation":
         return (
-            f"{n} {'+'.join(config.eval_difficulty)} questions of the world's validation "
-            f"split, whose answers answer no training question; {config.eval_samples} samples each."
+            f"{plural(n, '+'.join(config.eval_difficulty) + ' question')} of the world's validation "
+            f"split, whose answers answer no training question; {each}."
         )
     return (
-        f"{n} {'+'.join(config.difficulty)} questions set aside from the RL split before "
+        f"{plural(n, '+'.join(config.difficulty) + ' question')} set aside from the RL split before "
         f"training: never trained on, and no chain of facts they ask for is walked by any SFT or RL question "
-        f"(answers such as a country may recur); {config.eval_samples} samples each, with the same seeds "
-        "before and after."
+        f"(answers such as a country may recur); {each}, with the same seeds before and after."
+    )
+
+
+def _seeded(config: DemoConfig, evals: dict[str, Any]) -> str:
+    """What the samples depend on besides the policy (docs/results.md): the seed and the date."""
+    date = evals["before"].get("date")
+    return (
+        f" Sampling seed {config.seed}, the system prompt's date {date}: with the same policy, "
+        "questions, seed and date, and the same torch and CPU kind, every trajectory is the same at any "
+        "load (docs/results.md)."
+        if date
+        else ""
     )
 
 
@@ -237,7 +171,17 @@ def write_report(
         (out / f"viewer-{algo}.html").write_text(page)
         viewers[algo] = f"viewer-{algo}.html"
     evidence = np.concatenate(evidence_parts) if evidence_parts else np.zeros(0)
-    figs = figures(out, metrics, evidence, deadband, evals, config.eval_samples)
+    folder = out / "figures"
+    folder.mkdir(exist_ok=True)
+    made = charts(
+        metrics,
+        evidence,
+        deadband,
+        evals,
+        samples=config.eval_samples,
+        batch=config.prompts_per_step * config.group_size,
+    )
+    body = "".join(_figure(chart, folder) for chart in made)
 
     k = config.eval_samples
     rows = []
@@ -297,11 +241,6 @@ def write_report(
         if sanity_rows
         else ""
     )
-    body = "".join(
-        f"<figure><img alt='{name}' src='data:image/png;base64,{data}'><figcaption>{name.replace('_', ' ')}"
-        f"</figcaption></figure>"
-        for name, data in figs.items()
-    )
     page = f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>pbsd demo report</title>
 <style>body{{font:14px/1.5 system-ui,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;color:#222}}
 table{{border-collapse:collapse;margin:8px 0 18px}}td,th{{border:1px solid #ddd;padding:4px 8px;text-align:left}}
@@ -313,7 +252,7 @@ img{{max-width:520px}}code{{font-size:12px}}</style></head><body>
 warmed up by SFT on oracle trajectories; the four services ran as separate processes over a private Redis.
 Total time {elapsed / 60:.1f} minutes. {note}</p>
 <h2>Evaluation (mean@{k} and pass@{k} on held-out questions)</h2>
-<p>{html.escape(eval_set(config, evals["before"]["questions"]))}</p>
+<p>{html.escape(eval_set(config, evals["before"]["questions"]))}{html.escape(_seeded(config, evals))}</p>
 <table><tr><th>policy</th><th>mean@{k}</th><th>pass@{k}</th><th>questions</th><th>turns</th><th>generated tokens</th><th>finish reasons</th>
 <th>grounded searches</th><th>grounded reads</th><th>grounded answers</th><th>change of mean@{k} from before</th></tr>
 {"".join(rows)}</table>

@@ -145,7 +145,9 @@ def evaluate(
             limit=None,
             limits=limits,
             concurrency=config.eval_concurrency,
-            date=None,
+            # the world's "today", as in the warm start's trajectories and the training rollouts:
+            # the calendar's would make the samples depend on the day the demo runs
+            date=json.loads((world / "manifest.json").read_text())["date"],
             seed=config.seed,
             on_done=lambda: bar.update(1),
             before=before,
@@ -339,7 +341,7 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     started = time.perf_counter()
     out = out.absolute()  # the services and Redis get paths under it, whatever their working directory
     out.mkdir(parents=True, exist_ok=True)
-    (out / "demo-config.json").write_text(config.model_dump_json(indent=2))
+    (out / "demo-config.json").write_text(json.dumps(config.settings_used(), indent=2))
     say(f"output in {out}")
     world, manifest = prepare_world(config, out)
     # the world's fingerprint tells whether the committed policy was supervised on this very world

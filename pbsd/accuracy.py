@@ -27,7 +27,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NotComparable", "check_comparable", "compare", "describe_change", "pass_at_k", "summarise"]
+__all__ = [
+    "NotComparable",
+    "accuracy_interval",
+    "check_comparable",
+    "compare",
+    "describe_change",
+    "pass_at_k",
+    "summarise",
+]
 
 
 class NotComparable(ValueError):
@@ -77,16 +85,28 @@ def compare(
         return np.array([np.mean(report["per_question"][q]["correct"]) for q in ids], dtype=float)
 
     d = accuracy(after) - accuracy(before)
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
     return {
         "questions": len(d),
         "difference": float(d.mean()),
-        "ci95": [float(low), float(high)],
+        "ci95": _bootstrap95(d, resamples, seed),
         "better": int((d > 0).sum()),
         "worse": int((d < 0).sum()),
     }
+
+
+def accuracy_interval(report: Mapping[str, Any], *, resamples: int = 10_000, seed: int = 0) -> list[float]:
+    """The 95% interval of one report's mean accuracy (mean@k): the 2.5th and 97.5th percentiles
+    of the mean over its questions resampled with replacement, each question's accuracy over its
+    samples. It says how far the figure could move on other questions like these; whether two
+    reports differ is :func:`compare`'s paired interval."""
+    per_question = report["per_question"]
+    return _bootstrap95(np.array([np.mean(r["correct"]) for r in per_question.values()]), resamples, seed)
+
+
+def _bootstrap95(values: np.ndarray, resamples: int, seed: int) -> list[float]:
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
+    return [float(x) for x in np.percentile(means, [2.5, 97.5])]
 
 
 def check_comparable(before: Any, questions: Iterable[str]) -> None:
@@ -111,7 +131,8 @@ def check_comparable(before: Any, questions: Iterable[str]) -> None:
 def describe_change(change: Mapping[str, Any]) -> str:
     """One line: "+0.021 (95% CI -0.042 to +0.083; 3 questions better, 2 worse)"."""
     low, high = change["ci95"]
+    better = change["better"]
     return (
         f"{change['difference']:+.3f} (95% CI {low:+.3f} to {high:+.3f}; "
-        f"{change['better']} questions better, {change['worse']} worse)"
+        f"{better} question{'' if better == 1 else 's'} better, {change['worse']} worse)"
     )

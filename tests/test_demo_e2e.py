@@ -106,7 +106,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "grounded searches" in report and "Does the teacher read x*?" in report
     assert "data-testid='sanity'" in (out / "viewer-pbsd.html").read_text()
     assert "change of mean@1 from before" in report and "95% CI" in report  # the paired comparison
-    assert "change " in result.stdout and "questions better" in result.stdout
+    assert "change " in result.stdout and " better, " in result.stdout
     assert _service_processes(out) == []  # nothing left behind
 
 

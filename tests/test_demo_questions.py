@@ -119,3 +119,13 @@ def test_demo_settings_load_from_a_file_then_the_options_that_were_given(tmp_pat
     assert DemoConfig.load(tmp_path / "empty.yaml", group_size=2).group_size == 2
     with pytest.raises(ValueError, match="no_such_setting"):
         DemoConfig.load(None, no_such_setting=1)
+
+
+def test_the_recorded_settings_are_those_used_and_load_again(tmp_path):
+    rl = DemoConfig()  # evaluated on questions set aside from RL: their difficulty is RL's
+    assert "eval_difficulty" not in rl.settings_used() and rl.settings_used()["difficulty"] == ["easy"]
+    validation = DemoConfig(eval_split="validation", eval_difficulty=["medium"])
+    assert validation.settings_used()["eval_difficulty"] == ["medium"]
+    for config in (rl, validation):
+        (tmp_path / "demo-config.json").write_text(json.dumps(config.settings_used()))
+        assert DemoConfig.load(tmp_path / "demo-config.json") == config

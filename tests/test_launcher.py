@@ -93,7 +93,7 @@ def test_follow_run_returns_a_completed_run(tmp_path):
 
 def test_local_redis_starts_in_a_relative_workdir(tmp_path, monkeypatch):
     # `make demo` writes under runs/demo-<time>, a relative path: redis-server changes into --dir
-    # before opening --logfile, so a relative log path used to stop it from starting at all
+    # before opening --logfile, so a relative log path would stop it from starting at all
     from pathlib import Path
 
     import redis

@@ -74,12 +74,17 @@ def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):
     from pbsd.cli import app
 
     out = tmp_path / "eval.json"
+    # outside the world, as the demo's are: the system prompt's date is the world's, found beside
+    # the corpus (the calendar's would make the samples depend on the day)
+    questions = tmp_path / "data" / "eval.jsonl"
+    questions.parent.mkdir()
+    questions.write_text((tiny_world / "questions" / "validation.jsonl").read_text())
     eval_args = [
         "eval",
         "--model",
         str(tiny_checkpoint),
         "--questions",
-        str(tiny_world / "questions" / "validation.jsonl"),
+        str(questions),
         "--corpus",
         str(tiny_world / "corpus.jsonl"),
         "--samples",
@@ -100,6 +105,7 @@ def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):
     assert set(report["accuracy"]["all"]["pass@k"]) == {"1", "2"}
     assert sum(report["finish_reasons"].values()) == 6
     assert "change" not in report
+    assert report["date"] == json.loads((tiny_world / "manifest.json").read_text())["date"]
 
     # against an earlier report of the same questions: the paired change (here the same policy
     # and seed, so the same samples: no change)
@@ -118,3 +124,40 @@ def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):
     fewer = CliRunner().invoke(app, [*args, "--limit", "2"])
     assert fewer.exit_code == 2 and "0 of the 2 evaluated here are not among its 3" in fewer.output
     assert "--limit 2" in fewer.output and not (tmp_path / "again.json").exists()
+
+
+async def test_an_evaluation_samples_the_same_trajectories_at_any_concurrency(tiny_world, tiny_checkpoint):
+    """The same policy, questions, seed and system prompt give the same trajectories, token for
+    token (the report's digests), however many are sampled at once."""
+    from services.rollout.agent import AgentLimits
+    from services.rollout.evaluate import evaluate
+    from services.rollout.runner import open_rollout
+    from worldgen.formats import load_questions
+
+    questions = tiny_world / "questions" / "validation.jsonl"
+    items = load_questions(questions).items[:3]
+    limits = AgentLimits(max_turns=2, max_tokens_per_turn=8, top_p=0.95)
+    async with open_rollout(
+        tiny_checkpoint,
+        questions,
+        corpus=tiny_world / "corpus.jsonl",
+        tools_url=None,
+        sglang_urls=[],
+        date=None,
+    ) as rollout:
+        reports = [
+            await evaluate(
+                rollout.engine,
+                rollout.tools,
+                rollout.tokenizer,
+                items,
+                system=rollout.system,
+                samples=2,
+                limits=limits,
+                concurrency=concurrency,
+                seed=1,
+            )
+            for concurrency in (1, 6)
+        ]
+    alone, together = ({q: r["digests"] for q, r in rep["per_question"].items()} for rep in reports)
+    assert alone == together and len({d for ds in alone.values() for d in ds}) == 6

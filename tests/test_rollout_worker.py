@@ -8,7 +8,7 @@ import pytest
 
 from agent.chat import ChatTokenizer
 from agent.toolcall import format_tool_call
-from pbsd.accuracy import compare, describe_change, pass_at_k, summarise
+from pbsd.accuracy import accuracy_interval, compare, describe_change, pass_at_k, summarise
 from proto.base import derived_id
 from proto.messages import PromptTask, WeightsPublished
 from proto.runs import PbsdSpec, RolloutSpec
@@ -201,6 +201,22 @@ def test_compare_pairs_questions_and_bounds_the_change():
     assert many["difference"] == pytest.approx(0.5) and many["ci95"][0] > 0.25
     with pytest.raises(ValueError, match="same"):
         compare(before, report({"a": [True]}))
+    one = {"difference": 0.02, "ci95": [-0.1, 0.1], "better": 1, "worse": 0}
+    assert describe_change(one).endswith("; 1 question better, 0 worse)")
+
+
+def test_an_accuracy_interval_spans_the_means_of_resampled_questions():
+    def report(correct):
+        return {"per_question": {str(i): {"correct": c} for i, c in enumerate(correct)}}
+
+    # 2 of 48 right: the mean is 0.042, and another 48 like these could have held none of them
+    low, high = accuracy_interval(report([[True]] * 2 + [[False]] * 46))
+    assert low == 0.0 and 0.042 < high < 0.15
+    assert accuracy_interval(report([[True, False]] * 10)) == [0.5, 0.5]  # every question alike
+    half = report([[True], [False]] * 20)
+    low, high = accuracy_interval(half)
+    assert low < 0.5 < high and high - low < 0.4
+    assert accuracy_interval(half) == [low, high]  # seeded
 
 
 async def test_evaluate_reports_accuracy(tok):

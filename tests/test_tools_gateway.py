@@ -221,7 +221,7 @@ def test_empty_environment_values_are_unset(monkeypatch):
 
 async def test_the_gateway_keeps_answering_while_redis_is_down(world):
     """Redis holds the cache and the budgets; while it is out of reach they live in the process
-    (every call used to fail with a ConnectionError), and once it is back they are shared again."""
+    (no call fails with a ConnectionError), and once it is back they are shared again."""
     from prometheus_client import REGISTRY
 
     from services.bus import redis_client

@@ -154,3 +154,79 @@ def test_viewer_tags_grounded_and_made_up_turns(tiny_checkpoint, tmp_path):
         floor = page.locator("[data-testid=detail] [data-testid=turn] [data-testid=within-floor]")
         assert floor.all_inner_texts() == ["\u2248 noise (floor 0.0123)"]
         browser.close()
+
+
+def _groups(steps: int, per_step: int, size: int):
+    """(step, group) stand-ins with ``size`` trajectories each: what shown_groups looks at."""
+    from types import SimpleNamespace
+
+    return [
+        (s, SimpleNamespace(group=SimpleNamespace(trajectories=[f"{s}.{g}.{i}" for i in range(size)])))
+        for s in range(1, steps + 1)
+        for g in range(per_step)
+    ]
+
+
+def test_a_page_holds_whole_groups_of_every_step():
+    from services.trainer.viewer import shown_groups
+
+    groups = _groups(16, 4, 8)  # the demo's 512 trajectories
+    assert shown_groups(groups, 600) == groups  # they fit: all of them
+    page = shown_groups(groups, 400)  # 25 a step: three whole groups of each step
+    assert sorted({s for s, _ in page}) == list(range(1, 17))
+    assert all(sum(s == step for s, _ in page) == 3 for step in range(1, 17))
+    assert all(page.count(g) == 1 for g in page) and len(page) * 8 <= 400
+    one_each = shown_groups(groups, 128)  # room for one group a step
+    assert [s for s, _ in one_each] == list(range(1, 17))
+    fewer = [s for s, _ in shown_groups(groups, 100)]  # not even that: 12 steps, spread out
+    assert fewer[0] == 1 and fewer[-1] == 16 and len(fewer) == len(set(fewer)) == 12
+    # a long run whose steps do not all fit even one group: evenly spaced steps, first and last
+    spread = shown_groups(_groups(300, 2, 8), 400)
+    steps = [s for s, _ in spread]
+    assert steps[0] == 1 and steps[-1] == 300 and len(steps) == len(set(steps)) == 50
+
+
+def test_viewer_says_what_it_shows_and_pages_by_step(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from services.trainer.viewer import render_viewer
+
+    question = "Which city was the birthplace of the founder of the publisher of the novel " + "word " * 20
+    rows = [
+        {
+            "id": f"t{step}.{i}",
+            "step": step,
+            "step_total": 4,
+            "question": question,
+            "answer": "Vienna",
+            "final": None,
+            "reward": 0.0,
+            "correct": False,
+            "advantage": 0.0,
+            "finish": "max_turns",
+            "algorithm": "pbsd",
+            "turns": [],
+        }
+        for step in (1, 2, 3)
+        for i in range(2 if step == 3 else 4)
+    ]
+    page_file = tmp_path / "viewer.html"
+    page_file.write_text(render_viewer(rows))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page()
+        page.goto(page_file.as_uri())
+        shown = page.locator("[data-testid=shown]").inner_text()
+        assert shown.startswith("Shown: 10 of the 12 trajectories of every step (1\u20133)"), shown
+        options = page.locator("[data-testid=step] option").all_inner_texts()
+        assert options == ["all steps", "step 1 (4)", "step 2 (4)", "step 3 (2 of 4)"]
+        assert page.locator("tr.traj").count() == 10
+        page.select_option("[data-testid=step]", "2")
+        assert page.locator("tr.traj").count() == 4
+        assert page.locator("[data-testid=count]").inner_text() == "4 trajectories"
+        cell = page.locator("tr.traj td").nth(1)
+        text = cell.inner_text()
+        assert text.endswith("\u2026") and len(text) <= 91 and question.startswith(text[:-1])
+        assert question[len(text) - 1] == " "  # cut between words
+        assert cell.get_attribute("title") == question
+        browser.close()

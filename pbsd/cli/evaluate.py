@@ -34,7 +34,11 @@ def eval_cmd(
     temperature: float = typer.Option(1.0),
     top_p: float = typer.Option(0.95, help="the paper evaluates with top-p 0.95"),
     concurrency: int = typer.Option(4, help="trajectories in flight"),
-    date: str | None = typer.Option(None, help="'today' in the system prompt"),
+    date: str | None = typer.Option(
+        None,
+        help="'today' in the system prompt (YYYY-MM-DD); default: the world's, from the manifest.json "
+        "beside the questions or the corpus, else today's",
+    ),
     seed: int | None = typer.Option(None),
     compare_to: Path | None = typer.Option(
         None,

@@ -8,9 +8,12 @@ The counting (mean@k, pass@k, the paired change between two evaluations) is
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import statistics
 from collections import Counter, defaultdict
 from typing import Any
+
+import numpy as np
 
 from agent.chat import ChatTokenizer
 from agent.grounding import Grounding
@@ -24,7 +27,7 @@ from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.engine import Engine
 from services.tools.client import Tools
 
-__all__ = ["evaluate", "sample"]
+__all__ = ["digest", "evaluate", "sample"]
 
 
 async def evaluate(
@@ -84,12 +87,20 @@ async def evaluate(
             q.id: {
                 "correct": results[q.id],
                 "answers": [t.final_answer for t in trajectories[q.id]],
+                "digests": [digest(t) for t in trajectories[q.id]],
                 "difficulty": q.difficulty,
                 **({"judged": judged[q.id]} if judged is not None else {}),
             }
             for q in questions
         },
     }
+
+
+def digest(t: Trajectory) -> str:
+    """16 hex digits of the SHA-256 of a trajectory's token ids, prompt and completion: two
+    evaluations sampled the same trajectory where their digests agree."""
+    ids = np.concatenate([t.prompt_ids, t.completion_ids]).astype("<i4")
+    return hashlib.sha256(ids.tobytes()).hexdigest()[:16]
 
 
 async def sample(

@@ -4,6 +4,7 @@ tools, tokenizer."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,23 +29,35 @@ def local_tools(corpus: Path) -> Tools:
     return LocalTools.offline(corpus)
 
 
-def world_date(questions: Path) -> str | None:
-    """The world's own "today", when the questions come from a generated world."""
-    for candidate in (questions.parent / "manifest.json", questions.parent.parent / "manifest.json"):
-        if candidate.exists():
-            return json.loads(candidate.read_text()).get("date")
+def world_date(questions: Path, corpus: Path | None = None) -> str | None:
+    """The world's own "today", when the questions or the corpus come from a generated world: its
+    ``manifest.json`` beside the questions, one folder up (``questions/rl.jsonl``), or beside the
+    corpus (the demo's question files live outside the world, its corpus inside)."""
+    candidates = [questions.parent, questions.parent.parent, *([corpus.parent] if corpus is not None else [])]
+    for folder in candidates:
+        manifest = folder / "manifest.json"
+        if manifest.exists():
+            return json.loads(manifest.read_text()).get("date")
     return None
+
+
+def prompt_date(date: str | None, questions: Path, corpus: Path | None) -> str:
+    """The "today" of the system prompt: ``date``, else the world's, else the calendar's. The date is
+    part of every prompt's tokens, so it decides the samples as much as the seed does: a policy
+    warmed up on a world's trajectories is evaluated on that world's date, and a report records it."""
+    return date or world_date(questions, corpus) or dt.date.today().isoformat()
 
 
 @dataclass(frozen=True)
 class Rollout:
     """What one process needs to sample trajectories: an engine, the tools, the tokenizer and the
-    system prompt (with the catalogue of the tools and the world's date)."""
+    system prompt (with the catalogue of the tools and ``date``, :func:`prompt_date`)."""
 
     engine: Engine
     tools: Tools
     tokenizer: ChatTokenizer
     system: str
+    date: str
 
 
 @contextlib.asynccontextmanager
@@ -80,8 +93,8 @@ async def open_rollout(
         engine = InProcessEngine(policy if policy is not None else load_model(model))
     try:
         tokenizer = ChatTokenizer.from_pretrained(model)
-        system = system_prompt(catalogue, date or world_date(questions))
-        yield Rollout(engine, tools, tokenizer, system)
+        date = prompt_date(date, questions, corpus)
+        yield Rollout(engine, tools, tokenizer, system_prompt(catalogue, date), date)
     finally:
         await tools.aclose()
         await engine.aclose()
@@ -130,12 +143,14 @@ async def eval_main(
                 on_done=on_done,
                 judge=judge,
             )
+            date = rollout.date
     finally:
         if judge is not None:
             await judge.aclose()
     result["bad_lines"] = [{"line": n, "problem": m} for n, m in report.problems]
     result["model"] = str(model)
     result["questions_file"] = str(questions)
+    result["date"] = date
     if before is not None:
         result["change"] = compare(before, result)
     return result

@@ -130,7 +130,9 @@ def rank_passages(
     scored = []
     items = passages(text)
     for i, p in enumerate(items):
-        score = sum(idf.weight(w) for w in wanted.intersection(map(stem, terms(p))))
+        # fsum: exactly rounded whatever the set's order, which follows the strings' hashes (salted
+        # per process), so equal word sets score equal and ties fall to page order
+        score = math.fsum(idf.weight(w) for w in wanted.intersection(map(stem, terms(p))))
         if score > 0:
             scored.append((-score, i))
     scored.sort()

@@ -150,7 +150,7 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
         cpu = CpuPool(settings.cpu_workers, nice=settings.cpu_nice)
         backend = build_backend(settings, http, cpu)
         # The corpus is millions of objects that live as long as the process: out of the garbage
-        # collector's sight, a full collection no longer stalls every call for ~100 ms.
+        # collector's sight, so that a full collection does not stall every call for ~100 ms.
         gc.freeze()
         app.state.gateway = ToolGateway(
             backend,

@@ -8,8 +8,10 @@ weight exactly 1), or *unscored* (GRPO, or no aligned token). A scored turn whos
 within the evidence's noise floor (measured by the scorer's null pass over the groups shown:
 ``|mu| + 2 sigma / sqrt(turn tokens)``, :class:`proto.sanity.NoiseFloor`) is marked: its sign
 is indistinguishable from the kernels' rounding. Above the list, the teacher sanity figures
-of the same groups (:func:`services.trainer.dynamics.sanity_metrics`). Trajectories can be
-filtered to the correct or the incorrect ones.
+of the same groups (:func:`services.trainer.dynamics.sanity_metrics`), and what the page holds:
+every step's trajectories when they fit in ``limit``, else whole groups of every step up to its
+share of ``limit`` (:func:`shown_groups`), and the page says which. Trajectories can be filtered
+by step and to the correct or the incorrect ones.
 
 The page is self-contained (data, style and script inline): the trainer serves it at
 ``/runs/{id}/viewer`` and the demo writes it next to its report.
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from agent.chat import ChatTokenizer
 from agent.grounding import turn_verdicts
@@ -35,7 +38,7 @@ from proto.runs import PbsdSpec
 from proto.sanity import NoiseFloor
 from services.trainer.dynamics import sanity_metrics
 
-__all__ = ["load_groups", "render_viewer", "sanity_summary", "viewer_data"]
+__all__ = ["load_groups", "render_viewer", "sanity_summary", "shown_groups", "viewer_data"]
 
 
 def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
@@ -57,12 +60,44 @@ def label(s: float, eps_pos: float, eps_neg: float) -> str:
     return "filtered"
 
 
+def shown_groups(groups: list[tuple[int, ScoredGroup]], limit: int) -> list[tuple[int, ScoredGroup]]:
+    """The groups a page of about ``limit`` trajectories holds: all of them when they fit; else
+    every step's first groups, whole (a group's samples are compared with each other), up to the
+    step's equal share of ``limit`` and at least one; where even one group a step does not fit,
+    that for evenly spaced steps, the first and the last among them."""
+    if sum(len(g.group.trajectories) for _, g in groups) <= limit:
+        return list(groups)
+    by_step: dict[int, list[ScoredGroup]] = {}
+    for step, g in groups:
+        by_step.setdefault(step, []).append(g)
+    steps = sorted(by_step)
+    mean_size = sum(len(gs[0].group.trajectories) for gs in by_step.values()) / len(steps)
+    if len(steps) * mean_size > limit:
+        keep = max(1, int(limit // mean_size))
+        steps = sorted({steps[round(i)] for i in np.linspace(0, len(steps) - 1, keep)})
+    share = limit / len(steps)
+    picked: list[tuple[int, ScoredGroup]] = []
+    for step in steps:
+        taken = 0
+        for g in by_step[step]:
+            if taken and taken + len(g.group.trajectories) > share:
+                break
+            picked.append((step, g))
+            taken += len(g.group.trajectories)
+    return picked
+
+
 def viewer_data(
     groups: list[tuple[int, ScoredGroup]], tokenizer: ChatTokenizer, *, limit: int = 400
 ) -> list[dict[str, Any]]:
+    """One row per trajectory of :func:`shown_groups`, each with its turns and with how many
+    trajectories its step had (``step_total``), so that the page can say what it leaves out."""
     rows: list[dict[str, Any]] = []
     noise = sum((g.diagnostics.noise for _, g in groups if g.scored), NoiseFloor())
-    for step, scored in groups:
+    step_total: dict[int, int] = {}
+    for step, g in groups:
+        step_total[step] = step_total.get(step, 0) + len(g.group.trajectories)
+    for step, scored in shown_groups(groups, limit):
         algo = scored.group.algorithm
         eps_pos, eps_neg = (algo.eps_pos, algo.eps_neg) if isinstance(algo, PbsdSpec) else (0.0, 0.0)
         for i, t in enumerate(scored.group.trajectories):
@@ -103,6 +138,7 @@ def viewer_data(
                 {
                     "id": t.trajectory_id,
                     "step": step,
+                    "step_total": step_total[step],
                     "question": scored.group.question,
                     "answer": scored.group.answer,
                     "final": t.final_answer,
@@ -114,8 +150,6 @@ def viewer_data(
                     "turns": turns,
                 }
             )
-            if len(rows) >= limit:
-                return rows
     return rows
 
 
@@ -175,7 +209,7 @@ pre{white-space:pre-wrap;word-break:break-word;margin:4px 0;font:12px/1.4 ui-mon
 details pre{color:#555}
 .legend span{margin-right:12px}
 .floor{margin-left:6px;padding:0 5px;border:1px dashed #777;border-radius:6px;font-size:11px;color:#555}
-.turn.noise{border-left-style:dashed}.sanity{font-size:12px;color:#333;background:#f6f8fa;padding:4px 6px}
+.turn.noise{border-left-style:dashed}.shown{font-size:12px;color:#333;margin:4px 0}.sanity{font-size:12px;color:#333;background:#f6f8fa;padding:4px 6px}
 </style></head><body>
 <div id="side">
 <h1>{{TITLE}}</h1>
@@ -183,7 +217,9 @@ details pre{color:#555}
 <span><span class="badge filtered">filtered</span>deadband, w = 1</span><span><span class="badge unscored">unscored</span></span>
 <span><span class="floor">&asymp; noise</span>|s| within the noise floor</span></div>
 {{SUMMARY}}
+<p class="shown" data-testid="shown"></p>
 <div class="filters" data-testid="filters">
+<select name="step" data-testid="step" aria-label="step"></select>
 <label><input type="radio" name="f" value="all" checked> all</label>
 <label><input type="radio" name="f" value="correct"> correct</label>
 <label><input type="radio" name="f" value="incorrect"> incorrect</label>
@@ -197,15 +233,35 @@ details pre{color:#555}
 const rows = JSON.parse(document.getElementById('data').textContent);
 const esc = s => String(s ?? '').replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
 const fmt = (x, d) => x === null || x === undefined ? '&ndash;' : Number(x).toFixed(d);
-let filter = 'all';
+// a question cut at the last whole word within n characters (the full text is the cell's title)
+const short = (s, n) => s.length <= n ? s : s.slice(0, n + 1).replace(/\\s+\\S*$/, '') + '\\u2026';
+const plural = (n, one, many) => `${n} ${n === 1 ? one : many}`;
+let filter = 'all', step = 'all';
+// what the page holds against what the run had: every step, and how many of each step's trajectories
+function describeShown() {
+  const steps = [...new Set(rows.map(r => r.step))].sort((a, b) => a - b);
+  const per = steps.map(s => [s, rows.filter(r => r.step === s).length, rows.find(r => r.step === s).step_total]);
+  const total = per.reduce((n, [, , t]) => n + t, 0);
+  const first = steps[0], last = steps[steps.length - 1];
+  const every = steps.length === last - first + 1;
+  const where = every ? `every step (${first}\u2013${last})`
+    : `${steps.length} steps spread from ${first} to ${last} (the others are left out)`;
+  const text = per.every(([, n, t]) => n === t) ? `all ${plural(rows.length, 'trajectory', 'trajectories')} of ${where}.`
+    : `${rows.length} of the ${total} trajectories of ${where}: each step's first whole groups, up to an equal share of the page.`;
+  document.querySelector('[data-testid=shown]').textContent = rows.length ? 'Shown: ' + text : 'No trajectories.';
+  const select = document.querySelector('[data-testid=step]');
+  select.innerHTML = '<option value="all">all steps</option>' + per.map(([s, n, t]) =>
+    `<option value="${s}">step ${s} (${n === t ? n : n + ' of ' + t})</option>`).join('');
+}
 function render() {
   const body = document.getElementById('list');
-  const shown = rows.map((r, i) => [r, i]).filter(([r]) => filter === 'all' || (filter === 'correct') === r.correct);
+  const shown = rows.map((r, i) => [r, i]).filter(([r]) => (step === 'all' || r.step === Number(step))
+    && (filter === 'all' || (filter === 'correct') === r.correct));
   body.innerHTML = shown.map(([r, i]) => `<tr class="traj" data-index="${i}" data-correct="${r.correct}">
-    <td>${r.step}</td><td>${esc(r.question).slice(0, 90)}</td>
+    <td>${r.step}</td><td title="${esc(r.question)}">${esc(short(r.question, 90))}</td>
     <td class="${r.correct ? 'ok' : 'bad'}">${r.correct ? '&#10003; correct' : '&#10007; ' + esc(r.finish)}</td>
     <td>${r.turns.length}</td><td>${fmt(r.advantage, 2)}</td></tr>`).join('');
-  document.querySelector('[data-testid=count]').textContent = shown.length + ' trajectories';
+  document.querySelector('[data-testid=count]').textContent = plural(shown.length, 'trajectory', 'trajectories');
   body.querySelectorAll('tr.traj').forEach(tr => tr.onclick = () => show(Number(tr.dataset.index), tr));
 }
 function show(i, tr) {
@@ -225,6 +281,8 @@ function show(i, tr) {
     &middot; reward ${r.reward} &middot; A = ${fmt(r.advantage, 3)} &middot; ${esc(r.algorithm)} &middot; ${esc(r.id)}</p>${turns}`;
 }
 document.querySelectorAll('input[name=f]').forEach(el => el.onchange = () => { filter = el.value; render(); });
+document.querySelector('[data-testid=step]').onchange = e => { step = e.target.value; render(); };
+describeShown();
 render();
 </script></body></html>
 """
