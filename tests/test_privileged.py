@@ -12,7 +12,8 @@ from agent.chat import ChatTokenizer
 from agent.privileged import fill_template, teacher_prompt_ids
 from proto.runs import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE, PbsdSpec
 from services.scorer.contexts import build_contexts
-from services.trainer.sft import SftConfig, encode_conversation, teacher_format
+from services.trainer.sft import SftConfig, encode_conversation
+from services.trainer.teacher_sft import teacher_format
 from worldgen.formats import load_questions, require_support
 from worldgen.graph import load_graph
 from worldgen.oracle import load_world_questions
@@ -107,3 +108,60 @@ def test_sft_config_checks_its_teacher_formats():
         SftConfig(teacher_formats=((DEFAULT_TEACHER_TEMPLATE, 0.0),))
     with pytest.raises(ValueError, match="teacher_template"):
         SftConfig(teacher_formats=(("{question} {hint}", 0.5),))
+
+
+def test_a_contradicted_copy_names_a_decoy_in_every_tool_result_and_nowhere_else():
+    from services.trainer.teacher_sft import contradict
+
+    row = {
+        "answer": "Vienna",
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Where is Vienna? (Vienna, not Viennastadt)"},
+            {"role": "assistant", "content": "Let me search for the capital."},
+            {"role": "user", "content": '{"snippet": "Vienna is the capital; Viennastadt is not."}'},
+            {"role": "assistant", "content": "So it is Vienna.\n\n\\boxed{Vienna}"},
+        ],
+    }
+    out = contradict(row, "Graz")
+    assert out["messages"][3]["content"] == '{"snippet": "Graz is the capital; Viennastadt is not."}'
+    assert out["messages"][:3] == row["messages"][:3] and out["messages"][4] == row["messages"][4]
+    assert row["messages"][3]["content"].startswith('{"snippet": "Vienna')  # the row is not changed
+    assert contradict({**row, "answer": "Salzburg"}, "Graz") is None  # no tool result names it
+
+
+def test_teacher_copies_are_drawn_by_fraction_contradicted_by_share_and_seeded():
+    from services.trainer.teacher_sft import TeacherCopies
+
+    def row(i):
+        answer = str(1900 + i) if i % 2 else f"City{i}"
+        return {
+            "id": f"r{i}",
+            "answer": answer,
+            "messages": [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "search"},
+                {"role": "user", "content": f"the page says {answer}"},
+                {"role": "assistant", "content": f"\\boxed{{{answer}}}"},
+            ],
+        }
+
+    rows = [row(i) for i in range(400)]
+    formats = ((DEFAULT_TEACHER_TEMPLATE, 1.0), (SUPPORT_TEACHER_TEMPLATE, 0.5))
+    copies = TeacherCopies(formats, 0.5, rows, seed=0)
+    drawn = [(r["id"], f, c) for r in rows for f, c in copies.draw(r)]
+    assert sum(f == 0 for _, f, _ in drawn) == 400 and 150 < sum(f == 1 for _, f, _ in drawn) < 250
+    contradicted = [
+        (rid, c) for rid, _, c in drawn if c["messages"][3]["content"] != f"the page says {c['answer']}"
+    ]
+    assert 0.4 < len(contradicted) / len(drawn) < 0.6
+    for _, c in contradicted:  # a decoy of the answer's kind, another row's answer
+        decoy = c["messages"][3]["content"].removeprefix("the page says ")
+        assert decoy != c["answer"] and decoy.isdigit() == c["answer"].isdigit()
+        assert c["messages"][4]["content"] == f"\\boxed{{{c['answer']}}}"
+    same = TeacherCopies(formats, 0.5, rows, seed=0)
+    assert [(r["id"], f, c) for r in rows for f, c in same.draw(r)] == drawn
+    # the contradiction share changes which copies are contradicted, never which are drawn
+    plain = TeacherCopies(formats, 0.0, rows, seed=0)
+    assert [(r["id"], f) for r in rows for f, _ in plain.draw(r)] == [(a, f) for a, f, _ in drawn]

@@ -173,7 +173,20 @@ def test_sft_also_learns_conversations_in_the_teachers_format(tiny_world, tiny_c
     assert [s.trajectory_id for s in other] != [s.trajectory_id for s in samples]
 
     base = ["sft", "--data", str(data), "--model", str(tiny_checkpoint), "--out", str(tmp_path / "tuned")]
-    done = runner.invoke(app, [*base, "--teacher-format", "support", "--limit", "2", "--batch-size", "4"])
+    done = runner.invoke(
+        app,
+        [
+            *base,
+            "--teacher-format",
+            "support",
+            "--teacher-contradict",
+            "1",
+            "--limit",
+            "2",
+            "--batch-size",
+            "4",
+        ],
+    )
     assert done.exit_code == 0, done.output
     stats = json.loads((tmp_path / "tuned" / "pbsd.json").read_text())["sft"]
     assert stats["conversations"] == 4 and stats["teacher_format_conversations"] == [2]

@@ -108,6 +108,11 @@ def sft_cmd(
         help="NAME:FRACTION (NAME answer or support, the teacher templates of proto/runs.py): also "
         "learn that fraction of the conversations after the teacher's privileged prompt; repeatable",
     ),
+    teacher_contradict: float = typer.Option(
+        0.0,
+        help="the share of the teacher-format copies whose tool results name a decoy in place of the "
+        "answer, so that only x* states it (services/trainer/teacher_sft.py)",
+    ),
     limit: int | None = typer.Option(None, help="learn only the first N conversations of --data"),
 ) -> None:
     """Supervised fine-tuning: the warm start before RL.
@@ -116,6 +121,7 @@ def sft_cmd(
     results too).
     """
     from services.trainer.sft import SftConfig, progress_bar, run_sft
+    from services.trainer.teacher_sft import parse_teacher_formats
 
     try:
         config = SftConfig(
@@ -129,7 +135,8 @@ def sft_cmd(
             seed=seed,
             save_every_epoch=save_every_epoch,
             loss_on=loss_on,
-            teacher_formats=tuple(teacher_formats(teacher_format)),
+            teacher_formats=parse_teacher_formats(teacher_format),
+            teacher_contradict=teacher_contradict,
             limit=limit,
         )
     except ValueError as e:  # the choices live in SftConfig; say it as a usage error
@@ -140,19 +147,3 @@ def sft_cmd(
         f"wrote {out}: {stats['steps']} steps, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
         f"in {stats['seconds']:.0f}s"
     )
-
-
-def teacher_formats(options: list[str]) -> list[tuple[str, float]]:
-    """``NAME:FRACTION`` options as (template, fraction) pairs; ValueError names a bad one."""
-    from proto.runs import TEACHER_TEMPLATES as templates
-
-    out = []
-    for option in options:
-        name, _, fraction = option.partition(":")
-        if name not in templates:
-            raise ValueError(f"--teacher-format {option!r}: the name is one of {sorted(templates)}")
-        try:
-            out.append((templates[name], float(fraction or 1)))
-        except ValueError:
-            raise ValueError(f"--teacher-format {option!r}: the fraction is a number in (0, 1]") from None
-    return out

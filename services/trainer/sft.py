@@ -36,13 +36,19 @@ import numpy as np
 import torch
 
 from agent.chat import ChatTokenizer
-from agent.privileged import teacher_prompt_ids
 from proto.runs import LrDecay, PbsdSpec, TrainerSpec
 from services.model.checkpoint import library_versions, load_model, save_checkpoint
 from services.trainer.batch import TrainSample, micro_batches
 from services.trainer.policy import PolicyTrainer
+from services.trainer.teacher_sft import TeacherCopies, teacher_format
 
-__all__ = ["SftConfig", "encode_conversation", "lay_out", "progress_bar", "run_sft", "teacher_format"]
+__all__ = [
+    "SftConfig",
+    "encode_conversation",
+    "lay_out",
+    "progress_bar",
+    "run_sft",
+]
 
 
 LossOn = Literal["assistant", "turns"]
@@ -66,6 +72,9 @@ class SftConfig:
     # the privileged prompt x* that the scorer builds with that template (agent.privileged), so
     # that the teacher's context is one the model has seen and learnt to use
     teacher_formats: tuple[tuple[str, float], ...] = ()
+    # the share of those copies whose tool results name a decoy in place of the answer: the note is
+    # then the only place the answer is stated, and the teacher learns to take it from there
+    teacher_contradict: float = 0.0
     limit: int | None = None  # learn only the first ``limit`` conversations of the data
 
     def __post_init__(self) -> None:
@@ -78,6 +87,8 @@ class SftConfig:
             if not 0 < fraction <= 1:
                 raise ValueError(f"a teacher format's fraction must be in (0, 1], not {fraction}")
             PbsdSpec(teacher_template=template)  # the run's own check of the template's fields
+        if not 0 <= self.teacher_contradict <= 1:
+            raise ValueError(f"teacher_contradict must be in [0, 1], not {self.teacher_contradict}")
 
 
 def encode_conversation(
@@ -105,17 +116,6 @@ def encode_conversation(
     return ids, mask
 
 
-def teacher_format(
-    tok: ChatTokenizer, row: dict, ids: list[int], mask: list[int], template: str
-) -> tuple[list[int], list[int]]:
-    """A conversation's (ids, mask) with its prompt replaced by x*, built exactly as the scorer
-    builds it for the teacher pass; what follows the prompt is unchanged, id for id."""
-    messages = row["messages"]
-    prompt = len(tok.prompt_ids(messages[0]["content"], messages[1]["content"]))
-    privileged = teacher_prompt_ids(tok, ids[:prompt], row["answer"], template, row.get("support", ()))
-    return privileged + ids[prompt:], [0] * len(privileged) + mask[prompt:]
-
-
 def lay_out(
     tok: ChatTokenizer, rows: list[dict], config: SftConfig
 ) -> tuple[list[TrainSample], int, list[int]]:
@@ -123,15 +123,20 @@ def lay_out(
     per teacher format with its fraction (seeded by ``config.seed``), after that format's x*.
     Also how many were skipped as too long, and how many were drawn for each teacher format."""
     samples, skipped, privileged = [], 0, [0] * len(config.teacher_formats)
-    draws = random.Random(f"pbsd-sft-teacher-formats-{config.seed}")
+    copies = TeacherCopies(config.teacher_formats, config.teacher_contradict, rows, config.seed)
     for n, row in enumerate(rows):
         key = row.get("id", str(n))
         ids, mask = encode_conversation(tok, row["messages"], config.loss_on)
         laid_out = [(ids, mask, key)]
-        for f, (template, fraction) in enumerate(config.teacher_formats):
-            if draws.random() < fraction:  # drawn for every conversation: the choice is the seed's
-                privileged[f] += 1
-                laid_out.append((*teacher_format(tok, row, ids, mask, template), f"{key}/x*{f}"))
+        for f, copy_row in copies.draw(row):
+            privileged[f] += 1
+            copy_ids, copy_mask = (
+                (ids, mask)
+                if copy_row is row
+                else encode_conversation(tok, copy_row["messages"], config.loss_on)
+            )
+            template = config.teacher_formats[f][0]
+            laid_out.append((*teacher_format(tok, copy_row, copy_ids, copy_mask, template), f"{key}/x*{f}"))
         for ids_, mask_, key_ in laid_out:
             if len(ids_) > config.max_tokens:
                 skipped += 1
