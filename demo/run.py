@@ -134,6 +134,9 @@ def evaluate(
         top_p=config.eval_top_p,
     )
 
+    import torch
+
+    torch.set_num_threads(config.torch_threads)
     report = asyncio.run(
         eval_main(
             policy,
@@ -274,7 +277,13 @@ def _run_demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     token = secrets.token_urlsafe(24)
     with contextlib.ExitStack() as stack:
         redis_server = stack.enter_context(LocalRedis(workdir=out / "redis", persist=False))
-        common = {"REDIS_URL": redis_server.url, "PBSD_STREAM_PREFIX": "demo", "PBSD_LOG_LEVEL": "INFO"}
+        common = {
+            "REDIS_URL": redis_server.url,
+            "PBSD_STREAM_PREFIX": "demo",
+            "PBSD_LOG_LEVEL": "INFO",
+            "OMP_NUM_THREADS": str(config.torch_threads),  # torch's intra-op threads at import
+            "MKL_NUM_THREADS": str(config.torch_threads),
+        }
         logs = out / "logs"
         services = [
             ServiceProcess(
