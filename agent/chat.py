@@ -78,6 +78,10 @@ def _text(parts: list[tuple[str, bool]]) -> str:
 CHATML = ChatFormat()
 
 
+def _fast_ids(backend: Tokenizer, text: str) -> list[int]:
+    return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+
 def _plain(backend) -> bool:
     """A ``tokenizers`` object the Hugging Face wrapper would call as it is (no truncation or
     padding configured on it)."""
@@ -89,8 +93,10 @@ class ChatTokenizer:
 
     Every turn of every trajectory encodes a tool result and decodes a message, so a fast
     tokenizer is called directly (the ``tokenizers`` object under the Hugging Face wrapper: the
-    same ids without the wrapper's per-call bookkeeping), and the pieces that repeat (the
-    format's markup, the system prompt) are encoded once."""
+    same ids without the wrapper's per-call bookkeeping), through ``encode_batch_fast`` (the same
+    ids again, without the character offsets that ``encode`` tracks through pre-tokenisation: 30%
+    of a tool result's encoding), and the pieces that repeat (the format's markup, the system
+    prompt) are encoded once."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat = CHATML) -> None:
         self.tok = tokenizer
@@ -126,14 +132,14 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``; special tokens written in it (``<|im_start|>``) become their ids."""
         if self._markup_backend is not None:
-            return self._markup_backend.encode(text, add_special_tokens=False).ids
+            return _fast_ids(self._markup_backend, text)
         return self.tok.encode(text, add_special_tokens=False)
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of message content: a special token written in it (a web page quoting
         ``<|im_end|>``) stays characters, so no content can forge a turn or role boundary."""
         if self._content_backend is not None:
-            return self._content_backend.encode(text, add_special_tokens=False).ids
+            return _fast_ids(self._content_backend, text)
         return self.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:

@@ -225,12 +225,26 @@ GOALS = {  # the issue's goals (#28), each judged on every run
 }
 
 
+# Before the gateway's rework (base commit 0d8d3ec), the same wrk harness on the same machine,
+# one 4 s run while other work ran (benchmarks/README.md): (calls/s, p99 ms); None: not measured
+BEFORE = {
+    "bare": (2376, 25.2),
+    "cached": (1941, 47.2),
+    "uncached": (932, 69.3),
+    "hit_under_load": (None, 17.2),
+    "health_under_load": (None, 8.4),
+}
+
+
 def report(runs: list[dict[str, Load]]) -> None:
     def col(key: str, attr: str) -> list[float]:
         return [getattr(r[key], attr) for r in runs]
 
     print(f"\n   summary over {len(runs)} run(s) (ranges):")
-    print(f"   {'':30} {'calls/s':>13} {'p50 ms':>11} {'p99 ms':>13}   goal (runs that met it)")
+    print(
+        f"   {'':30} {'calls/s':>13} {'p50 ms':>11} {'p99 ms':>13} {'before: calls/s':>16} {'p99':>6}"
+        "   goal (runs that met it)"
+    )
     rows = [
         ("bare FastAPI (ceiling)", "bare"),
         ("gateway, cached search", "cached"),
@@ -244,9 +258,11 @@ def report(runs: list[dict[str, Load]]) -> None:
         if key in GOALS:
             text, met = GOALS[key]
             goal = f"{text} ({sum(map(met, runs))} of {len(runs)})"
+        rate, p99_before = BEFORE.get(key, (None, None))
+        before = f"{'' if rate is None else f'{rate:,}':>16} {'' if p99_before is None else p99_before:>6}"
         print(
             f"   {label:30} {span(col(key, 'rate')):>13} {span(col(key, 'p50_ms'), 2):>11} "
-            f"{span(col(key, 'p99_ms'), 2):>13}   {goal}"
+            f"{span(col(key, 'p99_ms'), 2):>13} {before}   {goal}"
         )
     ratio = [r["cached"].rate / r["bare"].rate for r in runs]
     p99 = [r["cached"].p99_ms / r["bare"].p99_ms for r in runs]

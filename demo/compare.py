@@ -59,6 +59,7 @@ __all__ = ["CompareConfig", "run_compare"]
 # comparison may change them (algorithm and the eval_split settings are the demo's own, unused here)
 FREE = (
     "stall_timeout_s",
+    "torch_threads",
     "eval_concurrency",
     "rollout_concurrency",
     "algorithm",

@@ -85,6 +85,11 @@ class DemoConfig(BaseModel):
     warmup_steps: int = 2
     max_staleness: int = 1
     rollout_concurrency: int = 4
+    # Intra-op threads of every torch process (the rollout, scorer and trainer services, and the
+    # evaluations in this process). The three services run at once on the 2 cores the demo is
+    # sized for: with 2 OpenMP threads each, a parallel op waits at its barrier for a thread the
+    # scheduler has set aside, and the tiny model's ops are too small to gain from a second one.
+    torch_threads: int = Field(default=1, ge=1)
     # a run with no new training step for this long is stopped as stalled (a step takes ~30 s here)
     stall_timeout_s: float = Field(default=600.0, gt=0)
     # evaluation before and after

@@ -134,6 +134,9 @@ def evaluate(
         top_p=config.eval_top_p,
     )
 
+    import torch
+
+    torch.set_num_threads(config.torch_threads)
     report = asyncio.run(
         eval_main(
             policy,
@@ -272,7 +275,13 @@ def start_services(
     healthy, and stopped when ``stack`` closes; the trainer's REST API takes ``token`` and keeps
     its runs in ``out/runs``."""
     redis_server = stack.enter_context(LocalRedis(workdir=out / "redis", persist=False))
-    common = {"REDIS_URL": redis_server.url, "PBSD_STREAM_PREFIX": "demo", "PBSD_LOG_LEVEL": "INFO"}
+    common = {
+        "REDIS_URL": redis_server.url,
+        "PBSD_STREAM_PREFIX": "demo",
+        "PBSD_LOG_LEVEL": "INFO",
+        "OMP_NUM_THREADS": str(config.torch_threads),  # torch's intra-op threads at import
+        "MKL_NUM_THREADS": str(config.torch_threads),
+    }
     logs = out / "logs"
     services = [
         ServiceProcess(

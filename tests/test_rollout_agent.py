@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -237,9 +236,9 @@ async def test_gateway_down_is_an_error_with_its_cause(tok):
     turns = ["search\n" + format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
     with serve(make_sglang(scripted(tok, turns))) as url:
         engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
-        tools = GatewayClient("http://127.0.0.1:9", http=httpx.AsyncClient(timeout=2))
+        tools = GatewayClient("http://127.0.0.1:9", timeout_s=2)
         t = await _run(engine, tools, tok)
-        await tools.http.aclose()
+        await tools.aclose()
         await engine.aclose()
     assert t.finish_reason == "error" and "tool gateway unreachable" in t.error
     assert t.tool_calls[-1].ok is False

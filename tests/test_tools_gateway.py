@@ -137,6 +137,29 @@ async def test_budget_unknown_pages_and_gateway_down(gateway_url):
     await down.aclose()
 
 
+async def test_the_client_reads_what_is_not_the_gateways_answer_as_a_failure():
+    """A proxy's page instead of the gateway's JSON: a 404 that is not FastAPI's, a 200 that is not
+    a tool result, a 502. Each becomes a failed tool call the agent can read, never an exception;
+    only the 404 is the call's own fault (the trajectory goes on)."""
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    proxy = FastAPI()
+    answers = {"/a/call": (404, "no route"), "/b/call": (200, "<html>hi</html>"), "/c/call": (502, "bad")}
+    for path, (status, body) in answers.items():
+        proxy.add_api_route(path, lambda s=status, b=body: PlainTextResponse(b, s), methods=["POST"])
+    with serve(proxy) as base:
+        for prefix, unreachable, says in (
+            ("a", False, "HTTP 404"),
+            ("b", True, "unreadable"),
+            ("c", True, "502"),
+        ):
+            client = GatewayClient(f"{base}/{prefix}")
+            reply = await client.call(*SEARCH, {"q": "x"})
+            await client.aclose()
+            assert not reply.ok and reply.unreachable is unreachable and says in reply.text, reply
+
+
 async def test_metrics_are_exported(gateway_url):
     client = GatewayClient(gateway_url)
     await client.call(*SEARCH, {"q": "river"})

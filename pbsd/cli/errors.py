@@ -6,8 +6,8 @@ raises; :func:`describe` decides what a user caused and says it in one line:
 - :class:`UserError`: what went wrong and what to do about it, said by the command (exit 1);
 - click's own errors, ``typer.BadParameter`` among them: misuse of an option (exit 2);
 - an ``OSError`` about a named path (missing, a directory, not permitted) (exit 1);
-- an httpx transport error or HTTP error status: a service that does not answer, or answers
-  with an error (exit 1).
+- an httpx or aiohttp (the tool gateway's client) transport error or HTTP error status: a
+  service that does not answer, or answers with an error (exit 1).
 
 Anything else is a bug and keeps its traceback, for the bug report.
 """
@@ -58,6 +58,13 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
         return f"{exc.request.url} answered HTTP {exc.response.status_code}", 1
     if httpx is not None and isinstance(exc, httpx.TransportError):
         return f"cannot reach {request_url(exc)}: {transport_reason(exc)}", 1
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None and isinstance(exc, aiohttp.ClientResponseError):
+        return f"{exc.request_info.real_url} answered HTTP {exc.status}", 1
+    if aiohttp is not None and isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot reach {exc.host}:{exc.port}: connection failed ({_line(str(exc.os_error))})", 1
+    if aiohttp is not None and isinstance(exc, aiohttp.ClientError):
+        return f"cannot reach the service: {_line(str(exc)) or type(exc).__name__}", 1
     return None
 
 

@@ -126,6 +126,9 @@ def _rows_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     for b, (k, v) in enumerate(zip(key.tensors, value.tensors, strict=True)):
         q = query[b : b + 1]
         queries, keys = q.shape[2], k.shape[2]
+        if queries == 1:
+            outputs.append(_decode_row(q, k, v, scaling if scaling is not None else q.shape[-1] ** -0.5))
+            continue
         mask = None
         if 1 < queries < keys:  # a chunk after cached positions: causal from its own offset
             mask = torch.ones((queries, keys), dtype=torch.bool, device=q.device).tril(keys - queries)
@@ -142,6 +145,17 @@ def _rows_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         )
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query ``[1, heads, 1, head_dim]`` over keys and values ``[1, kv_heads, n, head_dim]``:
+    softmax(q K^T * scale) V, query head ``h`` reading key head ``h // group`` (as ``enable_gqa``
+    repeats them). Three products on the row's own tensors: SDPA's CPU kernel costs more than
+    that for a single query (its blocking and bookkeeping are made for many)."""
+    heads, dim = q.shape[1], q.shape[3]
+    kv_heads = k.shape[1]
+    scores = torch.matmul(q.reshape(kv_heads, heads // kv_heads, dim), k[0].transpose(1, 2)).mul_(scale)
+    return torch.matmul(torch.softmax(scores, dim=-1), v[0]).reshape(1, heads, 1, dim)
 
 
 def _attention_for(model: nn.Module, previous: str):
