@@ -29,6 +29,12 @@ WARM_START = (
     "sft_warmup_steps",
     "sft_search_num",
     "sft_rename",
+    "teacher_sft_formats",
+    "teacher_sft_conversations",
+    "teacher_sft_lr",
+    "teacher_sft_epochs",
+    "teacher_sft_warmup_steps",
+    "teacher_sft_contradict",
 )
 
 
@@ -74,6 +80,20 @@ class DemoConfig(BaseModel):
     entity_tokens: bool = True  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
     copy_heads: bool = True  # hand-built heads that copy entity tokens (`pbsd model tiny --copy-heads`)
     kv_heads: int = Field(default=4, ge=1, le=4, description="key-value groups of the 4 attention heads")
+    # a second SFT pass from the first that also learns conversations after x* (`pbsd sft
+    # --teacher-format`, --teacher-contradict), for a teacher that reads the note it is given. Off
+    # by default: on the demo's policy it brought the answer-free evidence into the deadband's
+    # neighbourhood but neither favoured correct answers nor cost nothing in accuracy
+    # (docs/credit-signal.md, "Teaching the tiny teacher to read x*"); e.g. ["answer:0.5",
+    # "support:0.5"] turns it on
+    teacher_sft_formats: list[str] = Field(
+        default=[], description="NAME:FRACTION, as pbsd sft --teacher-format; empty: no second pass"
+    )
+    teacher_sft_conversations: int = Field(default=800, ge=1, description="the first N SFT conversations")
+    teacher_sft_lr: float = 1e-3
+    teacher_sft_epochs: int = 1
+    teacher_sft_warmup_steps: int = 5
+    teacher_sft_contradict: float = 0.5  # pbsd sft --teacher-contradict
     # RL
     steps: int = 16
     prompts_per_step: int = 4
@@ -136,4 +156,22 @@ class DemoConfig(BaseModel):
             batch_size=self.sft_batch_size,
             warmup_steps=self.sft_warmup_steps,
             seed=self.seed,
+        )
+
+    def teacher_sft_config(self) -> SftConfig | None:
+        """The teacher's SFT pass, from the first pass's result; None when there is none."""
+        from services.trainer.sft import SftConfig
+        from services.trainer.teacher_sft import parse_teacher_formats
+
+        if not self.teacher_sft_formats:
+            return None
+        return SftConfig(
+            epochs=self.teacher_sft_epochs,
+            lr=self.teacher_sft_lr,
+            batch_size=self.sft_batch_size,
+            warmup_steps=self.teacher_sft_warmup_steps,
+            seed=self.seed,
+            teacher_formats=parse_teacher_formats(self.teacher_sft_formats),
+            teacher_contradict=self.teacher_sft_contradict,
+            limit=self.teacher_sft_conversations,
         )

@@ -107,10 +107,20 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
         num_key_value_heads=config.kv_heads,
     )
     init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
+    teacher = config.teacher_sft_config()
+    first = work / "sft" if teacher is not None else target
     with progress_bar("SFT warm start") as progress:
-        result = run_sft(work / "sft.jsonl", work / "tiny", target, config.sft_config(), progress)
-    stamp_world(target, fingerprint)
+        result = run_sft(work / "sft.jsonl", work / "tiny", first, config.sft_config(), progress)
     say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
+    if teacher is not None:
+        with progress_bar("SFT in the teacher's format") as progress:
+            result = run_sft(work / "sft.jsonl", first, target, teacher, progress)
+        say(
+            f"SFT in the teacher's format ({teacher.limit} conversations, {result['teacher_format_conversations']} "
+            f"laid out after x*): loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in "
+            f"{result['seconds']:.0f}s"
+        )
+    stamp_world(target, fingerprint)
     return target
 
 

@@ -165,3 +165,13 @@ def test_teacher_copies_are_drawn_by_fraction_contradicted_by_share_and_seeded()
     # the contradiction share changes which copies are contradicted, never which are drawn
     plain = TeacherCopies(formats, 0.0, rows, seed=0)
     assert [(r["id"], f) for r in rows for f, _ in plain.draw(r)] == [(a, f) for a, f, _ in drawn]
+
+
+def test_the_demo_asks_for_a_teacher_pass_only_when_configured():
+    from demo.config import DemoConfig
+
+    assert DemoConfig().teacher_sft_config() is None  # the committed policy's recipe has none
+    on = DemoConfig(teacher_sft_formats=["answer:0.5", "support:0.25"]).teacher_sft_config()
+    assert on.teacher_formats == ((DEFAULT_TEACHER_TEMPLATE, 0.5), (SUPPORT_TEACHER_TEMPLATE, 0.25))
+    assert (on.limit, on.epochs, on.lr, on.warmup_steps, on.teacher_contradict) == (800, 1, 1e-3, 5, 0.5)
+    assert "teacher_sft_formats" in DemoConfig().warm_start()  # a changed setting builds anew

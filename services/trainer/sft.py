@@ -251,6 +251,8 @@ def run_sft(
     base_meta = Path(model_dir) / "pbsd.json"
     base = json.loads(base_meta.read_text()) if base_meta.exists() else {}
     kept = {k: base[k] for k in ("tokenizer_text_sha256",) if k in base}
+    if "sft" in base:  # a second stage keeps the record of the first (a third, the second's)
+        kept["sft_before"] = base["sft"]
     save_checkpoint(model, out, tokenizer=tok.tok, meta={**kept, "sft": stats})
     (out / "sft_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     return stats
