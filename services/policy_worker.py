@@ -73,6 +73,10 @@ class PolicyWorker(abc.ABC):
     async def prepare(self) -> None:  # noqa: B027 - an optional hook, not an abstract step
         """Work to do once before consuming (a subclass hook)."""
 
+    def version_seen(self, version: int) -> None:  # noqa: B027 - an optional hook
+        """The model is at ``version`` after a publication, loaded from disk or brought by the
+        weight group (a subclass sets its gauge: a broadcast never passes through load_weights)."""
+
     def dropped_ended(self, message) -> None:
         """A message of an ended run was dropped unprocessed (a subclass counts it)."""
         log.info("%s dropped a message of run %s, which has ended", self.name, message.run_id)
@@ -178,6 +182,7 @@ class PolicyWorker(abc.ABC):
             self.loaded_timeline,
         ):
             await self._load(event)
+        self.version_seen(self.version)
         async with self.weights_changed:
             self.weights_changed.notify_all()
 

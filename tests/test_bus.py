@@ -72,7 +72,7 @@ async def test_a_consumer_rides_out_a_redis_restart():
                 await asyncio.sleep(0.02)
         server.__exit__(None, None, None)
         await asyncio.sleep(1.5)
-        assert not task.done()  # it used to die of the ConnectionError here
+        assert not task.done()  # the ConnectionError must not kill it
         server = LocalRedis(port=port).__enter__()
         await bus.publish(PROMPTS, ex.example_task(1))
         async with asyncio.timeout(30):

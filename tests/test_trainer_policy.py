@@ -244,7 +244,7 @@ def test_routing_replay_forces_the_recorded_experts_and_keeps_router_gradients(t
 
 def test_replay_takes_sglangs_column_per_decoder_layer_when_some_layers_are_dense(tiny_checkpoint):
     """SGLang returns a route column for every decoder layer; with mlp_only_layers some layers have
-    no router, and replay picks the MoE layers' columns (it used to refuse the shape)."""
+    no router, and replay picks the MoE layers' columns rather than refusing the shape."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig.from_pretrained(tiny_checkpoint)
@@ -292,7 +292,7 @@ def test_training_with_replay_uses_the_trajectorys_routes(tok, tiny_checkpoint):
 
 def test_replay_holds_through_the_backward_of_gradient_checkpointing(tok, tiny_checkpoint):
     """Checkpointing runs each layer's forward again in the backward: it must take the replayed
-    experts too (it used to route fresh there: a CheckpointError, or gradients through other
+    experts too (routing fresh there gives a CheckpointError, or gradients through other
     experts), so the gradients equal those of the same update without checkpointing."""
     grads = []
     for checkpointing in (False, True):

@@ -113,8 +113,9 @@ async def _steps_recorded(store: RunStore, run_id: str) -> list[int]:
 async def test_a_crash_before_the_first_checkpoint_starts_the_run_again(
     pipeline, tiny_world, tiny_checkpoint
 ):
-    """It used to hang: resumed with no checkpoint, it republished its prompts under ids the
-    rollout had already answered, and dropped the groups still on the bus as 'future' ones."""
+    """Resumed with no checkpoint, the run must not hang: it must neither republish its prompts
+    under ids the rollout has already answered nor drop the groups still on the bus as 'future'
+    ones."""
     p = pipeline()
     spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=10))
     record = await p.store.create(spec)
@@ -144,8 +145,8 @@ async def test_a_crash_resume_records_each_step_once(pipeline, tiny_world, tiny_
 
 
 async def test_a_cancel_survives_a_restart(pipeline, tiny_world, tiny_checkpoint):
-    """The user cancels; the trainer is restarted before its loop saw it. The run used to be
-    resumed as "running" and completed."""
+    """The user cancels; the trainer is restarted before its loop sees it. The run stays
+    cancelled: it is not resumed as "running" and completed."""
     p = pipeline(hold_after=2)  # step 1 trains, then the run waits for groups
     spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=1))
     record = await p.store.create(spec)
@@ -225,8 +226,8 @@ def own_redis(tmp_path):
 async def test_a_run_rides_out_a_redis_outage(
     own_redis, tiny_world, tiny_checkpoint, tmp_path, patience_s, down_s
 ):
-    """It used to leave the run "running" for good with the executor dead (or "failed" after its
-    last step), and /health at 503 until someone restarted the trainer."""
+    """A Redis outage must not leave the run "running" for good with the executor dead (or
+    "failed" after its last step), nor /health at 503 until someone restarts the trainer."""
     url, outage = own_redis
     p = _Pipeline(url, "outage", tiny_checkpoint, tmp_path, patience_s=patience_s)
     try:
@@ -254,7 +255,7 @@ async def test_an_idle_trainer_rides_out_a_redis_outage(own_redis, tiny_world, t
         await asyncio.sleep(0.5)
         await outage(2.0)
         await asyncio.sleep(1.0)
-        assert not p.serving.done()  # it used to die of the first failed LPOP
+        assert not p.serving.done()  # the first failed LPOP must not kill it
         record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=1)))
         assert (await p.until(record.id, _finished)).state == "completed"
     finally:
@@ -304,7 +305,7 @@ async def test_a_slow_checkpoint_does_not_stall_the_event_loop(
 
 async def test_a_failed_run_releases_its_trainer(pipeline, tiny_world, tiny_checkpoint, monkeypatch):
     """A full disk fails the run; the trainer is still released (under DeepSpeed, the other ranks
-    leave the run's engine), where it used to be released only by a run that ended cleanly."""
+    leave the run's engine), not only by a run that ends cleanly."""
     make = opening_module.make_trainer
     trainers = []
 
@@ -384,7 +385,7 @@ async def test_a_resume_trains_no_discarded_weights_and_samples_each_prompt_once
     timeline lost with it. The resumed run publishes again, ahead of the queue, only the prompts
     step 3 consumed (4 and 5; the rest are in flight and come back); a worker still holding the
     lost version 3 answers prompt 10 after the new timeline's version 3 exists: that group is
-    dropped as lost (it used to be trained: same number, within the staleness bound) and its
+    dropped as lost (not trained, though its number is within the staleness bound) and its
     prompt sampled again. Every prompt is trained on once, no trained group holds lost weights."""
     from services.trainer.viewer import load_groups
 

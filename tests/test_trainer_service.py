@@ -357,7 +357,7 @@ async def test_a_run_resumed_after_a_crash_trains_on_every_prompt(
     """The trainer dies after step 3 with its last checkpoint at step 2. Step 3's groups were
     trained and acknowledged, and the rollout would never sample their prompts again under the
     same ids: the resumed run publishes the prompts that were out at the checkpoint anew, so they
-    are trained on in the surviving timeline, where they used to be skipped."""
+    are trained on in the surviving timeline, not skipped."""
     from proto.runs import RunSpec
 
     tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
@@ -381,7 +381,7 @@ async def test_a_run_resumed_after_a_crash_trains_on_every_prompt(
     assert done.step == 4
     trained = await store.trained_ids(record.id)
     prompts = {int(t.split(":")[-1].split("/")[0]) for t in trained}
-    # 4 and 5 were step 3's: trained again after the resume (they used to be skipped for good)
+    # 4 and 5 were step 3's: trained again after the resume, not skipped for good
     assert {0, 1, 2, 3, 4, 5} <= prompts and len(prompts) == 8 and len(trained) == len(set(trained)) == 16
 
 

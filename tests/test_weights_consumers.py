@@ -43,6 +43,9 @@ class Worker(PolicyWorker):
     async def handle(self, message, delivery) -> None:
         raise AssertionError
 
+    def version_seen(self, version: int) -> None:
+        self.seen = version
+
 
 def broadcast(version: int, path_version: int, run: str = "r") -> WeightsPublished:
     return WeightsPublished(
@@ -69,6 +72,18 @@ async def test_a_worker_takes_the_disk_copy_only_when_it_missed_the_version(held
     await worker._see("1-0", event)
     assert worker.loads == loads
     assert worker.loaded_run == event.run_id
+    assert worker.seen == worker.version  # the gauge follows a version the group brought too
+
+
+@pytest.mark.parametrize("service", ["rollout", "scorer"])
+def test_the_policy_version_gauge_is_set_by_the_hook_every_publication_calls(service):
+    import importlib
+
+    worker = importlib.import_module(f"services.{service}.worker")
+    metrics = importlib.import_module(f"services.{service}.metrics")
+    cls = worker.RolloutWorker if service == "rollout" else worker.ScorerWorker
+    cls.version_seen(None, 41)  # type: ignore[arg-type]
+    assert metrics.POLICY_VERSION._value.get() == 41
 
 
 async def test_sglang_servers_that_missed_a_broadcast_reload_the_copy_and_only_they():

@@ -79,7 +79,9 @@ class RolloutWorker(PolicyWorker):
 
     async def load_weights(self, event: WeightsPublished) -> None:
         await self.engine.update_weights(event.path, event.version)
-        metrics.POLICY_VERSION.set(event.version)
+
+    def version_seen(self, version: int) -> None:
+        metrics.POLICY_VERSION.set(version)
 
     async def wait_for_version(self, task: PromptTask, delivery: Delivery) -> bool:
         """Wait until the engine holds this task's run's weights at a version recent enough for it;

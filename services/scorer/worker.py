@@ -54,7 +54,9 @@ class ScorerWorker(PolicyWorker):
 
     async def load_weights(self, event: WeightsPublished) -> None:
         await self.scorer.update_weights(event.path, event.version)
-        metrics.POLICY_VERSION.set(event.version)
+
+    def version_seen(self, version: int) -> None:
+        metrics.POLICY_VERSION.set(version)
 
     def dropped_ended(self, group: TrajectoryGroup) -> None:
         log.info("dropped a group of run %s, which has ended (task %s)", group.run_id, group.task_id)

@@ -37,7 +37,7 @@ class TrainState:
     dropped: int = 0
     drops: dict[str, int] = field(default_factory=dict)
     # prompts trained on: step x prompts_per_step, but for a last, smaller batch at the end of the
-    # data (None in checkpoints written before it was recorded: every step was whole then)
+    # data (None in a checkpoint that does not record it: every step of such a run is whole)
     trained_prompts: int | None = None
     dropped_indices: list[int] = field(default_factory=list)  # the prompts of the groups dropped
     # the weights timeline this state was reached in, and its lineage (services.trainer.timelines)
