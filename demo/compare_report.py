@@ -151,6 +151,18 @@ def _sanity_rows(summary: dict[str, Any]) -> str:
     return "".join(rows)
 
 
+CAPTIONS = {
+    "accuracy": "Held-out mean@k of each variant over its seeds, with the paired-bootstrap 95% interval "
+    "(questions and seeds resampled); x marks each seed's run, the dashed line the warm policy before training.",
+    "difference": "Each variant minus the baseline on the same questions and seeds, with its 95% interval: "
+    "an interval that contains 0 means the comparison cannot tell the two apart.",
+    "curve_accuracy": "Training accuracy per step (the fraction of the step's trajectories with a correct answer), "
+    "the mean over seeds with a min-max band.",
+    "curve_answer_free": "Mean evidence s on turns that do not contain the answer, per step; an informative teacher "
+    "keeps it inside the grey deadband.",
+}
+
+
 def write_report(summary: dict[str, Any], out: Path) -> Path:
     """``out/report.html`` (and ``out/figures/*.png``) from a comparison's summary."""
     settings, demo = summary["settings"], summary["settings"]["demo"]
@@ -161,7 +173,7 @@ def write_report(summary: dict[str, Any], out: Path) -> Path:
     if stats is not None:
         figs = figures(summary, out)
         body = "".join(
-            f"<figure><img alt='{name}' src='data:image/png;base64,{data}'><figcaption>{name.replace('_', ' ')}"
+            f"<figure><img alt='{name}' src='data:image/png;base64,{data}'><figcaption>{html.escape(CAPTIONS[name])}"
             "</figcaption></figure>"
             for name, data in figs.items()
         )
@@ -173,7 +185,7 @@ def write_report(summary: dict[str, Any], out: Path) -> Path:
     page = f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>pbsd compare report</title>
 <style>body{{font:14px/1.5 system-ui,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;color:#222}}
 table{{border-collapse:collapse;margin:8px 0 18px}}td,th{{border:1px solid #ddd;padding:4px 8px;text-align:left}}
-figure{{display:inline-block;margin:8px;vertical-align:top}}figcaption{{font-size:12px;color:#555;text-align:center}}
+figure{{display:inline-block;margin:8px;vertical-align:top;max-width:660px}}figcaption{{font-size:12px;color:#555}}
 img{{max-width:520px}}code{{font-size:12px}}</style></head><body>
 <h1>pbsd compare: {html.escape(", ".join(settings["variants"]))} x {len(settings["seeds"])} seeds</h1>
 <p>Every run trains from the same warm policy on the same world (seed {demo["seed"]}, {demo["entities"]} entities) for

@@ -186,6 +186,7 @@ def test_the_report_shows_every_figure_of_a_summary(tmp_path):
     assert "run-pbsd-0" in page and "<td>15.0</td>" in page  # wall minutes of training
     assert "two-level paired bootstrap (300 resamples" in page and "abc123" in page
     assert page.count("data:image/png;base64,") == 4
+    assert page.count("<figcaption>") == 4 and "contains 0 means the comparison cannot tell" in page
     assert {p.name for p in (tmp_path / "figures").iterdir()} == {
         "accuracy.png",
         "difference.png",
