@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,52 +46,11 @@ from services.model.checkpoint import load_weights_into
 from services.model.routing import RouteRecorder
 from services.rollout import rowwise
 from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
+from services.rollout.jobs import STOP, Hold, Job, Reload, Session, crop_routes, set_exception, set_result
 from services.rollout.sampling import sample_rows
 from services.weights.receiver import TORN
 
 __all__ = ["InProcessEngine"]
-
-
-@dataclass
-class _Session:
-    ids: list[int]  # tokens whose keys and values are in ``kv``
-    kv: rowwise.SequenceKV
-    routes: list[np.ndarray] = field(default_factory=list)  # routes of those tokens, in chunks
-
-    def copy(self) -> _Session:
-        return _Session(list(self.ids), self.kv.copy(), list(self.routes))
-
-
-@dataclass
-class _Job:
-    request: GenerationRequest
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    queued: float
-    version: int = 0
-    session: _Session | None = None
-    cached: int = 0
-    generator: torch.Generator | None = None
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: str | None = None
-
-
-@dataclass
-class _Reload:
-    path: str
-    version: int
-    done: concurrent.futures.Future
-
-
-@dataclass
-class _Hold:  # the worker parks: a broadcast writes into the model (services.weights.receiver)
-    parked: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    resume: threading.Event = field(default_factory=threading.Event)
-    version: int | None = None  # what the model holds afterwards (None: unchanged; TORN: half-written)
-
-
-_STOP = object()
 
 
 class InProcessEngine:
@@ -120,13 +79,13 @@ class InProcessEngine:
         self.share_prompts = share_prompts
         self.reuse_cache = reuse_cache
         self.max_batch = max_batch
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._prompts: OrderedDict[tuple[int, ...], _Session] = OrderedDict()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._prompts: OrderedDict[tuple[int, ...], Session] = OrderedDict()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._forget: deque[str] = deque()
-        self._hold: _Hold | None = None
-        self._deferred: list[_Job] = []  # requests that came while the weights were torn
+        self._hold: Hold | None = None
+        self._deferred: list[Job] = []  # requests that came while the weights were torn
         self.tokens_fed = 0  # prefill + decode tokens run through the model
         self.decode_steps = 0  # batched decode forwards
         self.decoded_rows = 0  # rows over all decode forwards (/ decode_steps: the mean batch)
@@ -136,7 +95,7 @@ class InProcessEngine:
         if not request.input_ids:
             raise ValueError("input_ids must not be empty")
         loop = asyncio.get_running_loop()
-        job = _Job(request, loop.create_future(), loop, time.perf_counter())
+        job = Job(request, loop.create_future(), loop, time.perf_counter())
         self._ensure_worker()
         self._queue.put(job)
         return await job.future
@@ -146,7 +105,7 @@ class InProcessEngine:
         queued after this call wait for it); every cache is dropped."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._ensure_worker()
-        self._queue.put(_Reload(path, version, done))
+        self._queue.put(Reload(path, version, done))
         await asyncio.wrap_future(done)
 
     # -- a receiver of broadcast weights (services.weights.receiver.Holdable) --------------------
@@ -156,7 +115,7 @@ class InProcessEngine:
 
     async def hold(self) -> None:
         """Park the worker once the sequences decoding now have finished their turn."""
-        self._hold = _Hold()
+        self._hold = Hold()
         self._ensure_worker()
         self._queue.put(self._hold)
         await asyncio.wrap_future(self._hold.parked)
@@ -173,7 +132,7 @@ class InProcessEngine:
 
     async def aclose(self) -> None:
         if self._worker is not None:
-            self._queue.put(_STOP)
+            self._queue.put(STOP)
             await asyncio.to_thread(self._worker.join, 30)
             self._worker = None
         self._sessions.clear()
@@ -190,7 +149,7 @@ class InProcessEngine:
             self._worker.start()
 
     def _serve(self) -> None:
-        running: list[_Job] = []
+        running: list[Job] = []
         control = None  # a reload or the stop, carried out once the running sequences finish
         with torch.no_grad():
             while True:
@@ -210,37 +169,37 @@ class InProcessEngine:
                     running = self._guarded(running, self._step)
                 if running or control is None:
                     continue
-                if control is _STOP:
+                if control is STOP:
                     self._fail_queued()
                     return
-                self._park(control) if isinstance(control, _Hold) else self._reload(control)
+                self._park(control) if isinstance(control, Hold) else self._reload(control)
                 control = None
 
-    def _take(self, *, block: bool, room: int) -> tuple[list[_Job], object]:
+    def _take(self, *, block: bool, room: int) -> tuple[list[Job], object]:
         """Waiting requests, up to ``room`` (blocking for the first when nothing runs), and the
         reload or stop found behind them, which closes admission."""
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         while len(jobs) < room:
             try:
                 item = self._queue.get() if block and not jobs else self._queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, _Job):
+            if isinstance(item, Job):
                 jobs.append(item)
             else:
                 return jobs, item
         return jobs, None
 
-    def _guarded(self, jobs: list[_Job], work) -> list[_Job]:
+    def _guarded(self, jobs: list[Job], work) -> list[Job]:
         """``work(jobs)``; if it raises, those requests fail, not the engine."""
         try:
             return work(jobs)
         except Exception as exc:  # handed to every caller of the failed forward
             for j in jobs:
-                j.loop.call_soon_threadsafe(_set_exception, j.future, exc)
+                j.loop.call_soon_threadsafe(set_exception, j.future, exc)
             return []
 
-    def _park(self, hold: _Hold) -> None:
+    def _park(self, hold: Hold) -> None:
         hold.parked.set_result(None)
         hold.resume.wait()
         if hold.version is not None:
@@ -248,21 +207,21 @@ class InProcessEngine:
 
     def _fail_queued(self) -> None:
         for job in self._deferred:
-            job.loop.call_soon_threadsafe(_set_exception, job.future, EngineError("engine closed"))
+            job.loop.call_soon_threadsafe(set_exception, job.future, EngineError("engine closed"))
         self._deferred = []
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Job):
-                item.loop.call_soon_threadsafe(_set_exception, item.future, EngineError("engine closed"))
-            elif isinstance(item, _Reload):
+            if isinstance(item, Job):
+                item.loop.call_soon_threadsafe(set_exception, item.future, EngineError("engine closed"))
+            elif isinstance(item, Reload):
                 item.done.set_exception(EngineError("engine closed"))
-            elif isinstance(item, _Hold):
+            elif isinstance(item, Hold):
                 item.parked.set_exception(EngineError("engine closed"))
 
-    def _reload(self, reload: _Reload) -> None:
+    def _reload(self, reload: Reload) -> None:
         try:
             load_weights_into(self.model, reload.path)
         except Exception as exc:  # the caller gets it
@@ -277,7 +236,7 @@ class InProcessEngine:
         self._prompts.clear()
 
     # -- admission: a prefill per request ---------------------------------------------------
-    def _admit(self, jobs: list[_Job]) -> list[_Job]:
+    def _admit(self, jobs: list[Job]) -> list[Job]:
         ready, logits = [], []
         for j in jobs:
             r = j.request
@@ -289,7 +248,7 @@ class InProcessEngine:
                 j.session, j.cached = self._start(r)
                 logits.append(self._prefill(j))
             except Exception as exc:  # this request fails, not the others
-                j.loop.call_soon_threadsafe(_set_exception, j.future, exc)
+                j.loop.call_soon_threadsafe(set_exception, j.future, exc)
                 continue
             ready.append(j)
         if not ready:
@@ -297,7 +256,7 @@ class InProcessEngine:
         self._sample(ready, torch.stack(logits))
         return self._retire(ready)
 
-    def _start(self, request: GenerationRequest) -> tuple[_Session, int]:
+    def _start(self, request: GenerationRequest) -> tuple[Session, int]:
         """The longest cached prefix of the input: this trajectory's own, or its prompt's."""
         ids = request.input_ids
         if self.reuse_cache and request.session is not None:
@@ -306,19 +265,19 @@ class InProcessEngine:
                 if len(s.ids) == len(ids):  # the last input token is fed again for its logits
                     s.kv.crop(len(ids) - 1)
                     s.ids = s.ids[:-1]
-                    s.routes = _crop_routes(s.routes, len(s.ids))
+                    s.routes = crop_routes(s.routes, len(s.ids))
                 return s, len(s.ids)
         if self._shares_prompt():
             s = self._prompts.get(tuple(ids[:-1]))
             if s is not None:
                 self._prompts.move_to_end(tuple(ids[:-1]))
                 return s.copy(), len(s.ids)
-        return _Session([], rowwise.SequenceKV(self._layers)), 0
+        return Session([], rowwise.SequenceKV(self._layers)), 0
 
     def _shares_prompt(self) -> bool:
         return self.reuse_cache and self.share_prompts
 
-    def _prefill(self, job: _Job) -> torch.Tensor:
+    def _prefill(self, job: Job) -> torch.Tensor:
         s = job.session
         pending = job.request.input_ids[len(s.ids) :]
         record = job.request.return_routed_experts
@@ -330,7 +289,7 @@ class InProcessEngine:
             pending = pending[-1:]
         return self._feed([s], [pending], record)[0]
 
-    def _remember_prompt(self, session: _Session) -> None:
+    def _remember_prompt(self, session: Session) -> None:
         key = tuple(session.ids)
         if key not in self._prompts:
             self._prompts[key] = session.copy()
@@ -338,7 +297,7 @@ class InProcessEngine:
                 self._prompts.popitem(last=False)
 
     # -- decoding: one token for every running sequence --------------------------------------
-    def _step(self, jobs: list[_Job]) -> list[_Job]:
+    def _step(self, jobs: list[Job]) -> list[Job]:
         record = any(j.request.return_routed_experts for j in jobs)
         with rowwise.batch_invariant():
             logits = self._feed([j.session for j in jobs], [[j.output[-1]] for j in jobs], record)
@@ -347,7 +306,7 @@ class InProcessEngine:
         self._sample(jobs, logits)
         return self._retire(jobs)
 
-    def _feed(self, sessions: list[_Session], tokens: list[list[int]], record: bool) -> torch.Tensor:
+    def _feed(self, sessions: list[Session], tokens: list[list[int]], record: bool) -> torch.Tensor:
         """Run ``tokens`` (the same count for every sequence) after each sequence's cache; the
         logits of each sequence's last position ``[rows, vocab]``, float32."""
         width = len(tokens[0])
@@ -356,7 +315,7 @@ class InProcessEngine:
         positions = starts + torch.arange(width, device=self.device)
         cache = rowwise.RowsCache([s.kv for s in sessions])
         kwargs = dict(input_ids=x, position_ids=positions, attention_mask=rowwise.NO_MASK, use_cache=True)
-        with self._recorder if record else _null():
+        with self._recorder if record else contextlib.nullcontext():
             out = self.model(logits_to_keep=1, **kwargs, **{self._cache_arg: cache})
         cache.advance(width)
         routes = self._recorder.take() if record else None
@@ -367,7 +326,7 @@ class InProcessEngine:
         self.tokens_fed += width * len(sessions)
         return out.logits[:, -1].float()
 
-    def _sample(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+    def _sample(self, jobs: list[Job], logits: torch.Tensor) -> None:
         rs = [j.request for j in jobs]
         tokens, logprobs = sample_rows(
             logits.cpu(), [r.temperature for r in rs], [r.top_p for r in rs], [j.generator for j in jobs]
@@ -380,14 +339,14 @@ class InProcessEngine:
             elif len(j.output) >= j.request.max_new_tokens:
                 j.finish = "length"
 
-    def _retire(self, jobs: list[_Job]) -> list[_Job]:
+    def _retire(self, jobs: list[Job]) -> list[Job]:
         """Deliver the jobs that finished; the ones still generating."""
         for j in jobs:
             if j.finish is not None:
                 self._finish(j)
         return [j for j in jobs if j.finish is None]
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         r = job.request
         routes = None
         if r.return_routed_experts:
@@ -395,7 +354,7 @@ class InProcessEngine:
             total = len(r.input_ids) + len(job.output) - 1  # every position but the last
             if all_routes is None or all_routes.shape[0] < total:
                 error = RuntimeError("routes were not recorded for every position")
-                job.loop.call_soon_threadsafe(_set_exception, job.future, error)
+                job.loop.call_soon_threadsafe(set_exception, job.future, error)
                 return
             routes = all_routes[r.routed_experts_start_len : total]
         if r.session is not None and self.reuse_cache:
@@ -411,28 +370,4 @@ class InProcessEngine:
             cached_tokens=job.cached,
             latency_s=time.perf_counter() - job.queued,
         )
-        job.loop.call_soon_threadsafe(_set_result, job.future, result)
-
-
-def _set_result(future: asyncio.Future, result) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-def _crop_routes(routes: list[np.ndarray], length: int) -> list[np.ndarray]:
-    if not routes:
-        return routes
-    return [np.concatenate(routes, axis=0)[:length]]
+        job.loop.call_soon_threadsafe(set_result, job.future, result)
