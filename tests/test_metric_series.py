@@ -29,6 +29,18 @@ def _literal_args(path: Path, function: str) -> set[str]:
     }
 
 
+def _string_args(path: Path, function: str) -> set[str]:
+    """The string constants passed to every call of ``function`` (a name or an attribute) in ``path``."""
+    return {
+        arg.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and function in (getattr(node.func, "attr", None), getattr(node.func, "id", None))
+        for arg in node.args
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+    }
+
+
 def _assigned(path: Path, name: str) -> set[str]:
     return {
         node.value.value
@@ -44,7 +56,11 @@ def test_the_known_reasons_are_the_reasons_the_code_uses():
     assert _literal_args(ROOT / "services/bus/client.py", "_dead_letter") == set(
         bus_metrics.DEAD_LETTER_REASONS
     )
-    assert _assigned(ROOT / "services/trainer/admission.py", "reason") == set(trainer_metrics.DROP_REASONS)
+    trainer = ROOT / "services/trainer"
+    reasons = _assigned(trainer / "admission.py", "reason") | _string_args(
+        trainer / "executor.py", "count_drop"
+    )
+    assert reasons == set(trainer_metrics.DROP_REASONS)
     for reason in trainer_metrics.DROP_REASONS:
         assert REGISTRY.get_sample_value("pbsd_trainer_dropped_groups_total", {"reason": reason}) is not None
 

@@ -127,15 +127,20 @@ class FakePipeline:
     (sample i answers correctly when i is even), sampled with the newest published version;
     a validation task's group goes unscored to the evals stream, as a rollout worker sends it."""
 
-    def __init__(self, bus: Bus, tok: ChatTokenizer, *, hold_after: int | None = None) -> None:
+    def __init__(
+        self, bus: Bus, tok: ChatTokenizer, *, hold_after: int | None = None, poison: tuple[int, ...] = ()
+    ) -> None:
         self.bus, self.tok = bus, tok
         self.version, self.timeline = 0, ""
         self.tasks: list[PromptTask] = []
         # answer no task past the first ``hold_after`` until ``release`` is set
         self.hold_after, self.release = hold_after, asyncio.Event()
+        self.poison = poison  # prompt indices whose every delivery fails (then dead-lettered)
 
     async def run(self, stop: asyncio.Event) -> None:
-        opts = ConsumerOptions(block_ms=100, heartbeat_ms=500)
+        # with poison: failed deliveries come back after 10 heartbeats, and the third is given up on
+        opts = ConsumerOptions(block_ms=100, heartbeat_ms=30, max_deliveries=2) if self.poison else None
+        opts = opts or ConsumerOptions(block_ms=100, heartbeat_ms=500)
         await asyncio.gather(
             self.bus.consume(PROMPTS, "fake", self.handle, options=opts, stop=stop), self.follow(stop)
         )
@@ -145,6 +150,8 @@ class FakePipeline:
             self.version, self.timeline = event.version, event.timeline
 
     async def handle(self, task: PromptTask, delivery) -> None:
+        if task.purpose == "train" and task.index in self.poison:
+            raise RuntimeError(f"prompt {task.index} crashes its worker")
         if self.hold_after is not None and len(self.tasks) >= self.hold_after:
             await self.release.wait()
         self.tasks.append(task)
@@ -409,6 +416,52 @@ async def test_the_last_groups_of_the_data_make_a_smaller_last_step(
     history = await store.metrics(record.id)
     assert done.step == 2 and [h["groups"] for h in history] == [2, 1]
     assert len(await store.trained_ids(record.id)) == 3 * 2
+
+
+@pytest.mark.parametrize(
+    ("questions", "poison", "steps", "trained"),
+    [
+        # prompts 0-3 go out first; with three of them lost, step 1 has one group to wait for
+        # unless the next prompts of the data replace them
+        (8, (0, 1, 2), 2, {3, 4, 5, 6, 7}),
+        (3, (2,), 1, {0, 1}),  # the data's last prompt: the last step stops waiting for it
+    ],
+    ids=["replaced", "last-of-the-data"],
+)
+async def test_a_prompt_a_consumer_dead_letters_is_replaced_and_never_waited_for(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, questions, poison, steps, trained
+):
+    """A prompt that fails every delivery is dead-lettered by the bus; its group never comes. The
+    trainer counts it as dropped and publishes a replacement, and a run whose last group it was
+    ends instead of waiting for good."""
+    from proto.runs import RunSpec
+    from proto.streams import DEAD_LETTERS
+    from services.trainer import metrics
+    from services.trainer.checkpoints import prompt_index
+
+    path = tmp_path / "questions.jsonl"
+    lines = (tiny_world / "questions" / "rl.jsonl").read_text().splitlines()[:questions]
+    path.write_text("\n".join(lines) + "\n")
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    settings = TrainerSettings(
+        local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
+    )
+    store = RunStore(bus.redis, key_prefix)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=2)
+    spec["data"]["train"] = str(path)
+    record = await store.create(RunSpec.model_validate(spec))
+    counted = metrics.DROPPED.labels("dead_lettered")._value.get()
+    fake, fake_stop = FakePipeline(bus, tok, poison=poison), asyncio.Event()
+    fake_task = asyncio.create_task(fake.run(fake_stop))
+    done = await _finish(RunExecutor(bus, store, settings), store, record.id, fake_task, fake_stop)
+    assert done.step == steps
+    indices = {prompt_index(t) for t in await store.trained_ids(record.id)}
+    assert len(indices) == 2 * steps and indices <= trained  # two prompts a step, none of them lost
+    assert await store.dropped(record.id) == set(poison)
+    letters = [letter for _, letter in await bus.read_all(DEAD_LETTERS)]
+    assert len(letters) == len(poison) and all(x.stream == "prompts" for x in letters)
+    assert "crashes its worker" in letters[0].cause
+    assert metrics.DROPPED.labels("dead_lettered")._value.get() == counted + len(poison)
 
 
 async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path):

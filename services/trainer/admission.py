@@ -5,7 +5,8 @@ resume discarded (``lost``: a version of an abandoned timeline, :mod:`services.t
 by a policy version the trainer never reached (``future``: from a sender that does not name
 timelines), is more than ``rollout.max_staleness`` versions old (``stale``), or holds a
 trajectory already trained or already in this batch (``duplicate``: a redelivery). A stale or
-future group's prompt gets a replacement; a lost group's prompt is sampled again (published
+future group's prompt gets a replacement, as does a prompt whose message a consumer dead-lettered
+(:mod:`services.trainer.dead_letters`); a lost group's prompt is sampled again (published
 ahead of the queue), unless another copy of it was trained; a duplicate's was trained already.
 """
 
@@ -24,7 +25,7 @@ from services.trainer.timelines import lost_weights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["accept", "outstanding"]
+__all__ = ["REPLACED", "accept", "count_drop", "outstanding"]
 
 
 async def accept(
@@ -68,16 +69,27 @@ async def accept(
         m.STALENESS.observe(state.version - group.policy_version)
         m.GROUPS.inc()
         return True
-    m.DROPPED.labels(reason).inc()
-    state.drops[reason] = state.drops.get(reason, 0) + 1
-    if reason in ("stale", "future"):
-        state.dropped += 1  # its prompt needs a replacement
-        if index is not None:
-            state.dropped_indices.append(index)
-            await store.mark_dropped(run_id, index)
+    await count_drop(store, run_id, state, reason, index if reason in REPLACED else None)
     if reason != "lost":
         log.info("dropping a %s group (%s)", reason, group.task_id)
     return False
+
+
+REPLACED = ("stale", "future", "dead_lettered")  # reasons whose prompt gets a replacement
+
+
+async def count_drop(
+    store: RunStore, run_id: str, state: TrainState, reason: str, replaced: int | None
+) -> None:
+    """Count a group dropped for ``reason``; ``replaced``: the prompt index whose group will not be
+    trained and that the next prompt of the data replaces (it counts against the prompts out)."""
+    m.DROPPED.labels(reason).inc()
+    state.drops[reason] = state.drops.get(reason, 0) + 1
+    if reason in REPLACED:
+        state.dropped += 1  # its prompt needs a replacement
+        if replaced is not None:
+            state.dropped_indices.append(replaced)
+            await store.mark_dropped(run_id, replaced)
 
 
 def outstanding(controller: PromptController, state: TrainState) -> int:

@@ -13,7 +13,7 @@
         every checkpoint_every steps a full checkpoint; metrics for the step
         every eval_every steps a validation round (services.trainer.evaluation)
         publish more prompts (one replacement for every dropped group, published as soon as
-            the group is dropped)
+            the group is dropped, and for every prompt whose message a consumer dead-lettered)
     with data.validation, evaluate the last version and wait for it
     announce the run's end (run-ends stream): workers drop what is left of it on sight
 
@@ -36,18 +36,19 @@ from pathlib import Path
 from typing import Any
 
 from proto.base import derived_id
-from proto.messages import RunEnded, ScoredGroup
+from proto.messages import DeadLetter, RunEnded, ScoredGroup
 from proto.streams import RUN_ENDS, SCORED
 from services.bus import REDIS_DOWN, Bus, Held
 from services.tasks import cancel_and_wait, within
 from services.trainer import metrics as m
-from services.trainer.admission import accept
+from services.trainer.admission import accept, count_drop
 from services.trainer.batch import samples_from_groups
 from services.trainer.checkpoints import (
     TrainState,
     save_groups,
     write_checkpoint,
 )
+from services.trainer.dead_letters import follow_dead_letters
 from services.trainer.dynamics import batch_metrics
 from services.trainer.opening import Run, open_run
 from services.trainer.runs import RunStore
@@ -146,6 +147,9 @@ class RunExecutor:
         spec, state = run.spec, run.state
         cancel = asyncio.Event()
         watcher = asyncio.create_task(self._watch(run.id, cancel, stop))
+        dead_stop = asyncio.Event()  # prompts a consumer gave up on: replaced, or the run waits for good
+        on_lost = functools.partial(self._dead_lettered, run)
+        dead = asyncio.create_task(follow_dead_letters(self.bus, run.id, on_lost, dead_stop))
         run.last_step_end = time.perf_counter()
         finished = "completed"
         try:
@@ -167,6 +171,7 @@ class RunExecutor:
                     finished = "interrupted" if stop.is_set() else "cancelled"
         finally:
             await _stop_task(watcher, cancel)
+            await _stop_task(dead, dead_stop)
             if run.evaluator is not None:
                 await _stop_task(run.evaluator.task, run.evaluator.stop)
         return finished
@@ -191,23 +196,34 @@ class RunExecutor:
         )
         kept: list[ScoredGroup] = []
 
+        def check() -> None:
+            if run.data_out and len(kept) >= run.outstanding():
+                halt.set()  # every group that can still come is in: no more to wait for
+
         async def keep(scored: ScoredGroup) -> bool:
             ok = await admit(scored)
             if ok:
                 kept.append(scored)
             else:  # a dropped group's replacement goes out now: this batch may be waiting for it
                 await run.controller.top_up(run.state.step, run.state.dropped)
-            if run.data_out and len(kept) >= run.outstanding():
-                halt.set()  # every group that can still come is in: no more to wait for
+            check()
             return ok
 
+        async def on_lost() -> None:  # a prompt dead-lettered while this batch waits
+            while True:
+                await run.lost.wait()
+                run.lost.clear()
+                check()
+
         mirror = asyncio.create_task(_mirror(cancel, halt))
+        losses = asyncio.create_task(on_lost())
         try:
             held = await self.bus.collect(
                 SCORED, f"trainer-{run.id}", want, keep, options=run.options, stop=halt
             )
         finally:
             mirror.cancel()
+            losses.cancel()
         m.WAIT_SECONDS.observe(time.perf_counter() - waited)
         if cancel.is_set() and len(held.items) < want:
             if stop.is_set():
@@ -305,6 +321,25 @@ class RunExecutor:
             trained_ids=await self.store.trained_ids(run.id),
             interrupted=interrupted,
         )
+
+    async def _dead_lettered(self, run: Run, index: int, letter: DeadLetter) -> None:
+        """Prompt ``index``'s message was dead-lettered: its group will never come. Count it as a
+        dropped group and publish a replacement, unless it was counted or trained already."""
+        state = run.state
+        if index in state.dropped_indices or index >= run.controller.next_index:
+            return
+        if any(await self.store.trained(run.id, [f"{run.id}:{index}/0"])):
+            return  # a copy of it was trained before a later delivery was given up on
+        log.warning(
+            "run %s: prompt %d was dead-lettered on %s (%s); the next prompt replaces it",
+            run.id,
+            index,
+            letter.stream,
+            letter.cause[:200],
+        )
+        await count_drop(self.store, run.id, state, "dead_lettered", index)
+        await run.controller.top_up(state.step, state.dropped)
+        run.lost.set()
 
     async def _watch(self, run_id: str, cancel: asyncio.Event, stop: asyncio.Event) -> None:
         """Set ``cancel`` when the run is cancelled or the trainer stops; ends once ``cancel`` is set."""

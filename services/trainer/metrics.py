@@ -87,7 +87,14 @@ STALENESS = Histogram(
     buckets=(0, 1, 2, 3, 4, 8),
 )
 DROPPED = Counter("pbsd_trainer_dropped_groups_total", "Scored groups not trained on, by reason", ["reason"])
-DROP_REASONS = ("foreign", "lost", "future", "stale", "duplicate")  # services/trainer/admission.py
+DROP_REASONS = (
+    "foreign",
+    "lost",
+    "future",
+    "stale",
+    "duplicate",
+    "dead_lettered",
+)  # services/trainer/admission.py
 for _reason in DROP_REASONS:  # at zero from the start: a panel shows 0 drops, not "no data"
     DROPPED.labels(_reason)
 GROUPS = Counter("pbsd_trainer_trained_groups_total", "Scored groups trained on")

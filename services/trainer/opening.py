@@ -19,7 +19,7 @@ import functools
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ class Run:
     options: ConsumerOptions
     published: int = 0  # the newest version announced
     last_step_end: float = 0.0
+    # set when a prompt's group is known lost for good (dead-lettered): a batch waiting for the
+    # data's last groups checks again whether any can still come
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     def outstanding(self) -> int:
         return outstanding(self.controller, self.state)
