@@ -392,27 +392,38 @@ async def test_a_run_resumed_after_a_crash_trains_on_every_prompt(
     assert {0, 1, 2, 3, 4, 5} <= prompts and len(prompts) == 8 and len(trained) == len(set(trained)) == 16
 
 
-async def test_the_last_groups_of_the_data_make_a_smaller_last_step(
-    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+async def _short_run(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, questions, max_steps, **fake
 ):
-    """Three questions, two prompts a step: the second step trains the one group left instead of
-    waiting for good for a second one that no prompt can bring."""
+    """A GRPO run on the first ``questions`` of the tiny world, served by a FakePipeline(**fake) until
+    it completes; returns the store, the run's record and its final state."""
     from proto.runs import RunSpec
 
-    questions = tmp_path / "three.jsonl"
-    lines = (tiny_world / "questions" / "rl.jsonl").read_text().splitlines()[:3]
-    questions.write_text("\n".join(lines) + "\n")
+    path = tmp_path / "questions.jsonl"
+    lines = (tiny_world / "questions" / "rl.jsonl").read_text().splitlines()[:questions]
+    path.write_text("\n".join(lines) + "\n")
     tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
     settings = TrainerSettings(
         local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
     )
     store = RunStore(bus.redis, key_prefix)
-    spec = _spec(tiny_world, tiny_checkpoint, max_steps=5)
-    spec["data"]["train"] = str(questions)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=max_steps)
+    spec["data"]["train"] = str(path)
     record = await store.create(RunSpec.model_validate(spec))
-    fake, fake_stop = FakePipeline(bus, tok), asyncio.Event()
-    fake_task = asyncio.create_task(fake.run(fake_stop))
+    pipeline, fake_stop = FakePipeline(bus, tok, **fake), asyncio.Event()
+    fake_task = asyncio.create_task(pipeline.run(fake_stop))
     done = await _finish(RunExecutor(bus, store, settings), store, record.id, fake_task, fake_stop)
+    return store, record, done
+
+
+async def test_the_last_groups_of_the_data_make_a_smaller_last_step(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """Three questions, two prompts a step: the second step trains the one group left instead of
+    waiting for good for a second one that no prompt can bring."""
+    store, record, done = await _short_run(
+        bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, 3, 5
+    )
     history = await store.metrics(record.id)
     assert done.step == 2 and [h["groups"] for h in history] == [2, 1]
     assert len(await store.trained_ids(record.id)) == 3 * 2
@@ -434,26 +445,14 @@ async def test_a_prompt_a_consumer_dead_letters_is_replaced_and_never_waited_for
     """A prompt that fails every delivery is dead-lettered by the bus; its group never comes. The
     trainer counts it as dropped and publishes a replacement, and a run whose last group it was
     ends instead of waiting for good."""
-    from proto.runs import RunSpec
     from proto.streams import DEAD_LETTERS
     from services.trainer import metrics
     from services.trainer.checkpoints import prompt_index
 
-    path = tmp_path / "questions.jsonl"
-    lines = (tiny_world / "questions" / "rl.jsonl").read_text().splitlines()[:questions]
-    path.write_text("\n".join(lines) + "\n")
-    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
-    settings = TrainerSettings(
-        local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
-    )
-    store = RunStore(bus.redis, key_prefix)
-    spec = _spec(tiny_world, tiny_checkpoint, max_steps=2)
-    spec["data"]["train"] = str(path)
-    record = await store.create(RunSpec.model_validate(spec))
     counted = metrics.DROPPED.labels("dead_lettered")._value.get()
-    fake, fake_stop = FakePipeline(bus, tok, poison=poison), asyncio.Event()
-    fake_task = asyncio.create_task(fake.run(fake_stop))
-    done = await _finish(RunExecutor(bus, store, settings), store, record.id, fake_task, fake_stop)
+    store, record, done = await _short_run(
+        bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, questions, 2, poison=poison
+    )
     assert done.step == steps
     indices = {prompt_index(t) for t in await store.trained_ids(record.id)}
     assert len(indices) == 2 * steps and indices <= trained  # two prompts a step, none of them lost
