@@ -113,7 +113,7 @@ def test_nan_inside_an_inline_deepspeed_config_is_refused(api, tiny_world, tiny_
 async def test_a_series_index_past_what_redis_takes_is_a_422(
     api, redis_url, key_prefix, tiny_world, tiny_checkpoint
 ):
-    from tests.test_trainer_service import _parked_run
+    from tests.test_trainer_api import _parked_run
 
     run_id = await _parked_run(redis_url, key_prefix, _spec(tiny_world, tiny_checkpoint), "completed")
     async with httpx.AsyncClient(base_url=api, headers=AUTH) as http:
