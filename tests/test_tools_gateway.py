@@ -47,7 +47,14 @@ async def test_catalogue_and_health(gateway_url):
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         assert (await http.get("/health")).json() == {"status": "ok", "backend": "offline"}
         assert (await http.get("/tools")).json() == {"servers": catalogue()}
-        assert "/call" in (await http.get("/openapi.json")).json()["paths"]
+        # /call is served by a DirectRoute: its description stays what an ordinary route gives
+        call = (await http.get("/openapi.json")).json()["paths"]["/call"]["post"]
+        body = call["requestBody"]["content"]["application/json"]["schema"]
+        assert set(body["properties"]) == {"server_name", "tool_name", "arguments", "trajectory_id"}
+        assert call["responses"]["200"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/CallResponse"
+        }
+        assert {"404", "413", "422"} <= set(call["responses"])
 
 
 async def test_search_and_read_through_http_with_cache(gateway_url, world, redis_url, key_prefix):

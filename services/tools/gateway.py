@@ -53,6 +53,10 @@ class CallOutcome:
     error: str | None = None
 
 
+# one encoder for every key: json.dumps with options builds a new one per call
+_KEY_ENCODER = json.JSONEncoder(sort_keys=True, ensure_ascii=False)
+
+
 def _canonical(spec: ToolSpec, args: BaseModel) -> str:
     data = args.model_dump()
     if spec is SEARCH:
@@ -60,7 +64,7 @@ def _canonical(spec: ToolSpec, args: BaseModel) -> str:
     elif spec is READ:
         data["url"] = data["url"].strip()
         data["info_to_extract"] = " ".join(data["info_to_extract"].lower().split())
-    return json.dumps(data, sort_keys=True, ensure_ascii=False)
+    return _KEY_ENCODER.encode(data)
 
 
 class ToolGateway:
