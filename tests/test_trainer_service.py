@@ -569,6 +569,71 @@ async def test_validation_rounds_count_questions_by_position_and_fail_without_a_
         await asyncio.wait_for(evaluator.wait(cancel), 5)
 
 
+async def test_a_validation_question_lost_to_the_dead_letters_counts_wrong_and_never_holds_a_round(
+    bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """A validation prompt a rollout worker dead-letters never comes back as a group: the round is
+    recorded without waiting for it, the question's samples failed; another execution's letters
+    and a letter for a question already in change nothing."""
+    from proto.base import encode
+    from proto.data import QuestionRecord
+    from proto.messages import DeadLetter
+    from proto.runs import GrpoSpec, RunSpec
+    from proto.streams import DEAD_LETTERS
+    from services.trainer.controller import question_task
+    from services.trainer.evaluation import Evaluator
+
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))
+    spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"eval_samples": 1})})
+    questions = [QuestionRecord(id=f"q{i}", question=f"Question {i}?", answer="a") for i in range(3)]
+    evaluator = Evaluator(bus, RunStore(bus.redis, key_prefix), "r", spec, questions, tmp_path, nonce="n")
+
+    async def dead_letter(task_id: str) -> None:
+        task = question_task(
+            questions[0],
+            run_id="r",
+            task_id=task_id,
+            rollout=spec.rollout,
+            algorithm=GrpoSpec(),
+            purpose="eval",
+        )
+        letter = DeadLetter(
+            stream="prompts",
+            group="rollout",
+            entry_id="1-0",
+            cause="boom",
+            deliveries=5,
+            payload=encode(task),
+        )
+        await bus.publish(DEAD_LETTERS, letter)
+
+    await dead_letter("r:eval:earlier:0:2")  # an earlier execution's question 2: not this round's
+    evaluator.start(ConsumerOptions(block_ms=50))
+    await evaluator.start_round(0, 0)
+    for i in (0, 2):
+        group = TrajectoryGroup(
+            run_id="r",
+            task_id=f"r:eval:n:0:{i}",
+            question_id=f"q{i}",
+            question=questions[i].question,
+            answer="a",
+            policy_version=0,
+            algorithm=GrpoSpec(),
+            trajectories=(_one_token(f"r:eval:n:0:{i}/0", reward=1.0),),
+        )
+        await bus.publish(EVALS, group)
+    await asyncio.sleep(0.3)
+    assert evaluator.pending and not evaluator.recorded  # question 1 is still out
+    await dead_letter("r:eval:n:0:2")  # a copy of question 2 died after its group came: no change
+    await dead_letter("r:eval:n:0:1")
+    assert await asyncio.wait_for(evaluator.wait(asyncio.Event()), 20)
+    record = evaluator.recorded[0]
+    assert record["questions"] == 3 and record["lost"] == [1] and record["failed"] == 1
+    assert record["accuracy"]["all"]["mean@1"] == pytest.approx(2 / 3)
+    evaluator.stop.set()
+    await asyncio.wait_for(evaluator.task, 5)
+
+
 def test_batch_metrics_say_how_far_the_evidence_scorer_lagged(tiny_checkpoint):
     from proto.runs import PbsdSpec
     from services.trainer.dynamics import batch_metrics

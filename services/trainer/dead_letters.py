@@ -13,7 +13,8 @@ times is likely to fail again.
 
 The stream is read from its start each time a run executes, so a prompt dead-lettered while the
 trainer was down counts too; one already counted (in the checkpoint's dropped indices) is not
-counted twice.
+counted twice. Validation questions lost the same way are the evaluator's
+(``services.trainer.evaluation``): counted wrong, never replaced.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ Rounds: before the first step (version 0), every ``trainer.eval_every`` steps, a
 last step; the run completes once the last round is in. Task ids carry a per-execution
 nonce: a resumed run evaluates afresh instead of colliding with what an earlier execution
 published (evaluation has no side effect worth deduplicating).
+
+A question whose prompt or group a consumer dead-letters (``services.bus``) never comes back:
+the evaluator follows the dead-letter stream beside the evals stream, and counts such a
+question as lost, its samples failed (so wrong), instead of leaving the round, and with the
+last round the run, waiting for it. The record lists the lost questions.
 """
 
 from __future__ import annotations
@@ -25,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from pbsd.accuracy import summarise
-from proto.base import derived_id
+from proto.base import decode, derived_id
 from proto.data import QuestionRecord
-from proto.messages import TrajectoryGroup
+from proto.messages import DeadLetter, PromptTask, TrajectoryGroup
 from proto.runs import RunSpec
-from proto.streams import EVALS, PROMPTS
+from proto.streams import DEAD_LETTERS, EVALS, PROMPTS
 from services.bus import Bus, ConsumerOptions, Delivery
 from services.tasks import within
 from services.trainer import metrics as m
@@ -38,7 +43,25 @@ from services.trainer.runs import RunStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "lost_question"]
+
+_CARRIERS = {PROMPTS.name: PromptTask, EVALS.name: TrajectoryGroup}  # what carries a question
+
+
+def lost_question(letter: DeadLetter, prefix: str) -> tuple[int, int] | None:
+    """``(version, question index)`` of the validation question ``letter`` loses, if its message
+    was one of the tasks whose ids start with ``prefix`` (a run's execution), else None."""
+    model = _CARRIERS.get(letter.stream)
+    if model is None:
+        return None
+    try:
+        task_id = decode(model, letter.payload).task_id
+    except ValueError:
+        return None  # undecodable: whose it was cannot be told
+    if not task_id.startswith(prefix):
+        return None
+    version, index = (int(x) for x in task_id[len(prefix) :].split(":"))
+    return version, index
 
 
 class Evaluator:
@@ -69,7 +92,8 @@ class Evaluator:
                 "max_staleness": 0,
             }
         )
-        self.pending: dict[int, dict[int, TrajectoryGroup]] = {}  # version -> question index -> group
+        # version -> question index -> its group, or None for a question lost to the dead letters
+        self.pending: dict[int, dict[int, TrajectoryGroup | None]] = {}
         self.steps: dict[int, int] = {}  # version -> the step it was taken after
         self.done = asyncio.Event()  # set when a round is recorded
         self.recorded: list[dict[str, Any]] = []
@@ -103,30 +127,60 @@ class Evaluator:
             )
         log.info("run %s: evaluating version %d on %d questions", self.run_id, version, len(self.questions))
 
+    @property
+    def prefix(self) -> str:
+        """The task ids of this execution's validation questions start with it."""
+        return f"{self.run_id}:eval:{self.nonce}:"
+
     def start(self, options: ConsumerOptions) -> None:
-        """Collect validation groups in ``self.task``, beside the training loop, until ``self.stop``."""
-        self.task = asyncio.create_task(
-            self.bus.consume(
-                EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=self.stop
-            )
+        """Collect validation groups, and the questions lost to dead letters, in ``self.task``,
+        beside the training loop, until ``self.stop``."""
+        self.task = asyncio.create_task(self._collect(options))
+
+    async def _collect(self, options: ConsumerOptions) -> None:
+        consume = self.bus.consume(
+            EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=self.stop
         )
+        await asyncio.gather(consume, self._follow_dead_letters())
+
+    async def _follow_dead_letters(self) -> None:
+        async for _entry_id, letter in self.bus.follow(
+            DEAD_LETTERS, after="0-0", block_ms=500, stop=self.stop
+        ):
+            lost = lost_question(letter, self.prefix)
+            if lost is not None:
+                log.warning(
+                    "run %s: validation question %d of version %d was dead-lettered on %s (%s); counted wrong",
+                    self.run_id,
+                    lost[1],
+                    lost[0],
+                    letter.stream,
+                    letter.cause[:200],
+                )
+                await self._arrived(*lost, None)
 
     async def _handle(self, group: TrajectoryGroup, delivery: Delivery) -> None:
-        prefix = f"{self.run_id}:eval:{self.nonce}:"
-        if not group.task_id.startswith(prefix):
+        if not group.task_id.startswith(self.prefix):
             return  # another run's, or an earlier execution's: acknowledged and forgotten
-        version, index = (int(x) for x in group.task_id[len(prefix) :].split(":"))
+        version, index = (int(x) for x in group.task_id[len(self.prefix) :].split(":"))
+        await self._arrived(version, index, group)
+
+    async def _arrived(self, version: int, index: int, group: TrajectoryGroup | None) -> None:
         round_ = self.pending.get(version)
-        if round_ is None:
-            return
+        if round_ is None or (group is None and index in round_):
+            return  # a round recorded already, or a question whose group came before its copy died
         round_[index] = group  # by position: a validation file may repeat an id
         if len(round_) == len(self.questions):
             await self._record(version, self.pending.pop(version))
 
-    async def _record(self, version: int, groups: dict[int, TrajectoryGroup]) -> None:
+    async def _record(self, version: int, groups: dict[int, TrajectoryGroup | None]) -> None:
         k = self.spec.rollout.eval_samples
-        results = {str(i): [t.reward > 0 for t in g.trajectories] for i, g in groups.items()}
-        trajectories = [t for g in groups.values() for t in g.trajectories]
+        # a lost question's k samples count as failed, as an error trajectory's does
+        results = {
+            str(i): [t.reward > 0 for t in g.trajectories] if g else [False] * k for i, g in groups.items()
+        }
+        trajectories = [t for g in groups.values() if g is not None for t in g.trajectories]
+        lost = sorted(i for i, g in groups.items() if g is None)
         record = {
             "version": version,
             "step": self.steps.pop(version),
@@ -134,8 +188,9 @@ class Evaluator:
             "samples": k,
             "questions": len(groups),
             "accuracy": summarise(results, {str(i): q.difficulty for i, q in enumerate(self.questions)}, k),
-            "failed": sum(t.finish_reason == "error" for t in trajectories),
-            "mean_turns": statistics.fmean(t.num_turns for t in trajectories),
+            "failed": sum(t.finish_reason == "error" for t in trajectories) + k * len(lost),
+            "lost": lost,
+            "mean_turns": statistics.fmean(t.num_turns for t in trajectories) if trajectories else 0.0,
         }
         self.recorded.append(record)
         await self.store.add_metrics(self.run_id, record, series="evals")
