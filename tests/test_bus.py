@@ -396,7 +396,7 @@ def test_the_claim_idle_limit_follows_the_heartbeat_and_is_about_a_minute(tmp_pa
     heartbeat: a replacement under another name waited that long for a dead consumer's work."""
     from pathlib import Path
 
-    from services.bus.client import MISSED_BEATS
+    from services.bus.delivery import MISSED_BEATS
     from services.rollout.settings import RolloutSettings
     from services.scorer.settings import ScorerSettings
     from services.trainer.settings import TrainerSettings
@@ -428,7 +428,7 @@ async def test_a_replacement_of_another_name_takes_over_a_dead_consumers_entry_a
     async def handler(msg, delivery):
         got.append((msg.index, time.monotonic() - died))
 
-    with caplog.at_level(logging.INFO, logger="services.bus.client"):
+    with caplog.at_level(logging.INFO, logger="services.bus.groups"):
         await _run_until(bus, PROMPTS, handler, lambda: got, consumer="rollout-new-host-0")
     ((index, after),) = got
     assert index == 7 and after >= FAST.claim_idle_ms / 1000
@@ -444,7 +444,7 @@ async def test_a_restarted_consumer_logs_what_it_took_back(bus: Bus, caplog):
         await bus.publish(PROMPTS, ex.example_task(i))
     held = await bus.collect(PROMPTS, "scorer-a-0", 2, _yes, options=FAST)
     held.stop_heartbeat()
-    with caplog.at_level(logging.INFO, logger="services.bus.client"):
+    with caplog.at_level(logging.INFO, logger="services.bus.groups"):
         again = await bus.collect(PROMPTS, "scorer-a-0", 2, _yes, options=FAST)
     ids = ", ".join(entry_id for entry_id, _ in again.items)
     await bus.commit(again)

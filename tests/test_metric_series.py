@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from proto.streams import PROMPTS
 from services.bus import metrics as bus_metrics
-from services.bus.client import ConsumerOptions
+from services.bus.delivery import ConsumerOptions
 from services.trainer import metrics as trainer_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ def _assigned(path: Path, name: str) -> set[str]:
 
 
 def test_the_known_reasons_are_the_reasons_the_code_uses():
-    assert _literal_args(ROOT / "services/bus/client.py", "_dead_letter") == set(
+    assert _literal_args(ROOT / "services/bus/groups.py", "_dead_letter") == set(
         bus_metrics.DEAD_LETTER_REASONS
     )
     trainer = ROOT / "services/trainer"

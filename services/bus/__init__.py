@@ -18,6 +18,8 @@ Delivery is at-least-once with idempotent consumers:
   still needs), so Redis memory follows what is in flight, not what has passed.
 """
 
-from services.bus.client import REDIS_DOWN, Bus, ConsumerOptions, Delivery, Held, redis_client
+from services.bus.client import Bus
+from services.bus.connection import REDIS_DOWN, redis_client
+from services.bus.delivery import ConsumerOptions, Delivery, Held
 
 __all__ = ["REDIS_DOWN", "Bus", "ConsumerOptions", "Delivery", "Held", "redis_client"]

@@ -1,0 +1,41 @@
+"""Connecting to Redis: a client that rides out short outages, and what an outage raises."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+__all__ = ["REDIS_DOWN", "as_text", "redis_client"]
+
+# what Redis being out of reach raises (a refused or broken connection, a timeout)
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:
+    """A client whose every command rides out a Redis outage of up to about ``patience_s``
+    seconds (a restart, a failover, a blip of the network): it reconnects and sends the command
+    again after 0.25 s, doubling to 5 s between tries. A command whose connection broke after
+    Redis ran it may run twice; the bus's consumers deduplicate by message id and the run
+    store's writes are idempotent or append one record. 0: no retries."""
+    backoff = ExponentialBackoff(cap=5.0, base=0.25)
+    retries, waited = 0, 0.0
+    while waited < patience_s:
+        waited += backoff.compute(retries)
+        retries += 1
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=False,
+        retry=Retry(backoff, retries),
+        retry_on_error=list(REDIS_DOWN),
+        socket_connect_timeout=5.0,  # a host that is gone (not refusing) must not hang a try
+    )
+
+
+def as_text(value: Any) -> str:
+    """A reply of a client without ``decode_responses`` (bytes) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,395 @@
+"""The bus's consumer groups: at-least-once delivery over XREADGROUP (the package docstring says
+what is guaranteed). :class:`ConsumerGroups` is the half of :class:`services.bus.Bus` that reads
+for a group: one message at a time (``consume``) or a batch held until committed (``collect``),
+with heartbeats, the takeover of a dead consumer's entries, dead letters, and the trimming of
+what every group has acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.exceptions import ResponseError
+
+from proto.base import Message, decode, encode
+from proto.messages import DeadLetter
+from proto.streams import DEAD_LETTERS, StreamDef
+from services.bus import metrics
+from services.bus.connection import REDIS_DOWN, as_text
+from services.bus.delivery import ConsumerOptions, Cursor, Delivery, Handler, Held, Outage
+from services.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ConsumerGroups"]
+
+M = TypeVar("M", bound=Message)
+
+_MAX_CAUSE = 4000
+DEFAULT_OPTIONS = ConsumerOptions()
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = _id_tuple(entry_id)
+    return f"{ms}-{seq + 1}"
+
+
+def _ids(entries: list[tuple]) -> str:
+    """The entry ids of a batch, for a log line (the first few, and how many more)."""
+    shown = ", ".join(e[0] for e in entries[:5])
+    return shown + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+
+
+class ConsumerGroups:
+    """Reading streams for consumer groups. Mixed into :class:`services.bus.Bus`, whose ``redis``,
+    ``prefix`` and ``maxlen`` it uses."""
+
+    redis: aioredis.Redis
+    prefix: str
+    maxlen: int
+    _last_trim: dict[str, float]
+
+    def key(self, stream: StreamDef) -> str:
+        return stream.key(self.prefix)
+
+    # -- consumer groups -------------------------------------------------------------
+    async def ensure_group(self, stream: StreamDef, group: str | None = None) -> None:
+        """Create the consumer group (and the stream) unless it exists; safe to call concurrently."""
+        group = group or stream.group
+        if group is None:
+            raise ValueError(f"stream {stream.name!r} has no consumer group")
+        try:
+            await self.redis.xgroup_create(self.key(stream), group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def consume(
+        self,
+        stream: StreamDef[M],
+        consumer: str,
+        handler: Handler,
+        *,
+        group: str | None = None,
+        options: ConsumerOptions = DEFAULT_OPTIONS,
+        stop: asyncio.Event | None = None,
+    ) -> None:
+        """Process entries of ``stream`` for ``group`` one at a time until ``stop`` is set."""
+        group = group or stream.group
+        await self.ensure_group(stream, group)
+        metrics.consumer_series(stream.name, group)
+        cursor = Cursor()
+        outage = Outage(self, stream, group)
+        while stop is None or not stop.is_set():
+            try:
+                batch = await self._fetch(stream, group, consumer, options, cursor, options.count)
+                for entry_id, fields, reclaimed in batch:
+                    admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
+                    if admitted is not None:
+                        await self._handle(stream, group, consumer, entry_id, admitted, handler, options)
+                if batch:
+                    await self._maybe_trim(stream, options)
+                outage.over()
+            except (*REDIS_DOWN, ResponseError) as exc:
+                await outage.wait(exc, stop)
+
+    async def collect(
+        self,
+        stream: StreamDef[M],
+        consumer: str,
+        want: int,
+        accept: Callable[[M], Awaitable[bool]],
+        *,
+        group: str | None = None,
+        options: ConsumerOptions = DEFAULT_OPTIONS,
+        stop: asyncio.Event | None = None,
+    ) -> Held[M]:
+        """Gather ``want`` messages that ``accept`` keeps, holding them pending (with a heartbeat) until
+        :meth:`commit`: a consumer that dies before committing leaves them to be reclaimed. Messages
+        ``accept`` rejects are acknowledged at once. Returns early, with fewer, when ``stop`` is set."""
+        group = group or stream.group
+        await self.ensure_group(stream, group)
+        metrics.consumer_series(stream.name, group)
+        held = Held(self, stream, group, consumer, options)
+        cursor = Cursor()
+        outage = Outage(self, stream, group)
+        try:
+            while len(held.items) < want and (stop is None or not stop.is_set()):
+                try:
+                    fetched = await self._fetch(
+                        stream, group, consumer, options, cursor, want - len(held.items)
+                    )
+                    outage.over()
+                except (*REDIS_DOWN, ResponseError) as exc:
+                    await outage.wait(exc, stop)
+                    continue
+                for entry_id, fields, reclaimed in fetched:
+                    admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
+                    if admitted is None:
+                        continue
+                    message = admitted[0]
+                    if await accept(message):
+                        held.add(entry_id, message)
+                    else:
+                        await self._commit(stream, group, [(entry_id, message)], options)
+        except BaseException:
+            held.stop_heartbeat()
+            raise
+        return held
+
+    async def commit(self, held: Held) -> None:
+        """Mark the held messages processed and acknowledge them, atomically."""
+        held.stop_heartbeat()
+        if held.items:
+            await self._commit(held.stream, held.group, held.items, held.options)
+            metrics.CONSUMED.labels(held.stream.name, held.group).inc(len(held.items))
+            await self._maybe_trim(held.stream, held.options)
+        held.items = []
+
+    # -- the steps every consumer shares ------------------------------------------------
+    async def _fetch(
+        self,
+        stream: StreamDef,
+        group: str,
+        consumer: str,
+        options: ConsumerOptions,
+        cursor: Cursor,
+        count: int,
+    ) -> list[tuple[str, dict, bool]]:
+        """Entries a dead consumer left behind (now and then), else new ones (blocking read)."""
+        key = self.key(stream)
+        if cursor.own is not None:
+            reply = await self.redis.xreadgroup(group, consumer, {key: cursor.own}, count=count)
+            entries = [(as_text(i), f) for _k, batch in reply or [] for i, f in batch]
+            cursor.own = entries[-1][0] if entries else None
+            mine = [(i, f, True) for i, f in entries if f]  # trimmed entries come back without fields
+            if mine:
+                metrics.RECLAIMED.labels(stream.name, group).inc(len(mine))
+                log.info(
+                    "%s took back %d %s entries it held before it stopped: %s",
+                    consumer,
+                    len(mine),
+                    stream.name,
+                    _ids(mine),
+                )
+                return mine
+            if entries:
+                return []
+        now = time.monotonic()
+        if now >= cursor.next_claim:
+            cursor.position, claimed = await self._autoclaim(
+                stream, group, consumer, options, cursor.position, count
+            )
+            if cursor.position == "0-0":
+                cursor.next_claim = now + options.heartbeat_ms / 1000
+            if claimed:
+                metrics.RECLAIMED.labels(stream.name, group).inc(len(claimed))
+                log.warning(
+                    "%s took over %d %s entries a dead consumer left (no heartbeat for %.0f s): %s",
+                    consumer,
+                    len(claimed),
+                    stream.name,
+                    options.claim_idle_ms / 1000,
+                    _ids(claimed),
+                )
+                return [(i, f, True) for i, f in claimed]
+        reply = await self.redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=options.block_ms)
+        return [(as_text(i), f, False) for _k, entries in reply or [] for i, f in entries]
+
+    async def _autoclaim(
+        self, stream: StreamDef, group: str, consumer: str, options: ConsumerOptions, cursor: str, count: int
+    ) -> tuple[str, list[tuple[str, dict]]]:
+        reply = await self.redis.xautoclaim(
+            self.key(stream), group, consumer, options.claim_idle_ms, start_id=cursor, count=count
+        )
+        next_cursor, entries = as_text(reply[0]), reply[1]
+        # Entries trimmed away while pending (a backlog past MAXLEN) are gone: Redis 7 lists their
+        # ids third and drops them from the pending list. Never silent: each is a dead letter.
+        for entry_id in reply[2] if len(reply) > 2 else []:
+            await self._dead_letter(
+                stream,
+                group,
+                as_text(entry_id),
+                b"",
+                "trimmed from the stream (MAXLEN) before it was processed; the payload is lost",
+                0,
+                "trimmed",
+            )
+        return next_cursor, [(as_text(i), f) for i, f in entries if f]
+
+    async def _deliveries(self, key: str, group: str, entry_id: str) -> int:
+        rows = await self.redis.xpending_range(key, group, min=entry_id, max=entry_id, count=1)
+        return int(rows[0]["times_delivered"]) if rows else 1
+
+    def _errors_key(self, stream: StreamDef, group: str) -> str:
+        return f"{self.prefix}:errors:{stream.name}:{group}"
+
+    def _done_key(self, stream: StreamDef, group: str, message_id: str) -> str:
+        return f"{self.prefix}:done:{stream.name}:{group}:{message_id}"
+
+    async def _admit(
+        self,
+        stream: StreamDef[M],
+        group: str,
+        entry_id: str,
+        fields: dict,
+        reclaimed: bool,
+        options: ConsumerOptions,
+    ) -> tuple[M, int] | None:
+        """The decoded message and its delivery count, or None when the entry was dealt with here:
+        dead-lettered (undecodable, or delivered too often) or acknowledged as already processed."""
+        key = self.key(stream)
+        payload = fields.get(b"data", b"")
+        deliveries = await self._deliveries(key, group, entry_id) if reclaimed else 1
+        if deliveries > options.max_deliveries:
+            last_error = await self.redis.hget(self._errors_key(stream, group), entry_id)
+            cause = f"gave up after {deliveries - 1} deliveries; last error: {as_text(last_error) if last_error else 'consumer died'}"
+            await self._dead_letter(stream, group, entry_id, payload, cause, deliveries, "max_deliveries")
+            return None
+        try:
+            message = decode(stream.model, payload)
+        except (ValidationError, ValueError) as exc:
+            await self._dead_letter(
+                stream,
+                group,
+                entry_id,
+                payload,
+                f"invalid {stream.model.__name__}: {exc}",
+                deliveries,
+                "invalid",
+            )
+            return None
+        if await self.redis.exists(self._done_key(stream, group, message.message_id)):
+            metrics.DUPLICATES.labels(stream.name, group).inc()
+            await self.redis.xack(key, group, entry_id)
+            return None
+        return message, deliveries
+
+    async def _handle(
+        self,
+        stream: StreamDef[M],
+        group: str,
+        consumer: str,
+        entry_id: str,
+        admitted: tuple[M, int],
+        handler: Handler,
+        options: ConsumerOptions,
+    ) -> None:
+        message, deliveries = admitted
+        delivery = Delivery(stream.name, group, consumer, entry_id, deliveries)
+        heartbeat = asyncio.create_task(
+            self._heartbeat(self.key(stream), group, consumer, [entry_id], options)
+        )
+        started = time.perf_counter()
+        try:
+            await handler(message, delivery)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the handler's failure is data: record it and let the entry be retried
+            metrics.HANDLER_ERRORS.labels(stream.name, group).inc()
+            log.exception("handler failed on %s entry %s (delivery %d)", stream.name, entry_id, deliveries)
+            await self.redis.hset(
+                self._errors_key(stream, group), entry_id, f"{type(exc).__name__}: {exc}"[:_MAX_CAUSE]
+            )
+            return
+        finally:
+            await cancel_and_wait(heartbeat)
+            metrics.HANDLER_SECONDS.labels(stream.name, group).observe(time.perf_counter() - started)
+        await self._commit(stream, group, [(entry_id, message)], options)
+        metrics.CONSUMED.labels(stream.name, group).inc()
+
+    async def _commit(
+        self, stream: StreamDef, group: str, items: list[tuple[str, Message]], options: ConsumerOptions
+    ) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for entry_id, message in items:
+                pipe.set(self._done_key(stream, group, message.message_id), b"1", ex=options.done_ttl_s)
+                pipe.xack(self.key(stream), group, entry_id)
+                pipe.hdel(self._errors_key(stream, group), entry_id)
+            await pipe.execute()
+
+    async def _heartbeat(
+        self, key: str, group: str, consumer: str, entry_ids: list[str], options: ConsumerOptions
+    ) -> None:
+        """Reset the entries' idle time while they are being worked on, so no one reclaims them."""
+        interval = max(options.heartbeat_ms / 1000, 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            if not entry_ids:
+                continue
+            try:
+                await self.redis.xclaim(key, group, consumer, 0, list(entry_ids), justid=True)
+            except Exception:  # a missed beat only risks a duplicate, which idempotency absorbs
+                log.warning("heartbeat for %s failed", key, exc_info=True)
+
+    async def _dead_letter(
+        self,
+        stream: StreamDef,
+        group: str,
+        entry_id: str,
+        payload: bytes,
+        cause: str,
+        deliveries: int,
+        reason: str,
+    ) -> None:
+        letter = DeadLetter(
+            stream=stream.name,
+            group=group,
+            entry_id=entry_id,
+            cause=cause[:_MAX_CAUSE],
+            deliveries=deliveries,
+            payload=bytes(payload),
+        )
+        log.error("dead-lettering %s entry %s: %s", stream.name, entry_id, cause[:500])
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(
+                self.key(DEAD_LETTERS),
+                {b"type": b"DeadLetter", b"mid": letter.message_id, b"data": encode(letter)},
+                maxlen=self.maxlen,
+                approximate=True,
+            )
+            pipe.xack(self.key(stream), group, entry_id)
+            pipe.hdel(self._errors_key(stream, group), entry_id)
+            await pipe.execute()
+        metrics.DEAD_LETTERED.labels(stream.name, group, reason).inc()
+
+    # -- trimming -------------------------------------------------------------------
+    async def _maybe_trim(self, stream: StreamDef, options: ConsumerOptions) -> None:
+        now = time.monotonic()
+        if now - self._last_trim.get(stream.name, 0.0) >= options.trim_interval_s:
+            self._last_trim[stream.name] = now
+            await self.trim_acked(stream)
+
+    async def trim_acked(self, stream: StreamDef, *, approximate: bool = False) -> int:
+        """Delete entries every consumer group has delivered and acknowledged; returns how many."""
+        key = self.key(stream)
+        try:
+            groups = await self.redis.xinfo_groups(key)
+        except ResponseError:  # no such stream yet
+            return 0
+        if not groups:
+            return 0
+        floor: str | None = None
+        for info in groups:
+            name = as_text(info["name"])
+            summary = await self.redis.xpending(key, name)
+            candidate = (
+                as_text(summary["min"])
+                if summary["pending"]
+                else _next_id(as_text(info["last-delivered-id"]))
+            )
+            if floor is None or _id_tuple(candidate) < _id_tuple(floor):
+                floor = candidate
+        if floor is None or floor == "0-1":
+            return 0
+        return int(await self.redis.xtrim(key, minid=floor, approximate=approximate))
