@@ -129,9 +129,7 @@ def _rows_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         if queries == 1:
             outputs.append(_decode_row(q, k, v, scaling if scaling is not None else q.shape[-1] ** -0.5))
             continue
-        mask = None
-        if 1 < queries < keys:  # a chunk after cached positions: causal from its own offset
-            mask = torch.ones((queries, keys), dtype=torch.bool, device=q.device).tril(keys - queries)
+        mask = _chunk_mask(queries, keys, q.device) if 1 < queries < keys else None
         outputs.append(
             F.scaled_dot_product_attention(
                 q,
@@ -145,6 +143,19 @@ def _rows_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         )
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _chunk_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """The mask of a chunk of ``queries`` tokens after ``keys - queries`` cached ones: causal from
+    its own offset. Every layer of a forward asks for the same one, so the last is kept."""
+    shape = (queries, keys, device)
+    last = getattr(_state, "mask", None)  # per thread, as the batch-invariant mode is
+    if last is None or last[0] != shape:
+        last = _state.mask = (
+            shape,
+            torch.ones((queries, keys), dtype=torch.bool, device=device).tril(keys - queries),
+        )
+    return last[1]
 
 
 def _decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
