@@ -2,41 +2,32 @@
 
 * docker-compose.yml validates against the Compose specification's JSON Schema (the copy
   vendored by check-jsonschema), after interpolation with .env.example's values;
-* every Kubernetes manifest, rendered from the base and each overlay, validates against the
-  Kubernetes 1.37 API schemas (kubernetes-validate, offline, strict);
 * every Prometheus scrape target names a service that exists, on the port it listens on;
-* every metric a Grafana dashboard queries is exported by a running service (the four pbsd
-  services are started and scraped) or by SGLang (its recorded /metrics page);
 * every setting the deployment passes is one the services read, every variable the compose
   file uses is documented in .env.example, and no secret is baked into an image.
+
+The Kubernetes manifests are tests/test_deploy_k8s.py's, the Grafana dashboards and the metrics
+they query tests/test_deploy_metrics.py's; both use the helpers here.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import time
 from importlib.resources import files
 from pathlib import Path
 
-import httpx
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import ServiceProcess
-from services.local_redis import free_port
 from services.rollout.settings import RolloutSettings
 from services.scorer.settings import ScorerSettings
 from services.tools.settings import ToolsSettings
 from services.trainer.settings import TrainerSettings
-from tests.kustomize import build, containers
 
 ROOT = Path(__file__).resolve().parent.parent
-K8S_VERSION = "1.37.0"
 SETTINGS = {
     "PBSD_TOOLS_": ToolsSettings,
     "PBSD_ROLLOUT_": RolloutSettings,
@@ -237,52 +228,6 @@ def test_compose_profiles_wire_every_stage_once():
     assert "sglang" in [n for n, s in services.items() if "gpu" in s.get("profiles", [])]
 
 
-def _world_params(command: list[str], name: str = "build") -> dict:
-    """The parameters `pbsd world <name>` would run with, from a container's `sh -c` command
-    (each step of which is in parentheses)."""
-    import shlex
-
-    import typer.main
-
-    from pbsd.cli import app
-
-    script = command[-1]
-    step = script[script.index(f"pbsd world {name}") :].split(")")[0]
-    cmd = typer.main.get_command(app).commands["world"].commands[name]  # built afresh each call
-    for param in cmd.params:  # the paths are the container's (/data/world): read them, not check them
-        param.callback = None
-    return cmd.make_context(name, shlex.split(step)[3:]).params
-
-
-def test_the_deployed_world_is_the_demos_world(rendered):
-    """Compose's and the cpu overlay's world are the one the committed policy was supervised
-    on: with another SFT count the validation split would hold questions it was trained on."""
-    from demo.config import DemoConfig
-
-    c = DemoConfig()
-    want = {"seed": c.seed, "entities": c.entities, "rl": c.n_rl, "validation": c.n_val, "sft": c.n_sft}
-    commands = [compose()["services"]["tools-cpu"]["command"]]
-    commands += [
-        c["command"]
-        for d in rendered["cpu"]
-        for c in containers(d)
-        if "pbsd world build" in " ".join(c.get("command") or [])
-    ]
-    assert len(commands) == 2
-    for command in commands:
-        params = _world_params(command)
-        assert {k: params[k] for k in want} == want, command
-        assert params["questions"] is None
-        # then the demo's question files, with the demo's settings, where the Compose run reads them
-        questions = _world_params(command, "demo-questions")
-        assert questions["config"] is None and str(questions["world"]) == str(params["out"])
-        run = yaml.safe_load((ROOT / "deploy/runs/demo-cpu.yaml").read_text())["data"]
-        assert (run["train"], run["validation"]) == (
-            f"{questions['out']}/rl.jsonl",
-            f"{questions['out']}/eval.jsonl",
-        )
-
-
 def test_every_shipped_run_specification_is_valid():
     from proto.runs import RunSpec
 
@@ -378,220 +323,3 @@ def test_every_scrape_target_names_a_service_on_its_port():
             )
             jobs[host] = job["job_name"]
     assert set(jobs) >= {*SERVICE_ALIASES, "sglang"}
-
-
-# -- Kubernetes -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, list[dict]]:
-    return {o: build(ROOT / "deploy/k8s/overlays" / o) for o in ("cpu", "gpu")}
-
-
-def test_k8s_manifests_validate_against_the_api_schemas(rendered):
-    for docs in rendered.values():
-        assert len(docs) >= 10
-        for doc in docs:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    example = yaml.safe_load((ROOT / "deploy/k8s/base/secret.example.yaml").read_text())
-    kubernetes_validate.validate(example, K8S_VERSION, strict=True)
-
-
-def test_k8s_validation_catches_mistakes(rendered):
-    """The validator is strict: an unknown field and a wrong type both fail."""
-    doc = json.loads(
-        json.dumps(
-            next(
-                d for d in rendered["cpu"] if d["metadata"]["name"] == "rollout" and d["kind"] == "Deployment"
-            )
-        )
-    )
-    doc["spec"]["replica"] = 2
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    doc = json.loads(json.dumps(next(d for d in rendered["cpu"] if d["kind"] == "Service")))
-    doc["spec"]["ports"][0]["port"] = "eighty"
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-
-
-def _find(docs, kind, name):
-    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
-
-
-def test_k8s_workloads_have_probes_resources_and_wiring(rendered):
-    secret_keys = set(
-        yaml.safe_load((ROOT / "deploy/k8s/base/secret.example.yaml").read_text())["stringData"]
-    )
-    for overlay, docs in rendered.items():
-        names = {(d["kind"], d["metadata"]["name"]) for d in docs}
-        config = _find(docs, "ConfigMap", "pbsd-config")["data"]
-        check_variables(config, f"{overlay} ConfigMap")
-        for name in ("tools", "rollout", "scorer"):
-            assert ("Deployment", name) in names
-        trainer = _find(docs, "StatefulSet", "trainer")
-        assert trainer["spec"]["replicas"] == 1
-        assert any(v.get("persistentVolumeClaim") for v in trainer["spec"]["template"]["spec"]["volumes"])
-        assert ("StatefulSet", "redis") in names
-        hpa = _find(docs, "HorizontalPodAutoscaler", "rollout")
-        assert hpa["spec"]["scaleTargetRef"] == {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "name": "rollout",
-        }
-        for doc in docs:
-            if doc["kind"] not in ("Deployment", "StatefulSet"):
-                continue
-            pod = doc["spec"]["template"]
-            for v in pod["spec"].get("volumes", []):
-                if "persistentVolumeClaim" in v:
-                    assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in names
-            for c in containers(doc):
-                assert ":" in c["image"], (
-                    f"{overlay}: {doc['metadata']['name']} image {c['image']} has no tag"
-                )
-                for e in c.get("env", []):
-                    ref = (e.get("valueFrom") or {}).get("secretKeyRef")
-                    if ref:
-                        assert ref["name"] == "pbsd-secrets" and ref["key"] in secret_keys
-                for src in c.get("envFrom", []):
-                    assert ("ConfigMap", src["configMapRef"]["name"]) in names
-                if c in pod["spec"]["containers"] and doc["metadata"]["name"] != "redis":
-                    check_variables({e["name"]: "" for e in c.get("env", [])}, f"{overlay} {c['name']}")
-                    port = c["ports"][0]["containerPort"]
-                    for probe in ("readinessProbe", "livenessProbe"):
-                        assert c[probe]["httpGet"]["path"] == "/health", (overlay, c["name"], probe)
-                    assert "requests" in c["resources"]
-                    annotations = pod["metadata"].get("annotations", {})
-                    assert annotations.get("prometheus.io/scrape") == "true"
-                    assert annotations.get("prometheus.io/port") == str(port)
-    gpu = rendered["gpu"]
-    for kind, name in (("Deployment", "scorer"), ("StatefulSet", "trainer"), ("StatefulSet", "sglang")):
-        assert containers(_find(gpu, kind, name))[-1]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert (
-        _find(gpu, "HorizontalPodAutoscaler", "rollout")["spec"]["metrics"][0]["external"]["metric"]["name"]
-        == "pbsd_stream_lag"
-    )
-    assert (
-        _find(rendered["cpu"], "HorizontalPodAutoscaler", "rollout")["spec"]["metrics"][0]["type"]
-        == "Resource"
-    )
-
-
-# -- Grafana --------------------------------------------------------------------------------------
-def test_dashboards_are_generated_from_their_source():
-    spec = importlib.util.spec_from_file_location("dashboards", ROOT / "deploy/grafana/dashboards.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    on_disk = {p.name: p.read_text() for p in (ROOT / "deploy/grafana/dashboards").glob("*.json")}
-    assert on_disk == module.render(), "run: python deploy/grafana/dashboards.py"
-    dashboards = load_dashboards()
-    assert set(dashboards) == {"pipeline", "credit", "tools", "sglang"}
-    uids = [d["uid"] for d in dashboards.values()]
-    assert len(set(uids)) == len(uids)
-    for d in dashboards.values():
-        for p in d["panels"]:
-            if p["type"] != "row":
-                assert p["targets"] and p["description"] and p["datasource"]["uid"] == "pbsd-prometheus"
-
-
-@pytest.fixture(scope="module")
-def pipeline(redis_server, tiny_checkpoint, tiny_world, tmp_path_factory):
-    """The four services as processes, as in production, on one Redis (trainer in local mode)."""
-    tmp = tmp_path_factory.mktemp("pipeline")
-    common = {
-        "REDIS_URL": redis_server.url,
-        "PBSD_STREAM_PREFIX": f"p{free_port()}",
-        "PBSD_LOG_LEVEL": "WARNING",
-        "OMP_NUM_THREADS": "1",
-    }
-    tools = ServiceProcess(
-        "tools",
-        port=free_port(),
-        log=tmp / "tools.log",
-        env={**common, "PBSD_TOOLS_CORPUS": str(tiny_world / "corpus.jsonl")},
-    )
-    services = {
-        "tools": tools,
-        "rollout": ServiceProcess(
-            "rollout",
-            port=free_port(),
-            log=tmp / "rollout.log",
-            env={**common, "PBSD_ROLLOUT_MODEL": str(tiny_checkpoint), "PBSD_ROLLOUT_TOOLS_URL": tools.url},
-        ),
-        "scorer": ServiceProcess(
-            "scorer",
-            port=free_port(),
-            log=tmp / "scorer.log",
-            env={**common, "PBSD_SCORER_MODEL": str(tiny_checkpoint)},
-        ),
-        "trainer": ServiceProcess(
-            "trainer",
-            port=free_port(),
-            log=tmp / "trainer.log",
-            env={
-                **common,
-                "PBSD_TRAINER_LOCAL_MODE": "1",
-                "PBSD_TRAINER_RUNS_DIR": str(tmp / "runs"),
-                "PBSD_TRAINER_DATA_ROOTS": json.dumps([str(tmp_path_factory.getbasetemp())]),
-                "PBSD_TRAINER_MODEL_ROOTS": json.dumps([str(tmp_path_factory.getbasetemp())]),
-                "PBSD_TRAINER_LAG_INTERVAL_S": "0.2",
-            },
-        ),
-    }
-    try:
-        for s in services.values():
-            s.start()
-        for s in services.values():
-            s.wait_healthy(timeout=240)
-        yield services
-    finally:
-        for s in services.values():
-            s.stop()
-
-
-@pytest.mark.timeout(300)
-def test_a_run_with_validation_through_the_services_as_processes(pipeline, tiny_world, tiny_checkpoint):
-    """data.validation end to end: the trainer publishes validation prompts, the rollout process
-    samples them with the published version and sends them back on the evals stream."""
-    spec = {
-        "name": "validated",
-        "model": {"path": str(tiny_checkpoint), "dtype": "float32"},
-        "data": {
-            "train": str(tiny_world / "questions" / "rl.jsonl"),
-            "validation": str(tiny_world / "questions" / "validation.jsonl"),
-            "max_validation_questions": 2,
-        },
-        "rollout": {"group_size": 2, "max_turns": 2, "max_tokens_per_turn": 16, "eval_samples": 1},
-        "algorithm": {"name": "pbsd"},
-        "trainer": {"prompts_per_step": 1, "max_steps": 1, "lr": 1e-4, "warmup_steps": 0},
-    }
-    with httpx.Client(base_url=pipeline["trainer"].url, timeout=30) as api:
-        run_id = api.post("/runs", json=spec).raise_for_status().json()["id"]
-        deadline = time.monotonic() + 240
-        while (state := api.get(f"/runs/{run_id}").json()["state"]) not in ("completed", "failed"):
-            assert time.monotonic() < deadline, "the run did not finish"
-            time.sleep(0.5)
-        assert state == "completed", api.get(f"/runs/{run_id}").json()["error"]
-        rounds = api.get(f"/runs/{run_id}/evals").json()
-    assert [(r["version"], r["versions_used"], r["questions"], r["samples"]) for r in rounds] == [
-        (0, [0], 2, 1),
-        (1, [1], 2, 1),
-    ]
-    assert all(r["failed"] == 0 for r in rounds)
-
-
-@pytest.mark.timeout(300)
-def test_every_dashboard_metric_is_exported_by_a_running_service(pipeline):
-    exported: set[str] = set()
-    for s in pipeline.values():
-        exported |= exported_names(httpx.get(f"{s.url}/metrics", timeout=10).text)
-    exported |= exported_names((ROOT / "tests/fixtures/sglang_metrics.txt").read_text())
-    missing = {}
-    for name, dashboard in load_dashboards().items():
-        queried = queried_metrics(dashboard)
-        assert queried, name
-        if queried - exported:
-            missing[name] = sorted(queried - exported)
-    assert not missing, f"dashboards query series no service exports: {missing}"
-    # and the check has teeth: the lag exporter's series are really there, a made-up one is not
-    assert {"pbsd_stream_lag", "pbsd_stream_pending", "pbsd_scorer_evidence_bucket"} <= exported
-    assert "pbsd_made_up_total" not in exported

@@ -8,7 +8,7 @@ Four dashboards, each panel one question an operator asks:
 * tools     are search and page reads fast, cached and succeeding
 * sglang    the inference server's own ``sglang:`` series
 
-Only Prometheus series the services export are used (tests/test_deploy.py scrapes running
+Only Prometheus series the services export are used (tests/test_deploy_metrics.py scrapes running
 services and compares).
 """
 

@@ -1,0 +1,158 @@
+"""The Kubernetes manifests, checked without a cluster: every manifest rendered from the base and
+each overlay validates against the Kubernetes 1.37 API schemas (kubernetes-validate, offline,
+strict), workloads have probes, resources and their wiring, and the deployed world (Compose's
+and the cpu overlay's) is the one the demo's committed policy was supervised on."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.kustomize import build, containers
+from tests.test_deploy import ROOT, check_variables, compose
+
+K8S_VERSION = "1.37.0"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {o: build(ROOT / "deploy/k8s/overlays" / o) for o in ("cpu", "gpu")}
+
+
+def test_k8s_manifests_validate_against_the_api_schemas(rendered):
+    for docs in rendered.values():
+        assert len(docs) >= 10
+        for doc in docs:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    example = yaml.safe_load((ROOT / "deploy/k8s/base/secret.example.yaml").read_text())
+    kubernetes_validate.validate(example, K8S_VERSION, strict=True)
+
+
+def test_k8s_validation_catches_mistakes(rendered):
+    """The validator is strict: an unknown field and a wrong type both fail."""
+    doc = json.loads(
+        json.dumps(
+            next(
+                d for d in rendered["cpu"] if d["metadata"]["name"] == "rollout" and d["kind"] == "Deployment"
+            )
+        )
+    )
+    doc["spec"]["replica"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    doc = json.loads(json.dumps(next(d for d in rendered["cpu"] if d["kind"] == "Service")))
+    doc["spec"]["ports"][0]["port"] = "eighty"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _find(docs, kind, name):
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def test_k8s_workloads_have_probes_resources_and_wiring(rendered):
+    secret_keys = set(
+        yaml.safe_load((ROOT / "deploy/k8s/base/secret.example.yaml").read_text())["stringData"]
+    )
+    for overlay, docs in rendered.items():
+        names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+        config = _find(docs, "ConfigMap", "pbsd-config")["data"]
+        check_variables(config, f"{overlay} ConfigMap")
+        for name in ("tools", "rollout", "scorer"):
+            assert ("Deployment", name) in names
+        trainer = _find(docs, "StatefulSet", "trainer")
+        assert trainer["spec"]["replicas"] == 1
+        assert any(v.get("persistentVolumeClaim") for v in trainer["spec"]["template"]["spec"]["volumes"])
+        assert ("StatefulSet", "redis") in names
+        hpa = _find(docs, "HorizontalPodAutoscaler", "rollout")
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": "rollout",
+        }
+        for doc in docs:
+            if doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            pod = doc["spec"]["template"]
+            for v in pod["spec"].get("volumes", []):
+                if "persistentVolumeClaim" in v:
+                    assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in names
+            for c in containers(doc):
+                assert ":" in c["image"], (
+                    f"{overlay}: {doc['metadata']['name']} image {c['image']} has no tag"
+                )
+                for e in c.get("env", []):
+                    ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                    if ref:
+                        assert ref["name"] == "pbsd-secrets" and ref["key"] in secret_keys
+                for src in c.get("envFrom", []):
+                    assert ("ConfigMap", src["configMapRef"]["name"]) in names
+                if c in pod["spec"]["containers"] and doc["metadata"]["name"] != "redis":
+                    check_variables({e["name"]: "" for e in c.get("env", [])}, f"{overlay} {c['name']}")
+                    port = c["ports"][0]["containerPort"]
+                    for probe in ("readinessProbe", "livenessProbe"):
+                        assert c[probe]["httpGet"]["path"] == "/health", (overlay, c["name"], probe)
+                    assert "requests" in c["resources"]
+                    annotations = pod["metadata"].get("annotations", {})
+                    assert annotations.get("prometheus.io/scrape") == "true"
+                    assert annotations.get("prometheus.io/port") == str(port)
+    gpu = rendered["gpu"]
+    for kind, name in (("Deployment", "scorer"), ("StatefulSet", "trainer"), ("StatefulSet", "sglang")):
+        assert containers(_find(gpu, kind, name))[-1]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert (
+        _find(gpu, "HorizontalPodAutoscaler", "rollout")["spec"]["metrics"][0]["external"]["metric"]["name"]
+        == "pbsd_stream_lag"
+    )
+    assert (
+        _find(rendered["cpu"], "HorizontalPodAutoscaler", "rollout")["spec"]["metrics"][0]["type"]
+        == "Resource"
+    )
+
+
+def _world_params(command: list[str], name: str = "build") -> dict:
+    """The parameters `pbsd world <name>` would run with, from a container's `sh -c` command
+    (each step of which is in parentheses)."""
+    import shlex
+
+    import typer.main
+
+    from pbsd.cli import app
+
+    script = command[-1]
+    step = script[script.index(f"pbsd world {name}") :].split(")")[0]
+    cmd = typer.main.get_command(app).commands["world"].commands[name]  # built afresh each call
+    for param in cmd.params:  # the paths are the container's (/data/world): read them, not check them
+        param.callback = None
+    return cmd.make_context(name, shlex.split(step)[3:]).params
+
+
+def test_the_deployed_world_is_the_demos_world(rendered):
+    """Compose's and the cpu overlay's world are the one the committed policy was supervised
+    on: with another SFT count the validation split would hold questions it was trained on."""
+    from demo.config import DemoConfig
+
+    c = DemoConfig()
+    want = {"seed": c.seed, "entities": c.entities, "rl": c.n_rl, "validation": c.n_val, "sft": c.n_sft}
+    commands = [compose()["services"]["tools-cpu"]["command"]]
+    commands += [
+        c["command"]
+        for d in rendered["cpu"]
+        for c in containers(d)
+        if "pbsd world build" in " ".join(c.get("command") or [])
+    ]
+    assert len(commands) == 2
+    for command in commands:
+        params = _world_params(command)
+        assert {k: params[k] for k in want} == want, command
+        assert params["questions"] is None
+        # then the demo's question files, with the demo's settings, where the Compose run reads them
+        questions = _world_params(command, "demo-questions")
+        assert questions["config"] is None and str(questions["world"]) == str(params["out"])
+        run = yaml.safe_load((ROOT / "deploy/runs/demo-cpu.yaml").read_text())["data"]
+        assert (run["train"], run["validation"]) == (
+            f"{questions['out']}/rl.jsonl",
+            f"{questions['out']}/eval.jsonl",
+        )
