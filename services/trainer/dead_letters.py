@@ -14,58 +14,69 @@ times is likely to fail again.
 The stream is read from its start each time a run executes, so a prompt dead-lettered while the
 trainer was down counts too; one already counted (in the checkpoint's dropped indices) is not
 counted twice. Validation questions lost the same way are the evaluator's
-(``services.trainer.evaluation``): counted wrong, never replaced.
+(``services.trainer.evaluation``): counted wrong, never replaced. Both follow the stream with
+:func:`follow_dead_letters` and tell whose a letter is from :func:`lost_task`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from proto.base import decode
 from proto.messages import DeadLetter, PromptTask, ScoredGroup, TrajectoryGroup
-from proto.streams import DEAD_LETTERS, PROMPTS, SCORED, TRAJECTORIES
+from proto.streams import DEAD_LETTERS, EVALS, PROMPTS, SCORED, TRAJECTORIES
 from services.bus import Bus
 from services.trainer.checkpoints import prompt_index
 
-log = logging.getLogger(__name__)
+K = TypeVar("K")  # what a letter is lost as: a prompt index, a validation question's position
 
-__all__ = ["follow_dead_letters", "lost_prompt"]
+__all__ = ["follow_dead_letters", "lost_prompt", "lost_task"]
 
-_TRAINING = {s.name: s.model for s in (PROMPTS, TRAJECTORIES, SCORED)}
+# the streams whose messages carry a prompt task, and the model each carries it in
+_CARRIERS = {
+    PROMPTS.name: PromptTask,
+    TRAJECTORIES.name: TrajectoryGroup,
+    SCORED.name: ScoredGroup,
+    EVALS.name: TrajectoryGroup,
+}
+_TRAINING = {PROMPTS.name, TRAJECTORIES.name, SCORED.name}  # EVALS carries validation groups only
 
 
-def lost_prompt(letter: DeadLetter, run_id: str) -> int | None:
-    """The index of run ``run_id``'s training prompt that ``letter`` loses, else None (another run's
-    message, a validation prompt, a stream without prompts, or a payload that does not decode)."""
-    model = _TRAINING.get(letter.stream)
+def lost_task(letter: DeadLetter) -> PromptTask | TrajectoryGroup | None:
+    """The prompt task (or the group that answers it) whose message ``letter`` holds, else None (a
+    stream without prompts, or a payload that does not decode: whose it was cannot be told)."""
+    model = _CARRIERS.get(letter.stream)
     if model is None:
         return None
     try:
         message = decode(model, letter.payload)
     except ValueError:
-        return None  # undecodable: whose it was cannot be told
-    if isinstance(message, PromptTask):
-        if message.purpose != "train":
-            return None
-        task = message
-    elif isinstance(message, ScoredGroup):
-        task = message.group
-    else:
-        assert isinstance(message, TrajectoryGroup)
-        task = message
-    if task.run_id != run_id:
+        return None
+    return message.group if isinstance(message, ScoredGroup) else message
+
+
+def lost_prompt(letter: DeadLetter, run_id: str) -> int | None:
+    """The index of run ``run_id``'s training prompt that ``letter`` loses, else None (another run's
+    message, a validation prompt or group, a stream without prompts, or an undecodable payload)."""
+    task = lost_task(letter) if letter.stream in _TRAINING else None
+    if task is None or task.run_id != run_id:
+        return None
+    if isinstance(task, PromptTask) and task.purpose != "train":
         return None
     return prompt_index(task.task_id)
 
 
 async def follow_dead_letters(
-    bus: Bus, run_id: str, on_lost: Callable[[int, DeadLetter], Awaitable[None]], stop: asyncio.Event
+    bus: Bus,
+    pick: Callable[[DeadLetter], K | None],
+    on_lost: Callable[[K, DeadLetter], Awaitable[None]],
+    stop: asyncio.Event,
 ) -> None:
-    """Call ``on_lost(index, letter)`` for every dead letter of the run's training prompts, from the
-    stream's start, then as they arrive, until ``stop``."""
+    """Call ``on_lost(key, letter)`` for every dead letter that ``pick`` gives a key (not None), from
+    the stream's start, then as they arrive, until ``stop``."""
     async for _entry_id, letter in bus.follow(DEAD_LETTERS, after="0-0", block_ms=500, stop=stop):
-        index = lost_prompt(letter, run_id)
-        if index is not None:
-            await on_lost(index, letter)
+        key = pick(letter)
+        if key is not None:
+            await on_lost(key, letter)

@@ -23,6 +23,7 @@ last round the run, waiting for it. The record lists the lost questions.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import statistics
@@ -30,36 +31,34 @@ from pathlib import Path
 from typing import Any
 
 from pbsd.accuracy import summarise
-from proto.base import decode, derived_id
+from proto.base import derived_id
 from proto.data import QuestionRecord
-from proto.messages import DeadLetter, PromptTask, TrajectoryGroup
+from proto.messages import DeadLetter, TrajectoryGroup
 from proto.runs import RunSpec
-from proto.streams import DEAD_LETTERS, EVALS, PROMPTS
+from proto.streams import EVALS, PROMPTS
 from services.bus import Bus, ConsumerOptions, Delivery
 from services.tasks import within
 from services.trainer import metrics as m
 from services.trainer.controller import question_task
+from services.trainer.dead_letters import follow_dead_letters, lost_task
 from services.trainer.runs import RunStore
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Evaluator", "lost_question"]
 
-_CARRIERS = {PROMPTS.name: PromptTask, EVALS.name: TrajectoryGroup}  # what carries a question
-
 
 def lost_question(letter: DeadLetter, prefix: str) -> tuple[int, int] | None:
     """``(version, question index)`` of the validation question ``letter`` loses, if its message
     was one of the tasks whose ids start with ``prefix`` (a run's execution), else None."""
-    model = _CARRIERS.get(letter.stream)
-    if model is None:
+    task = lost_task(letter)
+    if task is None or not task.task_id.startswith(prefix):
         return None
-    try:
-        task_id = decode(model, letter.payload).task_id
-    except ValueError:
-        return None  # undecodable: whose it was cannot be told
-    if not task_id.startswith(prefix):
-        return None
+    return _position(task.task_id, prefix)
+
+
+def _position(task_id: str, prefix: str) -> tuple[int, int]:
+    """``(version, question index)`` from a validation task id ``{prefix}{version}:{index}``."""
     version, index = (int(x) for x in task_id[len(prefix) :].split(":"))
     return version, index
 
@@ -141,29 +140,25 @@ class Evaluator:
         consume = self.bus.consume(
             EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=self.stop
         )
-        await asyncio.gather(consume, self._follow_dead_letters())
+        pick = functools.partial(lost_question, prefix=self.prefix)
+        await asyncio.gather(consume, follow_dead_letters(self.bus, pick, self._lost, self.stop))
 
-    async def _follow_dead_letters(self) -> None:
-        async for _entry_id, letter in self.bus.follow(
-            DEAD_LETTERS, after="0-0", block_ms=500, stop=self.stop
-        ):
-            lost = lost_question(letter, self.prefix)
-            if lost is not None:
-                log.warning(
-                    "run %s: validation question %d of version %d was dead-lettered on %s (%s); counted wrong",
-                    self.run_id,
-                    lost[1],
-                    lost[0],
-                    letter.stream,
-                    letter.cause[:200],
-                )
-                await self._arrived(*lost, None)
+    async def _lost(self, position: tuple[int, int], letter: DeadLetter) -> None:
+        version, index = position
+        log.warning(
+            "run %s: validation question %d of version %d was dead-lettered on %s (%s); counted wrong",
+            self.run_id,
+            index,
+            version,
+            letter.stream,
+            letter.cause[:200],
+        )
+        await self._arrived(version, index, None)
 
     async def _handle(self, group: TrajectoryGroup, delivery: Delivery) -> None:
         if not group.task_id.startswith(self.prefix):
             return  # another run's, or an earlier execution's: acknowledged and forgotten
-        version, index = (int(x) for x in group.task_id[len(self.prefix) :].split(":"))
-        await self._arrived(version, index, group)
+        await self._arrived(*_position(group.task_id, self.prefix), group)
 
     async def _arrived(self, version: int, index: int, group: TrajectoryGroup | None) -> None:
         round_ = self.pending.get(version)

@@ -48,7 +48,7 @@ from services.trainer.checkpoints import (
     save_groups,
     write_checkpoint,
 )
-from services.trainer.dead_letters import follow_dead_letters
+from services.trainer.dead_letters import follow_dead_letters, lost_prompt
 from services.trainer.dynamics import batch_metrics
 from services.trainer.opening import Run, open_run
 from services.trainer.runs import RunStore
@@ -149,7 +149,8 @@ class RunExecutor:
         watcher = asyncio.create_task(self._watch(run.id, cancel, stop))
         dead_stop = asyncio.Event()  # prompts a consumer gave up on: replaced, or the run waits for good
         on_lost = functools.partial(self._dead_lettered, run)
-        dead = asyncio.create_task(follow_dead_letters(self.bus, run.id, on_lost, dead_stop))
+        pick = functools.partial(lost_prompt, run_id=run.id)
+        dead = asyncio.create_task(follow_dead_letters(self.bus, pick, on_lost, dead_stop))
         run.last_step_end = time.perf_counter()
         finished = "completed"
         try:
