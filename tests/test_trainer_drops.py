@@ -1,0 +1,129 @@
+"""Groups that never come or do not count: the data's last prompts make a smaller last step, a
+prompt a consumer dead-letters is replaced and never waited for, and the rules that drop a
+scored group (stale, from the future, duplicate, another run's)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent.chat import ChatTokenizer
+from proto.messages import PromptTask
+from proto.streams import SCORED
+from services.trainer.executor import RunExecutor
+from services.trainer.runs import RunStore
+from services.trainer.settings import TrainerSettings
+from tests.test_trainer_service import FakePipeline, _finish, _spec
+
+
+async def _short_run(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, questions, max_steps, **fake
+):
+    """A GRPO run on the first ``questions`` of the tiny world, served by a FakePipeline(**fake) until
+    it completes; returns the store, the run's record and its final state."""
+    from proto.runs import RunSpec
+
+    path = tmp_path / "questions.jsonl"
+    lines = (tiny_world / "questions" / "rl.jsonl").read_text().splitlines()[:questions]
+    path.write_text("\n".join(lines) + "\n")
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    settings = TrainerSettings(
+        local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
+    )
+    store = RunStore(bus.redis, key_prefix)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=max_steps)
+    spec["data"]["train"] = str(path)
+    record = await store.create(RunSpec.model_validate(spec))
+    pipeline, fake_stop = FakePipeline(bus, tok, **fake), asyncio.Event()
+    fake_task = asyncio.create_task(pipeline.run(fake_stop))
+    done = await _finish(RunExecutor(bus, store, settings), store, record.id, fake_task, fake_stop)
+    return store, record, done
+
+
+async def test_the_last_groups_of_the_data_make_a_smaller_last_step(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """Three questions, two prompts a step: the second step trains the one group left instead of
+    waiting for good for a second one that no prompt can bring."""
+    store, record, done = await _short_run(
+        bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, 3, 5
+    )
+    history = await store.metrics(record.id)
+    assert done.step == 2 and [h["groups"] for h in history] == [2, 1]
+    assert len(await store.trained_ids(record.id)) == 3 * 2
+
+
+@pytest.mark.parametrize(
+    ("questions", "poison", "steps", "trained"),
+    [
+        # prompts 0-3 go out first; with three of them lost, step 1 has one group to wait for
+        # unless the next prompts of the data replace them
+        (8, (0, 1, 2), 2, {3, 4, 5, 6, 7}),
+        (3, (2,), 1, {0, 1}),  # the data's last prompt: the last step stops waiting for it
+    ],
+    ids=["replaced", "last-of-the-data"],
+)
+async def test_a_prompt_a_consumer_dead_letters_is_replaced_and_never_waited_for(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, questions, poison, steps, trained
+):
+    """A prompt that fails every delivery is dead-lettered by the bus; its group never comes. The
+    trainer counts it as dropped and publishes a replacement, and a run whose last group it was
+    ends instead of waiting for good."""
+    from proto.streams import DEAD_LETTERS
+    from services.trainer import metrics
+    from services.trainer.checkpoints import prompt_index
+
+    counted = metrics.DROPPED.labels("dead_lettered")._value.get()
+    store, record, done = await _short_run(
+        bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, questions, 2, poison=poison
+    )
+    assert done.step == steps
+    indices = {prompt_index(t) for t in await store.trained_ids(record.id)}
+    assert len(indices) == 2 * steps and indices <= trained  # two prompts a step, none of them lost
+    assert await store.dropped(record.id) == set(poison)
+    letters = [letter for _, letter in await bus.read_all(DEAD_LETTERS)]
+    assert len(letters) == len(poison) and all(x.stream == "prompts" for x in letters)
+    assert "crashes its worker" in letters[0].cause
+    assert metrics.DROPPED.labels("dead_lettered")._value.get() == counted + len(poison)
+
+
+async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path):
+    from proto.runs import RunSpec
+    from services.trainer.admission import accept
+    from services.trainer.checkpoints import TrainState
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    store = RunStore(bus.redis, key_prefix)
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))  # max_staleness 1
+    fake = FakePipeline(bus, tok)
+
+    async def scored(version: int, task_id: str, run_id: str = "r1"):
+        fake.version = version
+        task = PromptTask(
+            run_id=run_id,
+            task_id=task_id,
+            question_id="q",
+            question="Q?",
+            answer="A",
+            rollout=spec.rollout,
+            algorithm=spec.algorithm,
+        )
+        await fake.handle(task, None)
+        return [g for _, g in await bus.read_all(SCORED)][-1]
+
+    state = TrainState(step=5, version=5)
+    batch: set[str] = set()
+    assert await accept(store, "r1", spec, state, await scored(4, "a"), batch_ids=batch)  # staleness 1: kept
+    assert not await accept(store, "r1", spec, state, await scored(3, "b"), batch_ids=batch)  # staleness 2
+    assert not await accept(
+        store, "r1", spec, state, await scored(6, "c"), batch_ids=batch
+    )  # from the future
+    assert not await accept(
+        store, "r1", spec, state, await scored(5, "a"), batch_ids=batch
+    )  # same ids as "a"
+    await store.mark_trained("r1", ["d/0", "d/1"])
+    assert not await accept(store, "r1", spec, state, await scored(5, "d"), batch_ids=batch)  # trained before
+    assert not await accept(store, "r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch)
+    assert state.drops == {"stale": 1, "future": 1, "duplicate": 2, "foreign": 1}
+    assert state.dropped == 2  # stale and future groups get replacement prompts
