@@ -34,13 +34,8 @@ K = TypeVar("K")  # what a letter is lost as: a prompt index, a validation quest
 
 __all__ = ["follow_dead_letters", "lost_prompt", "lost_task"]
 
-# the streams whose messages carry a prompt task, and the model each carries it in
-_CARRIERS = {
-    PROMPTS.name: PromptTask,
-    TRAJECTORIES.name: TrajectoryGroup,
-    SCORED.name: ScoredGroup,
-    EVALS.name: TrajectoryGroup,
-}
+# the streams whose messages carry a prompt task (a ScoredGroup carries it in its group)
+_CARRIERS = {s.name: s.model for s in (PROMPTS, TRAJECTORIES, SCORED, EVALS)}
 _TRAINING = {PROMPTS.name, TRAJECTORIES.name, SCORED.name}  # EVALS carries validation groups only
 
 
