@@ -90,6 +90,7 @@ def sanity_row(algo: str, figures: dict[str, float], spec: PbsdSpec) -> str:
         + _cell(figures, "answer_free_mean_s", "+.4f", marks["answer_free_mean_s"])
         + f"<td>{int(figures['correct_final_turns'])}</td>"
         + _cell(figures, "correct_final_favoured_frac", ".0%", marks["correct_final_favoured_frac"])
+        + _cell(figures, "correct_final_room_frac", ".0%")
         + f"<td>{int(figures['wrong_final_turns'])}</td>"
         + _cell(figures, "wrong_final_disfavoured_frac", ".0%", marks["wrong_final_disfavoured_frac"])
         + _cell(figures, "grounded_gap", "+.4f", marks["grounded_minus_made_up_mean_s"])
@@ -226,7 +227,7 @@ def write_report(
     sanity_table = (
         "<h2>Does the teacher read x*?</h2>"
         "<table><tr><th>run</th><th>answer-free turns</th><th>their mean s</th><th>correct final answers</th>"
-        "<th>with s &gt; eps+</th><th>wrong final answers</th><th>with s &lt; -eps-</th>"
+        "<th>with s &gt; eps+</th><th>of them, any teacher could favour</th><th>wrong final answers</th><th>with s &lt; -eps-</th>"
         "<th>grounded minus made-up mean s (least over actions)</th><th>noise floor (per-token std)</th>"
         "<th>null turns outside the deadband</th><th>scored turns within the floor</th></tr>"
         + "".join(sanity_rows)

@@ -8,7 +8,13 @@ and tokens, not a mean of group means). What the figures mean: ``docs/credit-sig
 
 An :class:`EvidenceTally` counts a set of scored turns (s not NaN)::
 
-    turns, sum_s, sum_abs,  higher (s > 0),  above (s > eps+),  below (s < -eps-)
+    turns, sum_s, sum_abs,  higher (s > 0),  above (s > eps+),  below (s < -eps-),
+    room (ceiling > eps+)
+
+A turn's *ceiling* is the largest s its teacher could give it: the teacher's log-probs are at most
+0, so s <= -(the student's mean log-prob over the turn's aligned tokens). A turn the student already
+writes with near certainty (a copied answer, a formatted box) has a ceiling below eps+, and no
+teacher, however well it reads x*, can favour it; ``room`` counts the turns that could be.
 
 A :class:`NoiseFloor` summarises the null pass, in which student tokens are scored a second
 time in the teacher pass's batch layout, so that each difference d_k = null_k - student_k is
@@ -75,12 +81,23 @@ class EvidenceTally(Contract):
     higher: NonNegInt = Field(default=0, description="turns with s > 0 (teacher > student)")
     above: NonNegInt = Field(default=0, description="turns with s > eps+ (high value)")
     below: NonNegInt = Field(default=0, description="turns with s < -eps- (low value)")
+    room: NonNegInt = Field(
+        default=0, description="turns whose ceiling (the largest s any teacher could give) exceeds eps+"
+    )
 
     @classmethod
-    def of(cls, evidence, *, eps_pos: float, eps_neg: float) -> EvidenceTally:
-        """The tally of the non-NaN entries of ``evidence``."""
+    def of(cls, evidence, *, eps_pos: float, eps_neg: float, ceilings=None) -> EvidenceTally:
+        """The tally of the non-NaN entries of ``evidence``; ``ceilings`` (aligned with it, None:
+        not known) gives ``room``."""
         s = np.asarray(evidence, dtype=np.float64)
-        s = s[~np.isnan(s)]
+        scored = ~np.isnan(s)
+        room = 0
+        if ceilings is not None:
+            c = np.asarray(ceilings, dtype=np.float64)
+            if c.shape != s.shape:
+                raise ValueError(f"ceilings ({c.shape}) and evidence ({s.shape}) must align")
+            room = int((c[scored] > eps_pos).sum())
+        s = s[scored]
         return cls(
             turns=int(s.size),
             sum_s=float(s.sum()),
@@ -88,6 +105,7 @@ class EvidenceTally(Contract):
             higher=int((s > 0).sum()),
             above=int((s > eps_pos).sum()),
             below=int((s < -eps_neg).sum()),
+            room=room,
         )
 
     def __add__(self, other: EvidenceTally) -> EvidenceTally:
@@ -108,6 +126,10 @@ class EvidenceTally(Contract):
     @property
     def below_frac(self) -> float | None:
         return _fraction(self.below, self.turns)
+
+    @property
+    def room_frac(self) -> float | None:
+        return _fraction(self.room, self.turns)
 
     @property
     def deadband_frac(self) -> float | None:
@@ -158,6 +180,8 @@ class TeacherSanity(Contract):
                 values["deadband_frac"] = tally.deadband_frac
             elif key == "correct_final":
                 values["favoured_frac"] = tally.above_frac
+                # how many could be favoured at all: the rest are written with near certainty
+                values["room_frac"] = tally.room_frac
             elif key == "wrong_final":
                 values["disfavoured_frac"] = tally.below_frac
             out |= {f"{name}_{k}": float(v) for k, v in values.items() if v is not None}

@@ -87,22 +87,23 @@ def test_mentions_the_answer_as_whole_normalised_words():
     assert mentions("it is the Blue River", "Danube", aliases=("Blue River",))
 
 
-def _reading_teacher(tok: ChatTokenizer, *, gain: float, offset: float = 0.0):
-    """A likelihood function that reads x* as a good teacher would: in the teacher context (whose
-    prompt holds the answer note) the tokens only the right answer spells gain ``gain`` nats and
-    those only the wrong one spells lose ``gain``; every other teacher token moves by ``offset``."""
+def _reading_teacher(tok: ChatTokenizer, *, gain: float, offset: float = 0.0, student: float = -2.0):
+    """A likelihood function that reads x* as a good teacher would: every token has log-prob
+    ``student``; in the teacher context (whose prompt holds the answer note) the tokens only the right
+    answer spells gain ``gain`` nats (up to certainty, log-prob 0) and those only the wrong one spells
+    lose ``gain``; every other teacher token moves by ``offset``."""
     right, wrong = _spelling(tok, "Danube", "Rhine"), _spelling(tok, "Rhine", "Danube")
 
     async def logprobs(requests):
         out = []
         for ids, positions in requests:
-            lp = np.full(len(positions), -2.0)
+            lp = np.full(len(positions), student)
             if len(positions) and "verified answer" in tok.decode(ids[: int(np.min(positions))]):
                 tokens = np.asarray(ids)[np.asarray(positions)]
                 lp += np.where(
                     np.isin(tokens, list(right)), gain, np.where(np.isin(tokens, list(wrong)), -gain, offset)
                 )
-            out.append(lp)
+            out.append(np.minimum(lp, 0.0))
         return out
 
     return logprobs
@@ -155,6 +156,36 @@ async def test_a_teacher_that_reads_the_answer_passes_the_sanity_figures(tok):
         "answers/made-up": 2,
     }
     assert sanity.actions["answers/grounded"].mean_s > 0 and sanity.actions["queries/made-up"].mean_s == 0
+
+
+def test_room_counts_the_turns_any_teacher_could_favour():
+    """A turn's ceiling is the most s can be (the student's mean negative log-prob): room counts the
+    scored turns whose ceiling exceeds eps+."""
+    t = EvidenceTally.of([0.002, 0.0005, math.nan, -0.01], **EPS, ceilings=[0.01, 0.0008, 0.5, 0.0009])
+    assert (t.turns, t.room) == (3, 1) and t.room_frac == pytest.approx(1 / 3)
+    assert EvidenceTally.of([0.002], **EPS).room == 0  # no ceilings given: none counted
+    assert (t + t).room == 2
+    with pytest.raises(ValueError, match="align"):
+        EvidenceTally.of([0.1, 0.2], **EPS, ceilings=[0.1])
+
+
+async def test_a_perfect_reader_cannot_favour_an_answer_the_student_is_sure_of(tok):
+    """The same reading teacher, once over a student that writes every token with log-prob -2 and once
+    over one that is all but certain (-1e-5 a token): the second's correct finals have no room, so not
+    even a teacher that is certain of the right answer's tokens moves them past eps+, while wrong
+    finals are still disfavoured (a wrong answer's likelihood can always fall)."""
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
+    unsure = (
+        await score_group(_hand_made_group(tok, spec), tok, _reading_teacher(tok, gain=5.0))
+    ).diagnostics
+    sure = await score_group(_hand_made_group(tok, spec), tok, _reading_teacher(tok, gain=5.0, student=-1e-5))
+    assert unsure.sanity.correct_final.room == unsure.sanity.correct_final.above == 2
+    final = sure.diagnostics.sanity.correct_final
+    assert (final.turns, final.room, final.above) == (2, 0, 0)
+    assert 0 < final.mean_s <= 1e-5  # the ceiling: 1e-5, reached on the answer's own tokens only
+    assert sure.diagnostics.sanity.wrong_final.below == 1
+    figures = sure.diagnostics.sanity.figures()
+    assert figures["correct_final_room_frac"] == 0.0 and figures["correct_final_favoured_frac"] == 0.0
 
 
 async def test_a_teacher_that_lowers_everything_fails_them(tok):

@@ -143,9 +143,12 @@ def credit() -> dict:
                 "Of the correct final answers (reward > 0), the fraction with s > eps+; of the wrong ones "
                 "(the agent's own final message, reward 0), the fraction with s < -eps-. A teacher that "
                 "reads the verified answer in x* puts both near 1; near 0 it rescales advantages without "
-                "telling right from wrong. Last batch (trainer) and over 10 minutes (scorer).",
+                "telling right from wrong. Last batch (trainer) and over 10 minutes (scorer). The room line is "
+                "the fraction of correct answers any teacher could favour at all (the student's mean "
+                "log-prob over the turn below -eps+): the favoured fraction cannot exceed it.",
                 [
                     ("pbsd_trainer_correct_final_favoured_fraction", "correct, s > eps+ (last batch)"),
+                    ("pbsd_trainer_correct_final_room_fraction", "correct, room above eps+ (last batch)"),
                     ("pbsd_trainer_wrong_final_disfavoured_fraction", "wrong, s < -eps- (last batch)"),
                     (band("correct_final", "above"), "correct, s > eps+ (10m)"),
                     (band("wrong_final", "below"), "wrong, s < -eps- (10m)"),

@@ -119,7 +119,7 @@ async def score_group(
         asyncio.to_thread(turn_kinds, group, tokenizer),
     )
 
-    evidence, weights, all_s = [], [], []
+    evidence, weights, ceilings, all_s = [], [], [], []
     unaligned = 0
     student_of: dict[int, np.ndarray] = {}
     cursor = 0
@@ -127,6 +127,7 @@ async def score_group(
         if c is None:
             evidence.append(np.full(t.num_turns, np.nan, np.float32))
             weights.append(np.ones(t.num_turns, np.float32))
+            ceilings.append(np.full(t.num_turns, np.nan))
             continue
         student, teacher_aligned = answers[cursor], answers[cursor + 1]
         student_of[i] = student
@@ -137,6 +138,11 @@ async def score_group(
         s = credit.turn_evidence(student, teacher, c.token_turns, reduce=algo.reduce, num_turns=t.num_turns)
         w = credit.turn_weights(
             s, adv[i], delta=algo.delta, clip=algo.clip, eps_pos=algo.eps_pos, eps_neg=algo.eps_neg
+        )
+        # the largest s any teacher could give (its log-probs at 0 on every aligned token)
+        best = np.where(np.isnan(teacher), np.nan, 0.0)
+        ceilings.append(
+            credit.turn_evidence(student, best, c.token_turns, reduce=algo.reduce, num_turns=t.num_turns)
         )
         evidence.append(s.astype(np.float32))
         weights.append(w.astype(np.float32))
@@ -155,7 +161,7 @@ async def score_group(
         else 0.0,
         unaligned_tokens=unaligned,
         evidence=scored.astype(np.float32),
-        sanity=tally_sanity(kinds, evidence, algo),
+        sanity=tally_sanity(kinds, evidence, algo, ceilings),
         noise=noise,
     )
     return ScoredGroup(

@@ -68,19 +68,25 @@ def turn_kinds(group: TrajectoryGroup, tokenizer: ChatTokenizer) -> TurnKinds:
     return out
 
 
-def tally_sanity(kinds: TurnKinds, evidence: list[np.ndarray], spec: PbsdSpec) -> TeacherSanity:
-    """Tally the per-turn evidence (one array per trajectory, NaN where unscored) by turn kind."""
-    cells: dict[str, list[float]] = defaultdict(list)
-    for turns, s in zip(kinds, evidence, strict=True):
+def tally_sanity(
+    kinds: TurnKinds, evidence: list[np.ndarray], spec: PbsdSpec, ceilings: list[np.ndarray] | None = None
+) -> TeacherSanity:
+    """Tally the per-turn evidence (one array per trajectory, NaN where unscored) by turn kind;
+    ``ceilings``, aligned with it, are the turns' largest possible s (``EvidenceTally.room``)."""
+    cells: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    if ceilings is None:
+        ceilings = [np.full(len(s), np.nan) for s in evidence]
+    for turns, s, top in zip(kinds, evidence, ceilings, strict=True):
         if turns is None:
             continue
-        for (kind, action), value in zip(turns, s, strict=True):  # NaN s: left out by the tally
-            cells[kind].append(value)
+        for (kind, action), value, ceiling in zip(turns, s, top, strict=True):  # NaN s: left out
+            cells[kind].append((value, ceiling))
             if action is not None:
-                cells[action].append(value)
+                cells[action].append((value, ceiling))
 
     def tally(key: str) -> EvidenceTally:
-        return EvidenceTally.of(cells.get(key, []), eps_pos=spec.eps_pos, eps_neg=spec.eps_neg)
+        pairs = np.array(cells.get(key, []), dtype=np.float64).reshape(-1, 2)
+        return EvidenceTally.of(pairs[:, 0], eps_pos=spec.eps_pos, eps_neg=spec.eps_neg, ceilings=pairs[:, 1])
 
     return TeacherSanity(
         answer_free=tally("answer_free"),

@@ -47,6 +47,11 @@ CORRECT_FAVOURED = Gauge(
     "pbsd_trainer_correct_final_favoured_fraction",
     "Fraction of the last batch's correct final answers with s > eps+",
 )
+CORRECT_ROOM = Gauge(
+    "pbsd_trainer_correct_final_room_fraction",
+    "Fraction of the last batch's correct final answers that any teacher could favour: the student's "
+    "mean log-prob over the turn is below -eps+ (the rest are written with near certainty)",
+)
 WRONG_DISFAVOURED = Gauge(
     "pbsd_trainer_wrong_final_disfavoured_fraction",
     "Fraction of the last batch's wrong final answers with s < -eps-",
@@ -121,6 +126,7 @@ STEP_GAUGES = {
     "grounded_answers_frac": GROUNDED_ANSWERS,
     "answer_free_mean_s": ANSWER_FREE,
     "correct_final_favoured_frac": CORRECT_FAVOURED,
+    "correct_final_room_frac": CORRECT_ROOM,
     "wrong_final_disfavoured_frac": WRONG_DISFAVOURED,
     "noise_std": NOISE_STD,
     "noise_outside_deadband_frac": NOISE_OUTSIDE,

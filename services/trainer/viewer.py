@@ -167,7 +167,12 @@ def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
         f"answer-free turns: mean s {f['answer_free_mean_s']:+.4f} over {int(f['answer_free_turns'])}"
         if "answer_free_mean_s" in f
         else "no answer-free turns",
-        f"correct final answers with s &gt; eps+: {frac('correct_final_favoured_frac', 'correct_final_turns')}",
+        f"correct final answers with s &gt; eps+: {frac('correct_final_favoured_frac', 'correct_final_turns')}"
+        + (
+            f" (any teacher could favour {f['correct_final_room_frac']:.0%})"
+            if "correct_final_room_frac" in f
+            else ""
+        ),
         f"wrong final answers with s &lt; -eps-: {frac('wrong_final_disfavoured_frac', 'wrong_final_turns')}",
     ]
     if "noise_std" in f:
