@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     from services.trainer.sft import SftConfig
@@ -94,6 +94,12 @@ class DemoConfig(BaseModel):
     teacher_sft_epochs: int = 1
     teacher_sft_warmup_steps: int = 5
     teacher_sft_contradict: float = 0.5  # pbsd sft --teacher-contradict
+    # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
+    # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
+    # on the committed policy the long note after the question lowers every later turn (answer-free
+    # mean s -0.021, seven times eps-), the short one leaves them in the deadband (-0.0025), with no
+    # retraining (docs/credit-signal.md, "Where the note goes")
+    teacher_template: str = "answer-first"
     # RL
     steps: int = 16
     prompts_per_step: int = 4
@@ -138,6 +144,22 @@ class DemoConfig(BaseModel):
         questions set aside from the RL split have the RL difficulties (``difficulty``)."""
         unused = {"eval_difficulty"} if self.eval_split == "rl" else set()
         return self.model_dump(mode="json", exclude=unused)
+
+    @field_validator("teacher_template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        from proto.runs import TEACHER_TEMPLATES, PbsdSpec
+
+        PbsdSpec(
+            teacher_template=TEACHER_TEMPLATES.get(value, value)
+        )  # refused here, before a world is built
+        return value
+
+    def teacher(self) -> str:
+        """The teacher template itself (``teacher_template`` names one, or is one)."""
+        from proto.runs import TEACHER_TEMPLATES
+
+        return TEACHER_TEMPLATES.get(self.teacher_template, self.teacher_template)
 
     def warm_start(self) -> dict[str, object]:
         """The settings that shape the warm policy beyond the world itself (the world has its own

@@ -194,7 +194,10 @@ def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path, questio
             "temperature": 1.0,
             "top_p": 1.0,
         },
-        "algorithm": {"name": algorithm},
+        # the teacher template matters to PBSD alone; GRPO's spec stays the paper's (pbsd compare
+        # builds its variants over the GRPO spec, so its "pbsd" is the paper's default wording)
+        "algorithm": {"name": algorithm}
+        | ({"teacher_template": config.teacher()} if algorithm == "pbsd" else {}),
         "trainer": {
             "prompts_per_step": config.prompts_per_step,
             "max_steps": config.steps,

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto.runs import SUPPORT_TEACHER_TEMPLATE
+from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE
 
 __all__ = ["VARIANTS", "Variant", "merge", "variant_spec"]
 
@@ -40,6 +40,11 @@ VARIANTS: dict[str, Variant] = {
         "PBSD whose teacher is also told the question's supporting facts (beyond the paper: "
         "proto.runs.SUPPORT_TEACHER_TEMPLATE)",
         {"algorithm": {"name": "pbsd", "teacher_template": SUPPORT_TEACHER_TEMPLATE}},
+    ),
+    "pbsd-answer-first": Variant(
+        "PBSD with the answer-only note before the question, in a few words (the demo's teacher: "
+        "proto.runs.ANSWER_FIRST_TEACHER_TEMPLATE)",
+        {"algorithm": {"name": "pbsd", "teacher_template": ANSWER_FIRST_TEACHER_TEMPLATE}},
     ),
     "pbsd-no-deadband": Variant(
         "PBSD with eps+ = eps- = 0, every turn weighted (Table 1's '0% filtered' ablation)",

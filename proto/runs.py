@@ -18,6 +18,7 @@ from pbsd import credit
 from proto.base import Contract, Message
 
 __all__ = [
+    "ANSWER_FIRST_TEACHER_TEMPLATE",
     "DEFAULT_TEACHER_TEMPLATE",
     "SUPPORT_TEACHER_TEMPLATE",
     "TEACHER_TEMPLATES",
@@ -51,8 +52,15 @@ SUPPORT_TEACHER_TEMPLATE = (
     "conversation can be evaluated; the assistant below did not see them.]"
 )
 TEMPLATE_FIELDS = ("question", "answer", "support")  # {support}: the facts joined by "; "
+# The same answer-only teacher with the note before the question, in a few words: a model reads the
+# end of the user message most, so x* then differs from x least where the policy looks.
+ANSWER_FIRST_TEACHER_TEMPLATE = "Verified answer: {answer}\n\n{question}"
 # the templates by the names the command line knows them by
-TEACHER_TEMPLATES = {"answer": DEFAULT_TEACHER_TEMPLATE, "support": SUPPORT_TEACHER_TEMPLATE}
+TEACHER_TEMPLATES = {
+    "answer": DEFAULT_TEACHER_TEMPLATE,
+    "support": SUPPORT_TEACHER_TEMPLATE,
+    "answer-first": ANSWER_FIRST_TEACHER_TEMPLATE,
+}
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]

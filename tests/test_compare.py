@@ -16,7 +16,7 @@ from demo.config import DemoConfig
 from demo.variants import VARIANTS, merge, variant_spec
 from pbsd.cli.compare import seed_list
 from pbsd.comparison import compare_variants
-from proto.runs import RunSpec
+from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, DEFAULT_TEACHER_TEMPLATE, RunSpec
 
 BASE = {
     "name": "demo-grpo",
@@ -45,6 +45,32 @@ def test_every_variant_is_a_valid_run_spec_that_differs_only_in_its_overrides():
         exclude={"teacher_template"}
     )
     assert pbsd.algorithm == RunSpec.model_validate(BASE | {"algorithm": {"name": "pbsd"}}).algorithm
+    first = RunSpec.model_validate(variant_spec("pbsd-answer-first", BASE)).algorithm
+    assert first.teacher_template == ANSWER_FIRST_TEACHER_TEMPLATE != pbsd.algorithm.teacher_template
+
+
+def test_the_demo_teaches_pbsd_with_its_template_and_leaves_grpo_and_compare_alone():
+    """The demo's PBSD run uses its teacher_template; the GRPO spec, over which pbsd compare builds
+    every variant, names none, so compare's "pbsd" stays the paper's default wording."""
+    from pathlib import Path
+
+    from demo.run import run_spec
+
+    def spec(config, algorithm):
+        return run_spec(config, algorithm, Path("policy"), Path("rl.jsonl"), questions=70)
+
+    pbsd = RunSpec.model_validate(spec(DemoConfig(), "pbsd")).algorithm
+    assert pbsd.teacher_template == ANSWER_FIRST_TEACHER_TEMPLATE
+    paper = RunSpec.model_validate(spec(DemoConfig(teacher_template="answer"), "pbsd")).algorithm
+    assert paper.teacher_template == DEFAULT_TEACHER_TEMPLATE
+    assert "teacher_template" not in spec(DemoConfig(), "grpo")["algorithm"]
+    own = "Q: {question} A: {answer}"
+    assert (
+        RunSpec.model_validate(spec(DemoConfig(teacher_template=own), "pbsd")).algorithm.teacher_template
+        == own
+    )
+    with pytest.raises(ValueError, match="teacher_template"):
+        DemoConfig(teacher_template="no fields")
 
 
 def test_merge_merges_mappings_and_replaces_the_rest():

@@ -245,7 +245,7 @@ def test_the_compose_run_is_sized_like_the_demo():
     config = DemoConfig()
     # 70: the easy RL questions of the default world the demo trains on (48 others set aside)
     demo = run_spec(config, "pbsd", Path("policy"), Path("rl.jsonl"), questions=70)
-    for section in ("rollout", "trainer"):
+    for section in ("rollout", "trainer", "algorithm"):
         for key, value in demo[section].items():
             if key != "checkpoint_every":
                 assert compose_run[section][key] == value, f"{section}.{key}"

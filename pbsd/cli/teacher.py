@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 from pbsd.cli.errors import UserError
-from pbsd.cli.inputs import checkpoint_dir, questions_file
+from pbsd.cli.inputs import checkpoint_dir, conversations_file, questions_file
 
 app = typer.Typer(
     help="Check the PBSD teacher (the answer-aware policy) before a run.",
@@ -52,7 +52,8 @@ def check_cmd(
     date: str | None = typer.Option(None, help="'today' in the system prompt (default: the world's)"),
     teacher_template: str = typer.Option(
         "answer",
-        help="x*'s template: answer (the paper's), support (the answer and the question's supporting "
+        help="x*'s template: answer (the paper's note after the question), answer-first (the same answer "
+        "in a short note before the question: the demo's), support (the answer and the question's supporting "
         "facts), or a template of your own with {question}, {answer} and optionally {support}",
     ),
     eps_pos: float = typer.Option(0.001, help="eps+ of the deadband"),
@@ -121,6 +122,50 @@ def check_cmd(
     typer.echo(describe(report) + f"\nreport in {out}")
     if strict and any(c["met"] is False for c in report["checks"]):
         raise typer.Exit(1)
+
+
+@app.command("probe")
+def probe_cmd(
+    model: Path = typer.Option(..., help="the checkpoint to probe", callback=checkpoint_dir),
+    data: Path = typer.Option(
+        ...,
+        help="oracle conversations with their answers, e.g. `pbsd world sft-data --split validation`",
+        exists=True,
+        dir_okay=False,
+        callback=conversations_file,
+    ),
+    teacher_template: str = typer.Option("answer", help="x*'s template, as for `pbsd teacher check`"),
+    limit: int | None = typer.Option(40, help="probe only the first N conversations"),
+    seed: int = typer.Option(0, help="seeds the choice of decoy answers"),
+    eps_pos: float = typer.Option(0.001, help="eps+ of the deadband"),
+    eps_neg: float = typer.Option(0.003, help="eps- of the deadband"),
+) -> None:
+    """Does the teacher read the note? Teacher-forced, on oracle conversations, in seconds.
+
+    Scores each conversation's final answer with the verified answer in x*, with a decoy answer in
+    x* (what a wrong final looks like to the teacher), and with the answer stated only by x* (the
+    tool results name the decoy): services/trainer/note_probe.py, docs/credit-signal.md."""
+    from proto.runs import TEACHER_TEMPLATES, PbsdSpec
+    from services.trainer.note_probe import note_probe
+
+    template = TEACHER_TEMPLATES.get(teacher_template, teacher_template)
+    try:
+        PbsdSpec(teacher_template=template)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
+    try:
+        f = note_probe(model, data, template, limit=limit, seed=seed, eps_pos=eps_pos, eps_neg=eps_neg)
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"{data}: {exc}") from None
+    typer.echo(
+        f"note probe of {model} on {int(f['conversations'])} conversations of {data}\n"
+        f"  right note (a correct final): mean s {f['right_note_mean_s']:+.4f}, "
+        f"{f['right_note_favoured_frac']:.0%} with s > eps+ (any teacher could: {f['right_note_room_frac']:.0%})\n"
+        f"  decoy note (a wrong final): mean s {f['decoy_note_mean_s']:+.4f}, "
+        f"{f['decoy_note_disfavoured_frac']:.0%} with s < -eps-\n"
+        f"  answer only in the note ({int(f['note_only_conversations'])} conversations): the answer's tokens "
+        f"{f['note_only_answer_logprob_without']:.2f} nats without x*, {f['note_only_answer_logprob_with']:.2f} with it"
+    )
 
 
 async def _check(model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype):
@@ -238,7 +283,12 @@ def describe(report: dict[str, Any]) -> str:
         + (f"{f['answer_free_mean_s']:+.4f}" if "answer_free_mean_s" in f else "-")
         + f" over {int(f.get('answer_free_turns', 0))} {verdict('answer_free_mean_s')}",
         f"  correct final answers with s > eps+: {frac('correct_final_favoured_frac', 'correct_final_turns')} "
-        + verdict("correct_final_favoured_frac"),
+        + verdict("correct_final_favoured_frac")
+        + (
+            f"; any teacher could favour {f['correct_final_room_frac']:.0%} of them"
+            if "correct_final_room_frac" in f
+            else ""
+        ),
         f"  wrong final answers with s < -eps-: {frac('wrong_final_disfavoured_frac', 'wrong_final_turns')} "
         + verdict("wrong_final_disfavoured_frac"),
     ]

@@ -1,0 +1,117 @@
+"""Does the teacher read the note? Teacher-forced on oracle conversations, in seconds.
+
+``pbsd teacher check`` samples the policy's own trajectories, which takes minutes and mixes how
+well the teacher reads x* with how often the policy happens to be right. This asks the question
+directly, on conversations whose every turn is known (``pbsd world sft-data``: the oracle reads
+the answer on a page and writes it), with three layouts of each:
+
+- **right note**: x* states the verified answer. The final turn's s (teacher minus student, the
+  mean over its tokens, as the scorer computes it) is what a correct final answer gets; its
+  *ceiling*, the student's mean negative log-prob over the turn, is the most any teacher could give
+  it (``proto.sanity.EvidenceTally.room``).
+- **decoy note**: x* states another answer of the same kind (a name for a name, a year for a
+  year, :class:`services.trainer.teacher_sft.TeacherCopies`' pool). The final turn writes what the
+  page says and the note contradicts it: what a wrong final answer looks like to the teacher, whose
+  s a reading teacher pushes below -eps-.
+- **note only**: every tool result names the decoy where the answer stood
+  (:func:`services.trainer.teacher_sft.contradict`), so the note is the only place that states
+  the answer the final turn writes. The mean log-prob of the answer's tokens in that turn, with
+  the note and without it: a teacher that reads the note lifts them toward 0; one that does not
+  leaves them where the page's decoy puts them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+from agent.chat import ChatTokenizer
+from agent.privileged import teacher_prompt_ids
+from services.model.checkpoint import load_model
+from services.scorer.logprobs import sequence_logprobs
+from services.trainer.sft import encode_conversation
+from services.trainer.teacher_sft import contradict
+
+__all__ = ["note_probe"]
+
+
+def _final_turn(mask: list[int]) -> np.ndarray:
+    """Positions of the last assistant message (the loss mask's last run of 1s)."""
+    m = np.asarray(mask)
+    return np.flatnonzero((m == 1) & (np.arange(m.size) > np.flatnonzero(m == 0)[-1]))
+
+
+def _privileged(tok: ChatTokenizer, row: dict, ids: list[int], answer: str, template: str) -> list[int]:
+    """``ids`` with its prompt replaced by x* stating ``answer`` (the scorer's own construction)."""
+    prompt = len(tok.prompt_ids(row["messages"][0]["content"], row["messages"][1]["content"]))
+    return teacher_prompt_ids(tok, ids[:prompt], answer, template, row.get("support", ())) + ids[prompt:]
+
+
+def note_probe(
+    model_dir: Path,
+    data: Path,
+    template: str,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    eps_pos: float = 0.001,
+    eps_neg: float = 0.003,
+) -> dict[str, float]:
+    """The figures above over the first ``limit`` conversations of ``data`` (chat JSONL with answers);
+    a conversation whose answer has no other of its kind in the file is left out."""
+    tok = ChatTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir)
+    with data.open(encoding="utf-8") as f:
+        every = [json.loads(line) for line in filter(str.strip, f)]
+    rows = every[:limit]
+    if not rows:
+        raise ValueError(f"{data}: no conversations")
+    # decoys come from every answer of the file, so that a year has other years to stand for it
+    pool = {
+        kind: sorted({r["answer"] for r in every if r["answer"].isdigit() == kind}) for kind in (True, False)
+    }
+    picks = random.Random(f"pbsd-note-probe-{seed}")
+    right, decoyed, ceilings, with_note, without = [], [], [], [], []
+    for row in rows:
+        answer = row["answer"]
+        others = [a for a in pool[answer.isdigit()] if a != answer]
+        if not others:
+            continue
+        decoy = picks.choice(others)
+        ids, mask = encode_conversation(tok, row["messages"])
+        final = _final_turn(mask)
+        at = [_privileged(tok, row, ids, a, template) for a in (answer, decoy)]
+        student, *teacher = sequence_logprobs(
+            model, [(ids, final)] + [(t, final + len(t) - len(ids)) for t in at]
+        )
+        right.append(float((teacher[0] - student).mean()))
+        decoyed.append(float((teacher[1] - student).mean()))
+        ceilings.append(float(-student.mean()))
+        contradicted = contradict(row, decoy)
+        if contradicted is None:
+            continue
+        cids, cmask = encode_conversation(tok, contradicted["messages"])
+        cfinal = _final_turn(cmask)
+        spelled = set(tok.encode(answer)) | set(tok.encode(" " + answer))
+        keep = cfinal[np.isin(np.asarray(cids)[cfinal], list(spelled))]
+        if keep.size == 0:
+            continue
+        noted = _privileged(tok, contradicted, cids, answer, template)
+        plain, read = sequence_logprobs(model, [(cids, keep), (noted, keep + len(noted) - len(cids))])
+        without.append(float(plain.mean()))
+        with_note.append(float(read.mean()))
+    r, d, c = np.array(right), np.array(decoyed), np.array(ceilings)
+    return {
+        "conversations": float(r.size),
+        "right_note_mean_s": float(r.mean()),
+        "right_note_favoured_frac": float((r > eps_pos).mean()),
+        "right_note_room_frac": float((c > eps_pos).mean()),
+        "decoy_note_mean_s": float(d.mean()),
+        "decoy_note_disfavoured_frac": float((d < -eps_neg).mean()),
+        "note_only_conversations": float(len(with_note)),
+        "note_only_answer_logprob_without": float(np.mean(without)) if without else float("nan"),
+        "note_only_answer_logprob_with": float(np.mean(with_note)) if with_note else float("nan"),
+    }

@@ -1,0 +1,97 @@
+"""``pbsd teacher probe``: the note probe's figures against a plain forward pass, and its command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from agent.chat import ChatTokenizer
+from pbsd.cli import app
+from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE
+from services.model.checkpoint import load_model
+from services.trainer.note_probe import note_probe
+from services.trainer.sft import encode_conversation
+from worldgen.oracle import write_sft_data
+
+
+@pytest.fixture(scope="module")
+def conversations(tiny_world, tmp_path_factory):
+    data = tmp_path_factory.mktemp("note-probe") / "val.jsonl"
+    write_sft_data(tiny_world, data, split="validation", limit=12, search_num=3)
+    return data
+
+
+def _plain_final_turn_logprobs(model, tok, ids, final_start):
+    """log p of every token from ``final_start`` on, from one full forward (no scorer code)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return np.array([float(logp[p - 1, ids[p]]) for p in range(final_start, len(ids) - 0)])
+
+
+def test_the_right_note_figure_is_the_final_turns_mean_gap(tiny_checkpoint, conversations):
+    f = note_probe(tiny_checkpoint, conversations, ANSWER_FIRST_TEACHER_TEMPLATE, limit=3)
+    assert f["conversations"] == 3 and 0 <= f["note_only_conversations"] <= 3
+    tok, model = ChatTokenizer.from_pretrained(tiny_checkpoint), load_model(tiny_checkpoint)
+    gaps, ceilings = [], []
+    for row in map(json.loads, conversations.read_text().splitlines()[:3]):
+        ids, mask = encode_conversation(tok, row["messages"])
+        final = len(ids) - mask[::-1].index(0)  # the last assistant message: after the last masked token
+        note = ANSWER_FIRST_TEACHER_TEMPLATE.format(
+            answer=row["answer"], question=row["messages"][1]["content"]
+        )
+        x_star = tok.prompt_ids(row["messages"][0]["content"], note)
+        prompt = len(tok.prompt_ids(row["messages"][0]["content"], row["messages"][1]["content"]))
+        student = _plain_final_turn_logprobs(model, tok, ids, final)
+        teacher = _plain_final_turn_logprobs(model, tok, x_star + ids[prompt:], final + len(x_star) - prompt)
+        gaps.append((teacher - student).mean())
+        ceilings.append(-student.mean())
+    assert f["right_note_mean_s"] == pytest.approx(np.mean(gaps), abs=1e-5)
+    assert f["right_note_room_frac"] == np.mean(np.array(ceilings) > 0.001) == 1.0  # random weights: unsure
+    assert 0 <= f["decoy_note_disfavoured_frac"] <= 1 and np.isfinite(f["decoy_note_mean_s"])
+
+
+def test_the_decoys_are_seeded_answers_of_the_same_kind(tiny_checkpoint, conversations):
+    a = note_probe(tiny_checkpoint, conversations, ANSWER_FIRST_TEACHER_TEMPLATE, limit=2, seed=1)
+    b = note_probe(tiny_checkpoint, conversations, ANSWER_FIRST_TEACHER_TEMPLATE, limit=2, seed=1)
+    c = note_probe(tiny_checkpoint, conversations, ANSWER_FIRST_TEACHER_TEMPLATE, limit=2, seed=2)
+    assert a == b and a["decoy_note_mean_s"] != c["decoy_note_mean_s"]  # other decoys, other gaps
+    assert a["right_note_mean_s"] == c["right_note_mean_s"]  # the right note has no draw
+
+
+def test_the_command_prints_the_three_layouts(tiny_checkpoint, conversations):
+    result = CliRunner().invoke(
+        app,
+        [
+            "teacher",
+            "probe",
+            "--model",
+            str(tiny_checkpoint),
+            "--data",
+            str(conversations),
+            "--teacher-template",
+            "answer-first",
+            "--limit",
+            "2",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "on 2 conversations" in result.output and "right note" in result.output
+    assert "decoy note" in result.output and "answer only in the note" in result.output
+    bad = CliRunner().invoke(
+        app,
+        [
+            "teacher",
+            "probe",
+            "--model",
+            str(tiny_checkpoint),
+            "--data",
+            str(conversations),
+            "--teacher-template",
+            "no fields",
+        ],
+    )
+    assert bad.exit_code == 2 and "teacher_template" in bad.output
