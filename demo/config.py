@@ -1,4 +1,4 @@
-"""The demo's settings: everything ``pbsd demo`` does is sized here (defaults: about 7 minutes on 2 cores)."""
+"""The demo's settings: everything ``pbsd demo`` does is sized here (defaults: 5 to 7 minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ class DemoConfig(BaseModel):
     # sized for: with 2 OpenMP threads each, a parallel op waits at its barrier for a thread the
     # scheduler has set aside, and the tiny model's ops are too small to gain from a second one.
     torch_threads: int = Field(default=1, ge=1)
-    # a run with no new training step for this long is stopped as stalled (a step takes ~21 s here)
+    # a run with no new training step for this long is stopped as stalled (a step takes 15-25 s here)
     stall_timeout_s: float = Field(default=600.0, gt=0)
     # evaluation before and after
     # 48 questions, the same sampling seeds before and after: under a minute each time here; one

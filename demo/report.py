@@ -238,7 +238,9 @@ def write_report(
         "ones, and favours grounded actions over made-up ones (&#10003;/&#10007;: target met or "
         "not). The noise floor is the scorer's null pass: the same tokens scored again in the teacher "
         "pass's layout, where the true evidence is 0; a turn whose |s| lies within it is marked in "
-        "the viewer. See docs/credit-signal.md.</p>"
+        "the viewer. The teacher's x* rewrote the user message as "
+        f"<code>{html.escape(repr(config.teacher()))}</code> (<code>teacher_template</code> "
+        f"{html.escape(repr(config.teacher_template))}). See docs/credit-signal.md.</p>"
         if sanity_rows
         else ""
     )

@@ -118,6 +118,9 @@ CASES = [
     ("teacher check: no corpus", lambda f: _teacher(f, "--corpus", f.missing), "--corpus", 2),
     ("teacher check: a bad deadband", lambda f: _teacher(f, "--eps-pos", "-1"), "eps_pos", 2),
     ("teacher check: a bad template", lambda f: _teacher(f, "--teacher-template", "{question} {hint}"), "teacher_template", 2),
+    ("teacher probe: no data", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),
+    ("teacher probe: no answers", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl")], "line 1 is not a conversation with its answer", 2),
+    ("teacher probe: a bad template", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--teacher-template", "{question} {hint}"], "teacher_template", 2),
     ("teacher check: support without facts", lambda f: _teacher(f, "--teacher-template", "support"), "3 of 3 questions", 1),
     # refused before the model is loaded (f.ckpt would fail to load) or anything sampled
     ("eval: compare to other questions", lambda f: _eval(f, "--compare-to", f.tmp / "other-report.json"), "3 of the 3 evaluated here are not among its 1", 2),

@@ -104,6 +104,8 @@ def test_demo_runs_end_to_end(tmp_path):
         }
         assert ("change" in evaluation) == (name != "eval-before.json")
     assert "grounded searches" in report and "Does the teacher read x*?" in report
+    # the teacher's x* is the demo's answer-first note, and beside the favoured fraction its bound
+    assert "Verified answer: {answer}" in report and "any teacher could favour" in report
     assert "data-testid='sanity'" in (out / "viewer-pbsd.html").read_text()
     assert "change of mean@1 from before" in report and "95% CI" in report  # the paired comparison
     assert "change " in result.stdout and " better, " in result.stdout

@@ -13,7 +13,7 @@ from agent.chat import ChatTokenizer
 from pbsd.cli import app
 from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE
 from services.model.checkpoint import load_model
-from services.trainer.note_probe import note_probe
+from services.trainer.note_probe import note_probe, read_conversations
 from services.trainer.sft import encode_conversation
 from worldgen.oracle import write_sft_data
 
@@ -33,7 +33,7 @@ def _plain_final_turn_logprobs(model, tok, ids, final_start):
 
 
 def test_the_right_note_figure_is_the_final_turns_mean_gap(tiny_checkpoint, conversations):
-    f = note_probe(tiny_checkpoint, conversations, ANSWER_FIRST_TEACHER_TEMPLATE, limit=3)
+    f = note_probe(tiny_checkpoint, read_conversations(conversations), ANSWER_FIRST_TEACHER_TEMPLATE, limit=3)
     assert f["conversations"] == 3 and 0 <= f["note_only_conversations"] <= 3
     tok, model = ChatTokenizer.from_pretrained(tiny_checkpoint), load_model(tiny_checkpoint)
     gaps, ceilings = [], []
@@ -55,43 +55,22 @@ def test_the_right_note_figure_is_the_final_turns_mean_gap(tiny_checkpoint, conv
 
 
 def test_the_decoys_are_seeded_answers_of_the_same_kind(tiny_checkpoint, conversations):
-    a = note_probe(tiny_checkpoint, conversations, ANSWER_FIRST_TEACHER_TEMPLATE, limit=2, seed=1)
-    b = note_probe(tiny_checkpoint, conversations, ANSWER_FIRST_TEACHER_TEMPLATE, limit=2, seed=1)
-    c = note_probe(tiny_checkpoint, conversations, ANSWER_FIRST_TEACHER_TEMPLATE, limit=2, seed=2)
+    rows = read_conversations(conversations)
+    a, b, c = (
+        note_probe(tiny_checkpoint, rows, ANSWER_FIRST_TEACHER_TEMPLATE, limit=2, seed=k) for k in (1, 1, 2)
+    )
     assert a == b and a["decoy_note_mean_s"] != c["decoy_note_mean_s"]  # other decoys, other gaps
     assert a["right_note_mean_s"] == c["right_note_mean_s"]  # the right note has no draw
 
 
 def test_the_command_prints_the_three_layouts(tiny_checkpoint, conversations):
-    result = CliRunner().invoke(
-        app,
-        [
-            "teacher",
-            "probe",
-            "--model",
-            str(tiny_checkpoint),
-            "--data",
-            str(conversations),
-            "--teacher-template",
-            "answer-first",
-            "--limit",
-            "2",
-        ],
-    )
+    def probe(*options: str):
+        args = ["teacher", "probe", "--model", str(tiny_checkpoint), "--data", str(conversations)]
+        return CliRunner().invoke(app, [*args, *options])
+
+    result = probe("--teacher-template", "answer-first", "--limit", "2")
     assert result.exit_code == 0, result.output
     assert "on 2 conversations" in result.output and "right note" in result.output
     assert "decoy note" in result.output and "answer only in the note" in result.output
-    bad = CliRunner().invoke(
-        app,
-        [
-            "teacher",
-            "probe",
-            "--model",
-            str(tiny_checkpoint),
-            "--data",
-            str(conversations),
-            "--teacher-template",
-            "no fields",
-        ],
-    )
+    bad = probe("--teacher-template", "no fields")
     assert bad.exit_code == 2 and "teacher_template" in bad.output

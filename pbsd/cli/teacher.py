@@ -140,13 +140,13 @@ def probe_cmd(
     eps_pos: float = typer.Option(0.001, help="eps+ of the deadband"),
     eps_neg: float = typer.Option(0.003, help="eps- of the deadband"),
 ) -> None:
-    """Does the teacher read the note? Teacher-forced, on oracle conversations, in seconds.
+    """Does the teacher read the note? Teacher-forced, no sampling.
 
     Scores each conversation's final answer with the verified answer in x*, with a decoy answer in
     x* (what a wrong final looks like to the teacher), and with the answer stated only by x* (the
     tool results name the decoy): services/trainer/note_probe.py, docs/credit-signal.md."""
     from proto.runs import TEACHER_TEMPLATES, PbsdSpec
-    from services.trainer.note_probe import note_probe
+    from services.trainer.note_probe import note_probe, read_conversations
 
     template = TEACHER_TEMPLATES.get(teacher_template, teacher_template)
     try:
@@ -154,9 +154,10 @@ def probe_cmd(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
     try:
-        f = note_probe(model, data, template, limit=limit, seed=seed, eps_pos=eps_pos, eps_neg=eps_neg)
-    except (KeyError, ValueError) as exc:
-        raise UserError(f"{data}: {exc}") from None
+        rows = read_conversations(data)
+    except ValueError as exc:
+        raise UserError(f"{data}: {exc}", code=2) from None
+    f = note_probe(model, rows, template, limit=limit, seed=seed, eps_pos=eps_pos, eps_neg=eps_neg)
     typer.echo(
         f"note probe of {model} on {int(f['conversations'])} conversations of {data}\n"
         f"  right note (a correct final): mean s {f['right_note_mean_s']:+.4f}, "

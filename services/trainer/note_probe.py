@@ -27,15 +27,27 @@ import random
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
 from services.model.checkpoint import load_model
-from services.scorer.logprobs import sequence_logprobs
 from services.trainer.sft import encode_conversation
 from services.trainer.teacher_sft import contradict
 
-__all__ = ["note_probe"]
+__all__ = ["note_probe", "read_conversations"]
+
+
+def _logprobs(model, requests: list[tuple[list[int], np.ndarray]]) -> list[np.ndarray]:
+    """log p(ids[p] | ids[:p]) at each request's positions: one whole forward a sequence, the
+    log-softmax in float32 at the positions asked for only (as the scorer computes it)."""
+    out = []
+    with torch.no_grad():
+        for ids, positions in requests:
+            logits = model(torch.tensor([ids])).logits[0, torch.as_tensor(positions) - 1].float()
+            picked = torch.as_tensor(ids)[torch.as_tensor(positions)]
+            out.append(torch.log_softmax(logits, -1).gather(1, picked[:, None])[:, 0].numpy())
+    return out
 
 
 def _final_turn(mask: list[int]) -> np.ndarray:
@@ -50,9 +62,24 @@ def _privileged(tok: ChatTokenizer, row: dict, ids: list[int], answer: str, temp
     return teacher_prompt_ids(tok, ids[:prompt], answer, template, row.get("support", ())) + ids[prompt:]
 
 
+def read_conversations(data: Path) -> list[dict]:
+    """The conversations of ``data`` (chat JSONL), each with its ``answer``; ValueError names the
+    first line that is not one."""
+    with data.open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in filter(str.strip, f)]
+    if not rows:
+        raise ValueError("no conversations")
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or not isinstance(row.get("answer"), str) or "messages" not in row:
+            raise ValueError(
+                f"line {n} is not a conversation with its answer (pbsd world sft-data writes them)"
+            )
+    return rows
+
+
 def note_probe(
     model_dir: Path,
-    data: Path,
+    every: list[dict],
     template: str,
     *,
     limit: int | None = None,
@@ -60,16 +87,12 @@ def note_probe(
     eps_pos: float = 0.001,
     eps_neg: float = 0.003,
 ) -> dict[str, float]:
-    """The figures above over the first ``limit`` conversations of ``data`` (chat JSONL with answers);
-    a conversation whose answer has no other of its kind in the file is left out."""
-    tok = ChatTokenizer.from_pretrained(model_dir)
-    model = load_model(model_dir)
-    with data.open(encoding="utf-8") as f:
-        every = [json.loads(line) for line in filter(str.strip, f)]
+    """The figures above over the first ``limit`` of ``every`` (:func:`read_conversations`); a
+    conversation whose answer has no other of its kind among them is left out."""
     rows = every[:limit]
-    if not rows:
-        raise ValueError(f"{data}: no conversations")
-    # decoys come from every answer of the file, so that a year has other years to stand for it
+    tok = ChatTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir).eval()
+    # decoys come from every answer given, so that a year has other years to stand for it
     pool = {
         kind: sorted({r["answer"] for r in every if r["answer"].isdigit() == kind}) for kind in (True, False)
     }
@@ -84,9 +107,7 @@ def note_probe(
         ids, mask = encode_conversation(tok, row["messages"])
         final = _final_turn(mask)
         at = [_privileged(tok, row, ids, a, template) for a in (answer, decoy)]
-        student, *teacher = sequence_logprobs(
-            model, [(ids, final)] + [(t, final + len(t) - len(ids)) for t in at]
-        )
+        student, *teacher = _logprobs(model, [(ids, final)] + [(t, final + len(t) - len(ids)) for t in at])
         right.append(float((teacher[0] - student).mean()))
         decoyed.append(float((teacher[1] - student).mean()))
         ceilings.append(float(-student.mean()))
@@ -100,7 +121,7 @@ def note_probe(
         if keep.size == 0:
             continue
         noted = _privileged(tok, contradicted, cids, answer, template)
-        plain, read = sequence_logprobs(model, [(cids, keep), (noted, keep + len(noted) - len(cids))])
+        plain, read = _logprobs(model, [(cids, keep), (noted, keep + len(noted) - len(cids))])
         without.append(float(plain.mean()))
         with_note.append(float(read.mean()))
     r, d, c = np.array(right), np.array(decoyed), np.array(ceilings)
