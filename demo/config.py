@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from proto.runs import PbsdSpec
+
 if TYPE_CHECKING:
     from services.trainer.sft import SftConfig
 
@@ -148,18 +150,12 @@ class DemoConfig(BaseModel):
     @field_validator("teacher_template")
     @classmethod
     def _known_template(cls, value: str) -> str:
-        from proto.runs import TEACHER_TEMPLATES, PbsdSpec
-
-        PbsdSpec(
-            teacher_template=TEACHER_TEMPLATES.get(value, value)
-        )  # refused here, before a world is built
+        PbsdSpec(teacher_template=value)  # refused here, before a world is built
         return value
 
     def teacher(self) -> str:
         """The teacher template itself (``teacher_template`` names one, or is one)."""
-        from proto.runs import TEACHER_TEMPLATES
-
-        return TEACHER_TEMPLATES.get(self.teacher_template, self.teacher_template)
+        return PbsdSpec(teacher_template=self.teacher_template).teacher_template
 
     def warm_start(self) -> dict[str, object]:
         """The settings that shape the warm policy beyond the world itself (the world has its own

@@ -197,7 +197,7 @@ def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path, questio
         # the teacher template matters to PBSD alone; GRPO's spec stays the paper's (pbsd compare
         # builds its variants over the GRPO spec, so its "pbsd" is the paper's default wording)
         "algorithm": {"name": algorithm}
-        | ({"teacher_template": config.teacher()} if algorithm == "pbsd" else {}),
+        | ({"teacher_template": config.teacher_template} if algorithm == "pbsd" else {}),
         "trainer": {
             "prompts_per_step": config.prompts_per_step,
             "max_steps": config.steps,

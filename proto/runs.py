@@ -177,7 +177,11 @@ class PbsdSpec(_PolicyGradientSpec):
     reduce: Literal["mean", "sum"] = Field(
         default="mean", description="turn evidence: Algorithm 1's mean or section 3's sum"
     )
-    teacher_template: str = Field(default=DEFAULT_TEACHER_TEMPLATE, min_length=1)
+    teacher_template: str = Field(
+        default=DEFAULT_TEACHER_TEMPLATE,
+        min_length=1,
+        description="x*'s template, or the name of one of TEACHER_TEMPLATES (answer, answer-first, support)",
+    )
     teacher_max_length: PositiveInt = Field(
         default=65_536, description="tokens beyond this in x* have no phi and are left out"
     )
@@ -193,6 +197,12 @@ class PbsdSpec(_PolicyGradientSpec):
         "recorded routes forced (Table 1's ablation 'w/o non-replay recompute'; needs "
         "rollout.return_routed_experts and the scorer's local backend; see services/scorer/replay.py)",
     )
+
+    @field_validator("teacher_template", mode="before")
+    @classmethod
+    def _named_template(cls, value: Any) -> Any:
+        # a name stands for its template: no template is a bare name, since one needs {question}
+        return TEACHER_TEMPLATES.get(value, value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _template_fields(self):

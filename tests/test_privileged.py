@@ -10,7 +10,7 @@ import pytest
 
 from agent.chat import ChatTokenizer
 from agent.privileged import fill_template, teacher_prompt_ids
-from proto.runs import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE, PbsdSpec
+from proto.runs import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE, TEACHER_TEMPLATES, PbsdSpec
 from services.scorer.contexts import build_contexts
 from services.trainer.sft import SftConfig, encode_conversation
 from services.trainer.teacher_sft import teacher_format
@@ -40,9 +40,13 @@ def test_every_question_carries_the_chain_of_facts_its_answer_rests_on(tiny_worl
 def test_the_templates_and_their_fields():
     assert not PbsdSpec().needs_support
     assert PbsdSpec(teacher_template=SUPPORT_TEACHER_TEMPLATE).needs_support
-    for bad in ("{question} {facts} {answer}", "{question} only", "{answer} {support}"):
+    for bad in ("{question} {facts} {answer}", "{question} only", "{answer} {support}", "answer-last"):
         with pytest.raises(ValueError, match="teacher_template"):
             PbsdSpec(teacher_template=bad)
+    # a template's name stands for it, in a run spec file as on the command line
+    for name, template in TEACHER_TEMPLATES.items():
+        assert PbsdSpec(teacher_template=name).teacher_template == template
+    assert PbsdSpec(teacher_template="support").needs_support
     text = fill_template(SUPPORT_TEACHER_TEMPLATE, "Q?", "Vienna", ["a is b (page kb://a)", "b is Vienna"])
     assert text.startswith("Q?\n\n") and '"Vienna"' in text and "a is b (page kb://a); b is Vienna" in text
     assert fill_template(DEFAULT_TEACHER_TEMPLATE, "Q?", "Vienna") == DEFAULT_TEACHER_TEMPLATE.format(

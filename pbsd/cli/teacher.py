@@ -78,14 +78,14 @@ def check_cmd(
 
     from pydantic import ValidationError
 
-    from proto.runs import TEACHER_TEMPLATES, PbsdSpec
+    from proto.runs import PbsdSpec
     from services.rollout.agent import AgentLimits
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter(f"{dtype!r}: float32, bfloat16 or float16", param_hint="--dtype")
     try:
         spec = PbsdSpec(
-            teacher_template=TEACHER_TEMPLATES.get(teacher_template, teacher_template),
+            teacher_template=teacher_template,
             eps_pos=eps_pos,
             eps_neg=eps_neg,
             reduce=reduce,
@@ -145,12 +145,11 @@ def probe_cmd(
     Scores each conversation's final answer with the verified answer in x*, with a decoy answer in
     x* (what a wrong final looks like to the teacher), and with the answer stated only by x* (the
     tool results name the decoy): services/trainer/note_probe.py, docs/credit-signal.md."""
-    from proto.runs import TEACHER_TEMPLATES, PbsdSpec
+    from proto.runs import PbsdSpec
     from services.trainer.note_probe import note_probe, read_conversations
 
-    template = TEACHER_TEMPLATES.get(teacher_template, teacher_template)
     try:
-        PbsdSpec(teacher_template=template)
+        template = PbsdSpec(teacher_template=teacher_template).teacher_template
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
     try:

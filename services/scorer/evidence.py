@@ -161,7 +161,7 @@ async def score_group(
         else 0.0,
         unaligned_tokens=unaligned,
         evidence=scored.astype(np.float32),
-        sanity=tally_sanity(kinds, evidence, algo, ceilings),
+        sanity=tally_sanity(kinds, evidence, ceilings, algo),
         noise=noise,
     )
     return ScoredGroup(

@@ -69,13 +69,11 @@ def turn_kinds(group: TrajectoryGroup, tokenizer: ChatTokenizer) -> TurnKinds:
 
 
 def tally_sanity(
-    kinds: TurnKinds, evidence: list[np.ndarray], spec: PbsdSpec, ceilings: list[np.ndarray] | None = None
+    kinds: TurnKinds, evidence: list[np.ndarray], ceilings: list[np.ndarray], spec: PbsdSpec
 ) -> TeacherSanity:
     """Tally the per-turn evidence (one array per trajectory, NaN where unscored) by turn kind;
     ``ceilings``, aligned with it, are the turns' largest possible s (``EvidenceTally.room``)."""
     cells: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    if ceilings is None:
-        ceilings = [np.full(len(s), np.nan) for s in evidence]
     for turns, s, top in zip(kinds, evidence, ceilings, strict=True):
         if turns is None:
             continue

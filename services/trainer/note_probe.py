@@ -9,10 +9,10 @@ the answer on a page and writes it), with three layouts of each:
   mean over its tokens, as the scorer computes it) is what a correct final answer gets; its
   *ceiling*, the student's mean negative log-prob over the turn, is the most any teacher could give
   it (``proto.sanity.EvidenceTally.room``).
-- **decoy note**: x* states another answer of the same kind (a name for a name, a year for a
-  year, :class:`services.trainer.teacher_sft.TeacherCopies`' pool). The final turn writes what the
-  page says and the note contradicts it: what a wrong final answer looks like to the teacher, whose
-  s a reading teacher pushes below -eps-.
+- **decoy note**: x* states another answer of the same kind (a name for a name, a year for a year,
+  drawn as the SFT's decoys are: :func:`services.trainer.teacher_sft.decoy_pools`). The final turn
+  writes what the page says and the note contradicts it: what a wrong final answer looks like to
+  the teacher, whose s a reading teacher pushes below -eps-.
 - **note only**: every tool result names the decoy where the answer stood
   (:func:`services.trainer.teacher_sft.contradict`), so the note is the only place that states
   the answer the final turn writes. The mean log-prob of the answer's tokens in that turn, with
@@ -30,10 +30,9 @@ import numpy as np
 import torch
 
 from agent.chat import ChatTokenizer
-from agent.privileged import teacher_prompt_ids
 from services.model.checkpoint import load_model
 from services.trainer.sft import encode_conversation
-from services.trainer.teacher_sft import contradict
+from services.trainer.teacher_sft import contradict, decoy_pools, teacher_format
 
 __all__ = ["note_probe", "read_conversations"]
 
@@ -54,12 +53,6 @@ def _final_turn(mask: list[int]) -> np.ndarray:
     """Positions of the last assistant message (the loss mask's last run of 1s)."""
     m = np.asarray(mask)
     return np.flatnonzero((m == 1) & (np.arange(m.size) > np.flatnonzero(m == 0)[-1]))
-
-
-def _privileged(tok: ChatTokenizer, row: dict, ids: list[int], answer: str, template: str) -> list[int]:
-    """``ids`` with its prompt replaced by x* stating ``answer`` (the scorer's own construction)."""
-    prompt = len(tok.prompt_ids(row["messages"][0]["content"], row["messages"][1]["content"]))
-    return teacher_prompt_ids(tok, ids[:prompt], answer, template, row.get("support", ())) + ids[prompt:]
 
 
 def read_conversations(data: Path) -> list[dict]:
@@ -92,10 +85,7 @@ def note_probe(
     rows = every[:limit]
     tok = ChatTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir).eval()
-    # decoys come from every answer given, so that a year has other years to stand for it
-    pool = {
-        kind: sorted({r["answer"] for r in every if r["answer"].isdigit() == kind}) for kind in (True, False)
-    }
+    pool = decoy_pools(every)  # every answer given, so that a year has other years to stand for it
     picks = random.Random(f"pbsd-note-probe-{seed}")
     right, decoyed, ceilings, with_note, without = [], [], [], [], []
     for row in rows:
@@ -106,7 +96,8 @@ def note_probe(
         decoy = picks.choice(others)
         ids, mask = encode_conversation(tok, row["messages"])
         final = _final_turn(mask)
-        at = [_privileged(tok, row, ids, a, template) for a in (answer, decoy)]
+        # x* stating the answer, then the decoy (as the scorer lays it out: teacher_format)
+        at = [teacher_format(tok, {**row, "answer": a}, ids, mask, template)[0] for a in (answer, decoy)]
         student, *teacher = _logprobs(model, [(ids, final)] + [(t, final + len(t) - len(ids)) for t in at])
         right.append(float((teacher[0] - student).mean()))
         decoyed.append(float((teacher[1] - student).mean()))
@@ -120,7 +111,7 @@ def note_probe(
         keep = cfinal[np.isin(np.asarray(cids)[cfinal], list(spelled))]
         if keep.size == 0:
             continue
-        noted = _privileged(tok, contradicted, cids, answer, template)
+        noted, _ = teacher_format(tok, contradicted, cids, cmask, template)
         plain, read = _logprobs(model, [(cids, keep), (noted, keep + len(noted) - len(cids))])
         without.append(float(plain.mean()))
         with_note.append(float(read.mean()))

@@ -28,7 +28,7 @@ from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
 from proto.runs import TEACHER_TEMPLATES
 
-__all__ = ["TeacherCopies", "contradict", "parse_teacher_formats", "teacher_format"]
+__all__ = ["TeacherCopies", "contradict", "decoy_pools", "parse_teacher_formats", "teacher_format"]
 
 
 def parse_teacher_formats(options: list[str]) -> tuple[tuple[str, float], ...]:
@@ -57,6 +57,13 @@ def teacher_format(
     return privileged + ids[prompt:], [0] * len(privileged) + mask[prompt:]
 
 
+def decoy_pools(rows: list[dict]) -> dict[bool, list[str]]:
+    """The answers of ``rows`` a decoy is drawn from, by kind (a year for a year, a name for a name:
+    keyed by ``answer.isdigit()``), sorted so that a seeded draw is the same run after run."""
+    answers = sorted({r["answer"] for r in rows})
+    return {kind: [a for a in answers if a.isdigit() == kind] for kind in (True, False)}
+
+
 def contradict(row: dict, decoy: str) -> dict | None:
     """``row`` with ``decoy`` in place of its answer, as a whole word, in every tool result (the user
     messages after the question); None when no tool result names the answer."""
@@ -83,10 +90,7 @@ class TeacherCopies:
         self.contradict_frac = contradict_frac
         self.draws = random.Random(f"pbsd-sft-teacher-formats-{seed}")
         self.picks = random.Random(f"pbsd-sft-decoys-{seed}")  # apart: a pick moves no draw
-        answers = sorted({r["answer"] for r in rows})
-        self.decoys = {
-            kind: [a for a in answers if a.isdigit() == kind] for kind in (True, False)
-        }  # a year for a year, a name for a name
+        self.decoys = decoy_pools(rows)
 
     def draw(self, row: dict) -> Iterator[tuple[int, dict]]:
         """(format index, the row to lay out after that format's x*) for each copy ``row`` gets."""
