@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from proto.runs import PbsdSpec
 
 if TYPE_CHECKING:
+    from services.trainer.note_pass import NotePassConfig
     from services.trainer.sft import SftConfig
 
 __all__ = ["ASSETS", "DemoConfig"]
@@ -37,6 +38,10 @@ WARM_START = (
     "teacher_sft_epochs",
     "teacher_sft_warmup_steps",
     "teacher_sft_contradict",
+    "note_pass_steps",
+    "note_pass_lr",
+    "note_pass_conversations",
+    "note_pass_template",
 )
 
 
@@ -96,6 +101,17 @@ class DemoConfig(BaseModel):
     teacher_sft_epochs: int = 1
     teacher_sft_warmup_steps: int = 5
     teacher_sft_contradict: float = 0.5  # pbsd sft --teacher-contradict
+    # a note pass after SFT (`pbsd teacher teach`, services/trainer/note_pass.py): learns the answer
+    # of cut conversations after x* (half with tool results naming a decoy) beside whole ones. Off by
+    # default: on the demo's policy the teacher then reads the note, teacher-forced, but its
+    # answer-free turns leave the deadband and the accuracy moves within its noise or falls
+    # (docs/credit-signal.md, "The note pass"); e.g. 200 turns it on
+    note_pass_steps: int = Field(default=0, ge=0, description="steps of the note pass; 0: no note pass")
+    note_pass_lr: float = 5e-4
+    note_pass_conversations: int = Field(default=3000, ge=1, description="the first N SFT conversations")
+    note_pass_template: str = Field(
+        default="answer-first", description="x* in the note pass: keep it the teacher_template of the runs"
+    )
     # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
     # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
     # on the committed policy the long note after the question lowers every later turn (answer-free
@@ -147,7 +163,7 @@ class DemoConfig(BaseModel):
         unused = {"eval_difficulty"} if self.eval_split == "rl" else set()
         return self.model_dump(mode="json", exclude=unused)
 
-    @field_validator("teacher_template")
+    @field_validator("teacher_template", "note_pass_template")
     @classmethod
     def _known_template(cls, value: str) -> str:
         PbsdSpec(teacher_template=value)  # refused here, before a world is built
@@ -173,6 +189,20 @@ class DemoConfig(BaseModel):
             lr=self.sft_lr,
             batch_size=self.sft_batch_size,
             warmup_steps=self.sft_warmup_steps,
+            seed=self.seed,
+        )
+
+    def note_pass_config(self) -> NotePassConfig | None:
+        """The note pass, from the SFT's result; None when there is none."""
+        from services.trainer.note_pass import NotePassConfig
+
+        if not self.note_pass_steps:
+            return None
+        return NotePassConfig(
+            template=self.note_pass_template,
+            steps=self.note_pass_steps,
+            lr=self.note_pass_lr,
+            limit=self.note_pass_conversations,
             seed=self.seed,
         )
 

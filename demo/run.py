@@ -84,6 +84,7 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
     """Oracle SFT data, tokenizer and tiny model, supervised fine-tuning (``--from-scratch``)."""
     from services.model.checkpoint import stamp_world
     from services.model.tiny import TinySpec, init_tiny
+    from services.trainer.note_pass import run_note_pass
     from services.trainer.sft import progress_bar, run_sft
     from worldgen.oracle import write_sft_data
 
@@ -107,18 +108,30 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
         num_key_value_heads=config.kv_heads,
     )
     init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
-    teacher = config.teacher_sft_config()
-    first = work / "sft" if teacher is not None else target
+    teacher, note_pass = config.teacher_sft_config(), config.note_pass_config()
+    # each stage starts from the one before; the last writes the target
+    stages = ["sft"] + ["teacher-sft"] * (teacher is not None) + ["note-pass"] * (note_pass is not None)
+    made = {stage: target if stage == stages[-1] else work / stage for stage in stages}
     with progress_bar("SFT warm start") as progress:
-        result = run_sft(work / "sft.jsonl", work / "tiny", first, config.sft_config(), progress)
+        result = run_sft(work / "sft.jsonl", work / "tiny", made["sft"], config.sft_config(), progress)
     say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
+    last = made["sft"]
     if teacher is not None:
         with progress_bar("SFT in the teacher's format") as progress:
-            result = run_sft(work / "sft.jsonl", first, target, teacher, progress)
+            result = run_sft(work / "sft.jsonl", last, made["teacher-sft"], teacher, progress)
         say(
             f"SFT in the teacher's format ({teacher.limit} conversations, {result['teacher_format_conversations']} "
             f"laid out after x*): loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in "
             f"{result['seconds']:.0f}s"
+        )
+        last = made["teacher-sft"]
+    if note_pass is not None:
+        with tqdm(total=note_pass.steps, desc="note pass", unit="step") as bar:
+            result = run_note_pass(work / "sft.jsonl", last, target, note_pass, lambda *_: bar.update(1))
+        say(
+            f"note pass ({note_pass.steps} steps): answer tokens {result['first']['note']:.3f} -> "
+            f"{result['final']['note']:.3f} nats, whole conversations {result['first']['anchor']:.3f} -> "
+            f"{result['final']['anchor']:.3f} in {result['seconds']:.0f}s"
         )
     stamp_world(target, fingerprint)
     return target

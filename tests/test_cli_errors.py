@@ -121,6 +121,8 @@ CASES = [
     ("teacher probe: no data", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),
     ("teacher probe: no answers", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl")], "line 1 is not a conversation with its answer", 2),
     ("teacher probe: a bad template", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--teacher-template", "{question} {hint}"], "teacher_template", 2),
+    ("teacher teach: no answers", lambda f: ["teacher", "teach", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--out", str(f.tmp / "taught")], "line 1 is not a conversation with its answer", 2),
+    ("teacher teach: a bad template", lambda f: ["teacher", "teach", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--out", str(f.tmp / "taught"), "--teacher-template", "{question} {hint}"], "teacher_template", 2),
     ("teacher check: support without facts", lambda f: _teacher(f, "--teacher-template", "support"), "3 of 3 questions", 1),
     # refused before the model is loaded (f.ckpt would fail to load) or anything sampled
     ("eval: compare to other questions", lambda f: _eval(f, "--compare-to", f.tmp / "other-report.json"), "3 of the 3 evaluated here are not among its 1", 2),

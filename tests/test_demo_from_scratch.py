@@ -1,5 +1,5 @@
 """``pbsd demo --from-scratch`` rebuilds the warm policy itself (oracle data, tokenizer, tiny model,
-SFT) and runs the pipeline on it. Slow: minutes of SFT even at this size."""
+SFT, the note pass) and runs the pipeline on it. Slow: minutes of SFT even at this size."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def test_from_scratch_rebuild(tmp_path):
                 "n_sft": 80,
                 "sft_epochs": 1,
                 "sft_batch_size": 8,
+                "note_pass_steps": 3,
                 "steps": 1,
                 "prompts_per_step": 2,
                 "group_size": 2,
@@ -52,6 +53,7 @@ def test_from_scratch_rebuild(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     meta = json.loads((out / "policy-sft" / "pbsd.json").read_text())
     assert meta["sft"]["conversations"] > 60 and meta["sft"]["final_loss"] < meta["sft"]["first_loss"]
+    assert meta["note_pass"]["steps"] == 3  # the note pass ran from the SFT's result, and kept its record
     assert meta["world_sha256"] == world_fingerprint(
         json.loads((out / "world" / "manifest.json").read_text())
     )

@@ -168,6 +168,72 @@ def probe_cmd(
     )
 
 
+@app.command("teach")
+def teach_cmd(
+    data: Path = typer.Option(
+        ...,
+        help="oracle conversations with their answers, e.g. `pbsd world sft-data`",
+        exists=True,
+        dir_okay=False,
+        callback=conversations_file,
+    ),
+    model: Path = typer.Option(..., help="the checkpoint to start from", callback=checkpoint_dir),
+    out: Path = typer.Option(..., help="checkpoint directory to write"),
+    teacher_template: str = typer.Option("answer-first", help="x*'s template, as for `pbsd teacher check`"),
+    steps: int = typer.Option(200, min=1),
+    batch_size: int = typer.Option(
+        16, min=1, help="cut conversations a step, whose answer tokens are learnt"
+    ),
+    anchors: int = typer.Option(8, min=0, help="whole conversations a step, every assistant token learnt"),
+    anchor_weight: float = typer.Option(4.0, min=0, help="the anchors' loss weight (lambda)"),
+    lr: float = typer.Option(5e-4),
+    limit: int | None = typer.Option(3000, help="learn from the first N conversations of --data"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Teach the teacher to read x*: the note pass, after SFT.
+
+    Learns the final answer of cut conversations after x* (half of them with tool results that name
+    a decoy, so only the note states the answer) beside whole conversations that hold the policy
+    where it was: services/trainer/note_pass.py, docs/credit-signal.md."""
+    from tqdm import tqdm
+
+    from services.trainer.note_pass import NotePassConfig, run_note_pass
+
+    try:
+        config = NotePassConfig(
+            template=teacher_template,
+            steps=steps,
+            batch_size=batch_size,
+            anchors=anchors,
+            anchor_weight=anchor_weight,
+            lr=lr,
+            limit=limit,
+            seed=seed,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
+    bars: list[tqdm] = []  # opened at the first step, so that an error in the data is all that is printed
+
+    def progress(step: int, total: int, record: dict) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, desc="note pass", unit="step"))
+        bars[0].update(1)
+        bars[0].set_postfix(note=f"{record['note']:.3f}", anchor=f"{record['anchor']:.3f}")
+
+    try:
+        stats = run_note_pass(data, model, out, config, progress)
+    except ValueError as exc:
+        raise UserError(f"{data}: {exc}", code=2) from None
+    finally:
+        for bar in bars:
+            bar.close()
+    typer.echo(
+        f"wrote {out}: {stats['steps']} steps in {stats['seconds']:.0f}s, answer tokens "
+        f"{stats['first']['note']:.3f} -> {stats['final']['note']:.3f} nats, whole conversations "
+        f"{stats['first']['anchor']:.3f} -> {stats['final']['anchor']:.3f}"
+    )
+
+
 async def _check(model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype):
     import asyncio
     import math

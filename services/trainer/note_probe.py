@@ -34,7 +34,7 @@ from services.model.checkpoint import load_model
 from services.trainer.sft import encode_conversation
 from services.trainer.teacher_sft import contradict, decoy_pools, teacher_format
 
-__all__ = ["note_probe", "read_conversations"]
+__all__ = ["answer_positions", "final_turn", "note_probe", "read_conversations"]
 
 
 def _logprobs(model, requests: list[tuple[list[int], np.ndarray]]) -> list[np.ndarray]:
@@ -49,10 +49,18 @@ def _logprobs(model, requests: list[tuple[list[int], np.ndarray]]) -> list[np.nd
     return out
 
 
-def _final_turn(mask: list[int]) -> np.ndarray:
+def final_turn(mask: list[int]) -> np.ndarray:
     """Positions of the last assistant message (the loss mask's last run of 1s)."""
     m = np.asarray(mask)
     return np.flatnonzero((m == 1) & (np.arange(m.size) > np.flatnonzero(m == 0)[-1]))
+
+
+def answer_positions(tok: ChatTokenizer, ids: list[int], mask: list[int], answer: str) -> np.ndarray:
+    """Positions in the last assistant message whose token spells ``answer`` (with or without a
+    leading space: a name is one entity token, a year or a multi-token name several)."""
+    final = final_turn(mask)
+    spelled = set(tok.encode(answer)) | set(tok.encode(" " + answer))
+    return final[np.isin(np.asarray(ids)[final], list(spelled))]
 
 
 def read_conversations(data: Path) -> list[dict]:
@@ -95,7 +103,7 @@ def note_probe(
             continue
         decoy = picks.choice(others)
         ids, mask = encode_conversation(tok, row["messages"])
-        final = _final_turn(mask)
+        final = final_turn(mask)
         # x* stating the answer, then the decoy (as the scorer lays it out: teacher_format)
         at = [teacher_format(tok, {**row, "answer": a}, ids, mask, template)[0] for a in (answer, decoy)]
         student, *teacher = _logprobs(model, [(ids, final)] + [(t, final + len(t) - len(ids)) for t in at])
@@ -106,9 +114,7 @@ def note_probe(
         if contradicted is None:
             continue
         cids, cmask = encode_conversation(tok, contradicted["messages"])
-        cfinal = _final_turn(cmask)
-        spelled = set(tok.encode(answer)) | set(tok.encode(" " + answer))
-        keep = cfinal[np.isin(np.asarray(cids)[cfinal], list(spelled))]
+        keep = answer_positions(tok, cids, cmask, answer)
         if keep.size == 0:
             continue
         noted, _ = teacher_format(tok, contradicted, cids, cmask, template)

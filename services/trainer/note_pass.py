@@ -1,0 +1,238 @@
+"""Teach the policy's teacher to read x*: the note pass (``pbsd teacher teach``).
+
+PBSD's teacher is the policy itself prompted with x*, the question with its verified answer. A
+pretrained LLM reads such a note; the lab's 2-layer policy, trained from nothing, does not, and SFT
+on whole conversations after x* (``pbsd sft --teacher-format``) teaches it the format but not the
+note: in an oracle conversation the answer is already on the page just read, and the few tokens
+that could only come from the note are lost among thousands that need no note at all
+(docs/credit-signal.md, "Teaching the tiny teacher to read x*"). This pass puts the gradient where
+reading is learnt, and holds everything else where it was:
+
+    L = L_note + lambda * L_anchor
+
+**L_note**, where reading is learnt. Each step draws ``batch_size`` SFT conversations, each cut to
+its question, its last k tool exchanges (k uniform over 1..all, so that the note's distance from
+the answer varies as in real trajectories) and its final answer, laid out as
+
+- a *contradicted* teacher copy (share ``contradicted``): x*, every tool result naming a decoy
+  where the answer stood, the final answer as the oracle wrote it, which is right only by reading
+  x* (:func:`services.trainer.teacher_sft.contradict`);
+- a *plain* teacher copy (share ``plain``): x*, the conversation as it is;
+- the *student's* own format (the rest): no x*, the conversation as it is, so that the policy
+  keeps answering from the page when no note is there;
+
+and learns the answer's tokens in the final turn alone (their mean negative log-likelihood).
+
+**L_anchor**, what holds the rest: ``anchors`` whole conversations a step, every assistant token
+learnt (the mean), a share ``anchor_teacher`` of them after x* and the others in the student's
+format. Without them the reading comes at the price of the policy (it stopped answering at all);
+without the teacher-format share, the teacher's answer-free turns drift far from the student's
+(mean s -0.52 nats, where the deadband is 0.004 wide).
+
+On the demo's policy (docs/credit-signal.md, "The note pass") the taught teacher reads the note
+(an answer only x* states rises by about a nat) and disfavours most wrong finals, but its
+answer-free turns leave the deadband, so the demo does not use it by default.
+
+The system prompt (the same in every conversation, two thirds of its tokens) carries no loss: it
+is run once a step without gradient and its keys and values are reused by every sequence, which
+makes a step about three times cheaper. Its own representation is therefore left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agent.chat import ChatTokenizer
+from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec, TrainerSpec
+from services.model.checkpoint import library_versions, load_model, save_checkpoint
+from services.trainer.note_probe import answer_positions, read_conversations
+from services.trainer.policy import PolicyTrainer
+from services.trainer.sft import encode_conversation
+from services.trainer.teacher_sft import contradict, decoy_pools, teacher_format
+
+__all__ = ["NotePassConfig", "Sequence", "cached_logprobs", "lay_out_note_pass", "run_note_pass"]
+
+
+@dataclass(frozen=True)
+class NotePassConfig:
+    template: str = ANSWER_FIRST_TEACHER_TEMPLATE  # x*'s template (a name of TEACHER_TEMPLATES or one)
+    steps: int = 200
+    batch_size: int = 16  # cut conversations a step (L_note)
+    anchors: int = 8  # whole conversations a step (L_anchor)
+    anchor_weight: float = 4.0  # lambda
+    anchor_teacher: float = 0.5  # share of the anchors laid out after x*
+    contradicted: float = 0.5  # shares of the cut conversations; the rest are the student's format
+    plain: float = 0.25
+    lr: float = 5e-4
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+    limit: int | None = 3000  # learn from the first ``limit`` conversations of the data
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "template", PbsdSpec(teacher_template=self.template).teacher_template)
+        for name in ("anchor_teacher", "contradicted", "plain"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], not {getattr(self, name)}")
+        if self.contradicted + self.plain > 1:
+            raise ValueError("contradicted + plain is at most 1 (the rest are the student's format)")
+        if self.steps < 1 or self.batch_size < 1 or self.anchors < 0 or self.anchor_weight < 0:
+            raise ValueError("steps and batch_size are >= 1, anchors and anchor_weight >= 0")
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One laid-out sequence: its ids, the positions whose tokens are learnt, and its layout
+    (``contradicted``, ``plain``, ``student`` for L_note; ``anchor`` or ``anchor-x*`` for L_anchor)."""
+
+    ids: list[int]
+    learnt: np.ndarray
+    layout: str
+
+
+def _cut(row: dict, keep: int) -> dict:
+    """``row`` with only its question, its last ``keep`` tool exchanges and its final answer."""
+    messages = row["messages"]
+    return {**row, "messages": messages[:2] + messages[-(2 * keep + 1) :]}
+
+
+def lay_out_note_pass(
+    tok: ChatTokenizer, rows: list[dict], config: NotePassConfig
+) -> tuple[list[Sequence], list[Sequence]]:
+    """(L_note's cut sequences, L_anchor's whole ones) of ``rows``, seeded by ``config.seed``: each
+    conversation gives one cut sequence (its layout drawn with the configured shares; a
+    contradicted draw whose tool results never name the answer falls back to plain) and one anchor."""
+    rng = random.Random(f"pbsd-note-pass-{config.seed}")
+    decoys = decoy_pools(rows)
+    cut_seqs, anchors = [], []
+    for row in rows:
+        exchanges = (len(row["messages"]) - 3) // 2
+        draw, keep, to_teacher = rng.random(), rng.randint(1, max(1, exchanges)), rng.random()
+        layout = "contradicted" if draw < config.contradicted else "plain"
+        layout = layout if draw < config.contradicted + config.plain else "student"
+        cut = _cut(row, keep) if exchanges else row
+        if layout == "contradicted":
+            pool = [a for a in decoys[row["answer"].isdigit()] if a != row["answer"]]
+            contradicted = contradict(cut, rng.choice(pool)) if pool else None
+            cut, layout = (contradicted, layout) if contradicted is not None else (cut, "plain")
+        ids, mask = encode_conversation(tok, cut["messages"])
+        if layout != "student":
+            ids, mask = teacher_format(tok, cut, ids, mask, config.template)
+        learnt = answer_positions(tok, ids, mask, row["answer"])
+        if learnt.size:
+            cut_seqs.append(Sequence(ids, learnt, layout))
+        ids, mask = encode_conversation(tok, row["messages"])
+        layout = "anchor"
+        if to_teacher < config.anchor_teacher:
+            ids, mask = teacher_format(tok, row, ids, mask, config.template)
+            layout = "anchor-x*"
+        anchors.append(Sequence(ids, np.flatnonzero(np.asarray(mask) == 1), layout))
+    return cut_seqs, anchors
+
+
+def shared_prefix(sequences: list[Sequence]) -> int:
+    """How many leading tokens every sequence shares before its first learnt position (the system
+    prompt, in practice): their keys and values are computed once a step."""
+    first = sequences[0].ids
+    n = min(min(len(s.ids) for s in sequences), min(int(s.learnt[0]) for s in sequences))
+    for s in sequences:
+        diff = np.flatnonzero(np.asarray(s.ids[:n]) != np.asarray(first[:n]))
+        n = int(diff[0]) if diff.size else n
+    return n
+
+
+def prefix_cache(model, prefix: list[int]):
+    """The keys and values of ``prefix``, without gradient (None for an empty prefix)."""
+    if not prefix:
+        return None
+    with torch.no_grad():
+        return model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
+
+
+def cached_logprobs(model, cache, prefix_len: int, seq: Sequence) -> torch.Tensor:
+    """log p of ``seq``'s learnt tokens, its first ``prefix_len`` tokens taken from ``cache``
+    (a copy: the forward appends to the cache it is given)."""
+    rest = torch.tensor([seq.ids[prefix_len:]])
+    positions = torch.arange(prefix_len, len(seq.ids))[None]
+    hidden = model.model(
+        input_ids=rest,
+        position_ids=positions,
+        cache=copy.deepcopy(cache) if cache is not None else None,
+        use_cache=cache is not None,
+    ).last_hidden_state[0]
+    rows = hidden[torch.as_tensor(seq.learnt - 1 - prefix_len)]
+    logp = torch.log_softmax(model.lm_head(rows).float(), -1)
+    return logp.gather(1, torch.tensor([seq.ids[p] for p in seq.learnt])[:, None])[:, 0]
+
+
+def run_note_pass(
+    data: Path,
+    model_dir: Path,
+    out: Path,
+    config: NotePassConfig,
+    progress: Callable[[int, int, dict], None] | None = None,
+) -> dict:
+    """The note pass from ``model_dir`` on the oracle conversations of ``data``; written to ``out``
+    with ``pbsd.json`` keeping the starting checkpoint's record and adding this pass's."""
+    rows = read_conversations(data)[: config.limit]  # ValueError names a line without its answer
+    torch.manual_seed(config.seed)
+    tok = ChatTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir)
+    cut_seqs, anchors = lay_out_note_pass(tok, rows, config)
+    if not cut_seqs:
+        raise ValueError("no conversation whose final answer names its answer")
+    prefix_len = shared_prefix(cut_seqs + anchors)
+    prefix = cut_seqs[0].ids[:prefix_len]
+    spec = TrainerSpec(
+        max_steps=config.steps,
+        lr=config.lr,
+        warmup_steps=config.warmup_steps,
+        weight_decay=0.0,
+        grad_clip=config.grad_clip,
+    )
+    trainer = PolicyTrainer(model, spec)
+    rng = random.Random(f"pbsd-note-pass-batches-{config.seed}")
+    history, started = [], time.perf_counter()
+    for _ in range(config.steps):
+        batch = rng.sample(cut_seqs, min(config.batch_size, len(cut_seqs)))
+        held = rng.sample(anchors, min(config.anchors, len(anchors)))
+        model.train()
+        cache = prefix_cache(model, prefix)
+        losses = {}
+        for name, group, weight in (("note", batch, 1.0), ("anchor", held, config.anchor_weight)):
+            tokens, nll = sum(s.learnt.size for s in group), 0.0
+            for seq in group:
+                loss = -cached_logprobs(model, cache, prefix_len, seq).sum() / tokens
+                (weight * loss).backward()
+                nll += float(loss.detach())
+            losses[name] = nll
+        record = {"step": trainer.step + 1, **losses, **trainer.apply()}
+        history.append(record)
+        if progress is not None:
+            progress(trainer.step, config.steps, record)
+    layouts = [s.layout for s in cut_seqs + anchors]
+    stats = {
+        "config": asdict(config),
+        "conversations": len(rows),
+        "layouts": {name: layouts.count(name) for name in sorted(set(layouts))},
+        "shared_prefix_tokens": prefix_len,
+        "steps": trainer.step,
+        "first": {k: history[0][k] for k in ("note", "anchor")},
+        "final": {k: history[-1][k] for k in ("note", "anchor")},
+        "seconds": time.perf_counter() - started,
+        "libraries": library_versions(),
+    }
+    base_meta = Path(model_dir) / "pbsd.json"
+    base = json.loads(base_meta.read_text()) if base_meta.exists() else {}
+    save_checkpoint(model, out, tokenizer=tok.tok, meta={**base, "note_pass": stats})
+    (out / "note_pass_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    return stats

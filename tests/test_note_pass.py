@@ -1,0 +1,128 @@
+"""The note pass (``pbsd teacher teach``): its layouts, its cached system prompt against a whole
+forward, and a run that learns."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from agent.chat import ChatTokenizer
+from agent.privileged import teacher_prompt_ids
+from pbsd.cli import app
+from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE
+from services.model.checkpoint import load_model
+from services.trainer.note_pass import (
+    NotePassConfig,
+    cached_logprobs,
+    lay_out_note_pass,
+    prefix_cache,
+    run_note_pass,
+    shared_prefix,
+)
+from services.trainer.note_probe import read_conversations
+from services.trainer.sft import encode_conversation
+from worldgen.oracle import write_sft_data
+
+
+@pytest.fixture(scope="module")
+def conversations(tiny_world, tmp_path_factory):
+    data = tmp_path_factory.mktemp("note-pass") / "sft.jsonl"
+    write_sft_data(tiny_world, data, split="sft", limit=24, search_num=3)
+    return data
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    return ChatTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def test_each_layout_learns_the_answer_and_only_the_teachers_see_the_note(tok, conversations):
+    rows = read_conversations(conversations)
+    config = NotePassConfig(contradicted=0.5, plain=0.25, anchor_teacher=0.5)
+    cut, anchors = lay_out_note_pass(tok, rows, config)
+    assert len(anchors) == len(rows) and 0 < len(cut) <= len(rows)
+    assert {s.layout for s in cut} == {"contradicted", "plain", "student"}
+    assert {s.layout for s in anchors} == {"anchor", "anchor-x*"}
+    by_question = {r["messages"][1]["content"]: r for r in rows}
+    for seq in cut:
+        text = tok.tok.decode(seq.ids)
+        row = next(r for q, r in by_question.items() if q in text)
+        answer_ids = set(tok.encode(row["answer"])) | set(tok.encode(" " + row["answer"]))
+        assert all(seq.ids[p] in answer_ids for p in seq.learnt)  # the answer's tokens, nothing else
+        system, question = row["messages"][0]["content"], row["messages"][1]["content"]
+        student = tok.prompt_ids(system, question)
+        note = teacher_prompt_ids(tok, student, row["answer"], config.template, ())
+        assert seq.ids[: len(note)] == note if seq.layout != "student" else seq.ids[: len(student)] == student
+        final = len(seq.ids) - seq.ids[::-1].index(tok.encode(tok.fmt.start)[0])
+        assert seq.learnt.min() > final  # in the final answer alone
+        if seq.layout == "contradicted":  # the tool results name a decoy: only the note names the answer
+            turns = tok.tok.decode(seq.ids[len(note) :]).split(tok.fmt.start)
+            results = [t for t in turns if t.startswith("user\n")]
+            assert results and not any(
+                re.search(rf"(?<!\w){re.escape(row['answer'])}(?!\w)", t) for t in results
+            )
+    for seq, row in zip(anchors, rows, strict=True):  # whole conversations, every assistant token learnt
+        ids, mask = encode_conversation(tok, row["messages"])
+        student = np.flatnonzero(np.asarray(mask) == 1)
+        shift = len(seq.ids) - len(ids)
+        prompt = len(tok.prompt_ids(row["messages"][0]["content"], row["messages"][1]["content"]))
+        assert seq.ids[prompt + shift :] == ids[prompt:] and list(seq.learnt) == list(student + shift)
+        assert shift == 0 if seq.layout == "anchor" else shift != 0
+    again = lay_out_note_pass(tok, rows, config)
+    assert [s.ids for s in again[0]] == [s.ids for s in cut]  # seeded
+    other = lay_out_note_pass(tok, rows, NotePassConfig(seed=1))
+    assert [s.ids for s in other[0]] != [s.ids for s in cut]
+
+
+def test_the_cached_system_prompt_gives_the_whole_forwards_logprobs(tiny_checkpoint, tok, conversations):
+    cut, anchors = lay_out_note_pass(tok, read_conversations(conversations)[:6], NotePassConfig())
+    seqs = cut + anchors
+    n = shared_prefix(seqs)
+    system = len(tok.prompt_ids(read_conversations(conversations)[0]["messages"][0]["content"], ""))
+    assert 0 < n <= system  # the system prompt, no further
+    model = load_model(tiny_checkpoint)
+    cache = prefix_cache(model, seqs[0].ids[:n])
+    for seq in seqs[:4]:
+        with torch.no_grad():
+            cached = cached_logprobs(model, cache, n, seq)
+            logp = torch.log_softmax(model(torch.tensor([seq.ids])).logits[0].float(), -1)
+        whole = logp[torch.as_tensor(seq.learnt - 1), torch.as_tensor([seq.ids[p] for p in seq.learnt])]
+        np.testing.assert_allclose(cached.numpy(), whole.numpy(), atol=2e-5)
+
+
+def test_a_run_learns_the_answers_and_keeps_the_checkpoints_record(tiny_checkpoint, conversations, tmp_path):
+    start = shutil.copytree(tiny_checkpoint, tmp_path / "start")
+    (start / "pbsd.json").write_text(json.dumps({"world_sha256": "w", "sft": {"steps": 3}}))
+    config = NotePassConfig(steps=8, batch_size=4, anchors=1, lr=3e-3, warmup_steps=1, limit=4)
+    stats = run_note_pass(conversations, start, tmp_path / "taught", config)
+    assert stats["steps"] == 8 and stats["final"]["note"] < 0.75 * stats["first"]["note"]
+    meta = json.loads((tmp_path / "taught" / "pbsd.json").read_text())
+    assert meta["world_sha256"] == "w" and meta["sft"] == {"steps": 3}  # the starting point's record
+    assert meta["note_pass"]["config"]["template"] == ANSWER_FIRST_TEACHER_TEMPLATE
+    history = (tmp_path / "taught" / "note_pass_history.jsonl").read_text().splitlines()
+    assert len(history) == 8 and {"note", "anchor", "lr", "grad_norm"} <= json.loads(history[0]).keys()
+
+
+def test_the_command_writes_the_taught_checkpoint(tiny_checkpoint, conversations, tmp_path):
+    args = ["teacher", "teach", "--data", str(conversations), "--model", str(tiny_checkpoint)]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "t"), "--steps", "2", "--limit", "3"])
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output and (tmp_path / "t" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="contradicted"):
+        NotePassConfig(contradicted=0.8, plain=0.5)
+
+
+def test_the_demo_runs_the_pass_only_when_asked():
+    from demo.config import DemoConfig
+
+    assert DemoConfig().note_pass_config() is None  # the committed policy's recipe has none
+    on = DemoConfig(note_pass_steps=200, note_pass_conversations=500, seed=3).note_pass_config()
+    assert (on.steps, on.limit, on.seed, on.template) == (200, 500, 3, ANSWER_FIRST_TEACHER_TEMPLATE)
+    with pytest.raises(ValueError, match="teacher_template"):
+        DemoConfig(note_pass_template="{question} {hint}")
