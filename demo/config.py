@@ -41,7 +41,6 @@ WARM_START = (
     "note_pass_steps",
     "note_pass_lr",
     "note_pass_conversations",
-    "note_pass_template",
 )
 
 
@@ -105,13 +104,10 @@ class DemoConfig(BaseModel):
     # of cut conversations after x* (half with tool results naming a decoy) beside whole ones. Off by
     # default: on the demo's policy the teacher then reads the note, teacher-forced, but its
     # answer-free turns leave the deadband and the accuracy moves within its noise or falls
-    # (docs/credit-signal.md, "The note pass"); e.g. 200 turns it on
+    # (docs/credit-signal.md, "The note pass"); e.g. 200 turns it on. It teaches teacher_template's x*
     note_pass_steps: int = Field(default=0, ge=0, description="steps of the note pass; 0: no note pass")
     note_pass_lr: float = 5e-4
     note_pass_conversations: int = Field(default=3000, ge=1, description="the first N SFT conversations")
-    note_pass_template: str = Field(
-        default="answer-first", description="x* in the note pass: keep it the teacher_template of the runs"
-    )
     # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
     # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
     # on the committed policy the long note after the question lowers every later turn (answer-free
@@ -163,7 +159,7 @@ class DemoConfig(BaseModel):
         unused = {"eval_difficulty"} if self.eval_split == "rl" else set()
         return self.model_dump(mode="json", exclude=unused)
 
-    @field_validator("teacher_template", "note_pass_template")
+    @field_validator("teacher_template")
     @classmethod
     def _known_template(cls, value: str) -> str:
         PbsdSpec(teacher_template=value)  # refused here, before a world is built
@@ -177,7 +173,10 @@ class DemoConfig(BaseModel):
         """The settings that shape the warm policy beyond the world itself (the world has its own
         fingerprint): the committed policy stands in for a rebuild only where all of them are the
         defaults it was made with (tests/test_policy_recipe.py ties those to the asset)."""
-        return {k: getattr(self, k) for k in WARM_START}
+        # a note pass teaches the runs' own x*, so with one the template shapes the policy too
+        return {k: getattr(self, k) for k in WARM_START} | {
+            "note_pass_template": self.teacher() if self.note_pass_steps else None
+        }
 
     def sft_config(self) -> SftConfig:
         """The warm start's SFT settings (SftConfig is imported here, not at the top: its module
@@ -199,7 +198,7 @@ class DemoConfig(BaseModel):
         if not self.note_pass_steps:
             return None
         return NotePassConfig(
-            template=self.note_pass_template,
+            template=self.teacher_template,
             steps=self.note_pass_steps,
             lr=self.note_pass_lr,
             limit=self.note_pass_conversations,

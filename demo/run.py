@@ -126,8 +126,8 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
         )
         last = made["teacher-sft"]
     if note_pass is not None:
-        with tqdm(total=note_pass.steps, desc="note pass", unit="step") as bar:
-            result = run_note_pass(work / "sft.jsonl", last, target, note_pass, lambda *_: bar.update(1))
+        with progress_bar("note pass", keys=("note", "anchor")) as progress:
+            result = run_note_pass(work / "sft.jsonl", last, target, note_pass, progress)
         say(
             f"note pass ({note_pass.steps} steps): answer tokens {result['first']['note']:.3f} -> "
             f"{result['final']['note']:.3f} nats, whole conversations {result['first']['anchor']:.3f} -> "

@@ -124,5 +124,8 @@ def test_the_demo_runs_the_pass_only_when_asked():
     assert DemoConfig().note_pass_config() is None  # the committed policy's recipe has none
     on = DemoConfig(note_pass_steps=200, note_pass_conversations=500, seed=3).note_pass_config()
     assert (on.steps, on.limit, on.seed, on.template) == (200, 500, 3, ANSWER_FIRST_TEACHER_TEMPLATE)
-    with pytest.raises(ValueError, match="teacher_template"):
-        DemoConfig(note_pass_template="{question} {hint}")
+    # the pass teaches the runs' own x*: with one, the template is a warm-start setting; without, not
+    assert DemoConfig(teacher_template="answer").warm_start() == DemoConfig().warm_start()
+    taught = DemoConfig(note_pass_steps=200, teacher_template="answer")
+    assert taught.note_pass_config().template == taught.teacher() != ANSWER_FIRST_TEACHER_TEMPLATE
+    assert taught.warm_start()["note_pass_template"] == taught.teacher()

@@ -195,9 +195,8 @@ def teach_cmd(
     Learns the final answer of cut conversations after x* (half of them with tool results that name
     a decoy, so only the note states the answer) beside whole conversations that hold the policy
     where it was: services/trainer/note_pass.py, docs/credit-signal.md."""
-    from tqdm import tqdm
-
     from services.trainer.note_pass import NotePassConfig, run_note_pass
+    from services.trainer.sft import progress_bar
 
     try:
         config = NotePassConfig(
@@ -212,21 +211,11 @@ def teach_cmd(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
-    bars: list[tqdm] = []  # opened at the first step, so that an error in the data is all that is printed
-
-    def progress(step: int, total: int, record: dict) -> None:
-        if not bars:
-            bars.append(tqdm(total=total, desc="note pass", unit="step"))
-        bars[0].update(1)
-        bars[0].set_postfix(note=f"{record['note']:.3f}", anchor=f"{record['anchor']:.3f}")
-
     try:
-        stats = run_note_pass(data, model, out, config, progress)
+        with progress_bar("note pass", keys=("note", "anchor")) as progress:
+            stats = run_note_pass(data, model, out, config, progress)
     except ValueError as exc:
         raise UserError(f"{data}: {exc}", code=2) from None
-    finally:
-        for bar in bars:
-            bar.close()
     typer.echo(
         f"wrote {out}: {stats['steps']} steps in {stats['seconds']:.0f}s, answer tokens "
         f"{stats['first']['note']:.3f} -> {stats['final']['note']:.3f} nats, whole conversations "

@@ -13,7 +13,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-__all__ = ["DTYPES", "dtype_name", "library_versions", "load_model", "load_weights_into", "save_checkpoint"]
+__all__ = [
+    "DTYPES",
+    "dtype_name",
+    "library_versions",
+    "load_model",
+    "load_weights_into",
+    "read_meta",
+    "save_checkpoint",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,13 +103,17 @@ def library_versions() -> dict[str, str]:
     return {name: version(name) for name in ("torch", "transformers", "tokenizers")}
 
 
+def read_meta(path: str | Path) -> dict:
+    """The checkpoint's ``pbsd.json`` (what made it: :func:`save_checkpoint`'s ``meta``); {} without one."""
+    meta_file = Path(path) / "pbsd.json"
+    return json.loads(meta_file.read_text()) if meta_file.exists() else {}
+
+
 def stamp_world(path: str | Path, fingerprint: str) -> None:
     """Record in ``path``'s ``pbsd.json`` which world (``worldgen.build.world_fingerprint``) the
     checkpoint was supervised on; the demo reuses a warm policy only for that very world."""
-    meta_file = Path(path) / "pbsd.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
-    meta["world_sha256"] = fingerprint
-    meta_file.write_text(json.dumps(meta, indent=2, sort_keys=True))
+    meta = read_meta(path) | {"world_sha256": fingerprint}
+    (Path(path) / "pbsd.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
 
 
 def load_weights_into(model: PreTrainedModel, path: str | Path) -> None:

@@ -53,11 +53,11 @@ import torch
 
 from agent.chat import ChatTokenizer
 from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec, TrainerSpec
-from services.model.checkpoint import library_versions, load_model, save_checkpoint
+from services.model.checkpoint import library_versions, load_model, read_meta, save_checkpoint
 from services.trainer.note_probe import answer_positions, read_conversations
 from services.trainer.policy import PolicyTrainer
 from services.trainer.sft import encode_conversation
-from services.trainer.teacher_sft import contradict, decoy_pools, teacher_format
+from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, teacher_format
 
 __all__ = ["NotePassConfig", "Sequence", "cached_logprobs", "lay_out_note_pass", "run_note_pass"]
 
@@ -117,12 +117,16 @@ def lay_out_note_pass(
     for row in rows:
         exchanges = (len(row["messages"]) - 3) // 2
         draw, keep, to_teacher = rng.random(), rng.randint(1, max(1, exchanges)), rng.random()
-        layout = "contradicted" if draw < config.contradicted else "plain"
-        layout = layout if draw < config.contradicted + config.plain else "student"
+        if draw < config.contradicted:
+            layout = "contradicted"
+        elif draw < config.contradicted + config.plain:
+            layout = "plain"
+        else:
+            layout = "student"
         cut = _cut(row, keep) if exchanges else row
         if layout == "contradicted":
-            pool = [a for a in decoys[row["answer"].isdigit()] if a != row["answer"]]
-            contradicted = contradict(cut, rng.choice(pool)) if pool else None
+            decoy = pick_decoy(decoys, row["answer"], rng)
+            contradicted = contradict(cut, decoy) if decoy is not None else None
             cut, layout = (contradicted, layout) if contradicted is not None else (cut, "plain")
         ids, mask = encode_conversation(tok, cut["messages"])
         if layout != "student":
@@ -231,8 +235,6 @@ def run_note_pass(
         "seconds": time.perf_counter() - started,
         "libraries": library_versions(),
     }
-    base_meta = Path(model_dir) / "pbsd.json"
-    base = json.loads(base_meta.read_text()) if base_meta.exists() else {}
-    save_checkpoint(model, out, tokenizer=tok.tok, meta={**base, "note_pass": stats})
+    save_checkpoint(model, out, tokenizer=tok.tok, meta=read_meta(model_dir) | {"note_pass": stats})
     (out / "note_pass_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     return stats

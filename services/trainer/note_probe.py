@@ -32,7 +32,7 @@ import torch
 from agent.chat import ChatTokenizer
 from services.model.checkpoint import load_model
 from services.trainer.sft import encode_conversation
-from services.trainer.teacher_sft import contradict, decoy_pools, teacher_format
+from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, teacher_format
 
 __all__ = ["answer_positions", "final_turn", "note_probe", "read_conversations"]
 
@@ -98,10 +98,9 @@ def note_probe(
     right, decoyed, ceilings, with_note, without = [], [], [], [], []
     for row in rows:
         answer = row["answer"]
-        others = [a for a in pool[answer.isdigit()] if a != answer]
-        if not others:
+        decoy = pick_decoy(pool, answer, picks)
+        if decoy is None:
             continue
-        decoy = picks.choice(others)
         ids, mask = encode_conversation(tok, row["messages"])
         final = final_turn(mask)
         # x* stating the answer, then the decoy (as the scorer lays it out: teacher_format)

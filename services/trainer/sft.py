@@ -37,7 +37,7 @@ import torch
 
 from agent.chat import ChatTokenizer
 from proto.runs import LrDecay, PbsdSpec, TrainerSpec
-from services.model.checkpoint import library_versions, load_model, save_checkpoint
+from services.model.checkpoint import library_versions, load_model, read_meta, save_checkpoint
 from services.trainer.batch import TrainSample, micro_batches
 from services.trainer.policy import PolicyTrainer
 from services.trainer.teacher_sft import TeacherCopies, teacher_format
@@ -160,21 +160,25 @@ def _sample(ids: list[int], mask: list[int], key: str) -> TrainSample:
 
 
 @contextlib.contextmanager
-def progress_bar(desc: str):
-    """A terminal progress bar for :func:`run_sft`: yields its ``progress`` callback."""
+def progress_bar(desc: str, keys: tuple[str, ...] = ("loss",)):
+    """A terminal progress bar for a training pass (:func:`run_sft`, the note pass): yields its
+    ``progress`` callback, which shows the step record's ``keys``. The bar opens at the first step,
+    so a pass that fails before it (bad data) prints its error alone."""
     from tqdm import tqdm
 
-    bar = tqdm(desc=desc, unit="step")
+    bars = []
 
     def progress(step: int, total: int, record: dict) -> None:
-        bar.total = total
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}")
+        if not bars:
+            bars.append(tqdm(desc=desc, unit="step", total=total))
+        bars[0].update(1)
+        bars[0].set_postfix({k: f"{record[k]:.3f}" for k in keys})
 
     try:
         yield progress
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
 
 
 def run_sft(
@@ -248,8 +252,7 @@ def run_sft(
     # the digest of the text the starting checkpoint's tokenizer learnt from (`pbsd model tiny`)
     # stays with the result, so the asset alone says what its tokenizer saw; the tiny spec needs
     # no copy: config.json carries it (pbsd_tiny_spec)
-    base_meta = Path(model_dir) / "pbsd.json"
-    base = json.loads(base_meta.read_text()) if base_meta.exists() else {}
+    base = read_meta(model_dir)
     kept = {k: base[k] for k in ("tokenizer_text_sha256",) if k in base}
     if "sft" in base:  # a second stage keeps the record of the first (a third, the second's)
         kept["sft_before"] = base["sft"]

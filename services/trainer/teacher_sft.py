@@ -28,7 +28,14 @@ from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
 from proto.runs import TEACHER_TEMPLATES
 
-__all__ = ["TeacherCopies", "contradict", "decoy_pools", "parse_teacher_formats", "teacher_format"]
+__all__ = [
+    "TeacherCopies",
+    "contradict",
+    "decoy_pools",
+    "parse_teacher_formats",
+    "pick_decoy",
+    "teacher_format",
+]
 
 
 def parse_teacher_formats(options: list[str]) -> tuple[tuple[str, float], ...]:
@@ -62,6 +69,13 @@ def decoy_pools(rows: list[dict]) -> dict[bool, list[str]]:
     keyed by ``answer.isdigit()``), sorted so that a seeded draw is the same run after run."""
     answers = sorted({r["answer"] for r in rows})
     return {kind: [a for a in answers if a.isdigit() == kind] for kind in (True, False)}
+
+
+def pick_decoy(pools: dict[bool, list[str]], answer: str, rng: random.Random) -> str | None:
+    """A decoy for ``answer`` drawn from ``pools`` (:func:`decoy_pools`) with ``rng``: another answer
+    of its kind; None, and no draw, when there is none."""
+    others = [a for a in pools[answer.isdigit()] if a != answer]
+    return rng.choice(others) if others else None
 
 
 def contradict(row: dict, decoy: str) -> dict | None:
@@ -102,6 +116,6 @@ class TeacherCopies:
                 continue
             copy = row
             if contradicted:
-                pool = [a for a in self.decoys[row["answer"].isdigit()] if a != row["answer"]]
-                copy = (contradict(row, self.picks.choice(pool)) if pool else None) or row
+                decoy = pick_decoy(self.decoys, row["answer"], self.picks)
+                copy = (contradict(row, decoy) if decoy is not None else None) or row
             yield f, copy
