@@ -221,6 +221,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="naive: sequences per padded batch")
     ap.add_argument("--budget", type=int, default=16_384, help="ours: tokens per packed forward")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--method-timeout", type=float, help="seconds a method may take (its build, warm-up and timed run)"
+    )
     args = ap.parse_args()
     if args.method:
         print(json.dumps(one(args.method, args)))
@@ -238,9 +241,16 @@ def main() -> None:
             passthrough.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     results = {}
     for m in methods:
-        done = subprocess.run(
-            [sys.executable, __file__, "--method", m, *passthrough], capture_output=True, text=True
-        )
+        try:
+            done = subprocess.run(
+                [sys.executable, __file__, "--method", m, *passthrough],
+                capture_output=True,
+                text=True,
+                timeout=args.method_timeout,
+            )
+        except subprocess.TimeoutExpired:
+            results[m] = {"method": m, "error": f"timed out after {args.method_timeout:g} s"}
+            continue
         if done.returncode != 0:
             results[m] = {"method": m, "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
             continue

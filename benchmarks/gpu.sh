@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One GPU session's checks, in order of what they prove: the CUDA tests (`pytest -m gpu`), the
+# scorer against the naive baseline and the bound (presets small, qwen3-30b-a3b, short), the
+# trainer's step on Qwen3-30B-A3B's shape, and the kernel paths' numerics. Each step's log lands in
+# OUTDIR; each step gets at most its own limit and what is left of BUDGET seconds, so a step that
+# hangs or compiles for ever costs its own figures and not the later steps'.
+#
+#   benchmarks/gpu.sh OUTDIR [BUDGET_SECONDS]
+#
+# PYTHON picks the interpreter (default: .venv-gpu/bin/python, else python3). It needs the
+# project's dependencies importable; `make test-gpu` builds such a venv where a package index is
+# reachable. JAX stays off the GPU (bm25s imports it where installed).
+set -u
+out=${1:?usage: benchmarks/gpu.sh OUTDIR [BUDGET_SECONDS]}
+budget=${2:-540}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+py=${PYTHON:-$([ -x .venv-gpu/bin/python ] && echo .venv-gpu/bin/python || echo python3)}
+export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+deadline=$((SECONDS + budget))
+
+step() {  # step NAME LIMIT COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local left=$((deadline - SECONDS))
+    ((left < limit)) && limit=$left
+    if ((limit < 20)); then
+        echo "== $name: skipped, ${left}s of the budget left" | tee -a "$out/summary.txt"
+        return
+    fi
+    echo "== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc in $((SECONDS - t0))s" | tee -a "$out/summary.txt"
+    tail -n 25 "$out/$name.log"
+}
+
+{
+    date -u
+    git log -1 --format='commit %H' 2>/dev/null
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$py" -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee "$out/summary.txt"
+
+step tests 150 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_deepspeed.py
+step scorer-small 150 "$py" benchmarks/scorer.py --preset small --method-timeout 40
+step scorer-qwen3 200 "$py" benchmarks/scorer.py --preset qwen3-30b-a3b \
+    --methods ours,ours-chunked,ours-unpacked,bound,bound-packed --method-timeout 60
+step scorer-short 120 "$py" benchmarks/scorer.py --preset short \
+    --methods ours,ours-unpacked,naive,bound,bound-packed --method-timeout 40
+step trainer-qwen3 90 "$py" benchmarks/trainer.py --preset qwen3-30b-a3b
+step numerics 60 "$py" benchmarks/scorer_numerics.py
