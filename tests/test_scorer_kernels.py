@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch._inductor.exc import InductorError
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from agent.chat import ChatTokenizer
@@ -155,6 +156,46 @@ async def test_student_and_teacher_always_share_one_kernel_path(
         assert all(f["mask"] == "NoneType" and f["documents"] == 1 for f in forwards)
         # a student and a teacher pass per trajectory, and the null pass's sequences (the noise floor)
         assert len(forwards) == 2 * len(group.trajectories) + group.algorithm.noise_floor_samples
+
+
+async def test_a_flex_compile_failure_moves_the_scorer_to_sdpa_for_the_whole_call(
+    sdpa_model, tiny_checkpoint, monkeypatch
+):
+    """Inductor found no flex kernel for the tiny policy's bf16 heads on an H100 (benchmarks/README.md,
+    GPU): the scorer then redoes the call on SDPA, one sequence per forward, and stays there."""
+    model = load_model(tiny_checkpoint)
+    model.set_attn_implementation("flex_attention")
+    real = logprobs_module.decoder_hidden_states
+    attempts = []
+
+    def hidden_states(base, ids, lengths, path):
+        attempts.append(path.attention)
+        if path.attention == "flex_attention":
+            raise InductorError(RuntimeError("NoValidChoicesError: No choices to select"), None)
+        return real(base, ids, lengths, path)
+
+    monkeypatch.setattr(logprobs_module, "decoder_hidden_states", hidden_states)
+    scorer = LocalScorer(model, token_budget=400)
+    assert scorer.path.attention == "flex_attention" and scorer.path.pack
+    requests = _requests([300, 37, 150, 90, 5])
+    got = await scorer(requests)
+    assert attempts[0] == "flex_attention" and set(attempts[1:]) == {"sdpa"}
+    assert (scorer.path.attention, scorer.path.pack) == ("sdpa", False)
+    want = sequence_logprobs(sdpa_model, requests, pack=False)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    attempts.clear()
+    await scorer(requests[:2])
+    assert attempts == ["sdpa", "sdpa"]  # no second try of the kernel that failed
+
+
+async def test_other_compile_failures_are_not_swallowed(sdpa_model, monkeypatch):
+    def broken(*args):
+        raise InductorError(RuntimeError("boom"), None)
+
+    monkeypatch.setattr(logprobs_module, "decoder_hidden_states", broken)
+    with pytest.raises(InductorError):
+        await LocalScorer(sdpa_model)(_requests([20]))
 
 
 def test_fused_head_matches_torch_under_tritons_interpreter():

@@ -8,10 +8,12 @@ together, to the same backend and the same weights.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import httpx
 import numpy as np
+from torch._dynamo.exc import BackendCompilerFailed
 from transformers import PreTrainedModel
 
 from services.model.checkpoint import load_weights_into
@@ -23,6 +25,8 @@ from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 from services.weights.receiver import TORN
 
 __all__ = ["LocalScorer", "SglangScorer"]
+
+log = logging.getLogger(__name__)
 
 
 class LocalScorer:
@@ -53,15 +57,31 @@ class LocalScorer:
     async def __call__(self, requests: Sequence[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
         await self._whole.wait()
         async with self._lock:
-            return await asyncio.to_thread(
-                sequence_logprobs,
-                self.model,
-                requests,
-                token_budget=self.token_budget,
-                chunk_size=self.chunk_size,
-                pack=self.path.pack,
-                head=self.path.head,
-            )
+            try:
+                return await asyncio.to_thread(self._score, requests)
+            except BackendCompilerFailed as exc:
+                if self.path.attention != "flex_attention":
+                    raise
+                # Inductor cannot build flex attention for every shape, dtype and GPU (on an H100 with
+                # torch 2.11 it found no kernel for the tiny policy's 16-wide bf16 heads): the scorer
+                # then runs SDPA one sequence per forward from this call on, so every log-prob it
+                # returns, student's and teacher's alike, still comes from one path.
+                self.model.set_attn_implementation("sdpa")
+                self.path = kernel_path(self.model, pack=False, head=self.path.head)
+                log.warning(
+                    "flex attention failed to compile (%s); scoring kernel path now %s", exc, self.path
+                )
+                return await asyncio.to_thread(self._score, requests)
+
+    def _score(self, requests: Sequence[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
+        return sequence_logprobs(
+            self.model,
+            requests,
+            token_budget=self.token_budget,
+            chunk_size=self.chunk_size,
+            pack=self.path.pack,
+            head=self.path.head,
+        )
 
     async def replayed(self, requests: Sequence[RoutedRequest]) -> list[np.ndarray]:
         """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
