@@ -154,7 +154,13 @@ GPU_METHODS = ["ours", "ours-chunked", "ours-unpacked", "naive", "bound", "bound
 CPU_METHODS = ["ours", "naive", "bound", "ours-packed-sdpa"]
 
 
+def progress(begun: float, what: str) -> None:
+    """A line on stderr per stage, so a method stopped by --method-timeout says where its time went."""
+    print(f"{what} at {time.perf_counter() - begun:.1f} s", file=sys.stderr, flush=True)
+
+
 def one(method: str, args) -> dict:
+    begun = time.perf_counter()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -169,6 +175,7 @@ def one(method: str, args) -> dict:
         max_positions=max(32_768, (args.max_len or WORKLOADS[args.preset][3]) + 64),
     )
     requests = workload(args.seed, model.config.vocab_size, *sizes(args))
+    progress(begun, "model built")
     out = {"method": method, "device": device, "attention": model.config._attn_implementation}
     if method.startswith("ours"):
         path = kernel_path(
@@ -183,6 +190,7 @@ def one(method: str, args) -> dict:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        progress(begun, "warm-up done")
         start = time.perf_counter()
         run(model, requests, args)
         if cuda:
@@ -248,13 +256,18 @@ def main() -> None:
                 text=True,
                 timeout=args.method_timeout,
             )
-        except subprocess.TimeoutExpired:
-            results[m] = {"method": m, "error": f"timed out after {args.method_timeout:g} s"}
+        except subprocess.TimeoutExpired as stopped:
+            stderr = stopped.stderr or b""  # what the child wrote before the kill, bytes or text
+            stages = (stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr).splitlines()
+            last = f" (last: {stages[-1][:80]})" if stages else ""
+            results[m] = {"method": m, "error": f"timed out after {args.method_timeout:g} s{last}"}
+            print(json.dumps(results[m]), file=sys.stderr, flush=True)
             continue
         if done.returncode != 0:
             results[m] = {"method": m, "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
             continue
         results[m] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(json.dumps(results[m]), file=sys.stderr, flush=True)  # survives a kill before the table
     report(args, methods, results)
 
 

@@ -9,7 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-import deepspeed
 import numpy as np
 import torch.distributed as dist
 
@@ -48,6 +47,8 @@ def main() -> None:
     backend = os.environ.get("PBSD_TEST_DIST_BACKEND", "gloo")  # nccl: tests/test_gpu.py
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu"
     if "WORLD_SIZE" in os.environ:  # under the launcher; without it the trainer is a world of one
+        import deepspeed  # here: test_gpu.py borrows this module's samples on machines without DeepSpeed
+
         deepspeed.init_distributed(dist_backend=backend)
     if dist.is_initialized() and dist.get_rank() != 0:
         follow_rank0(device=device)
