@@ -15,10 +15,11 @@ from typer.testing import CliRunner
 from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
 from pbsd.cli import app
-from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE
+from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec
 from services.model.checkpoint import load_model
 from services.trainer.note_pass import (
     NotePassConfig,
+    backward_losses,
     cached_logprobs,
     lay_out_note_pass,
     prefix_cache,
@@ -78,6 +79,70 @@ def test_each_layout_learns_the_answer_and_only_the_teachers_see_the_note(tok, c
     assert [s.ids for s in again[0]] == [s.ids for s in cut]  # seeded
     other = lay_out_note_pass(tok, rows, NotePassConfig(seed=1))
     assert [s.ids for s in other[0]] != [s.ids for s in cut]
+
+
+@pytest.mark.parametrize("template", [ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec().teacher_template])
+def test_each_anchor_after_the_note_pairs_its_answer_free_tokens_with_the_students(
+    tok, conversations, template
+):
+    rows = read_conversations(conversations)
+    _, anchors = lay_out_note_pass(tok, rows, NotePassConfig(template=template, anchor_teacher=1.0))
+    assert {s.layout for s in anchors} == {"anchor-x*"}
+    for seq, row in zip(anchors, rows, strict=True):
+        ids, mask = encode_conversation(tok, row["messages"])
+        assistant = tok.tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        final = row["messages"][-1]["content"]
+        twin = seq.twin
+        assert twin is not None and twin.ids == ids and twin.layout == "student"
+        free_text = tok.tok.decode([ids[p] for p in twin.learnt])
+        # every assistant turn but the last: the final answer is the one turn L_same leaves alone
+        assert (
+            final not in free_text
+            and assistant.startswith(free_text)
+            and final in assistant[len(free_text) :]
+        )
+        assert [seq.ids[p] for p in seq.learnt[seq.free]] == [ids[p] for p in twin.learnt]
+
+
+def _answer_free_gap(model_dir, tok, anchors) -> float:
+    """Mean squared log-prob difference, after x* against the student's format, on answer-free tokens."""
+    model = load_model(model_dir).eval()
+    with torch.no_grad():
+        gaps = [
+            cached_logprobs(model, None, 0, seq)[torch.as_tensor(seq.free)]
+            - cached_logprobs(model, None, 0, seq.twin)
+            for seq in anchors
+        ]
+    return float(torch.cat(gaps).pow(2).mean())
+
+
+def test_l_same_is_the_answer_free_gap_and_its_gradient_narrows_it(
+    tiny_checkpoint, tok, conversations, tmp_path
+):
+    # every anchor in every step (anchors >= conversations), all of them after x*
+    shape = dict(steps=2, batch_size=2, anchors=6, anchor_teacher=1.0, warmup_steps=1, limit=6)
+    _, anchors = lay_out_note_pass(tok, read_conversations(conversations)[:6], NotePassConfig(**shape))
+    start = _answer_free_gap(tiny_checkpoint, tok, anchors)
+    stats = run_note_pass(
+        conversations, tiny_checkpoint, tmp_path / "t", NotePassConfig(**shape, consistency=1.0)
+    )
+    assert stats["first"]["same"] == pytest.approx(start, rel=1e-3)  # before the first update: the gap itself
+    assert (
+        "same"
+        not in run_note_pass(conversations, tiny_checkpoint, tmp_path / "u", NotePassConfig(**shape))["first"]
+    )
+    # its gradient alone (no note, anchors weighted 0) moves the teacher's answer-free tokens to the student's
+    model = load_model(tiny_checkpoint)
+    config = NotePassConfig(**shape, anchor_weight=0.0, consistency=1.0)
+    gaps = []
+    for _ in range(3):
+        model.zero_grad()
+        gaps.append(backward_losses(model, None, 0, [], anchors, config)["same"])
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 20.0 * p.grad
+    assert gaps[0] == pytest.approx(start, rel=1e-3) and gaps[2] < gaps[1] < gaps[0]
 
 
 def test_the_cached_system_prompt_gives_the_whole_forwards_logprobs(tiny_checkpoint, tok, conversations):

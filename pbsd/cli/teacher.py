@@ -186,6 +186,9 @@ def teach_cmd(
     ),
     anchors: int = typer.Option(8, min=0, help="whole conversations a step, every assistant token learnt"),
     anchor_weight: float = typer.Option(4.0, min=0, help="the anchors' loss weight (lambda)"),
+    consistency: float = typer.Option(
+        0.0, min=0, help="L_same's weight: answer-free tokens after x* held to the student's log-probs"
+    ),
     lr: float = typer.Option(5e-4),
     limit: int | None = typer.Option(3000, help="learn from the first N conversations of --data"),
     seed: int = typer.Option(0),
@@ -205,6 +208,7 @@ def teach_cmd(
             batch_size=batch_size,
             anchors=anchors,
             anchor_weight=anchor_weight,
+            consistency=consistency,
             lr=lr,
             limit=limit,
             seed=seed,
@@ -212,7 +216,8 @@ def teach_cmd(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
     try:
-        with progress_bar("note pass", keys=("note", "anchor")) as progress:
+        keys = ("note", "anchor", "same") if consistency else ("note", "anchor")
+        with progress_bar("note pass", keys=keys) as progress:
             stats = run_note_pass(data, model, out, config, progress)
     except ValueError as exc:
         raise UserError(f"{data}: {exc}", code=2) from None

@@ -29,6 +29,12 @@ format. Without them the reading comes at the price of the policy (it stopped an
 without the teacher-format share, the teacher's answer-free turns drift far from the student's
 (mean s -0.52 nats, where the deadband is 0.004 wide).
 
+**L_same** (optional, weight ``consistency``, 0 by default): on every anchor after x*, the squared
+difference between each answer-free token's log-prob after x* and the same token's log-prob in the
+student's format (the current policy's, without gradient), averaged over those tokens. An
+answer-free turn's evidence is the mean of exactly these differences, so this term asks the teacher
+to leave them in the deadband while L_note teaches it to read the answer.
+
 On the demo's policy (docs/credit-signal.md, "The note pass") the taught teacher reads the note
 (an answer only x* states rises by about a nat) and disfavours most wrong finals, but its
 answer-free turns leave the deadband, so the demo does not use it by default.
@@ -59,7 +65,14 @@ from services.trainer.policy import PolicyTrainer
 from services.trainer.sft import encode_conversation
 from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, teacher_format
 
-__all__ = ["NotePassConfig", "Sequence", "cached_logprobs", "lay_out_note_pass", "run_note_pass"]
+__all__ = [
+    "NotePassConfig",
+    "Sequence",
+    "backward_losses",
+    "cached_logprobs",
+    "lay_out_note_pass",
+    "run_note_pass",
+]
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,7 @@ class NotePassConfig:
     anchors: int = 8  # whole conversations a step (L_anchor)
     anchor_weight: float = 4.0  # lambda
     anchor_teacher: float = 0.5  # share of the anchors laid out after x*
+    consistency: float = 0.0  # L_same's weight: answer-free tokens after x* as in the student's format
     contradicted: float = 0.5  # shares of the cut conversations; the rest are the student's format
     plain: float = 0.25
     lr: float = 5e-4
@@ -85,8 +99,13 @@ class NotePassConfig:
                 raise ValueError(f"{name} must be in [0, 1], not {getattr(self, name)}")
         if self.contradicted + self.plain > 1:
             raise ValueError("contradicted + plain is at most 1 (the rest are the student's format)")
-        if self.steps < 1 or self.batch_size < 1 or self.anchors < 0 or self.anchor_weight < 0:
-            raise ValueError("steps and batch_size are >= 1, anchors and anchor_weight >= 0")
+        if (
+            self.steps < 1
+            or self.batch_size < 1
+            or self.anchors < 0
+            or min(self.anchor_weight, self.consistency) < 0
+        ):
+            raise ValueError("steps and batch_size are >= 1, anchors, anchor_weight and consistency >= 0")
 
 
 @dataclass(frozen=True)
@@ -97,6 +116,10 @@ class Sequence:
     ids: list[int]
     learnt: np.ndarray
     layout: str
+    # anchors after x*: which of ``learnt`` lie in answer-free turns (every assistant turn but the
+    # last), and the same conversation in the student's format with those tokens learnt (L_same)
+    free: np.ndarray | None = None
+    twin: Sequence | None = None
 
 
 def _cut(row: dict, keep: int) -> dict:
@@ -135,12 +158,30 @@ def lay_out_note_pass(
         if learnt.size:
             cut_seqs.append(Sequence(ids, learnt, layout))
         ids, mask = encode_conversation(tok, row["messages"])
-        layout = "anchor"
+        learnt = np.flatnonzero(np.asarray(mask) == 1)
         if to_teacher < config.anchor_teacher:
-            ids, mask = teacher_format(tok, row, ids, mask, config.template)
-            layout = "anchor-x*"
-        anchors.append(Sequence(ids, np.flatnonzero(np.asarray(mask) == 1), layout))
+            t_ids, t_mask = teacher_format(tok, row, ids, mask, config.template)
+            anchors.append(_with_twin(Sequence(ids, learnt, "student"), t_ids, t_mask))
+        else:
+            anchors.append(Sequence(ids, learnt, "anchor"))
     return cut_seqs, anchors
+
+
+def _with_twin(student: Sequence, ids: list[int], mask: list[int]) -> Sequence:
+    """The anchor after x* (``ids``, ``mask``) paired with its ``student`` layout on the answer-free
+    tokens. x* enters before the first assistant turn, so those tokens sit ``shift`` later."""
+    learnt = np.flatnonzero(np.asarray(mask) == 1)
+    final_turn = np.flatnonzero(np.diff(student.learnt) > 1)  # the gaps between assistant turns
+    free_student = student.learnt[: final_turn[-1] + 1] if final_turn.size else student.learnt[:0]
+    shift = len(ids) - len(student.ids)
+    free = np.searchsorted(learnt, free_student + shift)
+    if free_student.size and not (
+        np.array_equal(learnt[free], free_student + shift)
+        and np.array_equal(np.asarray(ids)[learnt[free]], np.asarray(student.ids)[free_student])
+    ):
+        raise ValueError("the teacher's layout moved an assistant token other than by x*'s length")
+    twin = Sequence(student.ids, free_student, "student") if free_student.size else None
+    return Sequence(ids, learnt, "anchor-x*", free=free if twin else None, twin=twin)
 
 
 def shared_prefix(sequences: list[Sequence]) -> int:
@@ -178,6 +219,31 @@ def cached_logprobs(model, cache, prefix_len: int, seq: Sequence) -> torch.Tenso
     return logp.gather(1, torch.tensor([seq.ids[p] for p in seq.learnt])[:, None])[:, 0]
 
 
+def backward_losses(
+    model, cache, prefix_len: int, batch: list[Sequence], held: list[Sequence], config: NotePassConfig
+) -> dict[str, float]:
+    """Accumulate the gradient of L_note + lambda * L_anchor (+ consistency * L_same) over ``batch``
+    (cut sequences) and ``held`` (anchors); return each term's value."""
+    losses = {"same": 0.0} if config.consistency else {}
+    free_tokens = sum(s.twin.learnt.size for s in held if s.twin) if config.consistency else 0
+    for name, group, weight in (("note", batch, 1.0), ("anchor", held, config.anchor_weight)):
+        tokens, nll = sum(s.learnt.size for s in group), 0.0
+        for seq in group:
+            logp = cached_logprobs(model, cache, prefix_len, seq)
+            loss = -logp.sum() / tokens
+            total = weight * loss
+            if free_tokens and seq.twin is not None:
+                with torch.no_grad():  # the student's side is the reference, not a target
+                    student = cached_logprobs(model, cache, prefix_len, seq.twin)
+                same = ((logp[torch.as_tensor(seq.free)] - student) ** 2).sum() / free_tokens
+                total = total + config.consistency * same
+                losses["same"] += float(same.detach())
+            total.backward()
+            nll += float(loss.detach())
+        losses[name] = nll
+    return losses
+
+
 def run_note_pass(
     data: Path,
     model_dir: Path,
@@ -194,7 +260,7 @@ def run_note_pass(
     cut_seqs, anchors = lay_out_note_pass(tok, rows, config)
     if not cut_seqs:
         raise ValueError("no conversation whose final answer names its answer")
-    prefix_len = shared_prefix(cut_seqs + anchors)
+    prefix_len = shared_prefix(cut_seqs + anchors + [a.twin for a in anchors if a.twin])
     prefix = cut_seqs[0].ids[:prefix_len]
     spec = TrainerSpec(
         max_steps=config.steps,
@@ -211,14 +277,7 @@ def run_note_pass(
         held = rng.sample(anchors, min(config.anchors, len(anchors)))
         model.train()
         cache = prefix_cache(model, prefix)
-        losses = {}
-        for name, group, weight in (("note", batch, 1.0), ("anchor", held, config.anchor_weight)):
-            tokens, nll = sum(s.learnt.size for s in group), 0.0
-            for seq in group:
-                loss = -cached_logprobs(model, cache, prefix_len, seq).sum() / tokens
-                (weight * loss).backward()
-                nll += float(loss.detach())
-            losses[name] = nll
+        losses = backward_losses(model, cache, prefix_len, batch, held, config)
         record = {"step": trainer.step + 1, **losses, **trainer.apply()}
         history.append(record)
         if progress is not None:
@@ -230,8 +289,8 @@ def run_note_pass(
         "layouts": {name: layouts.count(name) for name in sorted(set(layouts))},
         "shared_prefix_tokens": prefix_len,
         "steps": trainer.step,
-        "first": {k: history[0][k] for k in ("note", "anchor")},
-        "final": {k: history[-1][k] for k in ("note", "anchor")},
+        "first": {k: history[0][k] for k in ("note", "anchor", "same") if k in history[0]},
+        "final": {k: history[-1][k] for k in ("note", "anchor", "same") if k in history[-1]},
         "seconds": time.perf_counter() - started,
         "libraries": library_versions(),
     }
