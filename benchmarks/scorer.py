@@ -215,6 +215,25 @@ def one(method: str, args) -> dict:
     return out
 
 
+def run_method(method: str, passthrough: list[str], timeout: float | None) -> dict:
+    """One method in a process of its own: its result, or ``{"method", "error"}``."""
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, "--method", method, *passthrough],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as stopped:
+        stderr = stopped.stderr or b""  # what the child wrote before the kill, left undecoded on POSIX
+        stages = (stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr).splitlines()
+        last = f" (last: {stages[-1][:80]})" if stages else ""
+        return {"method": method, "error": f"timed out after {timeout:g} s{last}"}
+    if done.returncode != 0:
+        return {"method": method, "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(WORKLOADS), default="small")
@@ -249,24 +268,7 @@ def main() -> None:
             passthrough.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     results = {}
     for m in methods:
-        try:
-            done = subprocess.run(
-                [sys.executable, __file__, "--method", m, *passthrough],
-                capture_output=True,
-                text=True,
-                timeout=args.method_timeout,
-            )
-        except subprocess.TimeoutExpired as stopped:
-            stderr = stopped.stderr or b""  # what the child wrote before the kill, bytes or text
-            stages = (stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr).splitlines()
-            last = f" (last: {stages[-1][:80]})" if stages else ""
-            results[m] = {"method": m, "error": f"timed out after {args.method_timeout:g} s{last}"}
-            print(json.dumps(results[m]), file=sys.stderr, flush=True)
-            continue
-        if done.returncode != 0:
-            results[m] = {"method": m, "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
-            continue
-        results[m] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[m] = run_method(m, passthrough, args.method_timeout)
         print(json.dumps(results[m]), file=sys.stderr, flush=True)  # survives a kill before the table
     report(args, methods, results)
 

@@ -84,7 +84,7 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
     """Oracle SFT data, tokenizer and tiny model, supervised fine-tuning (``--from-scratch``)."""
     from services.model.checkpoint import stamp_world
     from services.model.tiny import TinySpec, init_tiny
-    from services.trainer.note_pass import run_note_pass
+    from services.trainer.note_pass import LOSSES, describe, run_note_pass
     from services.trainer.sft import progress_bar, run_sft
     from worldgen.oracle import write_sft_data
 
@@ -126,13 +126,9 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
         )
         last = made["teacher-sft"]
     if note_pass is not None:
-        with progress_bar("note pass", keys=("note", "anchor")) as progress:
+        with progress_bar("note pass", keys=tuple(LOSSES)) as progress:
             result = run_note_pass(work / "sft.jsonl", last, target, note_pass, progress)
-        say(
-            f"note pass ({note_pass.steps} steps): answer tokens {result['first']['note']:.3f} -> "
-            f"{result['final']['note']:.3f} nats, whole conversations {result['first']['anchor']:.3f} -> "
-            f"{result['final']['anchor']:.3f} in {result['seconds']:.0f}s"
-        )
+        say(f"note pass: {describe(result)}")
     stamp_world(target, fingerprint)
     return target
 

@@ -198,7 +198,7 @@ def teach_cmd(
     Learns the final answer of cut conversations after x* (half of them with tool results that name
     a decoy, so only the note states the answer) beside whole conversations that hold the policy
     where it was: services/trainer/note_pass.py, docs/credit-signal.md."""
-    from services.trainer.note_pass import NotePassConfig, run_note_pass
+    from services.trainer.note_pass import LOSSES, NotePassConfig, describe, run_note_pass
     from services.trainer.sft import progress_bar
 
     try:
@@ -216,16 +216,11 @@ def teach_cmd(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
     try:
-        keys = ("note", "anchor", "same") if consistency else ("note", "anchor")
-        with progress_bar("note pass", keys=keys) as progress:
+        with progress_bar("note pass", keys=tuple(LOSSES)) as progress:
             stats = run_note_pass(data, model, out, config, progress)
     except ValueError as exc:
         raise UserError(f"{data}: {exc}", code=2) from None
-    typer.echo(
-        f"wrote {out}: {stats['steps']} steps in {stats['seconds']:.0f}s, answer tokens "
-        f"{stats['first']['note']:.3f} -> {stats['final']['note']:.3f} nats, whole conversations "
-        f"{stats['first']['anchor']:.3f} -> {stats['final']['anchor']:.3f}"
-    )
+    typer.echo(f"wrote {out}: {describe(stats)}")
 
 
 async def _check(model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype):

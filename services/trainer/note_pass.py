@@ -60,19 +60,25 @@ import torch
 from agent.chat import ChatTokenizer
 from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec, TrainerSpec
 from services.model.checkpoint import library_versions, load_model, read_meta, save_checkpoint
-from services.trainer.note_probe import answer_positions, read_conversations
+from services.trainer.note_probe import answer_positions, final_turn, read_conversations
 from services.trainer.policy import PolicyTrainer
 from services.trainer.sft import encode_conversation
 from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, teacher_format
 
 __all__ = [
+    "LOSSES",
     "NotePassConfig",
     "Sequence",
     "backward_losses",
     "cached_logprobs",
+    "describe",
     "lay_out_note_pass",
     "run_note_pass",
 ]
+
+
+# a step record's loss terms, as its progress bar and summary name them ("same" only with L_same)
+LOSSES = {"note": "answer tokens", "anchor": "whole conversations", "same": "L_same"}
 
 
 @dataclass(frozen=True)
@@ -116,9 +122,8 @@ class Sequence:
     ids: list[int]
     learnt: np.ndarray
     layout: str
-    # anchors after x*: which of ``learnt`` lie in answer-free turns (every assistant turn but the
-    # last), and the same conversation in the student's format with those tokens learnt (L_same)
-    free: np.ndarray | None = None
+    # anchors after x*: the same conversation in the student's format learning only its answer-free
+    # tokens (L_same); they are the first ``len(twin.learnt)`` of this sequence's ``learnt``
     twin: Sequence | None = None
 
 
@@ -158,30 +163,25 @@ def lay_out_note_pass(
         if learnt.size:
             cut_seqs.append(Sequence(ids, learnt, layout))
         ids, mask = encode_conversation(tok, row["messages"])
-        learnt = np.flatnonzero(np.asarray(mask) == 1)
         if to_teacher < config.anchor_teacher:
-            t_ids, t_mask = teacher_format(tok, row, ids, mask, config.template)
-            anchors.append(_with_twin(Sequence(ids, learnt, "student"), t_ids, t_mask))
+            anchors.append(_with_twin(ids, mask, *teacher_format(tok, row, ids, mask, config.template)))
         else:
-            anchors.append(Sequence(ids, learnt, "anchor"))
+            anchors.append(Sequence(ids, np.flatnonzero(np.asarray(mask) == 1), "anchor"))
     return cut_seqs, anchors
 
 
-def _with_twin(student: Sequence, ids: list[int], mask: list[int]) -> Sequence:
-    """The anchor after x* (``ids``, ``mask``) paired with its ``student`` layout on the answer-free
-    tokens. x* enters before the first assistant turn, so those tokens sit ``shift`` later."""
+def _with_twin(student_ids: list[int], student_mask: list[int], ids: list[int], mask: list[int]) -> Sequence:
+    """The anchor after x* (``ids``, ``mask``), its twin the student's layout learning the tokens of
+    every assistant turn but the last. x* enters before the first assistant turn, so the teacher's
+    assistant tokens are the student's in the same order, and the twin's come first."""
     learnt = np.flatnonzero(np.asarray(mask) == 1)
-    final_turn = np.flatnonzero(np.diff(student.learnt) > 1)  # the gaps between assistant turns
-    free_student = student.learnt[: final_turn[-1] + 1] if final_turn.size else student.learnt[:0]
-    shift = len(ids) - len(student.ids)
-    free = np.searchsorted(learnt, free_student + shift)
-    if free_student.size and not (
-        np.array_equal(learnt[free], free_student + shift)
-        and np.array_equal(np.asarray(ids)[learnt[free]], np.asarray(student.ids)[free_student])
-    ):
-        raise ValueError("the teacher's layout moved an assistant token other than by x*'s length")
-    twin = Sequence(student.ids, free_student, "student") if free_student.size else None
-    return Sequence(ids, learnt, "anchor-x*", free=free if twin else None, twin=twin)
+    student = np.flatnonzero(np.asarray(student_mask) == 1)
+    if not np.array_equal(np.asarray(ids)[learnt], np.asarray(student_ids)[student]):
+        raise ValueError("the teacher's layout changed the assistant's tokens")
+    free = student[student < final_turn(student_mask)[0]]
+    return Sequence(
+        ids, learnt, "anchor-x*", twin=Sequence(student_ids, free, "student") if free.size else None
+    )
 
 
 def shared_prefix(sequences: list[Sequence]) -> int:
@@ -235,7 +235,7 @@ def backward_losses(
             if free_tokens and seq.twin is not None:
                 with torch.no_grad():  # the student's side is the reference, not a target
                     student = cached_logprobs(model, cache, prefix_len, seq.twin)
-                same = ((logp[torch.as_tensor(seq.free)] - student) ** 2).sum() / free_tokens
+                same = ((logp[: student.numel()] - student) ** 2).sum() / free_tokens
                 total = total + config.consistency * same
                 losses["same"] += float(same.detach())
             total.backward()
@@ -289,11 +289,19 @@ def run_note_pass(
         "layouts": {name: layouts.count(name) for name in sorted(set(layouts))},
         "shared_prefix_tokens": prefix_len,
         "steps": trainer.step,
-        "first": {k: history[0][k] for k in ("note", "anchor", "same") if k in history[0]},
-        "final": {k: history[-1][k] for k in ("note", "anchor", "same") if k in history[-1]},
+        "first": {k: history[0][k] for k in LOSSES if k in history[0]},
+        "final": {k: history[-1][k] for k in LOSSES if k in history[-1]},
         "seconds": time.perf_counter() - started,
         "libraries": library_versions(),
     }
     save_checkpoint(model, out, tokenizer=tok.tok, meta=read_meta(model_dir) | {"note_pass": stats})
     (out / "note_pass_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     return stats
+
+
+def describe(stats: dict) -> str:
+    """One line for :func:`run_note_pass`'s ``stats``: its steps, time and each loss's first and final value."""
+    losses = ", ".join(
+        f"{LOSSES[k]} {stats['first'][k]:.3f} -> {stats['final'][k]:.3f}" for k in stats["first"]
+    )
+    return f"{stats['steps']} steps in {stats['seconds']:.0f}s, {losses} nats"

@@ -162,7 +162,7 @@ def _sample(ids: list[int], mask: list[int], key: str) -> TrainSample:
 @contextlib.contextmanager
 def progress_bar(desc: str, keys: tuple[str, ...] = ("loss",)):
     """A terminal progress bar for a training pass (:func:`run_sft`, the note pass): yields its
-    ``progress`` callback, which shows the step record's ``keys``. The bar opens at the first step,
+    ``progress`` callback, which shows those of ``keys`` the step record has. The bar opens at the first step,
     so a pass that fails before it (bad data) prints its error alone."""
     from tqdm import tqdm
 
@@ -172,7 +172,7 @@ def progress_bar(desc: str, keys: tuple[str, ...] = ("loss",)):
         if not bars:
             bars.append(tqdm(desc=desc, unit="step", total=total))
         bars[0].update(1)
-        bars[0].set_postfix({k: f"{record[k]:.3f}" for k in keys})
+        bars[0].set_postfix({k: f"{record[k]:.3f}" for k in keys if k in record})
 
     try:
         yield progress
