@@ -52,11 +52,11 @@ step() {  # step NAME LIMIT COMMAND...
 # compiles flex attention, the timed run) did not finish in 65 s: it gets two minutes here, and each
 # scorer step prints every method's result as it ends, so a step cut short keeps what it measured.
 step tests 100 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_deepspeed.py
-step scorer-small 200 "$py" benchmarks/scorer.py --preset small --methods ours,naive,bound,bound-packed \
+step scorer-small 200 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset small --methods ours,naive,bound,bound-packed \
     --method-timeout 120
-step scorer-qwen3 200 "$py" benchmarks/scorer.py --preset qwen3-30b-a3b \
+step scorer-qwen3 200 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset qwen3-30b-a3b \
     --methods ours,bound,bound-packed,ours-unpacked,ours-chunked --method-timeout 90
-step scorer-short 120 "$py" benchmarks/scorer.py --preset short \
+step scorer-short 120 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset short \
     --methods ours,ours-unpacked,naive,bound,bound-packed --method-timeout 40
 step trainer-qwen3 90 "$py" benchmarks/trainer.py --preset qwen3-30b-a3b
 step numerics 60 "$py" benchmarks/scorer_numerics.py

@@ -47,7 +47,7 @@ def _flex_cuda(path, dtype="float32"):
 
 
 def test_packed_flex_on_cuda_equals_cpu_at_every_packed_length(tiny_checkpoint):
-    """Compiled flex attention, several packed lengths per call and across calls (dynamic shapes)."""
+    """Compiled flex attention, several packed lengths per call and across calls (static padded shapes)."""
     rng = np.random.default_rng(1)
     requests = [(rng.integers(0, 900, n).tolist(), np.arange(1, n)) for n in (300, 37, 150, 90, 5, 700, 2)]
     cpu = sequence_logprobs(load_model(tiny_checkpoint), requests)

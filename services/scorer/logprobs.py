@@ -18,8 +18,12 @@ How it stays fast and small:
   attention's varlen), a batch is one *packed* forward: sequences concatenated,
   ``position_ids`` restarting at 0, each token attending causally within its own
   sequence only. Otherwise (SDPA on CPU, where a packed mask is dense and costs the
-  square of the packed length) each sequence runs alone. Either way no pad token is
-  ever computed.
+  square of the packed length) each sequence runs alone, and no pad token is computed.
+* A flex-attention forward is padded to one of four lengths per doubling
+  (:func:`static_length`) and compiled for that static shape: Inductor's symbolic-length
+  flex kernels fail to build (no valid template in bf16 on an H100 with torch 2.11, a C++
+  compile error on CPU with torch 2.13), and a few static shapes compile once each. The
+  padding is a sequence of its own that no real token sees.
 * Only the hidden states that predict a requested token are kept, and they go through
   the LM head ``chunk_size`` rows at a time (:mod:`services.model.lm_head`): each
   chunk's logits are reduced to the realised token's logit and ``logsumexp`` at once
@@ -53,6 +57,7 @@ __all__ = [
     "packed_batches",
     "scoring_attention",
     "sequence_logprobs",
+    "static_length",
 ]
 
 
@@ -152,18 +157,39 @@ def document_block_mask(lengths: Sequence[int], device: torch.device | str):
     return create_block_mask(causal_within_document, 1, None, n, n, device=device, _compile=compiled)
 
 
+def static_length(n: int) -> int:
+    """The padded length of an ``n``-token flex forward: ``n`` rounded up to a quarter of its power
+    of two and to flex attention's 128-token block, so padding is under 128 tokens or at most 25%,
+    and a service meets four shapes per doubling of its packed lengths."""
+    quantum = max(128, 1 << max(0, n.bit_length() - 3))
+    return -(-n // quantum) * quantum
+
+
+# Every static shape compiles once; a scorer meets a few dozen over its life, more than dynamo's
+# default of 8 recompiles, past which it would run flex attention eagerly (densely) for good.
+_STATIC_FLEX = {"automatic_dynamic_shapes": False, "recompile_limit": 64}
+
+
 def decoder_hidden_states(
     base: nn.Module, ids: torch.Tensor, lengths: list[int], path: KernelPath
 ) -> torch.Tensor:
     """The decoder's last hidden states for sequences of ``lengths`` concatenated in ``ids``."""
-    pos = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
-    kwargs = {}
+    n = int(ids.numel())
     if path.attention == "flex_attention":
+        pad = static_length(n) - n
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            lengths = [*lengths, pad]
+        pos = torch.cat([torch.arange(k, device=ids.device) for k in lengths])
         # explicit, so every forward of the call (one sequence or many) runs the same masked kernel
-        kwargs["attention_mask"] = document_block_mask(lengths, ids.device)
+        mask = document_block_mask(lengths, ids.device)
+        with torch._dynamo.config.patch(_STATIC_FLEX):
+            out = base(input_ids=ids[None], position_ids=pos[None], use_cache=False, attention_mask=mask)
+        return out.last_hidden_state[0, :n]
     # otherwise transformers reads the documents off position_ids restarting at 0 (varlen for
     # flash attention, a dense block-diagonal mask for SDPA)
-    return base(input_ids=ids[None], position_ids=pos[None], use_cache=False, **kwargs).last_hidden_state[0]
+    pos = torch.cat([torch.arange(k, device=ids.device) for k in lengths])
+    return base(input_ids=ids[None], position_ids=pos[None], use_cache=False).last_hidden_state[0]
 
 
 def _base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
