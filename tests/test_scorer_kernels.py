@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from torch._inductor.exc import InductorError
-from torch.nn.attention.flex_attention import BlockMask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
 from agent.chat import ChatTokenizer
 from proto.runs import PbsdSpec
@@ -79,6 +79,24 @@ def test_document_mask_skips_blocks_between_sequences():
     mask = document_block_mask([256, 128], "cpu")
     assert mask.kv_num_blocks[0, 0].tolist() == [1, 1, 1]
     assert mask.full_kv_num_blocks[0, 0].tolist() == [0, 1, 0]
+
+
+def test_document_mask_has_create_block_masks_blocks():
+    """The block lists computed from the lengths equal those create_block_mask finds by evaluating the
+    mask, on sequences that end on, inside and across 128-token blocks."""
+    rng = np.random.default_rng(3)
+    cases = [[128], [1], [256, 128], [5, 130, 1, 200], [127, 1, 128, 129]]
+    cases += [rng.integers(1, 400, rng.integers(1, 12)).tolist() for _ in range(20)]
+    for lengths in cases:
+        ours = document_block_mask(lengths, "cpu")
+        n = sum(lengths)
+        theirs = create_block_mask(ours.mask_mod, 1, None, n, n, device="cpu")
+        for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+            a, b = getattr(ours, counts)[0, 0], getattr(theirs, counts)[0, 0]
+            assert a.tolist() == b.tolist(), (lengths, counts)
+            for row, m in enumerate(a.tolist()):
+                got, want = getattr(ours, indices)[0, 0, row, :m], getattr(theirs, indices)[0, 0, row, :m]
+                assert sorted(got.tolist()) == sorted(want.tolist()), (lengths, indices, row)
 
 
 def test_kernel_path_follows_the_attention_implementation(sdpa_model, flex_model):

@@ -136,13 +136,21 @@ def packed_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]
     return batches
 
 
+FLEX_BLOCK = 128  # flex attention's default block, in tokens, on both axes
+
+
 def document_block_mask(lengths: Sequence[int], device: torch.device | str):
     """Flex attention's mask for sequences of ``lengths`` packed end to end: token q attends to
     token k iff both lie in the same sequence and k <= q. Blocks that cross no sequence boundary
     are marked full and blocks between two sequences are skipped, so a packed forward costs about
-    what its sequences cost one by one."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    what its sequences cost one by one.
 
+    The block structure follows from the lengths alone, so it is computed here rather than by
+    ``create_block_mask``: uncompiled, that evaluates the n x n mask densely, and compiled, Triton
+    took minutes to build its kernel for a 16,384-token forward on an H100 (benchmarks/README.md)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = int(sum(lengths))
     document = torch.repeat_interleave(
         torch.arange(len(lengths), device=device), torch.as_tensor(list(lengths), device=device)
     )
@@ -150,18 +158,36 @@ def document_block_mask(lengths: Sequence[int], device: torch.device | str):
     def causal_within_document(batch, head, q, k):
         return (q >= k) & (document[q] == document[k])
 
-    n = int(document.numel())
-    # Compiled on GPUs, as transformers builds its own flex masks (uncompiled, it evaluates the n x n
-    # mask densely). Not on CPU, where flex attention serves tests only and a compile costs tens of seconds.
-    compiled = torch.device(device).type == "cuda"
-    return create_block_mask(causal_within_document, 1, None, n, n, device=device, _compile=compiled)
+    # documents are contiguous and in order, so a block is described by its first and last token's
+    blocks = -(-n // FLEX_BLOCK)
+    tail = torch.full((blocks * FLEX_BLOCK - n,), len(lengths), device=device)  # past the end: no one's
+    ends = torch.cat([document, tail]).view(blocks, FLEX_BLOCK)
+    first, last = ends[:, 0], ends[:, -1]
+    q, k = torch.arange(blocks, device=device)[:, None], torch.arange(blocks, device=device)[None, :]
+    below = k < q
+    # kv-block k holds a token of q-block q's documents iff k's last document reaches q's first;
+    # every pair is allowed iff both blocks lie in one document; the diagonal is always partial
+    full = below & (first[None, :] == last[:, None])
+    partial = (below & (last[None, :] >= first[:, None]) & ~full) | (k == q)
+
+    def listed(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices  # chosen ones first
+        return chosen.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(
+        *listed(partial),
+        *listed(full),
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=causal_within_document,
+        seq_lengths=(n, n),
+    )
 
 
 def static_length(n: int) -> int:
     """The padded length of an ``n``-token flex forward: ``n`` rounded up to a quarter of its power
     of two and to flex attention's 128-token block, so padding is under 128 tokens or at most 25%,
     and a service meets four shapes per doubling of its packed lengths."""
-    quantum = max(128, 1 << max(0, n.bit_length() - 3))
+    quantum = max(FLEX_BLOCK, 1 << max(0, n.bit_length() - 3))
     return -(-n // quantum) * quantum
 
 
