@@ -48,9 +48,10 @@ step() {  # step NAME LIMIT COMMAND...
     "$py" -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$out/summary.txt"
 
-# On an H100 (2026-11-26) the tests took 57 s, and ours on `small` (model build, a warm-up that
-# compiles flex attention, the timed run) did not finish in 65 s: it gets two minutes here, and each
-# scorer step prints every method's result as it ends, so a step cut short keeps what it measured.
+# On an H100 the tests took 57 and 70 s. Ours on `small` never finished its warm-up (2026-11-26 and
+# -27: Triton compiling create_block_mask's kernel, which the scorer no longer uses): it gets two
+# minutes here, and each scorer step prints every method's result as it ends, so a step cut short
+# keeps what it measured.
 step tests 100 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_deepspeed.py
 step scorer-small 200 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset small --methods ours,naive,bound,bound-packed \
     --method-timeout 120
