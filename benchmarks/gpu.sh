@@ -50,14 +50,15 @@ step() {  # step NAME LIMIT COMMAND...
 
 # On an H100 the tests took 57 and 70 s. Ours on `small` never finished its warm-up (2026-11-26 and
 # -27: Triton compiling create_block_mask's kernel, which the scorer no longer uses): it gets two
-# minutes here, and each scorer step prints every method's result as it ends, so a step cut short
-# keeps what it measured.
+# minutes here. Each scorer step prints every method's result as it ends, so a step cut short keeps
+# what it measured, and keeps each method's stderr (stages, recompiles, a stack dump just before a
+# method's timeout) in OUTDIR/scorer-PRESET/METHOD.log.
 step tests 100 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_deepspeed.py
-step scorer-small 200 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset small --methods ours,naive,bound,bound-packed \
-    --method-timeout 120
+step scorer-small 200 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset small \
+    --methods ours,naive,bound,bound-packed --method-timeout 120 --logs "$out/scorer-small"
 step scorer-qwen3 200 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset qwen3-30b-a3b \
-    --methods ours,bound,bound-packed,ours-unpacked,ours-chunked --method-timeout 90
+    --methods ours,bound,bound-packed,ours-unpacked,ours-chunked --method-timeout 90 --logs "$out/scorer-qwen3"
 step scorer-short 120 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset short \
-    --methods ours,ours-unpacked,naive,bound,bound-packed --method-timeout 40
+    --methods ours,ours-unpacked,naive,bound,bound-packed --method-timeout 40 --logs "$out/scorer-short"
 step trainer-qwen3 90 "$py" benchmarks/trainer.py --preset qwen3-30b-a3b
 step numerics 60 "$py" benchmarks/scorer_numerics.py

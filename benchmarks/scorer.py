@@ -33,6 +33,7 @@ the whole workload once untimed first (flex attention compiles per packed length
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
@@ -40,6 +41,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -215,22 +217,37 @@ def one(method: str, args) -> dict:
     return out
 
 
-def run_method(method: str, passthrough: list[str], timeout: float | None) -> dict:
-    """One method in a process of its own: its result, or ``{"method", "error"}``."""
+def run_method(method: str, passthrough: list[str], timeout: float | None, logs: Path | None) -> dict:
+    """One method in a process of its own: its result, or ``{"method", "error"}``. With ``logs``, the
+    child's whole stderr (stage lines, compile logs, a stack dump just before a timeout) goes to
+    ``logs/<method>.log``."""
+    if timeout:  # the child dumps its stacks shortly before the kill, so a stuck method says where
+        passthrough = [*passthrough, f"--stack-dump-after={max(1.0, timeout - 5)}"]
+    log = (logs / f"{method}.log").open("w") if logs else None
     try:
         done = subprocess.run(
             [sys.executable, __file__, "--method", method, *passthrough],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=log or subprocess.PIPE,
             text=True,
             timeout=timeout,
         )
+        stderr = done.stderr
     except subprocess.TimeoutExpired as stopped:
         stderr = stopped.stderr or b""  # what the child wrote before the kill, left undecoded on POSIX
-        stages = (stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr).splitlines()
+        done = None
+    finally:
+        if log:
+            log.close()
+    if log:
+        stderr = (logs / f"{method}.log").read_text(errors="replace")
+    lines = (stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or "").splitlines()
+    if done is None:
+        stages = [line for line in lines if " at " in line and line.endswith(" s")]
         last = f" (last: {stages[-1][:80]})" if stages else ""
         return {"method": method, "error": f"timed out after {timeout:g} s{last}"}
     if done.returncode != 0:
-        return {"method": method, "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+        return {"method": method, "error": (lines or ["failed"])[-1][:120]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -251,10 +268,16 @@ def main() -> None:
     ap.add_argument(
         "--method-timeout", type=float, help="seconds a method may take (its build, warm-up and timed run)"
     )
+    ap.add_argument("--logs", type=Path, help="a folder for each method's whole stderr (<method>.log)")
+    ap.add_argument("--stack-dump-after", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.method:
+        if args.stack_dump_after:
+            faulthandler.dump_traceback_later(args.stack_dump_after, file=sys.stderr)
         print(json.dumps(one(args.method, args)))
         return
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     methods = args.methods.split(",") if args.methods else (GPU_METHODS if cuda else CPU_METHODS)
     passthrough = [
@@ -268,7 +291,7 @@ def main() -> None:
             passthrough.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     results = {}
     for m in methods:
-        results[m] = run_method(m, passthrough, args.method_timeout)
+        results[m] = run_method(m, passthrough, args.method_timeout, args.logs)
         print(json.dumps(results[m]), file=sys.stderr, flush=True)  # survives a kill before the table
     report(args, methods, results)
 
