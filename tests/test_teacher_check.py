@@ -15,13 +15,24 @@ def test_pbsd_teacher_check_cli(tiny_world, tiny_checkpoint, tmp_path):
 
     from pbsd.cli import app
 
-    out, viewer = tmp_path / "check.json", tmp_path / "viewer.html"
+    out, viewer, finals = tmp_path / "check.json", tmp_path / "viewer.html", tmp_path / "finals.jsonl"
     args = ["teacher", "check", "--model", str(tiny_checkpoint), "--corpus", str(tiny_world / "corpus.jsonl")]
     args += ["--questions", str(tiny_world / "questions" / "validation.jsonl"), "--limit", "2"]
     args += ["--samples", "2", "--max-turns", "2", "--max-tokens-per-turn", "8", "--seed", "3"]
     kept = tmp_path / "kept"
     result = CliRunner().invoke(
-        app, [*args, "--out", str(out), "--viewer", str(viewer), "--save-groups", str(kept)]
+        app,
+        [
+            *args,
+            "--out",
+            str(out),
+            "--viewer",
+            str(viewer),
+            "--save-groups",
+            str(kept),
+            "--finals",
+            str(finals),
+        ],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -36,6 +47,11 @@ def test_pbsd_teacher_check_cli(tiny_world, tiny_checkpoint, tmp_path):
     ]
     assert "answer-free turns: mean s" in result.output and "noise floor" in result.output
     assert "data-testid='sanity'" in viewer.read_text()
+    rows = [json.loads(line) for line in finals.read_text().splitlines()]
+    assert len(rows) == report["finish_reasons"].get("answer", 0)  # one per trajectory that answered
+    assert report["finals"]["correct_finals"] == sum(r["correct"] for r in rows)
+    assert all(len(r["tokens"]) == len(r["student"]) == len(r["teacher"]) for r in rows)
+    assert "correct finals naming the answer" in result.output
     groups = load_groups(kept)  # as a run keeps them: the report's and the viewer's input
     assert len(groups) == 2 and all(g.scored and g.diagnostics.noise.tokens > 0 for _, g in groups)
     bad = CliRunner().invoke(app, [*args, "--out", str(out), "--evidence-routing", "sideways"])

@@ -20,6 +20,7 @@ from proto.sanity import EvidenceTally, NoiseFloor, TeacherSanity
 from services.model.checkpoint import load_model
 from services.scorer.backends import LocalScorer
 from services.scorer.evidence import score_group
+from services.scorer.finals import answer_room, final_turns, spelled_at
 from services.trainer.dynamics import batch_metrics
 from tests.test_grounding import _search
 from tests.test_scorer import IDENTITY, TEMPLATE, _trajectory, group_of
@@ -315,3 +316,33 @@ async def test_the_scorer_counts_the_tallies_for_prometheus(tok):
     assert -negative == pytest.approx(sanity.wrong_final.sum_s)
     assert value("pbsd_scorer_noise_squared_difference_total") - squares == pytest.approx(0.001)
     assert value("pbsd_scorer_noise_turns_total", outcome="outside") - outside == 1  # null s = -0.01
+
+
+async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
+    """Token by token, the finals of the hand-made group: the teacher lifts the right answer's tokens
+    of an unsure student and has nothing to add to a sure one, whose correct finals therefore count
+    as already sure and unfavoured."""
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
+    for student, sure in ((-2.0, False), (-1e-5, True)):
+        teacher = _reading_teacher(tok, gain=5.0, student=student)
+        scored = await score_group(_hand_made_group(tok, spec), tok, teacher)
+        rows = await final_turns(scored, tok, teacher)
+        assert [r["correct"] for r in rows] == [True, False, True]
+        assert [r["s"] for r in rows] == pytest.approx([float(s[-1]) for s in scored.turn_evidence])
+        for r in rows:
+            assert len(r["tokens"]) == len(r["student"]) == len(r["teacher"]) > 0
+            assert "".join(r["tokens"]).startswith("\\boxed{")
+            assert bool(r["answer_tokens"]) == r["correct"]  # "Danube", spelled whole, in the right ones only
+            assert np.mean(np.subtract(r["teacher"], r["student"])) == pytest.approx(r["s"], abs=1e-4)
+        room = answer_room(rows, eps_pos=EPS["eps_pos"])
+        assert (room["correct_finals"], room["naming_the_answer"]) == (2, 2)
+        if sure:
+            assert (room["already_sure"], room["already_sure_favoured"], room["unsure"]) == (2, 0, 0)
+        else:
+            assert (room["already_sure"], room["unsure"], room["unsure_favoured"]) == (0, 2, 2)
+            assert room["unsure_answer_lift"] > 0.5
+
+
+def test_spelled_at_finds_whole_occurrences_only():
+    assert spelled_at([5, 1, 2, 9, 1, 2, 1], {(1, 2), (7,)}) == [1, 2, 4, 5]
+    assert spelled_at([1, 3, 2], {(1, 2)}) == [] and spelled_at([4], {()}) == []

@@ -67,6 +67,12 @@ def check_cmd(
         None,
         help="also keep the scored groups in DIR/groups/ (as a run's --save-groups: load_groups reads them)",
     ),
+    finals: Path | None = typer.Option(
+        None,
+        help="also write every final answer turn token by token here (JSONL: tokens, the student's and "
+        "the teacher's log-probs, which tokens spell the answer), and report how many correct finals "
+        "named an answer the policy was already sure of",
+    ),
     strict: bool = typer.Option(False, help="exit 1 when a target is missed"),
 ) -> None:
     """Report the teacher sanity figures and noise floor of a policy.
@@ -104,7 +110,7 @@ def check_cmd(
         return_routed_experts=spec.evidence_routing == "replay",
     )
     report, scored = asyncio.run(
-        _check(model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype)
+        _check(model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype, finals)
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -223,8 +229,11 @@ def teach_cmd(
     typer.echo(f"wrote {out}: {describe(stats)}")
 
 
-async def _check(model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype):
+async def _check(
+    model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype, finals=None
+):
     import asyncio
+    import json
     import math
     import time
     from collections import Counter
@@ -314,6 +323,13 @@ async def _check(model, questions, corpus, spec, limits, samples, limit, seed, c
         },
         "seconds": {"sampling": sampled - started, "scoring": time.perf_counter() - sampled},
     }
+    if finals is not None:
+        from services.scorer.finals import answer_room, final_turns
+
+        rows = [row for g in scored for row in await final_turns(g, tokenizer, scorer)]
+        finals.parent.mkdir(parents=True, exist_ok=True)
+        finals.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        report["finals"] = {"file": str(finals)} | answer_room(rows, eps_pos=spec.eps_pos)
     return report, scored
 
 
@@ -363,5 +379,15 @@ def describe(report: dict[str, Any]) -> str:
             f"{int(f['noise_tokens'])} tokens; null turns outside the deadband "
             f"{f.get('noise_outside_deadband_frac', 0):.0%}; scored turns within the floor "
             f"{f.get('within_noise_floor_frac', 0):.0%}"
+        )
+    if "finals" in report:
+        from services.scorer.finals import SURE
+
+        r = report["finals"]
+        lines.append(
+            f"  correct finals naming the answer: {r['naming_the_answer']}; the policy already sure of it "
+            f"(every answer token's log-prob >= {SURE}) in {r['already_sure']}, {r['already_sure_favoured']} "
+            f"of them favoured; of the {r['unsure']} others, {r['unsure_favoured']} favoured, the answer's "
+            f"tokens lifted {r['unsure_answer_lift']:+.2f} nats on average (token by token in {r['file']})"
         )
     return "\n".join(lines)

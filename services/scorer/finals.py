@@ -1,0 +1,105 @@
+"""Final answers token by token: where a final turn's evidence comes from.
+
+The teacher sanity figures count how often a correct final answer gets s > eps+. A turn's s is
+the mean of ``log p(token | x*, ...) - log p(token | x, ...)`` over its tokens, and s measures
+what x* adds to what the policy already believed. On a policy's own correct finals that is often
+nothing: the policy has just read the answer on a page and copies it, its answer tokens already
+at a log-prob within hundredths of a nat of 0, so no teacher can lift them, and the turn's s
+comes from the few phrasing tokens it was unsure of, which the verified answer does not inform.
+
+:func:`final_turns` lays each final turn out token by token (the student's and the teacher's
+log-probs, and which tokens spell the verified answer); :func:`answer_room` splits the correct
+finals into those whose answer the policy was already *sure* of and those it was not, where a
+teacher that reads x* has something to add.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+
+import numpy as np
+
+from agent.chat import ChatTokenizer
+from proto.messages import ScoredGroup
+from services.scorer.contexts import build_contexts
+
+__all__ = ["SURE", "answer_room", "final_turns", "spelled_at"]
+
+SURE = -0.05  # nats: an answer token the student gives at least this log-prob leaves no room
+
+LogprobFn = Callable[[Sequence[tuple[Sequence[int], np.ndarray]]], Awaitable[list[np.ndarray]]]
+
+
+async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: LogprobFn) -> list[dict]:
+    """One row per trajectory of ``scored`` that ends on a final answer (correct: reward > 0;
+    wrong: it stopped on its own final message), with the last turn's tokens and both passes'
+    log-probs at them, from ``logprobs`` (the scorer's backend: same path as the evidence)."""
+    group, spec = scored.group, scored.group.algorithm
+    spellings = {tuple(tokenizer.encode(group.answer)), tuple(tokenizer.encode(" " + group.answer))}
+    rows, requests = [], []
+    for t, s in zip(group.trajectories, scored.turn_evidence, strict=True):
+        correct = t.reward > 0
+        if not (correct or t.finish_reason == "answer") or not t.num_turns or math.isnan(s[-1]):
+            continue
+        c = build_contexts(
+            tokenizer,
+            t.prompt_ids.tolist(),
+            t.completion_ids.tolist(),
+            t.loss_mask,
+            t.turn_spans,
+            answer=group.answer,
+            template=spec.teacher_template,
+            teacher_max_length=spec.teacher_max_length,
+            support=group.support,
+        )
+        last = (c.token_turns == t.num_turns - 1) & (c.phi >= 0)
+        ids = [c.student[p] for p in c.loss_positions[last]]
+        requests += [(c.student, c.loss_positions[last]), (c.teacher, c.phi[last])]
+        rows.append(
+            {
+                "question_id": group.question_id,
+                "answer": group.answer,
+                "correct": correct,
+                "s": float(s[-1]),
+                "tokens": [tokenizer.decode([i]) for i in ids],
+                "answer_tokens": spelled_at(ids, spellings),
+            }
+        )
+    answers = await logprobs(requests) if requests else []
+    for k, row in enumerate(rows):
+        row["student"] = [round(float(x), 5) for x in answers[2 * k]]
+        row["teacher"] = [round(float(x), 5) for x in answers[2 * k + 1]]
+    return rows
+
+
+def spelled_at(ids: Sequence[int], spellings: set[tuple[int, ...]]) -> list[int]:
+    """Indices of ``ids`` inside a whole occurrence of any of ``spellings`` (token sequences)."""
+    hits: set[int] = set()
+    for spelling in filter(None, spellings):
+        n = len(spelling)
+        for start in range(len(ids) - n + 1):
+            if tuple(ids[start : start + n]) == spelling:
+                hits.update(range(start, start + n))
+    return sorted(hits)
+
+
+def answer_room(rows: list[dict], *, eps_pos: float = 0.001, sure: float = SURE) -> dict[str, float]:
+    """Of the correct finals in ``rows``: how many name the answer in tokens the scorer aligned,
+    how many of those the student was already sure of (every answer token's log-prob >= ``sure``),
+    and, of the rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer
+    tokens (their mean teacher-minus-student log-prob)."""
+    correct = [r for r in rows if r["correct"]]
+    named = [r for r in correct if r["answer_tokens"]]
+    sure_rows = [r for r in named if min(r["student"][k] for k in r["answer_tokens"]) >= sure]
+    unsure = [r for r in named if r not in sure_rows]
+    lifts = [np.mean([r["teacher"][k] - r["student"][k] for k in r["answer_tokens"]]) for r in unsure]
+    return {
+        "correct_finals": len(correct),
+        "naming_the_answer": len(named),
+        "already_sure": len(sure_rows),
+        "already_sure_favoured": sum(r["s"] > eps_pos for r in sure_rows),
+        "unsure": len(unsure),
+        "unsure_favoured": sum(r["s"] > eps_pos for r in unsure),
+        "unsure_answer_lift": float(np.mean(lifts)) if lifts else float("nan"),
+    }
