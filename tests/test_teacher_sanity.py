@@ -334,8 +334,12 @@ async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
             assert "".join(r["tokens"]).startswith("\\boxed{")
             assert bool(r["answer_tokens"]) == r["correct"]  # "Danube", spelled whole, in the right ones only
             assert np.mean(np.subtract(r["teacher"], r["student"])) == pytest.approx(r["s"], abs=1e-4)
-        room = answer_room(rows, eps_pos=EPS["eps_pos"])
+        assert all(r["written_tokens"] for r in rows)  # every final spells the answer it gives
+        room = answer_room(rows, **EPS)
         assert (room["correct_finals"], room["naming_the_answer"]) == (2, 2)
+        # a wrong answer's likelihood can always fall, sure student or not
+        assert (room["wrong_finals"], room["wrong_spelled"], room["wrong_disfavoured"]) == (1, 1, 1)
+        assert room["wrong_sure"] == int(sure) and room["wrong_answer_change"] < -0.5
         if sure:
             assert (room["already_sure"], room["already_sure_favoured"], room["unsure"]) == (2, 0, 0)
         else:

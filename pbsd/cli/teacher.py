@@ -329,7 +329,9 @@ async def _check(
         rows = [row for g in scored for row in await final_turns(g, tokenizer, scorer)]
         finals.parent.mkdir(parents=True, exist_ok=True)
         finals.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        report["finals"] = {"file": str(finals)} | answer_room(rows, eps_pos=spec.eps_pos)
+        report["finals"] = {"file": str(finals)} | answer_room(
+            rows, eps_pos=spec.eps_pos, eps_neg=spec.eps_neg
+        )
     return report, scored
 
 
@@ -388,6 +390,11 @@ def describe(report: dict[str, Any]) -> str:
             f"  correct finals naming the answer: {r['naming_the_answer']}; the policy already sure of it "
             f"(every answer token's log-prob >= {SURE}) in {r['already_sure']}, {r['already_sure_favoured']} "
             f"of them favoured; of the {r['unsure']} others, {r['unsure_favoured']} favoured, the answer's "
-            f"tokens lifted {r['unsure_answer_lift']:+.2f} nats on average (token by token in {r['file']})"
+            f"tokens lifted {r['unsure_answer_lift']:+.2f} nats on average",
+        )
+        lines.append(
+            f"  wrong finals spelling the answer they give: {r['wrong_spelled']}; the policy sure of it in "
+            f"{r['wrong_sure']}; {r['wrong_disfavoured']} disfavoured, that answer's tokens moved "
+            f"{r['wrong_answer_change']:+.2f} nats on average (token by token in {r['file']})"
         )
     return "\n".join(lines)

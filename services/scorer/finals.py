@@ -36,7 +36,10 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
     wrong: it stopped on its own final message), with the last turn's tokens and both passes'
     log-probs at them, from ``logprobs`` (the scorer's backend: same path as the evidence)."""
     group, spec = scored.group, scored.group.algorithm
-    spellings = {tuple(tokenizer.encode(group.answer)), tuple(tokenizer.encode(" " + group.answer))}
+
+    def spellings(text: str | None) -> set[tuple[int, ...]]:
+        return {tuple(tokenizer.encode(text)), tuple(tokenizer.encode(" " + text))} if text else set()
+
     rows, requests = [], []
     for t, s in zip(group.trajectories, scored.turn_evidence, strict=True):
         correct = t.reward > 0
@@ -63,7 +66,9 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
                 "correct": correct,
                 "s": float(s[-1]),
                 "tokens": [tokenizer.decode([i]) for i in ids],
-                "answer_tokens": spelled_at(ids, spellings),
+                "final_answer": t.final_answer,
+                "answer_tokens": spelled_at(ids, spellings(group.answer)),
+                "written_tokens": spelled_at(ids, spellings(t.final_answer)),
             }
         )
     answers = await logprobs(requests) if requests else []
@@ -84,16 +89,28 @@ def spelled_at(ids: Sequence[int], spellings: set[tuple[int, ...]]) -> list[int]
     return sorted(hits)
 
 
-def answer_room(rows: list[dict], *, eps_pos: float = 0.001, sure: float = SURE) -> dict[str, float]:
+def answer_room(
+    rows: list[dict], *, eps_pos: float = 0.001, eps_neg: float = 0.003, sure: float = SURE
+) -> dict[str, float]:
     """Of the correct finals in ``rows``: how many name the answer in tokens the scorer aligned,
     how many of those the student was already sure of (every answer token's log-prob >= ``sure``),
     and, of the rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer
-    tokens (their mean teacher-minus-student log-prob)."""
+    tokens (their mean teacher-minus-student log-prob). Of the wrong finals: how many spell out the
+    answer they give, how many of those the student was sure of, how many the teacher disfavoured
+    (s < -eps-) and its mean change on the given answer's tokens."""
+
+    def split(part: list[dict], key: str) -> tuple[list[dict], list[dict], float]:
+        named = [r for r in part if r[key]]
+        sure_rows = [r for r in named if min(r["student"][k] for k in r[key]) >= sure]
+        changes = [np.mean([r["teacher"][k] - r["student"][k] for k in r[key]]) for r in named]
+        return named, sure_rows, float(np.mean(changes)) if changes else float("nan")
+
     correct = [r for r in rows if r["correct"]]
-    named = [r for r in correct if r["answer_tokens"]]
-    sure_rows = [r for r in named if min(r["student"][k] for k in r["answer_tokens"]) >= sure]
+    named, sure_rows, _ = split(correct, "answer_tokens")
     unsure = [r for r in named if r not in sure_rows]
-    lifts = [np.mean([r["teacher"][k] - r["student"][k] for k in r["answer_tokens"]]) for r in unsure]
+    _, _, lift = split(unsure, "answer_tokens")
+    wrong = [r for r in rows if not r["correct"]]
+    given, sure_wrong, change = split(wrong, "written_tokens")
     return {
         "correct_finals": len(correct),
         "naming_the_answer": len(named),
@@ -101,5 +118,10 @@ def answer_room(rows: list[dict], *, eps_pos: float = 0.001, sure: float = SURE)
         "already_sure_favoured": sum(r["s"] > eps_pos for r in sure_rows),
         "unsure": len(unsure),
         "unsure_favoured": sum(r["s"] > eps_pos for r in unsure),
-        "unsure_answer_lift": float(np.mean(lifts)) if lifts else float("nan"),
+        "unsure_answer_lift": lift,
+        "wrong_finals": len(wrong),
+        "wrong_spelled": len(given),
+        "wrong_sure": len(sure_wrong),
+        "wrong_disfavoured": sum(r["s"] < -eps_neg for r in given),
+        "wrong_answer_change": change,
     }
