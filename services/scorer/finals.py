@@ -38,7 +38,12 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
     group, spec = scored.group, scored.group.algorithm
 
     def spellings(text: str | None) -> set[tuple[int, ...]]:
-        return {tuple(tokenizer.encode(text)), tuple(tokenizer.encode(" " + text))} if text else set()
+        if not text:
+            return set()
+        spaced = tokenizer.encode(" " + text)
+        while spaced and not tokenizer.decode(spaced[:1]).strip():  # the space is not the answer
+            spaced = spaced[1:]
+        return {tuple(tokenizer.encode(text)), tuple(spaced)}
 
     rows, requests = [], []
     for t, s in zip(group.trajectories, scored.turn_evidence, strict=True):
