@@ -350,3 +350,22 @@ async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
 def test_spelled_at_finds_whole_occurrences_only():
     assert spelled_at([5, 1, 2, 9, 1, 2, 1], {(1, 2), (7,)}) == [1, 2, 4, 5]
     assert spelled_at([1, 3, 2], {(1, 2)}) == [] and spelled_at([4], {()}) == []
+
+
+async def test_final_turns_find_where_the_answer_was_first_written(tok):
+    """A wrong answer committed in an earlier turn and repeated at the end: the final turn only copies
+    it, and the row points at the turn that first wrote it, with that turn's evidence."""
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
+    turns = ["It must be the Rhine. " + _search("Rhine river"), "\\boxed{Rhine}"]
+    committed = _trajectory(tok, turns, RESULT, i=3, reward=0.0).model_copy(update={"final_answer": "Rhine"})
+    group = _hand_made_group(tok, spec)
+    group = group.model_copy(update={"trajectories": (*group.trajectories, committed)})
+    teacher = _reading_teacher(tok, gain=5.0)
+    scored = await score_group(group, tok, teacher)
+    rows = await final_turns(scored, tok, teacher)
+    assert [r["first_written"] for r in rows] == [None, None, None, 0]
+    assert rows[-1]["first_written_s"] == pytest.approx(float(scored.turn_evidence[3][0]))
+    assert rows[-1]["first_written_s"] < -EPS["eps_neg"]
+    room = answer_room(rows, **EPS)
+    assert (room["wrong_written_earlier"], room["wrong_written_earlier_disfavoured"]) == (1, 1)
+    assert room["right_written_earlier"] == 0

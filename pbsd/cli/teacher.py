@@ -395,6 +395,11 @@ def describe(report: dict[str, Any]) -> str:
         lines.append(
             f"  wrong finals spelling the answer they give: {r['wrong_spelled']}; the policy sure of it in "
             f"{r['wrong_sure']}; {r['wrong_disfavoured']} disfavoured, that answer's tokens moved "
-            f"{r['wrong_answer_change']:+.2f} nats on average (token by token in {r['file']})"
+            f"{r['wrong_answer_change']:+.2f} nats on average",
+        )
+        lines.append(
+            f"  answers first written before the final turn: {r['wrong_written_earlier']} wrong, that turn "
+            f"disfavoured in {r['wrong_written_earlier_disfavoured']}; {r['right_written_earlier']} right, "
+            f"favoured in {r['right_written_earlier_favoured']} (token by token in {r['file']})"
         )
     return "\n".join(lines)

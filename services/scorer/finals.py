@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from agent.chat import ChatTokenizer
+from agent.transcript import turn_texts
+from pbsd.verifier import mentions
 from proto.messages import ScoredGroup
 from services.scorer.contexts import build_contexts
 
@@ -63,6 +65,7 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
         )
         last = (c.token_turns == t.num_turns - 1) & (c.phi >= 0)
         ids = [c.student[p] for p in c.loss_positions[last]]
+        written = first_written(t, tokenizer)
         requests += [(c.student, c.loss_positions[last]), (c.teacher, c.phi[last])]
         rows.append(
             {
@@ -72,6 +75,8 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
                 "s": float(s[-1]),
                 "tokens": [tokenizer.decode([i]) for i in ids],
                 "final_answer": t.final_answer,
+                "first_written": written,
+                "first_written_s": None if written is None or math.isnan(s[written]) else float(s[written]),
                 "answer_tokens": spelled_at(ids, spellings(group.answer)),
                 "written_tokens": spelled_at(ids, spellings(t.final_answer)),
             }
@@ -81,6 +86,15 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
         row["student"] = [round(float(x), 5) for x in answers[2 * k]]
         row["teacher"] = [round(float(x), 5) for x in answers[2 * k + 1]]
     return rows
+
+
+def first_written(t, tokenizer: ChatTokenizer) -> int | None:
+    """The first turn before the last whose text names the answer the trajectory gives (as the
+    verifier normalises, whole words): where it committed to that answer; None if only the last."""
+    if not t.final_answer:
+        return None
+    texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)[:-1]
+    return next((k for k, (text, _) in enumerate(texts) if mentions(text, t.final_answer)), None)
 
 
 def spelled_at(ids: Sequence[int], spellings: set[tuple[int, ...]]) -> list[int]:
@@ -102,7 +116,9 @@ def answer_room(
     and, of the rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer
     tokens (their mean teacher-minus-student log-prob). Of the wrong finals: how many spell out the
     answer they give, how many of those the student was sure of, how many the teacher disfavoured
-    (s < -eps-) and its mean change on the given answer's tokens."""
+    (s < -eps-) and its mean change on the given answer's tokens. And for both, how many wrote their
+    answer in an earlier turn first (:func:`first_written`), and how many of those turns the teacher
+    disfavoured (wrong) or favoured (correct): where turn-level credit lands on the commitment."""
 
     def split(part: list[dict], key: str) -> tuple[list[dict], list[dict], float]:
         named = [r for r in part if r[key]]
@@ -116,6 +132,8 @@ def answer_room(
     _, _, lift = split(unsure, "answer_tokens")
     wrong = [r for r in rows if not r["correct"]]
     given, sure_wrong, change = split(wrong, "written_tokens")
+    earlier = [r for r in wrong if r["first_written_s"] is not None]
+    earlier_right = [r for r in correct if r["first_written_s"] is not None]
     return {
         "correct_finals": len(correct),
         "naming_the_answer": len(named),
@@ -129,4 +147,8 @@ def answer_room(
         "wrong_sure": len(sure_wrong),
         "wrong_disfavoured": sum(r["s"] < -eps_neg for r in given),
         "wrong_answer_change": change,
+        "wrong_written_earlier": len(earlier),
+        "wrong_written_earlier_disfavoured": sum(r["first_written_s"] < -eps_neg for r in earlier),
+        "right_written_earlier": len(earlier_right),
+        "right_written_earlier_favoured": sum(r["first_written_s"] > eps_pos for r in earlier_right),
     }
