@@ -23,7 +23,7 @@ import numpy as np
 from agent.chat import ChatTokenizer
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions
-from proto.messages import ScoredGroup
+from proto.messages import ScoredGroup, Trajectory
 from services.scorer.contexts import build_contexts
 
 __all__ = ["SURE", "answer_room", "final_turns", "spelled_at"]
@@ -88,7 +88,7 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
     return rows
 
 
-def first_written(t, tokenizer: ChatTokenizer) -> int | None:
+def first_written(t: Trajectory, tokenizer: ChatTokenizer) -> int | None:
     """The first turn before the last whose text names the answer the trajectory gives (as the
     verifier normalises, whole words): where it committed to that answer; None if only the last."""
     if not t.final_answer:

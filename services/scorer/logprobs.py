@@ -201,21 +201,20 @@ def decoder_hidden_states(
 ) -> torch.Tensor:
     """The decoder's last hidden states for sequences of ``lengths`` concatenated in ``ids``."""
     n = int(ids.numel())
-    if path.attention == "flex_attention":
-        pad = static_length(n) - n
-        if pad:
-            ids = torch.cat([ids, ids.new_zeros(pad)])
-            lengths = [*lengths, pad]
-        pos = torch.cat([torch.arange(k, device=ids.device) for k in lengths])
-        # explicit, so every forward of the call (one sequence or many) runs the same masked kernel
-        mask = document_block_mask(lengths, ids.device)
-        with torch._dynamo.config.patch(_STATIC_FLEX):
-            out = base(input_ids=ids[None], position_ids=pos[None], use_cache=False, attention_mask=mask)
-        return out.last_hidden_state[0, :n]
-    # otherwise transformers reads the documents off position_ids restarting at 0 (varlen for
-    # flash attention, a dense block-diagonal mask for SDPA)
+    flex = path.attention == "flex_attention"
+    if flex and (pad := static_length(n) - n):
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        lengths = [*lengths, pad]
     pos = torch.cat([torch.arange(k, device=ids.device) for k in lengths])
-    return base(input_ids=ids[None], position_ids=pos[None], use_cache=False).last_hidden_state[0]
+    if not flex:
+        # transformers reads the documents off position_ids restarting at 0 (varlen for flash
+        # attention, a dense block-diagonal mask for SDPA)
+        return base(input_ids=ids[None], position_ids=pos[None], use_cache=False).last_hidden_state[0]
+    # explicit, so every forward of the call (one sequence or many) runs the same masked kernel
+    mask = document_block_mask(lengths, ids.device)
+    with torch._dynamo.config.patch(_STATIC_FLEX):
+        out = base(input_ids=ids[None], position_ids=pos[None], use_cache=False, attention_mask=mask)
+    return out.last_hidden_state[0, :n]
 
 
 def _base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
