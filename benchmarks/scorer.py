@@ -40,6 +40,7 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -218,30 +219,25 @@ def one(method: str, args) -> dict:
 
 
 def run_method(method: str, passthrough: list[str], timeout: float | None, logs: Path | None) -> dict:
-    """One method in a process of its own: its result, or ``{"method", "error"}``. With ``logs``, the
-    child's whole stderr (stage lines, compile logs, a stack dump just before a timeout) goes to
-    ``logs/<method>.log``."""
+    """One method in a process of its own: its result, or ``{"method", "error"}``. The child's whole
+    stderr (stage lines, compile logs, a stack dump just before a timeout) goes to
+    ``logs/<method>.log``, or to a scratch file without ``logs``."""
     if timeout:  # the child dumps its stacks shortly before the kill, so a stuck method says where
         passthrough = [*passthrough, f"--stack-dump-after={max(1.0, timeout - 5)}"]
-    log = (logs / f"{method}.log").open("w") if logs else None
-    try:
-        done = subprocess.run(
-            [sys.executable, __file__, "--method", method, *passthrough],
-            stdout=subprocess.PIPE,
-            stderr=log or subprocess.PIPE,
-            text=True,
-            timeout=timeout,
-        )
-        stderr = done.stderr
-    except subprocess.TimeoutExpired as stopped:
-        stderr = stopped.stderr or b""  # what the child wrote before the kill, left undecoded on POSIX
-        done = None
-    finally:
-        if log:
-            log.close()
-    if log:
-        stderr = (logs / f"{method}.log").read_text(errors="replace")
-    lines = (stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or "").splitlines()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = (logs or Path(scratch)) / f"{method}.log"
+        with path.open("w") as log:
+            try:
+                done = subprocess.run(
+                    [sys.executable, __file__, "--method", method, *passthrough],
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    timeout=timeout,
+                )
+            except subprocess.TimeoutExpired:
+                done = None
+        lines = path.read_text(errors="replace").splitlines()
     if done is None:
         stages = [line for line in lines if " at " in line and line.endswith(" s")]
         last = f" (last: {stages[-1][:80]})" if stages else ""

@@ -25,8 +25,10 @@ import numpy as np
 
 from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
+from proto.messages import TrajectoryGroup
+from proto.runs import PbsdSpec
 
-__all__ = ["Contexts", "build_contexts"]
+__all__ = ["Contexts", "build_contexts", "group_contexts"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +64,27 @@ def build_contexts(
     token_turns = np.repeat(np.arange(len(lengths)), lengths)
     teacher = (teacher_prompt + list(completion_ids))[:teacher_max_length]
     return Contexts(list(prompt_ids) + list(completion_ids), teacher, loss_positions, phi, token_turns)
+
+
+def group_contexts(group: TrajectoryGroup, tokenizer: ChatTokenizer) -> list[Contexts | None]:
+    """Each trajectory's contexts under the group's PBSD spec; None for one that failed or has no turn
+    (it has nothing to score)."""
+    spec = group.algorithm
+    if not isinstance(spec, PbsdSpec):
+        raise TypeError("contexts are built for PBSD groups")
+    return [
+        None
+        if t.finish_reason == "error" or t.num_turns == 0
+        else build_contexts(
+            tokenizer,
+            t.prompt_ids.tolist(),
+            t.completion_ids.tolist(),
+            t.loss_mask,
+            t.turn_spans,
+            answer=group.answer,
+            template=spec.teacher_template,
+            teacher_max_length=spec.teacher_max_length,
+            support=group.support,
+        )
+        for t in group.trajectories
+    ]

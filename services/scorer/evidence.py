@@ -39,7 +39,7 @@ from pbsd import credit
 from proto.messages import ScoredGroup, ScoreDiagnostics, TrajectoryGroup
 from proto.runs import PbsdSpec
 from proto.sanity import NoiseFloor
-from services.scorer.contexts import Contexts, build_contexts
+from services.scorer.contexts import Contexts, group_contexts
 from services.scorer.noise import null_floor, null_picks, null_request
 from services.scorer.replay import RoutedRequest, context_routes, routes_at
 from services.scorer.sanity import tally_sanity, turn_kinds
@@ -88,24 +88,7 @@ async def score_group(
     if logprobs is None:
         raise ValueError("a PBSD group needs a likelihood function")
 
-    contexts: list[Contexts | None] = []
-    for t in group.trajectories:
-        if t.finish_reason == "error" or t.num_turns == 0:
-            contexts.append(None)
-            continue
-        contexts.append(
-            build_contexts(
-                tokenizer,
-                t.prompt_ids.tolist(),
-                t.completion_ids.tolist(),
-                t.loss_mask,
-                t.turn_spans,
-                answer=group.answer,
-                template=algo.teacher_template,
-                teacher_max_length=algo.teacher_max_length,
-                support=group.support,
-            )
-        )
+    contexts = group_contexts(group, tokenizer)
     scored_idx = [i for i, c in enumerate(contexts) if c is not None]
     nulls = null_picks(scored_idx, algo.noise_floor_samples)
     requests: list[tuple[Sequence[int], np.ndarray]] = []

@@ -24,7 +24,8 @@ from agent.chat import ChatTokenizer
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions
 from proto.messages import ScoredGroup, Trajectory
-from services.scorer.contexts import build_contexts
+from services.scorer.contexts import group_contexts
+from services.scorer.sanity import final_kind
 
 __all__ = ["SURE", "answer_room", "final_turns", "spelled_at"]
 
@@ -34,10 +35,10 @@ LogprobFn = Callable[[Sequence[tuple[Sequence[int], np.ndarray]]], Awaitable[lis
 
 
 async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: LogprobFn) -> list[dict]:
-    """One row per trajectory of ``scored`` that ends on a final answer (correct: reward > 0;
-    wrong: it stopped on its own final message), with the last turn's tokens and both passes'
-    log-probs at them, from ``logprobs`` (the scorer's backend: same path as the evidence)."""
-    group, spec = scored.group, scored.group.algorithm
+    """One row per trajectory of ``scored`` that ends on a final answer (:func:`final_kind`), with
+    the last turn's tokens and both passes' log-probs at them, from ``logprobs`` (the scorer's
+    backend: same path as the evidence)."""
+    group = scored.group
 
     def spellings(text: str | None) -> set[tuple[int, ...]]:
         if not text:
@@ -48,21 +49,12 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
         return {tuple(tokenizer.encode(text)), tuple(spaced)}
 
     rows, requests = [], []
-    for t, s in zip(group.trajectories, scored.turn_evidence, strict=True):
-        correct = t.reward > 0
-        if not (correct or t.finish_reason == "answer") or not t.num_turns or math.isnan(s[-1]):
+    for t, s, c in zip(
+        group.trajectories, scored.turn_evidence, group_contexts(group, tokenizer), strict=True
+    ):
+        kind = final_kind(t)
+        if kind is None or c is None or math.isnan(s[-1]):
             continue
-        c = build_contexts(
-            tokenizer,
-            t.prompt_ids.tolist(),
-            t.completion_ids.tolist(),
-            t.loss_mask,
-            t.turn_spans,
-            answer=group.answer,
-            template=spec.teacher_template,
-            teacher_max_length=spec.teacher_max_length,
-            support=group.support,
-        )
         last = (c.token_turns == t.num_turns - 1) & (c.phi >= 0)
         ids = [c.student[p] for p in c.loss_positions[last]]
         written = first_written(t, tokenizer)
@@ -71,7 +63,7 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
             {
                 "question_id": group.question_id,
                 "answer": group.answer,
-                "correct": correct,
+                "correct": kind == "correct_final",
                 "s": float(s[-1]),
                 "tokens": [tokenizer.decode([i]) for i in ids],
                 "final_answer": t.final_answer,
@@ -109,10 +101,10 @@ def spelled_at(ids: Sequence[int], spellings: set[tuple[int, ...]]) -> list[int]
 
 
 def answer_room(
-    rows: list[dict], *, eps_pos: float = 0.001, eps_neg: float = 0.003, sure: float = SURE
+    rows: list[dict], *, eps_pos: float = 0.001, eps_neg: float = 0.003, sure_at: float = SURE
 ) -> dict[str, float]:
     """Of the correct finals in ``rows``: how many name the answer in tokens the scorer aligned,
-    how many of those the student was already sure of (every answer token's log-prob >= ``sure``),
+    how many of those the student was already sure of (every answer token's log-prob >= ``sure_at``),
     and, of the rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer
     tokens (their mean teacher-minus-student log-prob). Of the wrong finals: how many spell out the
     answer they give, how many of those the student was sure of, how many the teacher disfavoured
@@ -120,18 +112,19 @@ def answer_room(
     answer in an earlier turn first (:func:`first_written`), and how many of those turns the teacher
     disfavoured (wrong) or favoured (correct): where turn-level credit lands on the commitment."""
 
-    def split(part: list[dict], key: str) -> tuple[list[dict], list[dict], float]:
-        named = [r for r in part if r[key]]
-        sure_rows = [r for r in named if min(r["student"][k] for k in r[key]) >= sure]
-        changes = [np.mean([r["teacher"][k] - r["student"][k] for k in r[key]]) for r in named]
-        return named, sure_rows, float(np.mean(changes)) if changes else float("nan")
+    def sure(row: dict, key: str) -> bool:
+        return min(row["student"][k] for k in row[key]) >= sure_at
+
+    def change(part: list[dict], key: str) -> float:
+        moved = [np.mean([r["teacher"][k] - r["student"][k] for k in r[key]]) for r in part]
+        return float(np.mean(moved)) if moved else float("nan")
 
     correct = [r for r in rows if r["correct"]]
-    named, sure_rows, _ = split(correct, "answer_tokens")
-    unsure = [r for r in named if r not in sure_rows]
-    _, _, lift = split(unsure, "answer_tokens")
+    named = [r for r in correct if r["answer_tokens"]]
+    sure_rows = [r for r in named if sure(r, "answer_tokens")]
+    unsure = [r for r in named if not sure(r, "answer_tokens")]
     wrong = [r for r in rows if not r["correct"]]
-    given, sure_wrong, change = split(wrong, "written_tokens")
+    given = [r for r in wrong if r["written_tokens"]]
     earlier = [r for r in wrong if r["first_written_s"] is not None]
     earlier_right = [r for r in correct if r["first_written_s"] is not None]
     return {
@@ -141,12 +134,12 @@ def answer_room(
         "already_sure_favoured": sum(r["s"] > eps_pos for r in sure_rows),
         "unsure": len(unsure),
         "unsure_favoured": sum(r["s"] > eps_pos for r in unsure),
-        "unsure_answer_lift": lift,
+        "unsure_answer_lift": change(unsure, "answer_tokens"),
         "wrong_finals": len(wrong),
         "wrong_spelled": len(given),
-        "wrong_sure": len(sure_wrong),
+        "wrong_sure": sum(sure(r, "written_tokens") for r in given),
         "wrong_disfavoured": sum(r["s"] < -eps_neg for r in given),
-        "wrong_answer_change": change,
+        "wrong_answer_change": change(given, "written_tokens"),
         "wrong_written_earlier": len(earlier),
         "wrong_written_earlier_disfavoured": sum(r["first_written_s"] < -eps_neg for r in earlier),
         "right_written_earlier": len(earlier_right),

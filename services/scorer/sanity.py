@@ -32,14 +32,20 @@ from agent.chat import ChatTokenizer
 from agent.grounding import turn_verdicts
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions
-from proto.messages import TrajectoryGroup
+from proto.messages import Trajectory, TrajectoryGroup
 from proto.runs import PbsdSpec
 from proto.sanity import ACTION_CLASSES, EvidenceTally, TeacherSanity
 
-__all__ = ["TurnKinds", "tally_sanity", "turn_kinds"]
+__all__ = ["TurnKinds", "final_kind", "tally_sanity", "turn_kinds"]
 
 # per trajectory (None: not scored), per turn: its kind and its action class (or None)
 TurnKinds = list[list[tuple[str, str | None]] | None]
+
+
+def final_kind(t: Trajectory) -> str | None:
+    """What the last turn of ``t`` is: a correct final (reward > 0), a wrong final (it stopped on its
+    own final message), or no final answer (None: cut by a limit, or failed)."""
+    return "correct_final" if t.reward > 0 else "wrong_final" if t.finish_reason == "answer" else None
 
 
 def turn_kinds(group: TrajectoryGroup, tokenizer: ChatTokenizer) -> TurnKinds:
@@ -51,7 +57,7 @@ def turn_kinds(group: TrajectoryGroup, tokenizer: ChatTokenizer) -> TurnKinds:
             out.append(None)
             continue
         texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)
-        final = "correct_final" if t.reward > 0 else "wrong_final" if t.finish_reason == "answer" else None
+        final = final_kind(t)
         kinds = []
         for k, ((text, _), verdict) in enumerate(
             zip(texts, turn_verdicts(group.question, texts, t.final_answer), strict=True)
