@@ -147,6 +147,17 @@ class ChatTokenizer:
             return self._markup_backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def spellings(self, text: str) -> set[tuple[int, ...]]:
+        """The ids ``text`` has in running prose: as it is and after a space, without any leading token
+        that is only whitespace (a name's space is not the name; tokenizers split it off or not)."""
+        out = set()
+        for variant in (text, " " + text):
+            ids = self.encode(variant)
+            while ids and not self.decode(ids[:1]).strip():
+                ids = ids[1:]
+            out.add(tuple(ids))
+        return out - {()}
+
     def prompt_ids(self, system: str, user: str) -> list[int]:
         if self._system[0] != system:  # a run's trajectories share their system prompt
             self._system = (system, self.encode_text(system))

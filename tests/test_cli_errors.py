@@ -123,6 +123,8 @@ CASES = [
     ("teacher probe: a bad template", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--teacher-template", "{question} {hint}"], "teacher_template", 2),
     ("teacher teach: no answers", lambda f: ["teacher", "teach", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--out", str(f.tmp / "taught")], "line 1 is not a conversation with its answer", 2),
     ("teacher teach: a bad template", lambda f: ["teacher", "teach", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--out", str(f.tmp / "taught"), "--teacher-template", "{question} {hint}"], "teacher_template", 2),
+    ("teacher drift: no groups folder", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.missing)], "does not exist", 2),
+    ("teacher drift: no scored groups", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.tmp)], "no scored PBSD groups", 2),
     ("teacher check: support without facts", lambda f: _teacher(f, "--teacher-template", "support"), "3 of 3 questions", 1),
     # refused before the model is loaded (f.ckpt would fail to load) or anything sampled
     ("eval: compare to other questions", lambda f: _eval(f, "--compare-to", f.tmp / "other-report.json"), "3 of the 3 evaluated here are not among its 1", 2),

@@ -21,12 +21,13 @@ from services.trainer.note_pass import (
     NotePassConfig,
     backward_losses,
     cached_logprobs,
+    hop_positions,
     lay_out_note_pass,
     prefix_cache,
     run_note_pass,
     shared_prefix,
 )
-from services.trainer.note_probe import read_conversations
+from services.trainer.note_probe import final_turn, read_conversations
 from services.trainer.sft import encode_conversation
 from worldgen.oracle import write_sft_data
 
@@ -102,6 +103,41 @@ def test_each_anchor_after_the_note_pairs_its_answer_free_tokens_with_the_studen
             and final in assistant[len(free_text) :]
         )
         assert [seq.ids[p] for p in seq.learnt[: twin.learnt.size]] == [ids[p] for p in twin.learnt]
+
+
+def test_hop_positions_are_the_entities_earlier_turns_read_from_the_pages(tok, conversations):
+    rows = read_conversations(conversations)
+    cut, _ = lay_out_note_pass(tok, rows, NotePassConfig(hops=1.0))
+    assert all(s.hops.size == 0 for s in lay_out_note_pass(tok, rows, NotePassConfig())[0])  # off by default
+    assert sum(s.hops.size > 0 for s in cut) >= len(cut) // 2
+    assert {s.layout for s in cut if s.hops.size} == {"contradicted", "plain", "student"}
+    for row in rows:
+        ids, mask = encode_conversation(tok, row["messages"])
+        hops = hop_positions(tok, ids, mask, row)
+        entities = {re.search(r"^.* is (.+) \(page ", f).group(1) for f in row["support"]} - {row["answer"]}
+        assert np.asarray(mask)[hops].all() and (hops < final_turn(mask)[0]).all()  # earlier assistant turns
+        runs = np.split(hops, np.flatnonzero(np.diff(hops) > 1) + 1) if hops.size else []
+        for run in runs:  # each run of positions spells one hop entity, named in a tool result before it
+            name = tok.decode([ids[p] for p in run]).strip()
+            assert name in entities
+            first_result = tok.decode(ids[: run[0]]).rfind(name)
+            assert first_result >= 0
+        # every commitment "... is <entity>." the oracle writes before its final turn is learnt
+        for message in row["messages"][2:-1]:
+            for said in (
+                re.findall(r"^So the .+ is (.+?)\. Next", message["content"])
+                if message["role"] == "assistant"
+                else []
+            ):
+                assert any(tok.decode([ids[p] for p in run]).strip() == said for run in runs)
+
+
+def test_l_hop_learns_the_hop_tokens(tiny_checkpoint, conversations, tmp_path):
+    config = NotePassConfig(steps=8, batch_size=4, anchors=1, lr=3e-3, warmup_steps=1, limit=4, hops=1.0)
+    stats = run_note_pass(conversations, tiny_checkpoint, tmp_path / "hops", config)
+    assert stats["final"]["hop"] < 0.75 * stats["first"]["hop"]
+    off = run_note_pass(conversations, tiny_checkpoint, tmp_path / "off", NotePassConfig(steps=1, limit=4))
+    assert "hop" not in off["first"]
 
 
 def _answer_free_gap(model_dir, tok, anchors) -> float:

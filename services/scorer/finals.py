@@ -41,12 +41,7 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
     group = scored.group
 
     def spellings(text: str | None) -> set[tuple[int, ...]]:
-        if not text:
-            return set()
-        spaced = tokenizer.encode(" " + text)
-        while spaced and not tokenizer.decode(spaced[:1]).strip():  # the space is not the answer
-            spaced = spaced[1:]
-        return {tuple(tokenizer.encode(text)), tuple(spaced)}
+        return tokenizer.spellings(text) if text else set()
 
     rows, requests = [], []
     for t, s, c in zip(

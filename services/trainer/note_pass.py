@@ -8,7 +8,7 @@ that could only come from the note are lost among thousands that need no note at
 (docs/credit-signal.md, "Teaching the tiny teacher to read x*"). This pass puts the gradient where
 reading is learnt, and holds everything else where it was:
 
-    L = L_note + lambda * L_anchor
+    L = L_note + lambda * L_anchor  (+ hops * L_hop + consistency * L_same)
 
 **L_note**, where reading is learnt. Each step draws ``batch_size`` SFT conversations, each cut to
 its question, its last k tool exchanges (k uniform over 1..all, so that the note's distance from
@@ -28,6 +28,17 @@ learnt (the mean), a share ``anchor_teacher`` of them after x* and the others in
 format. Without them the reading comes at the price of the policy (it stopped answering at all);
 without the teacher-format share, the teacher's answer-free turns drift far from the student's
 (mean s -0.52 nats, where the deadband is 0.004 wide).
+
+**L_hop** (optional, weight ``hops``, 0 by default), what keeps the note in its slot: on the same
+cut sequences, the mean negative log-likelihood of every *hop* token, an intermediate entity the
+conversation names in an assistant turn before its final one ("So the city where X was born is
+Y"), read from an earlier tool result. Learning only the answer's slot, the taught teacher copies
+the note into every entity slot: on the demo's held-out trajectories nine tenths of its answer-free
+drift falls on entity names, a hop entity the policy copied from a page dropping by 8 to 10 nats
+after x* with the answer as the teacher's top token. The hops are the entities of the question's
+supporting facts (``support``, "... is Y (page ...)"); a contradicted copy keeps them, so the hop
+slots read the page while the final slot reads the note (:func:`hop_positions`). It halves the
+drift, and the reading with it (docs/credit-signal.md, "Where the drift lives").
 
 **L_same** (optional, weight ``consistency``, 0 by default): on every anchor after x*, the squared
 difference between each answer-free token's log-prob after x* and the same token's log-prob in the
@@ -49,9 +60,10 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -72,13 +84,14 @@ __all__ = [
     "backward_losses",
     "cached_logprobs",
     "describe",
+    "hop_positions",
     "lay_out_note_pass",
     "run_note_pass",
 ]
 
 
 # a step record's loss terms, as its progress bar and summary name them ("same" only with L_same)
-LOSSES = {"note": "answer tokens", "anchor": "whole conversations", "same": "L_same"}
+LOSSES = {"note": "answer tokens", "hop": "hop tokens", "anchor": "whole conversations", "same": "L_same"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,7 @@ class NotePassConfig:
     anchor_weight: float = 4.0  # lambda
     anchor_teacher: float = 0.5  # share of the anchors laid out after x*
     consistency: float = 0.0  # L_same's weight: answer-free tokens after x* as in the student's format
+    hops: float = 0.0  # L_hop's weight: the hop entities of the cut conversations' earlier turns
     contradicted: float = 0.5  # shares of the cut conversations; the rest are the student's format
     plain: float = 0.25
     lr: float = 5e-4
@@ -109,9 +123,11 @@ class NotePassConfig:
             self.steps < 1
             or self.batch_size < 1
             or self.anchors < 0
-            or min(self.anchor_weight, self.consistency) < 0
+            or min(self.anchor_weight, self.consistency, self.hops) < 0
         ):
-            raise ValueError("steps and batch_size are >= 1, anchors, anchor_weight and consistency >= 0")
+            raise ValueError(
+                "steps and batch_size are >= 1, anchors, anchor_weight, consistency and hops >= 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,42 @@ class Sequence:
     # anchors after x*: the same conversation in the student's format learning only its answer-free
     # tokens (L_same); they are the first ``len(twin.learnt)`` of this sequence's ``learnt``
     twin: Sequence | None = None
+    # cut sequences: the positions of their hop tokens (L_hop)
+    hops: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+# worldgen.support: "<hop> is <entity> (page <url>)"; the hop may say "is" too ("where X is based")
+_FACT = re.compile(r"^.* is (.+) \(page [^)]*\)$")
+
+
+def hop_positions(tok: ChatTokenizer, ids: list[int], mask: list[int], row: dict) -> np.ndarray:
+    """Positions of the hop entities in the assistant turns before the final one: each occurrence of
+    a name of ``row``'s supporting facts other than its answer (its tokens with or without a leading
+    space, a lone whitespace token left out) that a tool result or the question before it names
+    too. An entity the conversation wrote before reading it is not learnt: after a cut it may come
+    from nothing the sequence holds."""
+    names = {m.group(1) for fact in row.get("support", ()) if (m := _FACT.search(fact))} - {row["answer"]}
+    arr, m = np.asarray(ids), np.asarray(mask)
+    final = final_turn(mask)[0]
+    out: set[int] = set()
+    for name in names:
+        starts = sorted((p, len(s)) for s in tok.spellings(name) for p in _occurrences(arr, s))
+        read = next((p for p, _ in starts if m[p] == 0), None)  # first named outside the assistant
+        for p, n in starts:
+            if read is not None and read < p and p + n <= final and m[p : p + n].all():
+                out.update(range(p, p + n))
+    return np.array(sorted(out), dtype=np.int64)
+
+
+def _occurrences(ids: np.ndarray, pattern: tuple[int, ...]) -> list[int]:
+    """Every position where ``pattern`` starts in ``ids``."""
+    n = ids.size - len(pattern) + 1
+    if n <= 0:
+        return []
+    hit = np.ones(n, dtype=bool)
+    for i, token in enumerate(pattern):
+        hit &= ids[i : i + n] == token
+    return np.flatnonzero(hit).tolist()
 
 
 def _cut(row: dict, keep: int) -> dict:
@@ -161,7 +213,8 @@ def lay_out_note_pass(
             ids, mask = teacher_format(tok, cut, ids, mask, config.template)
         learnt = answer_positions(tok, ids, mask, row["answer"])
         if learnt.size:
-            cut_seqs.append(Sequence(ids, learnt, layout))
+            hops = hop_positions(tok, ids, mask, row) if config.hops else np.zeros(0, dtype=np.int64)
+            cut_seqs.append(Sequence(ids, learnt, layout, hops=hops))
         ids, mask = encode_conversation(tok, row["messages"])
         if to_teacher < config.anchor_teacher:
             anchors.append(_with_twin(ids, mask, *teacher_format(tok, row, ids, mask, config.template)))
@@ -203,9 +256,12 @@ def prefix_cache(model, prefix: list[int]):
         return model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
 
 
-def cached_logprobs(model, cache, prefix_len: int, seq: Sequence) -> torch.Tensor:
-    """log p of ``seq``'s learnt tokens, its first ``prefix_len`` tokens taken from ``cache``
-    (a copy: the forward appends to the cache it is given)."""
+def cached_logprobs(
+    model, cache, prefix_len: int, seq: Sequence, at: np.ndarray | None = None
+) -> torch.Tensor:
+    """log p of ``seq``'s tokens at positions ``at`` (its learnt ones by default), its first
+    ``prefix_len`` tokens taken from ``cache`` (a copy: the forward appends to the cache it is given)."""
+    at = seq.learnt if at is None else at
     rest = torch.tensor([seq.ids[prefix_len:]])
     positions = torch.arange(prefix_len, len(seq.ids))[None]
     hidden = model.model(
@@ -214,24 +270,35 @@ def cached_logprobs(model, cache, prefix_len: int, seq: Sequence) -> torch.Tenso
         cache=copy.deepcopy(cache) if cache is not None else None,
         use_cache=cache is not None,
     ).last_hidden_state[0]
-    rows = hidden[torch.as_tensor(seq.learnt - 1 - prefix_len)]
+    rows = hidden[torch.as_tensor(at - 1 - prefix_len)]
     logp = torch.log_softmax(model.lm_head(rows).float(), -1)
-    return logp.gather(1, torch.tensor([seq.ids[p] for p in seq.learnt])[:, None])[:, 0]
+    return logp.gather(1, torch.tensor([seq.ids[p] for p in at])[:, None])[:, 0]
 
 
 def backward_losses(
     model, cache, prefix_len: int, batch: list[Sequence], held: list[Sequence], config: NotePassConfig
 ) -> dict[str, float]:
-    """Accumulate the gradient of L_note + lambda * L_anchor (+ consistency * L_same) over ``batch``
-    (cut sequences) and ``held`` (anchors); return each term's value."""
+    """Accumulate the gradient of L_note + lambda * L_anchor (+ hops * L_hop + consistency * L_same)
+    over ``batch`` (cut sequences) and ``held`` (anchors); return each term's value."""
     losses = {"same": 0.0} if config.consistency else {}
     free_tokens = sum(s.twin.learnt.size for s in held if s.twin) if config.consistency else 0
+    hop_tokens = sum(s.hops.size for s in batch) if config.hops else 0
+    if config.hops:
+        losses["hop"] = 0.0
     for name, group, weight in (("note", batch, 1.0), ("anchor", held, config.anchor_weight)):
         tokens, nll = sum(s.learnt.size for s in group), 0.0
         for seq in group:
-            logp = cached_logprobs(model, cache, prefix_len, seq)
+            if hop_tokens and seq.hops.size:  # one forward for the answer's tokens and the hops'
+                both = cached_logprobs(model, cache, prefix_len, seq, np.concatenate([seq.learnt, seq.hops]))
+                logp, hop = both[: seq.learnt.size], both[seq.learnt.size :]
+            else:
+                logp, hop = cached_logprobs(model, cache, prefix_len, seq), None
             loss = -logp.sum() / tokens
             total = weight * loss
+            if hop is not None:
+                hop_loss = -hop.sum() / hop_tokens
+                total = total + config.hops * hop_loss
+                losses["hop"] += float(hop_loss.detach())
             if free_tokens and seq.twin is not None:
                 with torch.no_grad():  # the student's side is the reference, not a target
                     student = cached_logprobs(model, cache, prefix_len, seq.twin)

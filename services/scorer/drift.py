@@ -1,0 +1,111 @@
+"""Where a teacher's drift on answer-free turns comes from (``pbsd teacher drift``).
+
+An answer-free turn (:mod:`services.scorer.sanity`) says nothing about the answer, so a teacher that
+reads x* should leave it in the deadband. A taught teacher does not: on the demo's held-out
+trajectories the note pass's teacher gives those turns a mean s five times the deadband's edge. A
+mean hides where that comes from, so this splits it token by token. For every answer-free turn of
+a set of scored groups, both contexts go through the model once, and each aligned token's
+
+    d_k = log p(z_k | x*, z_<k) - log p(z_k | x, z_<k)
+
+is *pulled* when the teacher would rather write the verified answer there: the log-prob it gives
+the answer's first token (spelt with or without a leading space) is above the one it gives the token
+written. A turn's s is the mean of its d_k, so the answer-free mean s is exactly the sum of two
+parts, the pulled tokens' and the rest's (each sum of d_k divided by its turn's length, averaged
+over turns). A teacher that copies the note into every entity slot ("So the city where X was born
+is <the answer>") has its drift in the pulled part; one that lowers everything after an unfamiliar
+prompt has it in the rest. (An answer whose first token is a common one, "The" of "The Danube",
+makes the pulled set wider than the slots the answer fills: the split reads best for names.)
+
+It also gives the answer-free mean s by how each trajectory ended (a correct final, a wrong final,
+no final answer): drift that is only on wrong trajectories would be information, not drift.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from agent.chat import ChatTokenizer
+from proto.messages import ScoredGroup
+from services.scorer.contexts import group_contexts
+from services.scorer.sanity import final_kind, turn_kinds
+
+__all__ = ["answer_first_tokens", "describe_drift", "drift_anatomy"]
+
+OUTCOMES = {"correct_final": "correct", "wrong_final": "wrong", None: "no final answer"}
+
+
+def answer_first_tokens(tokenizer: ChatTokenizer, answer: str) -> list[int]:
+    """The first token of each way ``answer`` is spelt in prose (:meth:`ChatTokenizer.spellings`)."""
+    return sorted({ids[0] for ids in tokenizer.spellings(answer)})
+
+
+def _token_logprobs(
+    model, ids: list[int], positions: np.ndarray, extra: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """log p of the tokens at ``positions``, and the largest log-p among ``extra`` tokens there."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, torch.as_tensor(positions) - 1].float()
+        logp = torch.log_softmax(logits, -1)
+    picked = logp.gather(1, torch.as_tensor(ids)[torch.as_tensor(positions)][:, None])[:, 0]
+    return picked.numpy(), logp[:, extra].max(1).values.numpy()
+
+
+def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) -> dict[str, Any]:
+    """The answer-free mean s of ``groups`` (PBSD groups as the scorer scored them), split into the
+    pulled tokens' part and the rest's, and by how each trajectory ended."""
+    model = model.eval()
+    parts = {"pulled": 0.0, "rest": 0.0}
+    counts = {"turns": 0, "tokens": 0, "pulled_tokens": 0}
+    by_outcome: dict[str, list[float]] = defaultdict(list)
+    for scored in groups:
+        group = scored.group
+        firsts = answer_first_tokens(tokenizer, group.answer)
+        kinds = turn_kinds(group, tokenizer)
+        for t, c, turns in zip(group.trajectories, group_contexts(group, tokenizer), kinds, strict=True):
+            free = [k for k, (kind, _) in enumerate(turns or []) if kind == "answer_free"]
+            if c is None or not free:
+                continue
+            aligned = c.phi >= 0
+            student, _ = _token_logprobs(model, c.student, c.loss_positions[aligned], firsts)
+            teacher, answer_lp = _token_logprobs(model, c.teacher, c.phi[aligned], firsts)
+            d, pulled, token_turns = teacher - student, answer_lp > teacher, c.token_turns[aligned]
+            for k in free:
+                at = token_turns == k
+                n = int(at.sum())
+                if not n:
+                    continue
+                parts["pulled"] += float(d[at & pulled].sum()) / n
+                parts["rest"] += float(d[at & ~pulled].sum()) / n
+                counts["turns"] += 1
+                counts["tokens"] += n
+                counts["pulled_tokens"] += int((at & pulled).sum())
+                by_outcome[OUTCOMES[final_kind(t)]].append(float(d[at].mean()))
+    turns = max(counts["turns"], 1)
+    return {
+        **counts,
+        "mean_s": (parts["pulled"] + parts["rest"]) / turns,
+        "pulled_part": parts["pulled"] / turns,
+        "rest_part": parts["rest"] / turns,
+        "by_outcome": {
+            name: {"turns": len(v), "mean_s": float(np.mean(v))} for name, v in sorted(by_outcome.items())
+        },
+    }
+
+
+def describe_drift(report: dict[str, Any]) -> str:
+    """:func:`drift_anatomy`'s figures for people."""
+    lines = [
+        f"answer-free turns: {report['turns']}, mean s {report['mean_s']:+.4f} over {report['tokens']} tokens",
+        f"  tokens where the teacher would rather write the answer: {report['pulled_tokens']}, "
+        f"their part of the mean {report['pulled_part']:+.4f}; the other tokens' part {report['rest_part']:+.4f}",
+    ]
+    lines += [
+        f"  trajectories ending {name}: {v['turns']} turns, mean s {v['mean_s']:+.4f}"
+        for name, v in report["by_outcome"].items()
+    ]
+    return "\n".join(lines)
