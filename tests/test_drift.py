@@ -15,7 +15,7 @@ from pbsd.cli import app
 from proto.runs import PbsdSpec
 from services.model.checkpoint import load_model
 from services.scorer.backends import LocalScorer
-from services.scorer.drift import answer_first_tokens, drift_anatomy
+from services.scorer.drift import answer_first_tokens, describe_drift, drift_anatomy
 from services.scorer.evidence import score_group
 from services.trainer.checkpoints import save_groups
 from tests.test_scorer import TEMPLATE
@@ -69,6 +69,8 @@ async def test_a_teacher_pulled_toward_the_answer_everywhere_has_all_its_drift_p
 
     same = drift_anatomy(_Model(tok, []), tok, [scored])  # x* changes nothing
     assert same["mean_s"] == 0.0 and same["pulled_tokens"] == 0
+    # none of these is the teacher that scored the group: the report says so
+    assert pulled["scored_gap"] > 0.1 and "is --model the checkpoint" in describe_drift(pulled)
 
 
 async def test_the_split_adds_up_to_the_scorers_answer_free_mean(tiny_checkpoint, tok, tmp_path):
@@ -82,7 +84,9 @@ async def test_the_split_adds_up_to_the_scorers_answer_free_mean(tiny_checkpoint
     assert report["pulled_part"] + report["rest_part"] == pytest.approx(report["mean_s"], abs=1e-9)
     outcomes = report["by_outcome"]
     assert sum(v["turns"] for v in outcomes.values()) == report["turns"]
-    assert np.mean([v["mean_s"] for v in outcomes.values()]) == pytest.approx(report["mean_s"], abs=1e-5)
+    weighted = sum(v["mean_s"] * v["turns"] for v in outcomes.values()) / report["turns"]
+    assert weighted == pytest.approx(report["mean_s"], abs=1e-5)
+    assert report["scored_gap"] < 1e-5 and "warning" not in describe_drift(report)
 
     save_groups(tmp_path, 0, [scored])
     result = CliRunner().invoke(

@@ -19,6 +19,7 @@ from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec
 from services.model.checkpoint import load_model
 from services.trainer.note_pass import (
     NotePassConfig,
+    _cut,
     backward_losses,
     cached_logprobs,
     hop_positions,
@@ -29,6 +30,7 @@ from services.trainer.note_pass import (
 )
 from services.trainer.note_probe import final_turn, read_conversations
 from services.trainer.sft import encode_conversation
+from services.trainer.teacher_sft import teacher_format
 from worldgen.oracle import write_sft_data
 
 
@@ -132,12 +134,45 @@ def test_hop_positions_are_the_entities_earlier_turns_read_from_the_pages(tok, c
                 assert any(tok.decode([ids[p] for p in run]).strip() == said for run in runs)
 
 
+def test_a_hop_only_the_prompt_names_is_not_learnt(tok, conversations):
+    # the support template states every hop in x*; cut to its last exchange, a conversation writes
+    # hops it read in no kept tool result, and those must not be learnt from the note
+    rows = read_conversations(conversations)
+    config = NotePassConfig(template="support", hops=1.0, contradicted=0.0, plain=1.0)
+    written_unread = False
+    for row in rows:
+        cut = _cut(row, 1)
+        ids, mask = teacher_format(tok, cut, *encode_conversation(tok, cut["messages"]), config.template)
+        m = np.asarray(mask)
+        after_prompt = np.flatnonzero((m == 0) & (np.arange(m.size) > np.flatnonzero(m == 1)[0]))
+        results = tok.decode([ids[p] for p in after_prompt])  # the kept tool results, no x*
+        hops = hop_positions(tok, ids, mask, row)
+        runs = np.split(hops, np.flatnonzero(np.diff(hops) > 1) + 1) if hops.size else []
+        assert all(tok.decode([ids[p] for p in run]).strip() in results for run in runs)
+        written_unread |= any(
+            n in tok.decode([ids[p] for p in np.flatnonzero(m == 1)]) and n not in results
+            for n in {re.search(r"^.* is (.+) \(page ", f).group(1) for f in row["support"]}
+        )
+    assert written_unread  # the case this test is for occurs
+    no_support = [{k: v for k, v in r.items() if k != "support"} for r in rows]
+    assert all(s.hops.size == 0 for s in lay_out_note_pass(tok, no_support, NotePassConfig(hops=1.0))[0])
+
+
 def test_l_hop_learns_the_hop_tokens(tiny_checkpoint, conversations, tmp_path):
     config = NotePassConfig(steps=8, batch_size=4, anchors=1, lr=3e-3, warmup_steps=1, limit=4, hops=1.0)
     stats = run_note_pass(conversations, tiny_checkpoint, tmp_path / "hops", config)
     assert stats["final"]["hop"] < 0.75 * stats["first"]["hop"]
     off = run_note_pass(conversations, tiny_checkpoint, tmp_path / "off", NotePassConfig(steps=1, limit=4))
     assert "hop" not in off["first"]
+    bare = tmp_path / "bare.jsonl"  # --hops on conversations without supporting facts: refused
+    bare.write_text(
+        "".join(
+            json.dumps({k: v for k, v in r.items() if k != "support"}) + "\n"
+            for r in read_conversations(conversations)
+        )
+    )
+    with pytest.raises(ValueError, match="no conversation has a hop entity"):
+        run_note_pass(bare, tiny_checkpoint, tmp_path / "none", NotePassConfig(steps=1, limit=4, hops=1.0))
 
 
 def _answer_free_gap(model_dir, tok, anchors) -> float:

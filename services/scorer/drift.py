@@ -19,6 +19,11 @@ makes the pulled set wider than the slots the answer fills: the split reads best
 
 It also gives the answer-free mean s by how each trajectory ended (a correct final, a wrong final,
 no final answer): drift that is only on wrong trajectories would be information, not drift.
+
+The split is of this model's s, recomputed in float32 with fresh routing and the turn mean; each
+turn is compared with the s its group was scored with, and the largest difference is reported
+(``scored_gap``): another checkpoint than the one that scored the groups, a run's groups scored by
+many policy versions, ``reduce: sum`` or replayed routing all show there.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from services.scorer.sanity import final_kind, turn_kinds
 
 __all__ = ["answer_first_tokens", "describe_drift", "drift_anatomy"]
 
+GAP = 1e-4  # nats: more than float32 rounding between the scorer's passes and this one
 OUTCOMES = {"correct_final": "correct", "wrong_final": "wrong", None: "no final answer"}
 
 
@@ -61,12 +67,15 @@ def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) ->
     model = model.eval()
     parts = {"pulled": 0.0, "rest": 0.0}
     counts = {"turns": 0, "tokens": 0, "pulled_tokens": 0}
+    gap = 0.0
     by_outcome: dict[str, list[float]] = defaultdict(list)
     for scored in groups:
         group = scored.group
         firsts = answer_first_tokens(tokenizer, group.answer)
         kinds = turn_kinds(group, tokenizer)
-        for t, c, turns in zip(group.trajectories, group_contexts(group, tokenizer), kinds, strict=True):
+        for t, c, turns, scored_s in zip(
+            group.trajectories, group_contexts(group, tokenizer), kinds, scored.turn_evidence, strict=True
+        ):
             free = [k for k, (kind, _) in enumerate(turns or []) if kind == "answer_free"]
             if c is None or not free:
                 continue
@@ -85,12 +94,14 @@ def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) ->
                 counts["tokens"] += n
                 counts["pulled_tokens"] += int((at & pulled).sum())
                 by_outcome[OUTCOMES[final_kind(t)]].append(float(d[at].mean()))
+                gap = max(gap, abs(float(d[at].mean()) - float(scored_s[k])))
     turns = max(counts["turns"], 1)
     return {
         **counts,
         "mean_s": (parts["pulled"] + parts["rest"]) / turns,
         "pulled_part": parts["pulled"] / turns,
         "rest_part": parts["rest"] / turns,
+        "scored_gap": gap,
         "by_outcome": {
             name: {"turns": len(v), "mean_s": float(np.mean(v))} for name, v in sorted(by_outcome.items())
         },
@@ -99,6 +110,8 @@ def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) ->
 
 def describe_drift(report: dict[str, Any]) -> str:
     """:func:`drift_anatomy`'s figures for people."""
+    if not report["turns"]:
+        return "answer-free turns: none"
     lines = [
         f"answer-free turns: {report['turns']}, mean s {report['mean_s']:+.4f} over {report['tokens']} tokens",
         f"  tokens where the teacher would rather write the answer: {report['pulled_tokens']}, "
@@ -108,4 +121,9 @@ def describe_drift(report: dict[str, Any]) -> str:
         f"  trajectories ending {name}: {v['turns']} turns, mean s {v['mean_s']:+.4f}"
         for name, v in report["by_outcome"].items()
     ]
+    if report["scored_gap"] > GAP:
+        lines.append(
+            f"  warning: a turn's s here differs from the s its group was scored with by "
+            f"{report['scored_gap']:.2g}: is --model the checkpoint that scored these groups?"
+        )
     return "\n".join(lines)
