@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-__all__ = ["CHATML", "ChatFormat", "ChatTokenizer"]
+__all__ = ["CHATML", "ChatFormat", "ChatTokenizer", "occurrences"]
 
 
 @dataclass(frozen=True)
@@ -191,3 +192,19 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.tok)
+
+
+def occurrences(ids, spellings) -> list[tuple[int, int]]:
+    """(start, length) of every whole occurrence in ``ids`` of any of ``spellings`` (token sequences,
+    e.g. :meth:`ChatTokenizer.spellings`), in order of start."""
+    arr = np.asarray(ids)
+    out = []
+    for spelling in filter(None, spellings):
+        n = arr.size - len(spelling) + 1
+        if n <= 0:
+            continue
+        hit = np.ones(n, dtype=bool)
+        for i, token in enumerate(spelling):
+            hit &= arr[i : i + n] == token
+        out += [(int(p), len(spelling)) for p in np.flatnonzero(hit)]
+    return sorted(out)

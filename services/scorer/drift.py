@@ -88,13 +88,14 @@ def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) ->
                 n = int(at.sum())
                 if not n:
                     continue
+                s = float(d[at].mean())
                 parts["pulled"] += float(d[at & pulled].sum()) / n
                 parts["rest"] += float(d[at & ~pulled].sum()) / n
                 counts["turns"] += 1
                 counts["tokens"] += n
                 counts["pulled_tokens"] += int((at & pulled).sum())
-                by_outcome[OUTCOMES[final_kind(t)]].append(float(d[at].mean()))
-                gap = max(gap, abs(float(d[at].mean()) - float(scored_s[k])))
+                by_outcome[OUTCOMES[final_kind(t)]].append(s)
+                gap = max(gap, abs(s - float(scored_s[k])))
     turns = max(counts["turns"], 1)
     return {
         **counts,

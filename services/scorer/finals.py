@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from agent.chat import ChatTokenizer
+from agent.chat import ChatTokenizer, occurrences
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions
 from proto.messages import ScoredGroup, Trajectory
@@ -86,13 +86,7 @@ def first_written(t: Trajectory, tokenizer: ChatTokenizer) -> int | None:
 
 def spelled_at(ids: Sequence[int], spellings: set[tuple[int, ...]]) -> list[int]:
     """Indices of ``ids`` inside a whole occurrence of any of ``spellings`` (token sequences)."""
-    hits: set[int] = set()
-    for spelling in filter(None, spellings):
-        n = len(spelling)
-        for start in range(len(ids) - n + 1):
-            if tuple(ids[start : start + n]) == spelling:
-                hits.update(range(start, start + n))
-    return sorted(hits)
+    return sorted({k for start, n in occurrences(ids, spellings) for k in range(start, start + n)})
 
 
 def answer_room(

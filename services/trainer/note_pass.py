@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agent.chat import ChatTokenizer
+from agent.chat import ChatTokenizer, occurrences
 from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec, TrainerSpec
 from services.model.checkpoint import library_versions, load_model, read_meta, save_checkpoint
 from services.trainer.note_probe import answer_positions, final_turn, read_conversations
@@ -163,23 +163,12 @@ def hop_positions(tok: ChatTokenizer, ids: list[int], mask: list[int], row: dict
     results = (m == 0) & (np.arange(m.size) > np.flatnonzero(m == 1)[0])  # tool results: after the prompt
     out: set[int] = set()
     for name in names:
-        starts = sorted((p, len(s)) for s in tok.spellings(name) for p in _occurrences(arr, s))
+        starts = occurrences(arr, tok.spellings(name))
         read = next((p for p, _ in starts if results[p]), None)  # first named in a tool result
         for p, n in starts:
             if read is not None and read < p and p + n <= final and m[p : p + n].all():
                 out.update(range(p, p + n))
     return np.array(sorted(out), dtype=np.int64)
-
-
-def _occurrences(ids: np.ndarray, pattern: tuple[int, ...]) -> list[int]:
-    """Every position where ``pattern`` starts in ``ids``."""
-    n = ids.size - len(pattern) + 1
-    if n <= 0:
-        return []
-    hit = np.ones(n, dtype=bool)
-    for i, token in enumerate(pattern):
-        hit &= ids[i : i + n] == token
-    return np.flatnonzero(hit).tolist()
 
 
 def _cut(row: dict, keep: int) -> dict:
