@@ -49,7 +49,7 @@ def f(tiny_world, tmp_path_factory):
     (tmp / "earlier-compare" / "compare-config.json").write_text(json.dumps({"demo": {"steps": 7}}))
     looks_like_a_checkpoint = tmp / "ckpt"
     looks_like_a_checkpoint.mkdir()
-    (looks_like_a_checkpoint / "config.json").write_text("{}")
+    (looks_like_a_checkpoint / "config.json").write_text('{"num_hidden_layers": 2}')
     return SimpleNamespace(
         tmp=tmp,
         missing=tmp / "missing",
@@ -57,6 +57,19 @@ def f(tiny_world, tmp_path_factory):
         ckpt=looks_like_a_checkpoint,
         closed=f"http://127.0.0.1:{free_port('127.0.0.1')}",  # nothing listens there
     )
+
+
+def _teach(f):
+    return [
+        "teacher",
+        "teach",
+        "--model",
+        str(f.ckpt),
+        "--data",
+        str(f.tmp / "chat.jsonl"),
+        "--out",
+        str(f.tmp / "taught"),
+    ]
 
 
 def _eval(f, *extra):
@@ -123,6 +136,10 @@ CASES = [
     ("teacher probe: a bad template", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--teacher-template", "{question} {hint}"], "teacher_template", 2),
     ("teacher teach: no answers", lambda f: ["teacher", "teach", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--out", str(f.tmp / "taught")], "line 1 is not a conversation with its answer", 2),
     ("teacher teach: a bad template", lambda f: ["teacher", "teach", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--out", str(f.tmp / "taught"), "--teacher-template", "{question} {hint}"], "teacher_template", 2),
+    ("teacher teach: train layers of a model not grown", lambda f: [*_teach(f), "--train-layers", "grown"], "was not made by `pbsd model grow`", 2),
+    ("teacher teach: train layers it lacks", lambda f: [*_teach(f), "--train-layers", "1,5"], "has layers 0..1", 2),
+    ("teacher teach: train layers not numbers", lambda f: [*_teach(f), "--train-layers", "top"], "indices such as 2,3, or grown", 2),
+    ("model grow: no model", lambda f: ["model", "grow", "--model", str(f.missing), "--out", str(f.tmp / "grown")], "--model", 2),
     ("teacher drift: no groups folder", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.missing)], "does not exist", 2),
     ("teacher drift: no scored groups", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.tmp)], "no scored PBSD groups", 2),
     ("teacher check: support without facts", lambda f: _teacher(f, "--teacher-template", "support"), "3 of 3 questions", 1),

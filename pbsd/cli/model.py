@@ -59,6 +59,31 @@ def model_tiny(
     typer.echo(f"wrote {path}")
 
 
+@app.command("grow")
+def model_grow(
+    model: Path = typer.Option(..., help="the checkpoint to deepen", callback=checkpoint_dir),
+    out: Path = typer.Option(..., help="checkpoint directory to write"),
+    layers: int = typer.Option(1, min=1, help="decoder layers to add"),
+    after: int = typer.Option(-1, help="insert them after this layer (-1: on top)"),
+    source: int | None = typer.Option(None, help="the layer they copy (default: --after's)"),
+) -> None:
+    """Add decoder layers that compute nothing yet (block expansion).
+
+    Each is a copy of an existing layer with its output projections zeroed, so the grown model
+    gives the same logits; `pbsd teacher teach --train-layers grown` then trains them alone
+    (services/model/grow.py)."""
+    from services.model.grow import grow_checkpoint
+
+    try:
+        record = grow_checkpoint(model, out, layers, after=after, source=source)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(
+        f"wrote {out}: {record['layers_before'] + len(record['added'])} layers, "
+        f"{record['added']} added as copies of layer {record['source']}"
+    )
+
+
 @app.command("copy-probe")
 def model_copy_probe(
     model: Path = typer.Option(..., help="the checkpoint to probe", callback=checkpoint_dir),

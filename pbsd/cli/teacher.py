@@ -207,6 +207,10 @@ def teach_cmd(
     lr: float = typer.Option(5e-4),
     limit: int | None = typer.Option(3000, help="learn from the first N conversations of --data"),
     seed: int = typer.Option(0),
+    train_layers: str | None = typer.Option(
+        None,
+        help="only these decoder layers learn: indices (2,3) or 'grown', the ones `pbsd model grow` added",
+    ),
 ) -> None:
     """Teach the teacher to read x*: the note pass, after SFT.
 
@@ -228,6 +232,7 @@ def teach_cmd(
             lr=lr,
             limit=limit,
             seed=seed,
+            train_layers=_layers(train_layers, model),
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
@@ -237,6 +242,29 @@ def teach_cmd(
     except ValueError as exc:
         raise UserError(f"{data}: {exc}", code=2) from None
     typer.echo(f"wrote {out}: {describe(stats)}")
+
+
+def _layers(spec: str | None, model: Path) -> tuple[int, ...] | None:
+    """--train-layers as indices: ``grown`` reads the ones ``pbsd model grow`` recorded."""
+    import json
+
+    from services.model.checkpoint import read_meta
+
+    if spec is None:
+        return None
+    bad = lambda why: typer.BadParameter(why, param_hint="--train-layers")  # noqa: E731
+    if spec == "grown":
+        if "grown" not in read_meta(model):
+            raise bad(f"{model} was not made by `pbsd model grow`")
+        return tuple(read_meta(model)["grown"]["added"])
+    try:
+        layers = tuple(int(i) for i in spec.split(","))
+    except ValueError:
+        raise bad(f"{spec!r}: indices such as 2,3, or grown") from None
+    n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    if not all(0 <= i < n for i in layers):
+        raise bad(f"{spec}: {model} has layers 0..{n - 1}")
+    return layers
 
 
 @app.command("drift")

@@ -73,6 +73,7 @@ import torch
 from agent.chat import ChatTokenizer, occurrences
 from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec, TrainerSpec
 from services.model.checkpoint import library_versions, load_model, read_meta, save_checkpoint
+from services.model.grow import train_only
 from services.trainer.note_probe import answer_positions, final_turn, read_conversations
 from services.trainer.policy import PolicyTrainer
 from services.trainer.sft import encode_conversation
@@ -112,6 +113,8 @@ class NotePassConfig:
     grad_clip: float = 1.0
     limit: int | None = 3000  # learn from the first ``limit`` conversations of the data
     seed: int = 0
+    # only these decoder layers learn (None: every weight), e.g. the layers ``pbsd model grow`` added
+    train_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "template", PbsdSpec(teacher_template=self.template).teacher_template)
@@ -316,6 +319,8 @@ def run_note_pass(
     torch.manual_seed(config.seed)
     tok = ChatTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir)
+    if config.train_layers is not None:
+        train_only(model, list(config.train_layers))
     cut_seqs, anchors = lay_out_note_pass(tok, rows, config)
     if not cut_seqs:
         raise ValueError("no conversation whose final answer names its answer")
