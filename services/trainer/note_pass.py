@@ -50,6 +50,11 @@ On the demo's policy (docs/credit-signal.md, "The note pass") the taught teacher
 (an answer only x* states rises by about a nat) and disfavours most wrong finals, but its
 answer-free turns leave the deadband, so the demo does not use it by default.
 
+``train_layers`` limits what learns to some decoder layers, such as the ones ``pbsd model grow``
+added (:mod:`services.model.grow`); the others, the embeddings and the final norm stay frozen.
+Trained alone, two layers added on the demo's policy learn no reading (docs/credit-signal.md,
+"More layers").
+
 The system prompt (the same in every conversation, two thirds of its tokens) carries no loss: it
 is run once a step without gradient and its keys and values are reused by every sequence, which
 makes a step about three times cheaper. Its own representation is therefore left as it was.
