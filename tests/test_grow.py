@@ -34,6 +34,36 @@ def test_added_layers_leave_the_logits_as_they_were(moe_checkpoint, count, after
     assert added == list(range(after % 2 + 1, after % 2 + 1 + count))
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == list(range(n))
     assert torch.equal(before, after_logits)  # exactly: each added layer adds zeros to the residual
+    assert all(layer.self_attn.config is model.config for layer in model.model.layers)
+
+
+def test_biases_are_silenced_too_and_dense_models_refused(moe_checkpoint):
+    from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    config = AutoConfig.from_pretrained(moe_checkpoint)
+    config.attention_bias = True
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.bias.data.normal_(0, 0.5)  # a bias the added copy must not write
+    ids = _ids(model)
+    with torch.no_grad():
+        before = model(ids).logits
+        grow(model, 1)
+        assert torch.equal(before, model(ids).logits)
+    dense = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    )
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        grow(dense, 1)
 
 
 def test_the_key_value_cache_holds_a_slot_for_every_layer(moe_checkpoint):
@@ -71,11 +101,14 @@ def test_training_the_added_layers_moves_only_them(moe_checkpoint):
     ids = _ids(model)
     with torch.no_grad():
         start = model(ids).logits
+    below = []  # what the frozen layer under the added one hands up: no graph, so backward stops there
+    model.model.layers[1].register_forward_hook(lambda module, args, out: below.append(out))
     for _ in range(3):  # the zeroed output projections get a gradient first, then the rest
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:]).backward()
-        assert all(p.grad is None for p in model.model.layers[1].parameters())  # backward stops above
         opt.step()
+    hidden = [o[0] if isinstance(o, tuple) else o for o in below]
+    assert len(hidden) == 3 and not any(h.requires_grad for h in hidden)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen.items())
     assert model.model.layers[2].self_attn.o_proj.weight.abs().sum() > 0
     with torch.no_grad():
@@ -92,6 +125,8 @@ def test_a_grown_checkpoint_reloads_and_the_note_pass_trains_its_added_layers(
     with torch.no_grad():
         assert torch.equal(original(ids).logits, grown(ids).logits)
     assert json.loads((tmp_path / "grown" / "pbsd.json").read_text())["grown"] == record
+    again = grow_checkpoint(tmp_path / "grown", tmp_path / "grown-twice", 2, after=0)
+    assert again == {"added": [1, 2, 4], "source": 0, "layers_before": 3}  # the first one's layer 2 is now 4
 
     data = tmp_path / "sft.jsonl"
     write_sft_data(tiny_world, data, split="sft", limit=4, search_num=3)

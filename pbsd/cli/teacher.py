@@ -220,6 +220,7 @@ def teach_cmd(
     from services.trainer.note_pass import LOSSES, NotePassConfig, describe, run_note_pass
     from services.trainer.sft import progress_bar
 
+    layers = _layers(train_layers, model)
     try:
         config = NotePassConfig(
             template=teacher_template,
@@ -232,7 +233,7 @@ def teach_cmd(
             lr=lr,
             limit=limit,
             seed=seed,
-            train_layers=_layers(train_layers, model),
+            train_layers=layers,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
@@ -253,15 +254,20 @@ def _layers(spec: str | None, model: Path) -> tuple[int, ...] | None:
     if spec is None:
         return None
     bad = lambda why: typer.BadParameter(why, param_hint="--train-layers")  # noqa: E731
-    if spec == "grown":
-        if "grown" not in read_meta(model):
-            raise bad(f"{model} was not made by `pbsd model grow`")
-        return tuple(read_meta(model)["grown"]["added"])
     try:
-        layers = tuple(int(i) for i in spec.split(","))
-    except ValueError:
-        raise bad(f"{spec!r}: indices such as 2,3, or grown") from None
-    n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+        n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+        grown = read_meta(model).get("grown")
+    except (ValueError, KeyError) as exc:
+        raise bad(f"{model}: cannot read its layer count or record ({exc!r})") from None
+    if spec == "grown":
+        if grown is None:
+            raise bad(f"{model} was not made by `pbsd model grow`")
+        layers = tuple(grown["added"])
+    else:
+        try:
+            layers = tuple(int(i) for i in spec.split(","))
+        except ValueError:
+            raise bad(f"{spec!r}: indices such as 2,3, or grown") from None
     if not all(0 <= i < n for i in layers):
         raise bad(f"{spec}: {model} has layers 0..{n - 1}")
     return layers

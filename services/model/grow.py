@@ -41,11 +41,13 @@ def grow(model: nn.Module, count: int, *, after: int = -1, source: int | None = 
     if count < 1:
         raise ValueError(f"count={count}: add at least one layer")
     cfg = model.config
-    if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
-        raise ValueError("only models whose every layer is sparse (no mlp_only_layers) are supported")
+    sparse = hasattr(layers[source].mlp, "experts") and not getattr(cfg, "mlp_only_layers", None)
+    if not sparse or getattr(cfg, "decoder_sparse_step", 1) != 1:
+        raise ValueError("only mixture-of-experts models whose every layer is sparse are supported")
     added = []
     for i in range(count):
         block = copy.deepcopy(layers[source])
+        block.self_attn.config = cfg  # deepcopy copied the model's config too; share the one
         _silence(block)
         layers.insert(after + 1 + i, block)
         added.append(after + 1 + i)
@@ -75,21 +77,25 @@ def train_only(model: nn.Module, layers: list[int]) -> int:
 
 def _silence(block: nn.Module) -> None:
     """Zero the block's writes to the residual stream: attention's output projection, the experts'
-    down projections (a shared expert's too, where the architecture has one)."""
-    mlp = block.mlp
-    writes = [block.self_attn.o_proj.weight, mlp.experts.down_proj]
+    down projections (a shared expert's too, where the architecture has one), biases included."""
+    attn, mlp = block.self_attn, block.mlp
+    writes = [attn.o_proj.weight, attn.o_proj.bias, mlp.experts.down_proj]
+    writes.append(getattr(mlp.experts, "down_proj_bias", None))
     if getattr(mlp, "shared_expert", None) is not None:
-        writes.append(mlp.shared_expert.down_proj.weight)
+        writes += [mlp.shared_expert.down_proj.weight, mlp.shared_expert.down_proj.bias]
     for weight in writes:
-        weight.data.zero_()
+        if weight is not None:
+            weight.data.zero_()
 
 
 def grow_checkpoint(
     model_dir: Path, out: Path, count: int, *, after: int = -1, source: int | None = None
 ) -> dict:
     """:func:`grow` on the checkpoint at ``model_dir``, written to ``out`` (its tokenizer beside it);
-    ``pbsd.json`` keeps the starting checkpoint's record and adds ``grown``: the added layers'
-    indices, which ``pbsd teacher teach --train-layers grown`` trains alone."""
+    ``pbsd.json`` keeps the starting checkpoint's record and adds ``grown``: the indices of every
+    layer added so far, which ``pbsd teacher teach --train-layers grown`` trains alone, and this
+    growth's source layer and earlier depth. (``config.json``'s ``pbsd_tiny_spec`` stays the spec
+    the model was first built with.)"""
     from transformers import AutoTokenizer
 
     from services.model.checkpoint import load_model, read_meta, save_checkpoint
@@ -97,8 +103,11 @@ def grow_checkpoint(
     model = load_model(model_dir)
     before = model.config.num_hidden_layers
     added = grow(model, count, after=after, source=source)
+    # a checkpoint grown before keeps its earlier layers in the record, renumbered past the new ones
+    earlier = read_meta(model_dir).get("grown", {}).get("added", [])
+    earlier = [i + count if i > after % before else i for i in earlier]
     record = {
-        "added": added,
+        "added": sorted(earlier + added),
         "source": (after if source is None else source) % before,
         "layers_before": before,
     }

@@ -253,7 +253,7 @@ def run_sft(
     # stays with the result, so the asset alone says what its tokenizer saw; the tiny spec needs
     # no copy: config.json carries it (pbsd_tiny_spec)
     base = read_meta(model_dir)
-    kept = {k: base[k] for k in ("tokenizer_text_sha256",) if k in base}
+    kept = {k: base[k] for k in ("tokenizer_text_sha256", "grown") if k in base}  # grown: pbsd model grow
     if "sft" in base:  # a second stage keeps the record of the first (a third, the second's)
         kept["sft_before"] = base["sft"]
     save_checkpoint(model, out, tokenizer=tok.tok, meta={**kept, "sft": stats})
