@@ -41,6 +41,7 @@ WARM_START = (
     "note_pass_steps",
     "note_pass_lr",
     "note_pass_conversations",
+    "note_pass_hops",
 )
 
 
@@ -108,6 +109,7 @@ class DemoConfig(BaseModel):
     note_pass_steps: int = Field(default=0, ge=0, description="steps of the note pass; 0: no note pass")
     note_pass_lr: float = 5e-4
     note_pass_conversations: int = Field(default=3000, ge=1, description="the first N SFT conversations")
+    note_pass_hops: float = Field(default=0.0, ge=0, description="L_hop's weight (pbsd teacher teach --hops)")
     # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
     # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
     # on the committed policy the long note after the question lowers every later turn (answer-free
@@ -202,6 +204,7 @@ class DemoConfig(BaseModel):
             steps=self.note_pass_steps,
             lr=self.note_pass_lr,
             limit=self.note_pass_conversations,
+            hops=self.note_pass_hops,
             seed=self.seed,
         )
 

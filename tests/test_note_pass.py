@@ -258,8 +258,16 @@ def test_the_demo_runs_the_pass_only_when_asked():
     from demo.config import DemoConfig
 
     assert DemoConfig().note_pass_config() is None  # the committed policy's recipe has none
-    on = DemoConfig(note_pass_steps=200, note_pass_conversations=500, seed=3).note_pass_config()
-    assert (on.steps, on.limit, on.seed, on.template) == (200, 500, 3, ANSWER_FIRST_TEACHER_TEMPLATE)
+    on = DemoConfig(
+        note_pass_steps=200, note_pass_conversations=500, note_pass_hops=0.25, seed=3
+    ).note_pass_config()
+    assert (on.steps, on.limit, on.seed, on.template, on.hops) == (
+        200,
+        500,
+        3,
+        ANSWER_FIRST_TEACHER_TEMPLATE,
+        0.25,
+    )
     # the pass teaches the runs' own x*: with one, the template is a warm-start setting; without, not
     assert DemoConfig(teacher_template="answer").warm_start() == DemoConfig().warm_start()
     taught = DemoConfig(note_pass_steps=200, teacher_template="answer")
