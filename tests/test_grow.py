@@ -87,6 +87,10 @@ def test_bad_growth_is_refused(moe_checkpoint):
         grow(model, 1, source=-3)
     with pytest.raises(ValueError, match="at least one"):
         grow(model, 0)
+    model.config.layer_types = ["full_attention"] * 2  # per-layer lists grow() does not renumber
+    with pytest.raises(ValueError, match="layers are all alike"):
+        grow(model, 1)
+    del model.config.layer_types
     with pytest.raises(ValueError, match=r"layers 0\.\.1"):
         train_only(model, [2])
 

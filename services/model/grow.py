@@ -42,8 +42,8 @@ def grow(model: nn.Module, count: int, *, after: int = -1, source: int | None = 
         raise ValueError(f"count={count}: add at least one layer")
     cfg = model.config
     sparse = hasattr(layers[source].mlp, "experts") and not getattr(cfg, "mlp_only_layers", None)
-    if not sparse or getattr(cfg, "decoder_sparse_step", 1) != 1:
-        raise ValueError("only mixture-of-experts models whose every layer is sparse are supported")
+    if not sparse or getattr(cfg, "decoder_sparse_step", 1) != 1 or getattr(cfg, "layer_types", None):
+        raise ValueError("only mixture-of-experts models whose layers are all alike and sparse are supported")
     added = []
     for i in range(count):
         block = copy.deepcopy(layers[source])
@@ -53,12 +53,7 @@ def grow(model: nn.Module, count: int, *, after: int = -1, source: int | None = 
         added.append(after + 1 + i)
     for idx, layer in enumerate(layers):
         layer.self_attn.layer_idx = idx  # its slot in the key-value cache
-        if hasattr(layer, "layer_idx"):
-            layer.layer_idx = idx
     cfg.num_hidden_layers = len(layers)
-    if getattr(cfg, "layer_types", None):
-        kind = cfg.layer_types[source]
-        cfg.layer_types = cfg.layer_types[: after + 1] + [kind] * count + cfg.layer_types[after + 1 :]
     return added
 
 
@@ -79,8 +74,12 @@ def _silence(block: nn.Module) -> None:
     """Zero the block's writes to the residual stream: attention's output projection, the experts'
     down projections (a shared expert's too, where the architecture has one), biases included."""
     attn, mlp = block.self_attn, block.mlp
-    writes = [attn.o_proj.weight, attn.o_proj.bias, mlp.experts.down_proj]
-    writes.append(getattr(mlp.experts, "down_proj_bias", None))
+    writes = [
+        attn.o_proj.weight,
+        attn.o_proj.bias,
+        mlp.experts.down_proj,
+        getattr(mlp.experts, "down_proj_bias", None),
+    ]
     if getattr(mlp, "shared_expert", None) is not None:
         writes += [mlp.shared_expert.down_proj.weight, mlp.shared_expert.down_proj.bias]
     for weight in writes:
@@ -103,8 +102,9 @@ def grow_checkpoint(
     model = load_model(model_dir)
     before = model.config.num_hidden_layers
     added = grow(model, count, after=after, source=source)
+    meta = read_meta(model_dir)
     # a checkpoint grown before keeps its earlier layers in the record, renumbered past the new ones
-    earlier = read_meta(model_dir).get("grown", {}).get("added", [])
+    earlier = meta.get("grown", {}).get("added", [])
     earlier = [i + count if i > after % before else i for i in earlier]
     record = {
         "added": sorted(earlier + added),
@@ -115,6 +115,6 @@ def grow_checkpoint(
         model,
         out,
         tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        meta=read_meta(model_dir) | {"grown": record},
+        meta=meta | {"grown": record},
     )
     return record

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["HeadPath", "chunk_logprobs", "fused_head_available", "realised_logprobs"]
+__all__ = ["HeadPath", "chunk_logprobs", "fused_head_available", "logprob_rows", "realised_logprobs"]
 
 HeadPath = Literal["chunked", "fused"]
 
@@ -41,6 +41,15 @@ def chunk_logprobs(
     if temperature != 1.0:  # as the rollout engine sampled: softmax(logits / T)
         logits = logits / temperature
     return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def logprob_rows(model: nn.Module, ids: list[int], positions) -> torch.Tensor:
+    """log p(. | ids[:p]) over the whole vocabulary at each of ``positions``, in float32: one whole
+    forward of ``ids`` without gradient, the log-softmax at those positions only. For analyses of a
+    few short sequences on the CPU (the probe, the drift), not the scorer's batched path."""
+    logits = model(torch.tensor([ids])).logits[0, torch.as_tensor(positions) - 1].float()
+    return torch.log_softmax(logits, -1)
 
 
 def fused_head_available(device: torch.device | str) -> bool:

@@ -36,6 +36,7 @@ import torch
 
 from agent.chat import ChatTokenizer
 from proto.messages import ScoredGroup
+from services.model.lm_head import logprob_rows
 from services.scorer.contexts import group_contexts
 from services.scorer.sanity import final_kind, turn_kinds
 
@@ -54,9 +55,7 @@ def _token_logprobs(
     model, ids: list[int], positions: np.ndarray, extra: list[int]
 ) -> tuple[np.ndarray, np.ndarray]:
     """log p of the tokens at ``positions``, and the largest log-p among ``extra`` tokens there."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, torch.as_tensor(positions) - 1].float()
-        logp = torch.log_softmax(logits, -1)
+    logp = logprob_rows(model, ids, positions)
     picked = logp.gather(1, torch.as_tensor(ids)[torch.as_tensor(positions)][:, None])[:, 0]
     return picked.numpy(), logp[:, extra].max(1).values.numpy()
 

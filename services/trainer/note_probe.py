@@ -31,6 +31,7 @@ import torch
 
 from agent.chat import ChatTokenizer
 from services.model.checkpoint import load_model
+from services.model.lm_head import logprob_rows
 from services.trainer.sft import encode_conversation
 from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, teacher_format
 
@@ -41,11 +42,9 @@ def _logprobs(model, requests: list[tuple[list[int], np.ndarray]]) -> list[np.nd
     """log p(ids[p] | ids[:p]) at each request's positions: one whole forward a sequence, the
     log-softmax in float32 at the positions asked for only (as the scorer computes it)."""
     out = []
-    with torch.no_grad():
-        for ids, positions in requests:
-            logits = model(torch.tensor([ids])).logits[0, torch.as_tensor(positions) - 1].float()
-            picked = torch.as_tensor(ids)[torch.as_tensor(positions)]
-            out.append(torch.log_softmax(logits, -1).gather(1, picked[:, None])[:, 0].numpy())
+    for ids, positions in requests:
+        picked = torch.as_tensor(ids)[torch.as_tensor(positions)]
+        out.append(logprob_rows(model, ids, positions).gather(1, picked[:, None])[:, 0].numpy())
     return out
 
 
