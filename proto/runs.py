@@ -55,11 +55,15 @@ TEMPLATE_FIELDS = ("question", "answer", "support")  # {support}: the facts join
 # The same answer-only teacher with the note before the question, in a few words: a model reads the
 # end of the user message most, so x* then differs from x least where the policy looks.
 ANSWER_FIRST_TEACHER_TEMPLATE = "Verified answer: {answer}\n\n{question}"
+# Beyond the paper: the answer-first note with the supporting facts on a second line, so the lab's
+# tiny teacher finds the hops in the same short note it learns to read the answer from.
+SUPPORT_FIRST_TEACHER_TEMPLATE = "Verified answer: {answer}\nFacts: {support}\n\n{question}"
 # the templates by the names the command line knows them by
 TEACHER_TEMPLATES = {
     "answer": DEFAULT_TEACHER_TEMPLATE,
     "support": SUPPORT_TEACHER_TEMPLATE,
     "answer-first": ANSWER_FIRST_TEACHER_TEMPLATE,
+    "support-first": SUPPORT_FIRST_TEACHER_TEMPLATE,
 }
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -180,7 +184,7 @@ class PbsdSpec(_PolicyGradientSpec):
     teacher_template: str = Field(
         default=DEFAULT_TEACHER_TEMPLATE,
         min_length=1,
-        description="x*'s template, or the name of one of TEACHER_TEMPLATES (answer, answer-first, support)",
+        description="x*'s template, or the name of one of TEACHER_TEMPLATES (answer, answer-first, support, support-first)",
     )
     teacher_max_length: PositiveInt = Field(
         default=65_536, description="tokens beyond this in x* have no phi and are left out"

@@ -47,6 +47,11 @@ def test_the_templates_and_their_fields():
     for name, template in TEACHER_TEMPLATES.items():
         assert PbsdSpec(teacher_template=name).teacher_template == template
     assert PbsdSpec(teacher_template="support").needs_support
+    assert PbsdSpec(teacher_template="support-first").needs_support
+    short = fill_template(
+        TEACHER_TEMPLATES["support-first"], "Q?", "Vienna", ["a is b (page kb://a)", "b is Vienna"]
+    )
+    assert short == "Verified answer: Vienna\nFacts: a is b (page kb://a); b is Vienna\n\nQ?"
     text = fill_template(SUPPORT_TEACHER_TEMPLATE, "Q?", "Vienna", ["a is b (page kb://a)", "b is Vienna"])
     assert text.startswith("Q?\n\n") and '"Vienna"' in text and "a is b (page kb://a); b is Vienna" in text
     assert fill_template(DEFAULT_TEACHER_TEMPLATE, "Q?", "Vienna") == DEFAULT_TEACHER_TEMPLATE.format(

@@ -53,7 +53,7 @@ def check_cmd(
         "answer",
         help="x*'s template: answer (the paper's note after the question), answer-first (the same answer "
         "in a short note before the question: the demo's), support (the answer and the question's supporting "
-        "facts), or a template of your own with {question}, {answer} and optionally {support}",
+        "facts), support-first (the answer-first note with the facts), or a template of your own with {question}, {answer} and optionally {support}",
     ),
     eps_pos: float = typer.Option(0.001, help="eps+ of the deadband"),
     eps_neg: float = typer.Option(0.003, help="eps- of the deadband"),
