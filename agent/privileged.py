@@ -13,11 +13,20 @@ would score a prompt it was never trained on.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from agent.chat import ChatTokenizer
 
-__all__ = ["fill_template", "teacher_prompt_ids"]
+__all__ = ["fact_entities", "fill_template", "teacher_prompt_ids"]
+
+# worldgen.support: "<hop> is <entity> (page <url>)"; the hop may say "is" too ("where X is based")
+_FACT = re.compile(r"^.* is (.+) \(page [^)]*\)$")
+
+
+def fact_entities(support: Sequence[str]) -> list[str]:
+    """The entity each supporting fact states, in order (a fact not in the world's wording is skipped)."""
+    return [m.group(1) for fact in support if (m := _FACT.search(fact))]
 
 
 def fill_template(template: str, question: str, answer: str, support: Sequence[str] = ()) -> str:

@@ -22,6 +22,7 @@ from services.trainer.note_pass import (
     _cut,
     backward_losses,
     cached_logprobs,
+    hop_names,
     hop_positions,
     lay_out_note_pass,
     prefix_cache,
@@ -156,6 +157,58 @@ def test_a_hop_only_the_prompt_names_is_not_learnt(tok, conversations):
     assert written_unread  # the case this test is for occurs
     no_support = [{k: v for k, v in r.items() if k != "support"} for r in rows]
     assert all(s.hops.size == 0 for s in lay_out_note_pass(tok, no_support, NotePassConfig(hops=1.0))[0])
+
+
+def test_hops_from_the_note_are_stated_only_in_x_star_in_a_contradicted_copy(tok, conversations):
+    rows = read_conversations(conversations)
+    config = NotePassConfig(template="support-first", hops=1.0, hops_from="note", contradicted=1.0, plain=0.0)
+    cut, _ = lay_out_note_pass(tok, rows, config)
+    names = {n for r in rows for n in hop_names(r)}
+    learnt_contradicted = decoyed = 0
+    for seq in cut:
+        text = tok.decode(seq.ids)
+        row = next(r for r in rows if r["messages"][1]["content"] in text)
+        note = text[: text.index(row["messages"][1]["content"])]
+        for run in np.split(seq.hops, np.flatnonzero(np.diff(seq.hops) > 1) + 1) if seq.hops.size else []:
+            name = tok.decode([seq.ids[p] for p in run]).strip()
+            assert name in hop_names(row) and name in note  # every learnt hop is stated in the note
+        if seq.layout == "contradicted":
+            tool_results = "".join(tok.decode(seq.ids[s:e]) for s, e in _tool_result_spans(tok, seq.ids))
+            assert not any(n in tool_results for n in hop_names(row) | {row["answer"]})
+            decoyed += any(n in tool_results for n in names - hop_names(row))  # another's hop in place
+            learnt_contradicted += seq.hops.size > 0
+    assert learnt_contradicted >= len(cut) // 2 and decoyed >= len(cut) // 4
+    # the page's hops are left out where only the note states them (the default)
+    page, _ = lay_out_note_pass(tok, rows, NotePassConfig(template="support-first", hops=1.0))
+    assert sum(s.hops.size for s in page) < sum(s.hops.size for s in cut)
+
+
+def _tool_result_spans(tok, ids):
+    """(start, end) of each user message after the first assistant turn."""
+    start_id, end_id = tok.encode(tok.fmt.start)[0], tok.end_id
+    spans, seen_assistant = [], False
+    for i, t in enumerate(ids):
+        if t == start_id:
+            end = ids.index(end_id, i)
+            role = tok.decode(ids[i + 1 : end]).partition("\n")[0]
+            if role == "assistant":
+                seen_assistant = True
+            elif role == "user" and seen_assistant:
+                spans.append((i, end))
+    return spans
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"hops": 1.0, "hops_from": "note"},  # answer-first states no facts
+        {"template": "support-first", "hops_from": "note"},  # no L_hop
+        {"template": "support-first", "hops": 1.0, "hops_from": "prompt"},
+    ],
+)
+def test_hops_from_the_note_need_l_hop_and_a_note_with_facts(settings):
+    with pytest.raises(ValueError, match="hops"):
+        NotePassConfig(**settings)
 
 
 def test_l_hop_learns_the_hop_tokens(tiny_checkpoint, conversations, tmp_path):

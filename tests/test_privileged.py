@@ -139,6 +139,27 @@ def test_a_contradicted_copy_names_a_decoy_in_every_tool_result_and_nowhere_else
     assert contradict({**row, "answer": "Salzburg"}, "Graz") is None  # no tool result names it
 
 
+def test_a_contradicted_copy_can_name_decoys_for_the_hops_too():
+    from services.trainer.teacher_sft import contradict
+
+    row = {
+        "answer": "Vienna",
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Where was the founder of Acme born?"},
+            {"role": "assistant", "content": "Let me search for Acme."},
+            {"role": "user", "content": '{"snippet": "Acme was founded by Ada Lovel, born in Vienna."}'},
+            {"role": "assistant", "content": "So the founder is Ada Lovel.\n\n\\boxed{Vienna}"},
+        ],
+    }
+    # one pass: a decoy that is another swapped name is not replaced again
+    out = contradict(row, "Graz", {"Ada Lovel": "Vienna", "Acme": "Ada"})
+    assert out["messages"][3]["content"] == '{"snippet": "Ada was founded by Vienna, born in Graz."}'
+    assert out["messages"][:3] == row["messages"][:3] and out["messages"][4] == row["messages"][4]
+    # the hops alone do not make a contradicted copy: the answer must be replaced somewhere
+    assert contradict({**row, "answer": "Salzburg"}, "Graz", {"Acme": "Ada"}) is None
+
+
 def test_teacher_copies_are_drawn_by_fraction_contradicted_by_share_and_seeded():
     from services.trainer.teacher_sft import TeacherCopies
 

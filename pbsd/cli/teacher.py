@@ -204,6 +204,12 @@ def teach_cmd(
         help="L_hop's weight: the hop entities of earlier turns learnt beside the answer, so the note "
         "fills the answer's slot only",
     ),
+    hops_from: str = typer.Option(
+        "page",
+        help="where L_hop's hops are read: 'page' (the tool results) or 'note' (beyond the paper: the "
+        "contradicted copies' pages name decoys for the hops too, so they are learnt from x*'s facts; "
+        "needs --hops and a template with {support}, such as support-first)",
+    ),
     lr: float = typer.Option(5e-4),
     limit: int | None = typer.Option(3000, help="learn from the first N conversations of --data"),
     seed: int = typer.Option(0),
@@ -230,13 +236,15 @@ def teach_cmd(
             anchor_weight=anchor_weight,
             consistency=consistency,
             hops=hops,
+            hops_from=hops_from,
             lr=lr,
             limit=limit,
             seed=seed,
             train_layers=layers,
         )
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--teacher-template") from None
+    except ValueError as exc:  # the template's name, or --hops-from with what it needs
+        hint = "--hops-from" if "hops" in str(exc) else "--teacher-template"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
     try:
         with progress_bar("note pass", keys=tuple(LOSSES)) as progress:
             stats = run_note_pass(data, model, out, config, progress)

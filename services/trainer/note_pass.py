@@ -40,6 +40,12 @@ supporting facts (``support``, "... is Y (page ...)"); a contradicted copy keeps
 slots read the page while the final slot reads the note (:func:`hop_positions`). It halves the
 drift, and the reading with it (docs/credit-signal.md, "Where the drift lives").
 
+With ``hops_from="note"`` (beyond the paper; a template that states ``{support}``, such as
+``support-first``) the hops are read from the note instead: a contradicted copy's pages name a decoy
+for every hop entity as well as for the answer, so x*'s facts are the only place that states them,
+and every slot L_note and L_hop learn reads the note. A teacher that reads its facts writes a
+correct path's hops as the policy does and disfavours a wrong hop where it is taken.
+
 **L_same** (optional, weight ``consistency``, 0 by default): on every anchor after x*, the squared
 difference between each answer-free token's log-prob after x* and the same token's log-prob in the
 student's format (the current policy's, without gradient), averaged over those tokens. An
@@ -66,7 +72,6 @@ import copy
 import json
 import math
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -76,6 +81,7 @@ import numpy as np
 import torch
 
 from agent.chat import ChatTokenizer, occurrences
+from agent.privileged import fact_entities
 from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec, TrainerSpec
 from services.model.checkpoint import library_versions, load_model, read_meta, save_checkpoint
 from services.model.grow import train_only
@@ -111,6 +117,8 @@ class NotePassConfig:
     anchor_teacher: float = 0.5  # share of the anchors laid out after x*
     consistency: float = 0.0  # L_same's weight: answer-free tokens after x* as in the student's format
     hops: float = 0.0  # L_hop's weight: the hop entities of the cut conversations' earlier turns
+    # where L_hop's hops are read: "page" (the tool results) or "note" (x*'s supporting facts, beyond the paper)
+    hops_from: str = "page"
     contradicted: float = 0.5  # shares of the cut conversations; the rest are the student's format
     plain: float = 0.25
     lr: float = 5e-4
@@ -126,6 +134,10 @@ class NotePassConfig:
         for name in ("anchor_teacher", "contradicted", "plain"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], not {getattr(self, name)}")
+        if self.hops_from not in ("page", "note"):
+            raise ValueError(f"hops_from is 'page' or 'note', not {self.hops_from!r}")
+        if self.hops_from == "note" and not (self.hops and "{support}" in self.template):
+            raise ValueError("hops from the note need hops > 0 and a template that states {support}")
         if self.contradicted + self.plain > 1:
             raise ValueError("contradicted + plain is at most 1 (the rest are the student's format)")
         if (
@@ -154,21 +166,27 @@ class Sequence:
     hops: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
-# worldgen.support: "<hop> is <entity> (page <url>)"; the hop may say "is" too ("where X is based")
-_FACT = re.compile(r"^.* is (.+) \(page [^)]*\)$")
+def hop_names(row: dict) -> set[str]:
+    """The hop entities of ``row``: the names its supporting facts state, its answer left out."""
+    return set(fact_entities(row.get("support", ()))) - {row["answer"]}
 
 
-def hop_positions(tok: ChatTokenizer, ids: list[int], mask: list[int], row: dict) -> np.ndarray:
+def hop_positions(
+    tok: ChatTokenizer, ids: list[int], mask: list[int], row: dict, from_note: bool = False
+) -> np.ndarray:
     """Positions of the hop entities in the assistant turns before the final one: each occurrence of
-    a name of ``row``'s supporting facts other than its answer (its tokens with or without a leading
-    space, a lone whitespace token left out) that a tool result before it names too. An entity the
-    conversation wrote before reading it is not learnt: after a cut it may come from nothing the
-    sequence holds; nor is one only the prompt names (a note that states the supporting facts), or
-    the hop slots would learn to copy the note."""
-    names = {m.group(1) for fact in row.get("support", ()) if (m := _FACT.search(fact))} - {row["answer"]}
+    a name of :func:`hop_names` (its tokens with or without a leading space, a lone whitespace token
+    left out) that a tool result before it names too. An entity the conversation wrote before reading
+    it is not learnt: after a cut it may come from nothing the sequence holds. Nor, by default, is one
+    only the prompt names (a note that states the supporting facts), or the hop slots would learn to
+    copy the note; ``from_note`` counts the prompt as a source too, for a teacher taught to read the
+    facts (``hops_from="note"``)."""
+    names = hop_names(row)
     arr, m = np.asarray(ids), np.asarray(mask)
     final = final_turn(mask)[0]
     results = (m == 0) & (np.arange(m.size) > np.flatnonzero(m == 1)[0])  # tool results: after the prompt
+    if from_note:
+        results |= np.arange(m.size) < np.flatnonzero(m == 1)[0]
     out: set[int] = set()
     for name in names:
         starts = occurrences(arr, tok.spellings(name))
@@ -193,6 +211,8 @@ def lay_out_note_pass(
     contradicted draw whose tool results never name the answer falls back to plain) and one anchor."""
     rng = random.Random(f"pbsd-note-pass-{config.seed}")
     decoys = decoy_pools(rows)
+    from_note = config.hops_from == "note"
+    hop_pool = decoy_pools([{"answer": n} for n in set().union(*map(hop_names, rows))]) if from_note else {}
     cut_seqs, anchors = [], []
     for row in rows:
         exchanges = (len(row["messages"]) - 3) // 2
@@ -206,14 +226,18 @@ def lay_out_note_pass(
         cut = _cut(row, keep) if exchanges else row
         if layout == "contradicted":
             decoy = pick_decoy(decoys, row["answer"], rng)
-            contradicted = contradict(cut, decoy) if decoy is not None else None
+            # hops from the note: the pages name a decoy for each hop too, so only x*'s facts state them
+            hop_decoys = _hop_decoys(row, hop_pool, rng) if from_note else None
+            contradicted = contradict(cut, decoy, hop_decoys) if decoy is not None else None
             cut, layout = (contradicted, layout) if contradicted is not None else (cut, "plain")
         ids, mask = encode_conversation(tok, cut["messages"])
         if layout != "student":
             ids, mask = teacher_format(tok, cut, ids, mask, config.template)
         learnt = answer_positions(tok, ids, mask, row["answer"])
         if learnt.size:
-            hops = hop_positions(tok, ids, mask, row) if config.hops else np.zeros(0, dtype=np.int64)
+            hops = (
+                hop_positions(tok, ids, mask, row, from_note) if config.hops else np.zeros(0, dtype=np.int64)
+            )
             cut_seqs.append(Sequence(ids, learnt, layout, hops=hops))
         ids, mask = encode_conversation(tok, row["messages"])
         if to_teacher < config.anchor_teacher:
@@ -221,6 +245,21 @@ def lay_out_note_pass(
         else:
             anchors.append(Sequence(ids, np.flatnonzero(np.asarray(mask) == 1), "anchor"))
     return cut_seqs, anchors
+
+
+def _hop_decoys(row: dict, pools: dict[bool, list[str]], rng: random.Random) -> dict[str, str]:
+    """A decoy for each hop entity of ``row``: another conversation's hop of the same kind (a year
+    for a year, a name for a name; ``pools`` as :func:`decoy_pools` gives them), never a name ``row``
+    itself states. A hop with no such decoy keeps its name."""
+    own = hop_names(row) | {row["answer"]}
+    out = {}
+    for name in sorted(hop_names(row)):
+        pool = pools[name.isdigit()]
+        if len(pool) > len(own):  # then a draw that misses ``own`` exists; a few draws find it
+            while (pick := rng.choice(pool)) in own:
+                pass
+            out[name] = pick
+    return out
 
 
 def _with_twin(student_ids: list[int], student_mask: list[int], ids: list[int], mask: list[int]) -> Sequence:

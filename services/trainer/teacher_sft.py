@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
@@ -78,16 +78,22 @@ def pick_decoy(pools: dict[bool, list[str]], answer: str, rng: random.Random) ->
     return rng.choice(others) if others else None
 
 
-def contradict(row: dict, decoy: str) -> dict | None:
-    """``row`` with ``decoy`` in place of its answer, as a whole word, in every tool result (the user
-    messages after the question); None when no tool result names the answer."""
+def contradict(row: dict, decoy: str, hops: Mapping[str, str] | None = None) -> dict | None:
+    """``row`` with ``decoy`` in place of its answer, and each of ``hops``'s decoys in place of its
+    name (the hop entities, for a teacher taught to read the note's supporting facts), as whole words
+    in every tool result (the user messages after the question); None when no tool result names the
+    answer."""
     answer = row["answer"]
-    pattern = re.compile(rf"(?<!\w){re.escape(answer)}(?!\w)")
+    swaps = {**(hops or {}), answer: decoy}
+    # one pass, longest name first, so that a decoy is never itself replaced
+    names = sorted(swaps, key=len, reverse=True)
+    pattern = re.compile("|".join(rf"(?<!\w){re.escape(n)}(?!\w)" for n in names))
     messages, changed = list(row["messages"][:2]), 0
     for message in row["messages"][2:]:
         if message["role"] == "user":
-            content, n = pattern.subn(lambda _: decoy, message["content"])
-            message, changed = {**message, "content": content}, changed + n
+            found = pattern.findall(message["content"])
+            message = {**message, "content": pattern.sub(lambda m: swaps[m.group(0)], message["content"])}
+            changed += found.count(answer)
         messages.append(message)
     return {**row, "messages": messages} if changed else None
 
