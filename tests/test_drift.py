@@ -73,6 +73,35 @@ async def test_a_teacher_pulled_toward_the_answer_everywhere_has_all_its_drift_p
     assert pulled["scored_gap"] > 0.1 and "is --model the checkpoint" in describe_drift(pulled)
 
 
+async def test_a_teacher_drawn_to_a_supporting_facts_entity_has_its_drift_toward_a_fact(tok):
+    support = (
+        "the river that flows through Vienna is Danube (page kb://river/danube)",
+        "the city where Zorbel is based is Ulm (page kb://city/ulm)",
+    )
+    group = _hand_made_group(tok, PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0))
+    scored = await score_group(
+        group.model_copy(update={"support": support}), tok, _reading_teacher(tok, gain=0.5)
+    )
+    hop = answer_first_tokens(tok, "Ulm")
+    toward = drift_anatomy(_Model(tok, hop[:1]), tok, [scored])
+    assert toward["fact_tokens"] == toward["tokens"] and toward["pulled_tokens"] == 0
+    assert toward["fact_part"] == pytest.approx(toward["mean_s"]) and toward["mean_s"] < -0.01
+    assert toward["pulled_part"] == 0.0 and toward["rest_part"] == 0.0
+    for outcome in toward["by_outcome"].values():  # each outcome's parts add up to its mean too
+        assert outcome["fact_part"] == pytest.approx(outcome["mean_s"]) and outcome["pulled_part"] == 0.0
+    assert "supporting fact's entity: " in describe_drift(toward)
+    # the answer is never "toward a fact", though the facts state it; without facts nothing is
+    assert (
+        drift_anatomy(_Model(tok, answer_first_tokens(tok, "Danube")[:1]), tok, [scored])["fact_tokens"] == 0
+    )
+    assert drift_anatomy(_Model(tok, hop[:1]), tok, [await _without_facts(tok)])["fact_tokens"] == 0
+
+
+async def _without_facts(tok):
+    group = _hand_made_group(tok, PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0))
+    return await score_group(group, tok, _reading_teacher(tok, gain=0.5))
+
+
 async def test_the_split_adds_up_to_the_scorers_answer_free_mean(tiny_checkpoint, tok, tmp_path):
     model = load_model(tiny_checkpoint)
     group = _hand_made_group(tok, PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0))
@@ -81,7 +110,8 @@ async def test_the_split_adds_up_to_the_scorers_answer_free_mean(tiny_checkpoint
     sanity = scored.diagnostics.sanity.answer_free
     assert report["turns"] == sanity.turns
     assert report["mean_s"] == pytest.approx(sanity.mean_s, abs=1e-5)
-    assert report["pulled_part"] + report["rest_part"] == pytest.approx(report["mean_s"], abs=1e-9)
+    parts = report["pulled_part"] + report["fact_part"] + report["rest_part"]
+    assert parts == pytest.approx(report["mean_s"], abs=1e-9)
     outcomes = report["by_outcome"]
     assert sum(v["turns"] for v in outcomes.values()) == report["turns"]
     weighted = sum(v["mean_s"] * v["turns"] for v in outcomes.values()) / report["turns"]

@@ -297,8 +297,8 @@ def drift_cmd(
     """Where the teacher's answer-free drift comes from, token by token.
 
     Splits the answer-free mean s into the tokens where the teacher would rather write the verified
-    answer and the rest, and by how each trajectory ended: services/scorer/drift.py,
-    docs/credit-signal.md."""
+    answer, those where it would rather write another entity of the question's supporting facts, and
+    the rest, and by how each trajectory ended: services/scorer/drift.py, docs/credit-signal.md."""
     import json
 
     from agent.chat import ChatTokenizer

@@ -17,8 +17,16 @@ is <the answer>") has its drift in the pulled part; one that lowers everything a
 prompt has it in the rest. (An answer whose first token is a common one, "The" of "The Danube",
 makes the pulled set wider than the slots the answer fills: the split reads best for names.)
 
-It also gives the answer-free mean s by how each trajectory ended (a correct final, a wrong final,
-no final answer): drift that is only on wrong trajectories would be information, not drift.
+Where the groups carry their question's supporting facts (the world's questions do), a token the
+teacher would rather spend on one of the facts' other entities (a hop's first token above the token
+written, the answer's not) is *toward a fact*. A teacher whose note states the facts
+(``support-first``) and reads them disfavours a wrong hop there, which is information, where the
+answer pulled into a hop slot is not. So the mean is the sum of three parts, the pulled tokens', the
+ones toward a fact and the rest's; groups without facts have none toward a fact.
+
+It also gives the answer-free mean s and its parts by how each trajectory ended (a correct final, a
+wrong final, no final answer): drift that is only on wrong trajectories would be information, not
+drift.
 
 The split is of this model's s, recomputed in float32 with fresh routing and the turn mean; each
 turn is compared with the s its group was scored with, and the largest difference is reported
@@ -35,6 +43,7 @@ import numpy as np
 import torch
 
 from agent.chat import ChatTokenizer
+from agent.privileged import fact_entities
 from proto.messages import ScoredGroup
 from services.model.lm_head import logprob_rows
 from services.scorer.contexts import group_contexts
@@ -44,6 +53,7 @@ __all__ = ["answer_first_tokens", "describe_drift", "drift_anatomy"]
 
 GAP = 1e-4  # nats: more than float32 rounding between the scorer's passes and this one
 OUTCOMES = {"correct_final": "correct", "wrong_final": "wrong", None: "no final answer"}
+PARTS = ("pulled", "fact", "rest")  # toward the answer, toward a supporting fact's entity, the others
 
 
 def answer_first_tokens(tokenizer: ChatTokenizer, answer: str) -> list[int]:
@@ -52,25 +62,29 @@ def answer_first_tokens(tokenizer: ChatTokenizer, answer: str) -> list[int]:
 
 
 def _token_logprobs(
-    model, ids: list[int], positions: np.ndarray, extra: list[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """log p of the tokens at ``positions``, and the largest log-p among ``extra`` tokens there."""
+    model, ids: list[int], positions: np.ndarray, *extras: list[int]
+) -> tuple[np.ndarray, ...]:
+    """log p of the tokens at ``positions``, and for each of ``extras`` the largest log-p among its
+    tokens there (-inf for none)."""
     logp = logprob_rows(model, ids, positions)
     picked = logp.gather(1, torch.as_tensor(ids)[torch.as_tensor(positions)][:, None])[:, 0]
-    return picked.numpy(), logp[:, extra].max(1).values.numpy()
+    best = [logp[:, e].max(1).values.numpy() if e else np.full(len(positions), -np.inf) for e in extras]
+    return picked.numpy(), *best
 
 
 def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) -> dict[str, Any]:
     """The answer-free mean s of ``groups`` (PBSD groups as the scorer scored them), split into the
-    pulled tokens' part and the rest's, and by how each trajectory ended."""
+    pulled tokens' part, the part toward a fact and the rest's, and by how each trajectory ended."""
     model = model.eval()
-    parts = {"pulled": 0.0, "rest": 0.0}
-    counts = {"turns": 0, "tokens": 0, "pulled_tokens": 0}
+    parts = dict.fromkeys(PARTS, 0.0)
+    counts = {"turns": 0, "tokens": 0, "pulled_tokens": 0, "fact_tokens": 0}
     gap = 0.0
-    by_outcome: dict[str, list[float]] = defaultdict(list)
+    by_outcome: dict[str, list[np.ndarray]] = defaultdict(list)  # per turn: s, then each part
     for scored in groups:
         group = scored.group
         firsts = answer_first_tokens(tokenizer, group.answer)
+        hops = {n for n in fact_entities(group.support) if n != group.answer}
+        facts = sorted({t for n in hops for t in answer_first_tokens(tokenizer, n)} - set(firsts))
         kinds = turn_kinds(group, tokenizer)
         for t, c, turns, scored_s in zip(
             group.trajectories, group_contexts(group, tokenizer), kinds, scored.turn_evidence, strict=True
@@ -79,31 +93,40 @@ def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) ->
             if c is None or not free:
                 continue
             aligned = c.phi >= 0
-            student, _ = _token_logprobs(model, c.student, c.loss_positions[aligned], firsts)
-            teacher, answer_lp = _token_logprobs(model, c.teacher, c.phi[aligned], firsts)
-            d, pulled, token_turns = teacher - student, answer_lp > teacher, c.token_turns[aligned]
+            (student,) = _token_logprobs(model, c.student, c.loss_positions[aligned])
+            teacher, answer_lp, fact_lp = _token_logprobs(model, c.teacher, c.phi[aligned], firsts, facts)
+            d, token_turns = teacher - student, c.token_turns[aligned]
+            pulled = answer_lp > teacher
+            toward = {"pulled": pulled, "fact": ~pulled & (fact_lp > teacher)}
+            toward["rest"] = ~pulled & ~toward["fact"]
             for k in free:
                 at = token_turns == k
                 n = int(at.sum())
                 if not n:
                     continue
-                s = float(d[at].mean())
-                parts["pulled"] += float(d[at & pulled].sum()) / n
-                parts["rest"] += float(d[at & ~pulled].sum()) / n
+                turn = np.array([float(d[at].mean())] + [float(d[at & toward[p]].sum()) / n for p in PARTS])
+                for p, v in zip(PARTS, turn[1:], strict=True):
+                    parts[p] += v
                 counts["turns"] += 1
                 counts["tokens"] += n
                 counts["pulled_tokens"] += int((at & pulled).sum())
-                by_outcome[OUTCOMES[final_kind(t)]].append(s)
-                gap = max(gap, abs(s - float(scored_s[k])))
+                counts["fact_tokens"] += int((at & toward["fact"]).sum())
+                by_outcome[OUTCOMES[final_kind(t)]].append(turn)
+                gap = max(gap, abs(turn[0] - float(scored_s[k])))
     turns = max(counts["turns"], 1)
     return {
         **counts,
-        "mean_s": (parts["pulled"] + parts["rest"]) / turns,
-        "pulled_part": parts["pulled"] / turns,
-        "rest_part": parts["rest"] / turns,
+        "mean_s": sum(parts.values()) / turns,
+        **{f"{p}_part": v / turns for p, v in parts.items()},
         "scored_gap": gap,
         "by_outcome": {
-            name: {"turns": len(v), "mean_s": float(np.mean(v))} for name, v in sorted(by_outcome.items())
+            name: {
+                "turns": len(v),
+                **dict(
+                    zip(["mean_s", *(f"{p}_part" for p in PARTS)], map(float, np.mean(v, 0)), strict=True)
+                ),
+            }
+            for name, v in sorted(by_outcome.items())
         },
     }
 
@@ -115,10 +138,14 @@ def describe_drift(report: dict[str, Any]) -> str:
     lines = [
         f"answer-free turns: {report['turns']}, mean s {report['mean_s']:+.4f} over {report['tokens']} tokens",
         f"  tokens where the teacher would rather write the answer: {report['pulled_tokens']}, "
-        f"their part of the mean {report['pulled_part']:+.4f}; the other tokens' part {report['rest_part']:+.4f}",
+        f"their part of the mean {report['pulled_part']:+.4f}",
+        f"  tokens where it would rather write a supporting fact's entity: {report['fact_tokens']}, "
+        f"their part {report['fact_part']:+.4f}",
+        f"  the other tokens' part {report['rest_part']:+.4f}",
     ]
     lines += [
-        f"  trajectories ending {name}: {v['turns']} turns, mean s {v['mean_s']:+.4f}"
+        f"  trajectories ending {name}: {v['turns']} turns, mean s {v['mean_s']:+.4f} "
+        f"(pulled {v['pulled_part']:+.4f}, toward a fact {v['fact_part']:+.4f}, rest {v['rest_part']:+.4f})"
         for name, v in report["by_outcome"].items()
     ]
     if report["scored_gap"] > GAP:
