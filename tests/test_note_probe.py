@@ -74,3 +74,17 @@ def test_the_command_prints_the_three_layouts(tiny_checkpoint, conversations):
     assert "decoy note" in result.output and "answer only in the note" in result.output
     bad = probe("--teacher-template", "no fields")
     assert bad.exit_code == 2 and "teacher_template" in bad.output
+
+
+def test_a_decoy_note_with_facts_states_facts_that_lead_to_the_decoy(conversations):
+    from agent.privileged import fill_template
+    from proto.runs import TEACHER_TEMPLATES
+    from services.trainer.note_probe import stating
+
+    row = read_conversations(conversations)[0]
+    question = row["messages"][1]["content"]
+    decoyed = stating(row, "Zorbelhaim")
+    note = fill_template(TEACHER_TEMPLATES["support-first"], question, decoyed["answer"], decoyed["support"])
+    assert "Zorbelhaim" in note.partition("\n\n")[0]  # the answer line and the last fact
+    assert row["answer"] not in note.partition("\n\n")[0]  # the true answer nowhere in the note
+    assert stating(row, row["answer"]) == row | {"support": list(row["support"])}  # the right note as it was

@@ -10,7 +10,8 @@ the answer on a page and writes it), with three layouts of each:
   *ceiling*, the student's mean negative log-prob over the turn, is the most any teacher could give
   it (``proto.sanity.EvidenceTally.room``).
 - **decoy note**: x* states another answer of the same kind (a name for a name, a year for a year,
-  drawn as the SFT's decoys are: :func:`services.trainer.teacher_sft.decoy_pools`). The final turn
+  drawn as the SFT's decoys are: :func:`services.trainer.teacher_sft.decoy_pools`), and where the
+  template states the supporting facts, facts that lead to it (:func:`stating`). The final turn
   writes what the page says and the note contradicts it: what a wrong final answer looks like to
   the teacher, whose s a reading teacher pushes below -eps-.
 - **note only**: every tool result names the decoy where the answer stood
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +37,16 @@ from services.model.lm_head import logprob_rows
 from services.trainer.sft import encode_conversation
 from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, teacher_format
 
-__all__ = ["answer_positions", "final_turn", "note_probe", "read_conversations"]
+__all__ = ["answer_positions", "final_turn", "note_probe", "read_conversations", "stating"]
+
+
+def stating(row: dict, answer: str) -> dict:
+    """``row`` as x* would state ``answer`` for it: that answer, and the supporting facts naming it
+    (a whole word) where they named the row's own. Without the facts' change a decoy note would still
+    state the true answer, in its last fact."""
+    own = re.compile(rf"(?<!\w){re.escape(row['answer'])}(?!\w)")
+    support = [own.sub(lambda _: answer, fact) for fact in row.get("support", ())]
+    return {**row, "answer": answer, "support": support}
 
 
 def _logprobs(model, requests: list[tuple[list[int], np.ndarray]]) -> list[np.ndarray]:
@@ -103,7 +114,7 @@ def note_probe(
         ids, mask = encode_conversation(tok, row["messages"])
         final = final_turn(mask)
         # x* stating the answer, then the decoy (as the scorer lays it out: teacher_format)
-        at = [teacher_format(tok, {**row, "answer": a}, ids, mask, template)[0] for a in (answer, decoy)]
+        at = [teacher_format(tok, stating(row, a), ids, mask, template)[0] for a in (answer, decoy)]
         student, *teacher = _logprobs(model, [(ids, final)] + [(t, final + len(t) - len(ids)) for t in at])
         right.append(float((teacher[0] - student).mean()))
         decoyed.append(float((teacher[1] - student).mean()))
