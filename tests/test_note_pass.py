@@ -17,14 +17,11 @@ from agent.privileged import teacher_prompt_ids
 from pbsd.cli import app
 from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec
 from services.model.checkpoint import load_model
+from services.trainer.note_layout import _cut, hop_names, hop_positions, lay_out_note_pass
 from services.trainer.note_pass import (
     NotePassConfig,
-    _cut,
     backward_losses,
     cached_logprobs,
-    hop_names,
-    hop_positions,
-    lay_out_note_pass,
     prefix_cache,
     run_note_pass,
     shared_prefix,
