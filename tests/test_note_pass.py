@@ -195,21 +195,6 @@ def _tool_result_spans(tok, ids):
     return spans
 
 
-def test_the_boxed_mention_alone_can_be_learnt(tok, conversations):
-    rows = read_conversations(conversations)
-    every, _ = lay_out_note_pass(tok, rows, NotePassConfig())
-    boxed, _ = lay_out_note_pass(tok, rows, NotePassConfig(answer_mentions="boxed"))
-    assert [s.layout for s in boxed] == [s.layout for s in every]  # the same draws
-    by_question = {r["messages"][1]["content"]: r for r in rows}
-    for seq, whole in zip(boxed, every, strict=True):
-        row = next(r for q, r in by_question.items() if q in tok.decode(seq.ids))
-        assert set(seq.learnt) < set(whole.learnt)  # one of the mentions all of them learn
-        assert tok.decode([seq.ids[p] for p in seq.learnt]).strip() == row["answer"]
-        assert tok.decode(seq.ids[: seq.learnt[0]]).endswith("\\boxed{")
-    with pytest.raises(ValueError, match="answer_mentions"):
-        NotePassConfig(answer_mentions="first")
-
-
 @pytest.mark.parametrize(
     "settings",
     [

@@ -204,11 +204,6 @@ def teach_cmd(
         help="L_hop's weight: the hop entities of earlier turns learnt beside the answer, so the note "
         "fills the answer's slot only",
     ),
-    answer_mentions: str = typer.Option(
-        "all",
-        help="which of the final turn's mentions of the answer are learnt from the note: 'all', or "
-        "'boxed' (the last, inside \\boxed{}, whose wording no hop commitment shares)",
-    ),
     hops_from: str = typer.Option(
         "page",
         help="where L_hop's hops are read: 'page' (the tool results) or 'note' (beyond the paper: the "
@@ -242,16 +237,14 @@ def teach_cmd(
             consistency=consistency,
             hops=hops,
             hops_from=hops_from,
-            answer_mentions=answer_mentions,
             lr=lr,
             limit=limit,
             seed=seed,
             train_layers=layers,
         )
-    except ValueError as exc:  # the message names the setting it is about
-        msg = str(exc)
-        hint = "--answer-mentions" if "answer_mentions" in msg else "--hops-from" if "hops" in msg else None
-        raise typer.BadParameter(str(exc), param_hint=hint or "--teacher-template") from None
+    except ValueError as exc:  # the template's name, or --hops-from with what it needs
+        hint = "--hops-from" if "hops" in str(exc) else "--teacher-template"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
     try:
         with progress_bar("note pass", keys=tuple(LOSSES)) as progress:
             stats = run_note_pass(data, model, out, config, progress)

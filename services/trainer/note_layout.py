@@ -21,7 +21,7 @@ from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, te
 if TYPE_CHECKING:
     from services.trainer.note_pass import NotePassConfig
 
-__all__ = ["Sequence", "hop_names", "hop_positions", "last_mention", "lay_out_note_pass"]
+__all__ = ["Sequence", "hop_names", "hop_positions", "lay_out_note_pass"]
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,6 @@ def lay_out_note_pass(
         if layout != "student":
             ids, mask = teacher_format(tok, cut, ids, mask, config.template)
         learnt = answer_positions(tok, ids, mask, row["answer"])
-        if config.answer_mentions == "boxed" and learnt.size:
-            learnt = last_mention(tok, ids, mask, row["answer"])
         if learnt.size:
             hops = (
                 hop_positions(tok, ids, mask, row, from_note) if config.hops else np.zeros(0, dtype=np.int64)
@@ -120,17 +118,6 @@ def lay_out_note_pass(
         else:
             anchors.append(Sequence(ids, np.flatnonzero(np.asarray(mask) == 1), "anchor"))
     return cut_seqs, anchors
-
-
-def last_mention(tok: ChatTokenizer, ids: list[int], mask: list[int], answer: str) -> np.ndarray:
-    """The positions of the final turn's last mention of ``answer`` (its tokens with or without a
-    leading space, a lone whitespace token left out): the one in ``\\boxed{}`` of a final answer."""
-    final = final_turn(mask)
-    starts = [(p, n) for p, n in occurrences(np.asarray(ids), tok.spellings(answer)) if p >= final[0]]
-    if not starts:
-        return np.zeros(0, dtype=np.int64)
-    p, n = max(starts)
-    return np.arange(p, p + n, dtype=np.int64)
 
 
 def _hop_decoys(row: dict, pools: dict[bool, list[str]], rng: random.Random) -> dict[str, str]:

@@ -48,11 +48,6 @@ path's hops as the policy does and disfavours a wrong hop where it is taken. On 
 learns the facts but writes them into the wrong slots, and the answer returns to the hop slots: the
 drift triples, correct trajectories' included (docs/credit-signal.md, "Teaching the facts").
 
-``answer_mentions="boxed"`` learns the note's answer only in ``\\boxed{}``, the final turn's last
-mention. The oracle's final turn often commits as every hop does ("So the founder of X is A. The
-answer is A.") before it boxes the answer; learning the copy only inside the box ties it to wording
-no hop slot has, so that it may stay out of them.
-
 **L_same** (optional, weight ``consistency``, 0 by default): on every anchor after x*, the squared
 difference between each answer-free token's log-prob after x* and the same token's log-prob in the
 student's format (the current policy's, without gradient), averaged over those tokens. An
@@ -121,9 +116,6 @@ class NotePassConfig:
     hops: float = 0.0  # L_hop's weight: the hop entities of the cut conversations' earlier turns
     # where L_hop's hops are read: "page" (the tool results) or "note" (x*'s supporting facts, beyond the paper)
     hops_from: str = "page"
-    # which of the final turn's mentions of the answer L_note learns: "all", or "boxed" (the last,
-    # "\\boxed{A}", whose wording no hop commitment shares)
-    answer_mentions: str = "all"
     contradicted: float = 0.5  # shares of the cut conversations; the rest are the student's format
     plain: float = 0.25
     lr: float = 5e-4
@@ -139,8 +131,6 @@ class NotePassConfig:
         for name in ("anchor_teacher", "contradicted", "plain"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], not {getattr(self, name)}")
-        if self.answer_mentions not in ("all", "boxed"):
-            raise ValueError(f"answer_mentions is 'all' or 'boxed', not {self.answer_mentions!r}")
         if self.hops_from not in ("page", "note"):
             raise ValueError(f"hops_from is 'page' or 'note', not {self.hops_from!r}")
         if self.hops_from == "note" and not (self.hops and "{support}" in self.template):
