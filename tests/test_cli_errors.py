@@ -139,6 +139,7 @@ CASES = [
     ("teacher teach: train layers of a model not grown", lambda f: [*_teach(f), "--train-layers", "grown"], "was not made by `pbsd model grow`", 2),
     ("teacher teach: train layers it lacks", lambda f: [*_teach(f), "--train-layers", "1,5"], "has layers 0..1", 2),
     ("teacher teach: train layers not numbers", lambda f: [*_teach(f), "--train-layers", "top"], "indices such as 2,3, or grown", 2),
+    ("teacher teach: hops from a note without facts", lambda f: [*_teach(f), "--hops", "1", "--hops-from", "note"], "Invalid value for --hops-from", 2),
     ("model grow: no model", lambda f: ["model", "grow", "--model", str(f.missing), "--out", str(f.tmp / "grown")], "--model", 2),
     ("teacher drift: no groups folder", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.missing)], "does not exist", 2),
     ("teacher drift: no scored groups", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.tmp)], "no scored PBSD groups", 2),

@@ -243,7 +243,8 @@ def teach_cmd(
             train_layers=layers,
         )
     except ValueError as exc:  # the template's name, or --hops-from with what it needs
-        hint = "--hops-from" if "hops" in str(exc) else "--teacher-template"
+        about_hops_from = any(k in str(exc) for k in ("hops_from", "hops from the note"))
+        hint = "--hops-from" if about_hops_from else "--teacher-template"
         raise typer.BadParameter(str(exc), param_hint=hint) from None
     try:
         with progress_bar("note pass", keys=tuple(LOSSES)) as progress:
