@@ -18,15 +18,16 @@ from collections.abc import Sequence
 
 from agent.chat import ChatTokenizer
 
-__all__ = ["fact_entities", "fill_template", "teacher_prompt_ids"]
+__all__ = ["fill_template", "hop_entities", "teacher_prompt_ids"]
 
 # worldgen.support: "<hop> is <entity> (page <url>)"; the hop may say "is" too ("where X is based")
 _FACT = re.compile(r"^.* is (.+) \(page [^)]*\)$")
 
 
-def fact_entities(support: Sequence[str]) -> list[str]:
-    """The entity each supporting fact states, in order (a fact not in the world's wording is skipped)."""
-    return [m.group(1) for fact in support if (m := _FACT.search(fact))]
+def hop_entities(support: Sequence[str], answer: str) -> set[str]:
+    """The hops of a question: the entities its supporting facts state (a fact not in the world's
+    wording is skipped), its answer left out."""
+    return {m.group(1) for fact in support if (m := _FACT.search(fact))} - {answer}
 
 
 def fill_template(template: str, question: str, answer: str, support: Sequence[str] = ()) -> str:

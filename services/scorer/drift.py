@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from agent.chat import ChatTokenizer
-from agent.privileged import fact_entities
+from agent.privileged import hop_entities
 from proto.messages import ScoredGroup
 from services.model.lm_head import logprob_rows
 from services.scorer.contexts import group_contexts
@@ -54,6 +54,7 @@ __all__ = ["answer_first_tokens", "describe_drift", "drift_anatomy"]
 GAP = 1e-4  # nats: more than float32 rounding between the scorer's passes and this one
 OUTCOMES = {"correct_final": "correct", "wrong_final": "wrong", None: "no final answer"}
 PARTS = ("pulled", "fact", "rest")  # toward the answer, toward a supporting fact's entity, the others
+MEANS = ("mean_s", *(f"{p}_part" for p in PARTS))  # a turn's s is the sum of its parts
 
 
 def answer_first_tokens(tokenizer: ChatTokenizer, answer: str) -> list[int]:
@@ -76,14 +77,13 @@ def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) ->
     """The answer-free mean s of ``groups`` (PBSD groups as the scorer scored them), split into the
     pulled tokens' part, the part toward a fact and the rest's, and by how each trajectory ended."""
     model = model.eval()
-    parts = dict.fromkeys(PARTS, 0.0)
-    counts = {"turns": 0, "tokens": 0, "pulled_tokens": 0, "fact_tokens": 0}
+    counts = {"tokens": 0, "pulled_tokens": 0, "fact_tokens": 0}
     gap = 0.0
-    by_outcome: dict[str, list[np.ndarray]] = defaultdict(list)  # per turn: s, then each part
+    by_outcome: dict[str, list[list[float]]] = defaultdict(list)  # per turn: s, then each part
     for scored in groups:
         group = scored.group
         firsts = answer_first_tokens(tokenizer, group.answer)
-        hops = {n for n in fact_entities(group.support) if n != group.answer}
+        hops = hop_entities(group.support, group.answer)
         facts = sorted({t for n in hops for t in answer_first_tokens(tokenizer, n)} - set(firsts))
         kinds = turn_kinds(group, tokenizer)
         for t, c, turns, scored_s in zip(
@@ -104,31 +104,25 @@ def drift_anatomy(model, tokenizer: ChatTokenizer, groups: list[ScoredGroup]) ->
                 n = int(at.sum())
                 if not n:
                     continue
-                turn = np.array([float(d[at].mean())] + [float(d[at & toward[p]].sum()) / n for p in PARTS])
-                for p, v in zip(PARTS, turn[1:], strict=True):
-                    parts[p] += v
-                counts["turns"] += 1
+                turn = [float(d[at].mean())] + [float(d[at & toward[p]].sum()) / n for p in PARTS]
                 counts["tokens"] += n
                 counts["pulled_tokens"] += int((at & pulled).sum())
                 counts["fact_tokens"] += int((at & toward["fact"]).sum())
                 by_outcome[OUTCOMES[final_kind(t)]].append(turn)
                 gap = max(gap, abs(turn[0] - float(scored_s[k])))
-    turns = max(counts["turns"], 1)
+    every = [turn for turns in by_outcome.values() for turn in turns]
     return {
+        **_means(every),
         **counts,
-        "mean_s": sum(parts.values()) / turns,
-        **{f"{p}_part": v / turns for p, v in parts.items()},
         "scored_gap": gap,
-        "by_outcome": {
-            name: {
-                "turns": len(v),
-                **dict(
-                    zip(["mean_s", *(f"{p}_part" for p in PARTS)], map(float, np.mean(v, 0)), strict=True)
-                ),
-            }
-            for name, v in sorted(by_outcome.items())
-        },
+        "by_outcome": {name: _means(v) for name, v in sorted(by_outcome.items())},
     }
+
+
+def _means(turns: list[list[float]]) -> dict[str, float]:
+    """How many ``turns`` (rows of s and each part), and the mean of each column: the turn mean."""
+    means = np.mean(turns, 0) if turns else np.zeros(1 + len(PARTS))
+    return {"turns": len(turns), **dict(zip(MEANS, map(float, means), strict=True))}
 
 
 def describe_drift(report: dict[str, Any]) -> str:

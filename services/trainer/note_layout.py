@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from agent.chat import ChatTokenizer, occurrences
-from agent.privileged import fact_entities
+from agent.privileged import hop_entities
 from services.trainer.note_probe import answer_positions, final_turn
 from services.trainer.sft import encode_conversation
-from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, teacher_format
+from services.trainer.teacher_sft import contradict, decoy_pools, kind_pools, pick_decoy, teacher_format
 
 if TYPE_CHECKING:
     from services.trainer.note_pass import NotePassConfig
@@ -41,7 +41,7 @@ class Sequence:
 
 def hop_names(row: dict) -> set[str]:
     """The hop entities of ``row``: the names its supporting facts state, its answer left out."""
-    return set(fact_entities(row.get("support", ()))) - {row["answer"]}
+    return hop_entities(row.get("support", ()), row["answer"])
 
 
 def hop_positions(
@@ -85,7 +85,7 @@ def lay_out_note_pass(
     rng = random.Random(f"pbsd-note-pass-{config.seed}")
     decoys = decoy_pools(rows)
     from_note = config.hops_from == "note"
-    hop_pool = decoy_pools([{"answer": n} for n in set().union(*map(hop_names, rows))]) if from_note else {}
+    hop_pool = kind_pools(n for row in rows for n in hop_names(row)) if from_note else {}
     cut_seqs, anchors = [], []
     for row in rows:
         exchanges = (len(row["messages"]) - 3) // 2
@@ -124,9 +124,10 @@ def _hop_decoys(row: dict, pools: dict[bool, list[str]], rng: random.Random) -> 
     """A decoy for each hop entity of ``row``: another conversation's hop of the same kind (a year
     for a year, a name for a name; ``pools`` as :func:`decoy_pools` gives them), never a name ``row``
     itself states. A hop with no such decoy keeps its name."""
-    own = hop_names(row) | {row["answer"]}
+    hops = hop_names(row)
+    own = hops | {row["answer"]}
     out = {}
-    for name in sorted(hop_names(row)):
+    for name in sorted(hops):
         pool = pools[name.isdigit()]
         if len(pool) > len(own):  # then a draw that misses ``own`` exists; a few draws find it
             while (pick := rng.choice(pool)) in own:

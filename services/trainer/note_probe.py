@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,7 @@ from agent.chat import ChatTokenizer
 from services.model.checkpoint import load_model
 from services.model.lm_head import logprob_rows
 from services.trainer.sft import encode_conversation
-from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, teacher_format
+from services.trainer.teacher_sft import contradict, decoy_pools, pick_decoy, swap_words, teacher_format
 
 __all__ = ["answer_positions", "final_turn", "note_probe", "read_conversations", "stating"]
 
@@ -44,8 +43,7 @@ def stating(row: dict, answer: str) -> dict:
     """``row`` as x* would state ``answer`` for it: that answer, and the supporting facts naming it
     (a whole word) where they named the row's own. Without the facts' change a decoy note would still
     state the true answer, in its last fact."""
-    own = re.compile(rf"(?<!\w){re.escape(row['answer'])}(?!\w)")
-    support = [own.sub(lambda _: answer, fact) for fact in row.get("support", ())]
+    support = [swap_words(fact, {row["answer"]: answer})[0] for fact in row.get("support", ())]
     return {**row, "answer": answer, "support": support}
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator, Mapping
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 
 from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
@@ -34,6 +35,7 @@ __all__ = [
     "decoy_pools",
     "parse_teacher_formats",
     "pick_decoy",
+    "swap_words",
     "teacher_format",
 ]
 
@@ -65,10 +67,15 @@ def teacher_format(
 
 
 def decoy_pools(rows: list[dict]) -> dict[bool, list[str]]:
-    """The answers of ``rows`` a decoy is drawn from, by kind (a year for a year, a name for a name:
-    keyed by ``answer.isdigit()``), sorted so that a seeded draw is the same run after run."""
-    answers = sorted({r["answer"] for r in rows})
-    return {kind: [a for a in answers if a.isdigit() == kind] for kind in (True, False)}
+    """The answers of ``rows`` a decoy is drawn from (:func:`kind_pools`)."""
+    return kind_pools(r["answer"] for r in rows)
+
+
+def kind_pools(names: Iterable[str]) -> dict[bool, list[str]]:
+    """``names`` by kind (a year for a year, a name for a name: keyed by ``name.isdigit()``), each
+    sorted so that a seeded draw is the same run after run."""
+    unique = sorted(set(names))
+    return {kind: [a for a in unique if a.isdigit() == kind] for kind in (True, False)}
 
 
 def pick_decoy(pools: dict[bool, list[str]], answer: str, rng: random.Random) -> str | None:
@@ -83,19 +90,28 @@ def contradict(row: dict, decoy: str, hops: Mapping[str, str] | None = None) -> 
     name (the hop entities, for a teacher taught to read the note's supporting facts), as whole words
     in every tool result (the user messages after the question); None when no tool result names the
     answer."""
-    answer = row["answer"]
-    swaps = {**(hops or {}), answer: decoy}
-    # one pass, longest name first, so that a decoy is never itself replaced
-    names = sorted(swaps, key=len, reverse=True)
-    pattern = re.compile("|".join(rf"(?<!\w){re.escape(n)}(?!\w)" for n in names))
+    swaps = {**(hops or {}), row["answer"]: decoy}
     messages, changed = list(row["messages"][:2]), 0
     for message in row["messages"][2:]:
         if message["role"] == "user":
-            found = pattern.findall(message["content"])
-            message = {**message, "content": pattern.sub(lambda m: swaps[m.group(0)], message["content"])}
-            changed += found.count(answer)
+            content, counts = swap_words(message["content"], swaps)
+            message, changed = {**message, "content": content}, changed + counts[row["answer"]]
         messages.append(message)
     return {**row, "messages": messages} if changed else None
+
+
+def swap_words(text: str, swaps: Mapping[str, str]) -> tuple[str, Counter]:
+    """``text`` with each key of ``swaps`` replaced by its value as a whole word, and how many times
+    each was. One pass, the longest name tried first, so that a replacement is never replaced again."""
+    names = sorted(swaps, key=len, reverse=True)
+    pattern = re.compile("|".join(rf"(?<!\w){re.escape(n)}(?!\w)" for n in names))
+    counts: Counter = Counter()
+
+    def swap(match: re.Match) -> str:
+        counts[match.group(0)] += 1
+        return swaps[match.group(0)]
+
+    return pattern.sub(swap, text), counts
 
 
 class TeacherCopies:
