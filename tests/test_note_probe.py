@@ -88,3 +88,23 @@ def test_a_decoy_note_with_facts_states_facts_that_lead_to_the_decoy(conversatio
     assert "Zorbelhaim" in note.partition("\n\n")[0]  # the answer line and the last fact
     assert row["answer"] not in note.partition("\n\n")[0]  # the true answer nowhere in the note
     assert stating(row, row["answer"]) == row | {"support": list(row["support"])}  # the right note as it was
+
+
+def test_the_answer_positions_are_the_runs_that_spell_it(tiny_checkpoint):
+    """Each mention of the answer in the final turn, token for token: not the lone space before it,
+    and not a token of its spelling that stands elsewhere (the "3" of "3 pages")."""
+    from services.trainer.note_probe import answer_positions
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    final = "I read 3 pages of 1753 notes. The answer is 1753.\n\n\\boxed{1753}"
+    messages = [
+        {"role": "system", "content": "Answer."},
+        {"role": "user", "content": "When did it open? 1753 or 1844?"},
+        {"role": "assistant", "content": final},
+    ]
+    ids, mask = encode_conversation(tok, messages)
+    learnt = answer_positions(tok, ids, mask, "1753")
+    runs = np.split(learnt, np.flatnonzero(np.diff(learnt) > 1) + 1)
+    assert [tok.decode([ids[p] for p in run]).strip() for run in runs] == ["1753"] * 3
+    assert all(tok.decode([ids[p]]).strip() for p in learnt)  # no lone space
+    assert learnt.min() > len(ids) - len(tok.encode(final)) - 3  # in the final turn alone
