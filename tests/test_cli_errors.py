@@ -102,6 +102,7 @@ CASES = [
     ("world fingerprint: no world", lambda f: ["world", "fingerprint", "--world", str(f.missing)], "does not exist", 2),
     ("world fingerprint: stamp no checkpoint", lambda f: ["world", "fingerprint", "--world", str(f.world), "--stamp", str(f.tmp)], "not a model checkpoint", 2),
     ("world sft-data: no world", lambda f: ["world", "sft-data", "--world", str(f.missing), "--out", str(f.missing)], "write one with `pbsd world build`", 2),
+    ("world sft-data: no such final", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--final", "bold"], "'bold' is not one of restate, boxed", 2),
     ("world sft-data: no such split", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--split", "train"], "no split 'train' (it has: rl, sft, validation)", 2),
     ("model tiny: no world", lambda f: ["model", "tiny", "--world", str(f.missing), "--out", str(f.missing)], "--world", 2),
     ("model tiny: sft data not JSON", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "garbage.jsonl")], "line 1: not valid JSON", 2),

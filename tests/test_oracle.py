@@ -69,3 +69,20 @@ def test_deterministic(world, sft, tmp_path):
     again = tmp_path / "again.jsonl"
     write_sft_data(world, again)
     assert [json.loads(x) for x in again.read_text().splitlines()] == rows
+
+
+def test_the_boxed_final_writes_the_answer_first_in_its_box(world, sft, tmp_path):
+    _, rows = sft
+    boxed = tmp_path / "boxed.jsonl"
+    write_sft_data(world, boxed, final="boxed")
+    again = [json.loads(x) for x in boxed.read_text().splitlines()]
+    assert [r["messages"][:-1] for r in again] == [r["messages"][:-1] for r in rows]  # the same walk
+    for row in again:
+        last = row["messages"][-1]["content"]
+        before, box, _ = last.partition("\\boxed{")
+        assert box and row["answer"] not in before  # the box is the turn's first mention
+        assert verify(last, row["answer"]).correct
+    concluded = next(r["messages"][-1]["content"] for r in again if r["detours"] == 0)
+    assert concluded.startswith("So ") and concluded.endswith("}.")  # the concluding sentence, boxed
+    with pytest.raises(ValueError, match="not one of restate, boxed"):
+        write_sft_data(world, boxed, final="bold")

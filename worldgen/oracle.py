@@ -28,6 +28,9 @@ from worldgen.graph import Entity, Graph
 from worldgen.questions import YEAR_ATTR, Hop, Question, describe_hop, named
 from worldgen.rename import Renamer, invented_words, rename_trajectory
 
+# how the last message writes the answer (Oracle._final_turn)
+FINAL_STYLES = ("restate", "boxed")
+
 FORWARD_GOAL = {
     "located_in": "In which country is {S}?",
     "born_in": "Where was {S} born?",
@@ -178,13 +181,17 @@ class Oracle:
         seed: int = 0,
         detour_rate: float = 0.25,
         search_num: int = 5,
+        final: str = "restate",
     ) -> None:
+        if final not in FINAL_STYLES:
+            raise ValueError(f"final style {final!r} is not one of {', '.join(FINAL_STYLES)}")
         self.g = graph
         self.tools = tools
         self.date = date
         self.seed = seed
         self.detour_rate = detour_rate
         self.search_num = search_num
+        self.final = final
         self.system = system_prompt(catalogue(), date)
 
     def solve(self, q: Question, trajectory_id: str) -> OracleTrajectory:
@@ -199,12 +206,20 @@ class Oracle:
             ep.search(f"{reasoning} Let me double-check by searching for {answer}.", answer)
             ep.detours += 1
             reasoning = "The search agrees."
-        ep.messages.append(
-            {"role": "assistant", "content": f"{reasoning} The answer is {answer}.\n\n\\boxed{{{answer}}}"}
-        )
+        ep.messages.append({"role": "assistant", "content": self._final_turn(reasoning, answer)})
         return OracleTrajectory(
             trajectory_id, q.id, q.question, q.answer, ep.messages, ep.calls, ep.detours, q.support
         )
+
+    def _final_turn(self, reasoning: str, answer: str) -> str:
+        """The last message. ``restate``: the sentence that concludes the answer, the answer again,
+        then the box. ``boxed``: the box in that sentence, where the answer is first written, so a
+        model cannot fill the box by copying an earlier mention of the same turn."""
+        if self.final == "restate":
+            return f"{reasoning} The answer is {answer}.\n\n\\boxed{{{answer}}}"
+        if reasoning.endswith(f" {answer}."):  # "So the R of X is A." (not a re-check's "The search agrees.")
+            return f"{reasoning[: -len(answer) - 1]}\\boxed{{{answer}}}."
+        return f"{reasoning} The answer is \\boxed{{{answer}}}."
 
     # -- the walk along the hop path ---------------------------------------------------
     def _walk(self, ep: _Episode, q: Question) -> tuple[str, str]:
@@ -317,6 +332,7 @@ def write_sft_data(
     detour_rate: float = 0.25,
     search_num: int = 5,
     rename: float = 0.0,
+    final: str = "restate",
 ) -> dict[str, Any]:
     """Solve a split's questions with the oracle and write the trajectories as JSONL chat data.
     ``skipped_because`` counts the questions skipped per :class:`Stuck` reason.
@@ -340,6 +356,7 @@ def write_sft_data(
         seed=seed,
         detour_rate=detour_rate,
         search_num=search_num,
+        final=final,
     )
     questions = load_world_questions(root, split)[:limit]
     renamer = Renamer(invented_words(oracle.g), random.Random(seed)) if rename > 0 else None

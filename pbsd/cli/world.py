@@ -148,14 +148,21 @@ def world_sft_data(
         help="fraction of trajectories whose invented names are renamed consistently "
         "(fresh per trajectory), so they can only be fitted by copying (worldgen/rename.py)",
     ),
+    final: str = typer.Option(
+        "restate",
+        help="how the last message writes the answer: restate ('So the R of X is A. The answer is A.' "
+        "then \\boxed{A}) or boxed ('So the R of X is \\boxed{A}.': the box is its first mention)",
+    ),
 ) -> None:
     """Write oracle trajectories for the SFT warm start.
 
     The oracle is a scripted expert using the offline tools; a question whose evidence the tools
     do not surface is skipped, never faked, and the skips are counted per reason.
     """
-    from worldgen.oracle import write_sft_data
+    from worldgen.oracle import FINAL_STYLES, write_sft_data
 
+    if final not in FINAL_STYLES:
+        raise typer.BadParameter(f"{final!r} is not one of {', '.join(FINAL_STYLES)}", param_hint="--final")
     if not (world / "questions" / f"{split}.jsonl").is_file():
         splits = ", ".join(sorted(p.stem for p in (world / "questions").glob("*.jsonl")))
         raise typer.BadParameter(f"{world} has no split {split!r} (it has: {splits})", param_hint="--split")
@@ -168,6 +175,7 @@ def world_sft_data(
         detour_rate=detour_rate,
         search_num=search_num,
         rename=rename,
+        final=final,
     )
     typer.echo(
         f"wrote {stats['written']} trajectories to {out} ({stats['tool_calls']} tool calls, "
