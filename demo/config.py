@@ -32,6 +32,7 @@ WARM_START = (
     "sft_warmup_steps",
     "sft_search_num",
     "sft_rename",
+    "sft_final",
     "teacher_sft_formats",
     "teacher_sft_conversations",
     "teacher_sft_lr",
@@ -42,6 +43,7 @@ WARM_START = (
     "note_pass_lr",
     "note_pass_conversations",
     "note_pass_hops",
+    "note_pass_consistency",
 )
 
 
@@ -84,6 +86,10 @@ class DemoConfig(BaseModel):
     sft_warmup_steps: int = 10
     sft_search_num: int = 3  # results per search in the oracle trajectories (shorter contexts)
     sft_rename: float = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
+    # how the oracle's last turn writes the answer (`pbsd world sft-data --final`): "boxed" makes the box
+    # its first mention, which a note pass can teach the teacher to fill from x* with far less drift
+    # (docs/credit-signal.md, "A box that is the answer's first mention"); the committed policy is restate
+    sft_final: Literal["restate", "boxed"] = "restate"
     entity_tokens: bool = True  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
     copy_heads: bool = True  # hand-built heads that copy entity tokens (`pbsd model tiny --copy-heads`)
     kv_heads: int = Field(default=4, ge=1, le=4, description="key-value groups of the 4 attention heads")
@@ -110,6 +116,9 @@ class DemoConfig(BaseModel):
     note_pass_lr: float = 5e-4
     note_pass_conversations: int = Field(default=3000, ge=1, description="the first N SFT conversations")
     note_pass_hops: float = Field(default=0.0, ge=0, description="L_hop's weight (pbsd teacher teach --hops)")
+    note_pass_consistency: float = Field(
+        default=0.0, ge=0, description="L_same's weight (pbsd teacher teach --consistency)"
+    )
     # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
     # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
     # on the committed policy the long note after the question lowers every later turn (answer-free
@@ -205,6 +214,7 @@ class DemoConfig(BaseModel):
             lr=self.note_pass_lr,
             limit=self.note_pass_conversations,
             hops=self.note_pass_hops,
+            consistency=self.note_pass_consistency,
             seed=self.seed,
         )
 

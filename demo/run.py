@@ -97,6 +97,7 @@ def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path
         seed=config.seed,
         search_num=config.sft_search_num,
         rename=config.sft_rename,
+        final=config.sft_final,
     )
     say(f"{stats['written']} trajectories ({stats['tool_calls']} tool calls, {stats['detours']} detours)")
     spec = TinySpec(

@@ -23,7 +23,9 @@ def test_from_scratch_rebuild(tmp_path):
                 "n_sft": 80,
                 "sft_epochs": 1,
                 "sft_batch_size": 8,
+                "sft_final": "boxed",
                 "note_pass_steps": 3,
+                "note_pass_consistency": 1.0,
                 "steps": 1,
                 "prompts_per_step": 2,
                 "group_size": 2,
@@ -54,6 +56,9 @@ def test_from_scratch_rebuild(tmp_path):
     meta = json.loads((out / "policy-sft" / "pbsd.json").read_text())
     assert meta["sft"]["conversations"] > 60 and meta["sft"]["final_loss"] < meta["sft"]["first_loss"]
     assert meta["note_pass"]["steps"] == 3  # the note pass ran from the SFT's result, and kept its record
+    sft = [json.loads(line) for line in (out / "warm-start" / "sft.jsonl").read_text().splitlines()]
+    assert all("\\boxed{" + r["answer"] + "}" in r["messages"][-1]["content"] for r in sft)
+    assert not any("The answer is " + r["answer"] in r["messages"][-1]["content"] for r in sft)  # boxed first
     assert meta["world_sha256"] == world_fingerprint(
         json.loads((out / "world" / "manifest.json").read_text())
     )

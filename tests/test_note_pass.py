@@ -311,14 +311,15 @@ def test_the_demo_runs_the_pass_only_when_asked():
 
     assert DemoConfig().note_pass_config() is None  # the committed policy's recipe has none
     on = DemoConfig(
-        note_pass_steps=200, note_pass_conversations=500, note_pass_hops=0.25, seed=3
+        note_pass_steps=200, note_pass_conversations=500, note_pass_hops=0.25, note_pass_consistency=1, seed=3
     ).note_pass_config()
-    assert (on.steps, on.limit, on.seed, on.template, on.hops) == (
+    assert (on.steps, on.limit, on.seed, on.template, on.hops, on.consistency) == (
         200,
         500,
         3,
         ANSWER_FIRST_TEACHER_TEMPLATE,
         0.25,
+        1.0,
     )
     # the pass teaches the runs' own x*: with one, the template is a warm-start setting; without, not
     assert DemoConfig(teacher_template="answer").warm_start() == DemoConfig().warm_start()

@@ -91,3 +91,5 @@ def test_the_committed_policy_stands_in_only_for_its_own_recipe():
     assert committed_policy_misfit(DemoConfig(), "0" * 64) == "was made from another world"
     misfit = committed_policy_misfit(DemoConfig(sft_epochs=3, copy_heads=False), world)
     assert misfit == "was made with other warm-start settings (copy_heads True -> False, sft_epochs 2 -> 3)"
+    misfit = committed_policy_misfit(DemoConfig(sft_final="boxed"), world)
+    assert misfit == "was made with other warm-start settings (sft_final restate -> boxed)"
