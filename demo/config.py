@@ -111,7 +111,9 @@ class DemoConfig(BaseModel):
     # of cut conversations after x* (half with tool results naming a decoy) beside whole ones. Off by
     # default: on the demo's policy the teacher then reads the note, teacher-forced, but its
     # answer-free turns leave the deadband and the accuracy moves within its noise or falls
-    # (docs/credit-signal.md, "The note pass"); e.g. 200 turns it on. It teaches teacher_template's x*
+    # (docs/credit-signal.md, "The note pass"); e.g. 200 turns it on. With sft_final "boxed" and
+    # note_pass_consistency 1 they stayed in it (t23, measured from a short boxed SFT of the committed
+    # policy, not from this rebuild). It teaches teacher_template's x*
     note_pass_steps: int = Field(default=0, ge=0, description="steps of the note pass; 0: no note pass")
     note_pass_lr: float = 5e-4
     note_pass_conversations: int = Field(default=3000, ge=1, description="the first N SFT conversations")
