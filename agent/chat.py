@@ -22,7 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-__all__ = ["CHATML", "ChatFormat", "ChatTokenizer", "occurrences"]
+__all__ = ["CHATML", "ChatFormat", "ChatTokenizer", "occurrences", "spelled_at"]
 
 
 @dataclass(frozen=True)
@@ -208,3 +208,8 @@ def occurrences(ids, spellings) -> list[tuple[int, int]]:
             hit &= arr[i : i + n] == token
         out += [(int(p), len(spelling)) for p in np.flatnonzero(hit)]
     return sorted(out)
+
+
+def spelled_at(ids, spellings) -> list[int]:
+    """Indices of ``ids`` inside a whole occurrence of any of ``spellings`` (token sequences)."""
+    return sorted({k for start, n in occurrences(ids, spellings) for k in range(start, start + n)})

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from agent.chat import ChatTokenizer
+from agent.chat import ChatTokenizer, spelled_at
 from agent.grounding import turn_verdicts
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions, normalize
@@ -20,7 +20,7 @@ from proto.sanity import EvidenceTally, NoiseFloor, TeacherSanity
 from services.model.checkpoint import load_model
 from services.scorer.backends import LocalScorer
 from services.scorer.evidence import score_group
-from services.scorer.finals import answer_room, final_turns, spelled_at
+from services.scorer.finals import answer_room, final_turns
 from services.trainer.dynamics import batch_metrics
 from tests.test_grounding import _search
 from tests.test_scorer import IDENTITY, TEMPLATE, _trajectory, group_of

@@ -20,14 +20,14 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from agent.chat import ChatTokenizer, occurrences
+from agent.chat import ChatTokenizer, spelled_at
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions
 from proto.messages import ScoredGroup, Trajectory
 from services.scorer.contexts import group_contexts
 from services.scorer.sanity import final_kind
 
-__all__ = ["SURE", "answer_room", "final_turns", "spelled_at"]
+__all__ = ["SURE", "answer_room", "final_turns"]
 
 SURE = -0.05  # nats: an answer token the student gives at least this log-prob leaves no room
 
@@ -82,11 +82,6 @@ def first_written(t: Trajectory, tokenizer: ChatTokenizer) -> int | None:
         return None
     texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)[:-1]
     return next((k for k, (text, _) in enumerate(texts) if mentions(text, t.final_answer)), None)
-
-
-def spelled_at(ids: Sequence[int], spellings: set[tuple[int, ...]]) -> list[int]:
-    """Indices of ``ids`` inside a whole occurrence of any of ``spellings`` (token sequences)."""
-    return sorted({k for start, n in occurrences(ids, spellings) for k in range(start, start + n)})
 
 
 def answer_room(

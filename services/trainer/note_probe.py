@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agent.chat import ChatTokenizer
+from agent.chat import ChatTokenizer, spelled_at
 from services.model.checkpoint import load_model
 from services.model.lm_head import logprob_rows
 from services.trainer.sft import encode_conversation
@@ -64,22 +64,12 @@ def final_turn(mask: list[int]) -> np.ndarray:
 
 
 def answer_positions(tok: ChatTokenizer, ids: list[int], mask: list[int], answer: str) -> np.ndarray:
-    """Positions in the last assistant message where ``answer`` is written: every run of tokens that
-    spells it, as it is encoded alone or after a space (a name is one entity token, a year one or
-    two). The lone space a spelling may open with is not the answer and is left out, and so is a
-    token of the answer's spelling found outside such a run (the "3" of another number)."""
+    """Positions in the last assistant message where ``answer`` is written: every whole run of tokens
+    that spells it (:meth:`ChatTokenizer.spellings`: alone or after a space, the lone space left
+    out), so neither the space before a name nor a token of the answer's spelling standing elsewhere
+    (the "3" of another number)."""
     final = final_turn(mask)
-    turn = np.asarray(ids)[final]
-    hit = np.zeros(turn.size, dtype=bool)
-    for spelled in (tok.encode(answer), tok.encode(" " + answer)):
-        if len(spelled) > 1 and not tok.decode([spelled[0]]).strip():
-            spelled = spelled[1:]
-        if not spelled or len(spelled) > turn.size:
-            continue
-        windows = np.lib.stride_tricks.sliding_window_view(turn, len(spelled))
-        for start in np.flatnonzero((windows == spelled).all(axis=1)):
-            hit[start : start + len(spelled)] = True
-    return final[hit]
+    return final[spelled_at(np.asarray(ids)[final], tok.spellings(answer))]
 
 
 def read_conversations(data: Path) -> list[dict]:
