@@ -37,18 +37,11 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from demo.config import DemoConfig
+from demo.progress import say
 from demo.questions import QuestionFiles, reserve_files
-from demo.run import (
-    evaluate,
-    follow_run,
-    prepare_policy,
-    prepare_world,
-    run_spec,
-    say,
-    start_services,
-    submit_run,
-)
+from demo.run import evaluate, follow_run, prepare_world, run_spec, start_services, submit_run
 from demo.variants import VARIANTS, variant_spec
+from demo.warm_start import prepare_policy
 from pbsd.comparison import DEFAULT_RESAMPLES
 from services.launcher import ServiceProcess, sigterm_as_interrupt
 from worldgen.build import world_fingerprint

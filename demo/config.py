@@ -33,6 +33,10 @@ WARM_START = (
     "sft_search_num",
     "sft_rename",
     "sft_final",
+    "boxed_pass_conversations",
+    "boxed_pass_lr",
+    "boxed_pass_epochs",
+    "boxed_pass_warmup_steps",
     "teacher_sft_formats",
     "teacher_sft_conversations",
     "teacher_sft_lr",
@@ -86,10 +90,20 @@ class DemoConfig(BaseModel):
     sft_warmup_steps: int = 10
     sft_search_num: int = 3  # results per search in the oracle trajectories (shorter contexts)
     sft_rename: float = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
-    # how the oracle's last turn writes the answer (`pbsd world sft-data --final`): "boxed" makes the box
-    # its first mention, which a note pass can teach the teacher to fill from x* with far less drift
-    # (docs/credit-signal.md, "A box that is the answer's first mention"); the committed policy is restate
+    # how the oracle's last turn writes the answer (`pbsd world sft-data --final`): "restate" names it
+    # in a sentence and then boxes it, "boxed" makes the box its first mention
     sft_final: Literal["restate", "boxed"] = "restate"
+    # a short SFT pass after the first on the oracle data with the box as the answer's first mention
+    # (`pbsd world sft-data --final boxed`; `pbsd sft --limit N`), which the note pass then learns from.
+    # A policy trained on the restate data has learnt to copy the answer into the box from its
+    # context, and the note pass points that at x*; one trained on the boxed data from the start has
+    # not, and the same note pass does not teach it to read x* (assets/demo-policy/RECIPE.md)
+    boxed_pass_conversations: int = Field(
+        default=1600, ge=0, description="the first N boxed SFT conversations; 0: no boxed pass"
+    )
+    boxed_pass_lr: float = 1e-3
+    boxed_pass_epochs: int = 1
+    boxed_pass_warmup_steps: int = 5
     entity_tokens: bool = True  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
     copy_heads: bool = True  # hand-built heads that copy entity tokens (`pbsd model tiny --copy-heads`)
     kv_heads: int = Field(default=4, ge=1, le=4, description="key-value groups of the 4 attention heads")
@@ -108,18 +122,17 @@ class DemoConfig(BaseModel):
     teacher_sft_warmup_steps: int = 5
     teacher_sft_contradict: float = 0.5  # pbsd sft --teacher-contradict
     # a note pass after SFT (`pbsd teacher teach`, services/trainer/note_pass.py): learns the answer
-    # of cut conversations after x* (half with tool results naming a decoy) beside whole ones. Off by
-    # default: on the demo's policy the teacher then reads the note, teacher-forced, but its
-    # answer-free turns leave the deadband and the accuracy moves within its noise or falls
-    # (docs/credit-signal.md, "The note pass"); e.g. 200 turns it on. With sft_final "boxed" and
-    # note_pass_consistency 1 they stayed in it (t23, measured from a short boxed SFT of the committed
-    # policy, not from this rebuild). It teaches teacher_template's x*
-    note_pass_steps: int = Field(default=0, ge=0, description="steps of the note pass; 0: no note pass")
-    note_pass_lr: float = 5e-4
+    # of cut conversations after x* (half with tool results naming a decoy) beside whole ones, and
+    # with note_pass_consistency holds the answer-free tokens after x* to the student's. It teaches
+    # teacher_template's x*, so the committed policy fits only the default teacher. On the restate
+    # data it moved answer-free turns out of the deadband (docs/credit-signal.md, "The note pass");
+    # after the boxed pass, with L_same, they stay in it (t23 there; the committed policy: RECIPE.md)
+    note_pass_steps: int = Field(default=400, ge=0, description="steps of the note pass; 0: no note pass")
+    note_pass_lr: float = 2e-4
     note_pass_conversations: int = Field(default=3000, ge=1, description="the first N SFT conversations")
     note_pass_hops: float = Field(default=0.0, ge=0, description="L_hop's weight (pbsd teacher teach --hops)")
     note_pass_consistency: float = Field(
-        default=0.0, ge=0, description="L_same's weight (pbsd teacher teach --consistency)"
+        default=1.0, ge=0, description="L_same's weight (pbsd teacher teach --consistency)"
     )
     # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
     # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
@@ -236,4 +249,19 @@ class DemoConfig(BaseModel):
             teacher_formats=parse_teacher_formats(self.teacher_sft_formats),
             teacher_contradict=self.teacher_sft_contradict,
             limit=self.teacher_sft_conversations,
+        )
+
+    def boxed_pass_config(self) -> SftConfig | None:
+        """The boxed SFT pass, from the first pass's result; None when there is none."""
+        from services.trainer.sft import SftConfig
+
+        if not self.boxed_pass_conversations:
+            return None
+        return SftConfig(
+            epochs=self.boxed_pass_epochs,
+            lr=self.boxed_pass_lr,
+            batch_size=self.sft_batch_size,
+            warmup_steps=self.boxed_pass_warmup_steps,
+            seed=self.seed,
+            limit=self.boxed_pass_conversations,
         )

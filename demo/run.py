@@ -2,7 +2,8 @@
 
     1. build the embedded world                                   (seeded: the same world every time)
     2. the warmed-up tiny policy: the committed one, or built here (oracle SFT data,
-       a tokenizer and a tiny Qwen3-MoE, supervised fine-tuning) with --from-scratch
+       a tokenizer and a tiny Qwen3-MoE, SFT and the passes after it) with --from-scratch
+       (demo/warm_start.py)
     3. a private Redis and the four services as separate processes, each started as in
        production (pbsd serve tools | scorer | rollout | trainer) and health-checked
     4. evaluate the warm policy; submit the run through the trainer's REST API and follow
@@ -18,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,10 @@ import httpx
 from tqdm import tqdm
 
 from agent.grounding import describe
-from demo.config import ASSETS, DemoConfig
+from demo.config import DemoConfig
+from demo.progress import say
 from demo.questions import question_files
+from demo.warm_start import prepare_policy
 from pbsd.accuracy import describe_change
 from services.launcher import ServiceProcess, sigterm_as_interrupt
 from services.local_redis import LocalRedis, free_port
@@ -37,101 +39,6 @@ from services.rollout.runner import eval_main
 from worldgen.build import build_world, world_fingerprint
 
 __all__ = ["run_demo"]
-
-
-def say(message: str) -> None:
-    tqdm.write(f"[demo {time.strftime('%H:%M:%S')}] {message}")
-
-
-def prepare_policy(config: DemoConfig, world: Path, fingerprint: str, out: Path) -> Path:
-    """The warmed-up policy: the committed one when it was made from this very world, else built here."""
-    target = out / "policy-sft"
-    if config.policy:
-        say(f"using the given policy {config.policy}")
-        shutil.copytree(config.policy, target, dirs_exist_ok=True)
-        return target
-    if not config.from_scratch:
-        misfit = committed_policy_misfit(config, fingerprint)
-        if misfit is None:
-            say(
-                f"using the committed warm policy ({ASSETS.relative_to(ASSETS.parent.parent)}; see RECIPE.md)"
-            )
-            shutil.copytree(ASSETS, target, dirs_exist_ok=True)
-            return target
-        say(f"the committed policy {misfit}: building one from scratch")
-    return build_policy(config, world, fingerprint, target)
-
-
-def committed_policy_misfit(config: DemoConfig, fingerprint: str) -> str | None:
-    """Why the committed policy cannot stand in for what ``config`` would build (None: it can)."""
-    meta_file = ASSETS / "pbsd.json"
-    if not meta_file.exists():
-        return "is missing"
-    if json.loads(meta_file.read_text()).get("world_sha256") != fingerprint:
-        return "was made from another world"
-    made_with = DemoConfig().warm_start()
-    changed = {k: v for k, v in config.warm_start().items() if v != made_with[k]}
-    if changed:
-        return (
-            "was made with other warm-start settings ("
-            + ", ".join(f"{k} {made_with[k]} -> {v}" for k, v in changed.items())
-            + ")"
-        )
-    return None
-
-
-def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path) -> Path:
-    """Oracle SFT data, tokenizer and tiny model, supervised fine-tuning (``--from-scratch``)."""
-    from services.model.checkpoint import stamp_world
-    from services.model.tiny import TinySpec, init_tiny
-    from services.trainer.note_pass import LOSSES, describe, run_note_pass
-    from services.trainer.sft import progress_bar, run_sft
-    from worldgen.oracle import write_sft_data
-
-    work = target.parent / "warm-start"
-    work.mkdir(parents=True, exist_ok=True)
-    say("writing oracle trajectories for SFT")
-    stats = write_sft_data(
-        world,
-        work / "sft.jsonl",
-        seed=config.seed,
-        search_num=config.sft_search_num,
-        rename=config.sft_rename,
-        final=config.sft_final,
-    )
-    say(f"{stats['written']} trajectories ({stats['tool_calls']} tool calls, {stats['detours']} detours)")
-    spec = TinySpec(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        seed=config.seed,
-        entity_tokens=config.entity_tokens,
-        copy_heads=config.copy_heads,
-        num_key_value_heads=config.kv_heads,
-    )
-    init_tiny(world, work / "tiny", sft_data=work / "sft.jsonl", spec=spec)
-    teacher, note_pass = config.teacher_sft_config(), config.note_pass_config()
-    # each stage starts from the one before; the last writes the target
-    stages = ["sft"] + ["teacher-sft"] * (teacher is not None) + ["note-pass"] * (note_pass is not None)
-    made = {stage: target if stage == stages[-1] else work / stage for stage in stages}
-    with progress_bar("SFT warm start") as progress:
-        result = run_sft(work / "sft.jsonl", work / "tiny", made["sft"], config.sft_config(), progress)
-    say(f"SFT: loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in {result['seconds']:.0f}s")
-    last = made["sft"]
-    if teacher is not None:
-        with progress_bar("SFT in the teacher's format") as progress:
-            result = run_sft(work / "sft.jsonl", last, made["teacher-sft"], teacher, progress)
-        say(
-            f"SFT in the teacher's format ({teacher.limit} conversations, {result['teacher_format_conversations']} "
-            f"laid out after x*): loss {result['first_loss']:.3f} -> {result['final_loss']:.3f} in "
-            f"{result['seconds']:.0f}s"
-        )
-        last = made["teacher-sft"]
-    if note_pass is not None:
-        with progress_bar("note pass", keys=tuple(LOSSES)) as progress:
-            result = run_note_pass(work / "sft.jsonl", last, target, note_pass, progress)
-        say(f"note pass: {describe(result)}")
-    stamp_world(target, fingerprint)
-    return target
 
 
 def evaluate(

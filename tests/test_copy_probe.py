@@ -17,7 +17,8 @@ def test_the_committed_policy_copies_some_spans_of_held_out_conversations(tmp_pa
     manifest = json.loads((world / "manifest.json").read_text())
     assert world_fingerprint(manifest) == json.loads((ASSETS / "pbsd.json").read_text())["world_sha256"]
     data = tmp_path / "val.jsonl"
-    write_sft_data(world, data, split="validation", limit=16, search_num=c.sft_search_num)
+    # the format of the committed policy's last passes (RECIPE.md): the box is the answer's first mention
+    write_sft_data(world, data, split="validation", limit=16, search_num=c.sft_search_num, final="boxed")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
 
     result = copy_probe(ASSETS, data)
@@ -27,8 +28,12 @@ def test_the_committed_policy_copies_some_spans_of_held_out_conversations(tmp_pa
         expected = sum(len(pattern.findall(m["content"])) for r in rows for m in r["messages"][2::2])
         assert result[kind]["total"] == expected > 0
     assert result["answer"]["total"] == len(rows)
-    # measured 2026-11-24 on 40 conversations: queries 0.87, URLs 0.93, requests 0.83, answers 0.93
-    # (on these 16: 0.85, 0.98, 0.89, 1.00); the BPE-only policy before the copy heads scored 0.72,
-    # 0.58, 0.73 and 0.28, and a warm start that cannot copy at all (RECIPE.md's failed variant) ~0
-    assert all(result[k]["accuracy"] > 0.6 for k in ("query", "url", "request", "answer"))
+    # measured 2026-11-27 on 40 conversations: queries 0.91, URLs 0.95, requests 0.89, answers 0.33
+    # (on these 16: 0.89, 0.98, 0.89, 0.25). The box is the answer's first mention here: choosing
+    # the answer on the page, not copying a name just written (in the restate format the SFT policy
+    # boxed 0.93 of answers, nearly all copies of its own sentence before). The BPE-only policy
+    # before the copy heads scored 0.72, 0.58, 0.73 and 0.28 (restate), and a warm start that
+    # cannot copy at all (RECIPE.md's failed variant) ~0
+    assert all(result[k]["accuracy"] > 0.6 for k in ("query", "url", "request"))
+    assert result["answer"]["accuracy"] > 0.1
     assert all(0 <= r["right"] <= r["total"] for r in result.values())

@@ -1,5 +1,5 @@
 """``pbsd demo --from-scratch`` rebuilds the warm policy itself (oracle data, tokenizer, tiny model,
-SFT, the note pass) and runs the pipeline on it. Slow: minutes of SFT even at this size."""
+SFT, the boxed pass, the note pass: the stages of assets/demo-policy/RECIPE.md) and runs the pipeline on it. Slow: minutes of SFT even at this size."""
 
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ def test_from_scratch_rebuild(tmp_path):
                 "n_sft": 80,
                 "sft_epochs": 1,
                 "sft_batch_size": 8,
-                "sft_final": "boxed",
+                "boxed_pass_conversations": 40,
                 "note_pass_steps": 3,
-                "note_pass_consistency": 1.0,
                 "steps": 1,
                 "prompts_per_step": 2,
                 "group_size": 2,
@@ -54,11 +53,21 @@ def test_from_scratch_rebuild(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     meta = json.loads((out / "policy-sft" / "pbsd.json").read_text())
-    assert meta["sft"]["conversations"] > 60 and meta["sft"]["final_loss"] < meta["sft"]["first_loss"]
-    assert meta["note_pass"]["steps"] == 3  # the note pass ran from the SFT's result, and kept its record
-    sft = [json.loads(line) for line in (out / "warm-start" / "sft.jsonl").read_text().splitlines()]
-    assert all("\\boxed{" + r["answer"] + "}" in r["messages"][-1]["content"] for r in sft)
-    assert not any("The answer is " + r["answer"] in r["messages"][-1]["content"] for r in sft)  # boxed first
+    # each stage started from the one before and kept its record: SFT, the boxed pass, the note pass
+    first, boxed = meta["sft_before"], meta["sft"]
+    assert first["conversations"] > 60 and first["final_loss"] < first["first_loss"]
+    assert boxed["conversations"] == 40 and boxed["config"]["limit"] == 40
+    assert meta["note_pass"]["steps"] == 3 and meta["note_pass"]["config"]["consistency"] == 1.0
+    warm = out / "warm-start"
+    sft = [json.loads(line) for line in (warm / "sft.jsonl").read_text().splitlines()]
+    assert all("The answer is " + r["answer"] in r["messages"][-1]["content"] for r in sft)  # restated
+    later = [json.loads(line) for line in (warm / "sft-boxed.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in later] == [r["answer"] for r in sft]
+    assert all("\\boxed{" + r["answer"] + "}" in r["messages"][-1]["content"] for r in later)
+    assert not any(
+        "The answer is " + r["answer"] in r["messages"][-1]["content"] for r in later
+    )  # boxed first
+    assert boxed["data_sha256"] != first["data_sha256"]  # the boxed pass learnt from the boxed data
     assert meta["world_sha256"] == world_fingerprint(
         json.loads((out / "world" / "manifest.json").read_text())
     )

@@ -306,10 +306,18 @@ def test_the_command_writes_the_taught_checkpoint(tiny_checkpoint, conversations
         NotePassConfig(contradicted=0.8, plain=0.5)
 
 
-def test_the_demo_runs_the_pass_only_when_asked():
+def test_the_demo_teaches_its_own_teacher():
     from demo.config import DemoConfig
 
-    assert DemoConfig().note_pass_config() is None  # the committed policy's recipe has none
+    # the committed policy's recipe (assets/demo-policy/RECIPE.md; tests/test_policy_recipe.py ties them)
+    default = DemoConfig().note_pass_config()
+    assert (default.steps, default.lr, default.consistency, default.template) == (
+        400,
+        2e-4,
+        1.0,
+        ANSWER_FIRST_TEACHER_TEMPLATE,
+    )
+    assert DemoConfig(note_pass_steps=0).note_pass_config() is None
     on = DemoConfig(
         note_pass_steps=200, note_pass_conversations=500, note_pass_hops=0.25, note_pass_consistency=1, seed=3
     ).note_pass_config()
@@ -322,7 +330,9 @@ def test_the_demo_runs_the_pass_only_when_asked():
         1.0,
     )
     # the pass teaches the runs' own x*: with one, the template is a warm-start setting; without, not
-    assert DemoConfig(teacher_template="answer").warm_start() == DemoConfig().warm_start()
-    taught = DemoConfig(note_pass_steps=200, teacher_template="answer")
+    off = DemoConfig(note_pass_steps=0)
+    assert DemoConfig(note_pass_steps=0, teacher_template="answer").warm_start() == off.warm_start()
+    taught = DemoConfig(teacher_template="answer")
     assert taught.note_pass_config().template == taught.teacher() != ANSWER_FIRST_TEACHER_TEMPLATE
     assert taught.warm_start()["note_pass_template"] == taught.teacher()
+    assert taught.warm_start() != DemoConfig().warm_start()
