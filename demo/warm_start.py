@@ -56,7 +56,7 @@ def committed_policy_misfit(config: DemoConfig, fingerprint: str) -> str | None:
 
 
 def build_policy(config: DemoConfig, world: Path, fingerprint: str, target: Path) -> Path:
-    """Oracle SFT data, tokenizer and tiny model, supervised fine-tuning (``--from-scratch``)."""
+    """Oracle SFT data, tokenizer and tiny model, SFT and the passes after it (``--from-scratch``)."""
     from services.model.checkpoint import stamp_world
     from services.model.tiny import TinySpec, init_tiny
     from services.trainer.note_pass import LOSSES, describe, run_note_pass
