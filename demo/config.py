@@ -136,9 +136,9 @@ class DemoConfig(BaseModel):
     )
     # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
     # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
-    # on the committed policy the long note after the question lowers every later turn (answer-free
-    # mean s -0.021, seven times eps-), the short one leaves them in the deadband (-0.0025), with no
-    # retraining (docs/credit-signal.md, "Where the note goes")
+    # on the SFT policy before any note pass the long note after the question lowers every later turn
+    # (answer-free mean s -0.021, seven times eps-), the short one leaves them in the deadband
+    # (-0.0025) (docs/credit-signal.md, "Where the note goes"); the note pass teaches this template
     teacher_template: str = "answer-first"
     # RL
     steps: int = 16
@@ -204,18 +204,20 @@ class DemoConfig(BaseModel):
             "note_pass_template": self.teacher() if self.note_pass_steps else None
         }
 
-    def sft_config(self) -> SftConfig:
-        """The warm start's SFT settings (SftConfig is imported here, not at the top: its module
-        loads torch)."""
+    def sft_config(self, **stage: object) -> SftConfig:
+        """The warm start's SFT settings; ``stage`` overrides them for a pass after it, which shares
+        the batch size and the seed (SftConfig is imported here, not at the top: its module loads
+        torch)."""
         from services.trainer.sft import SftConfig
 
-        return SftConfig(
-            epochs=self.sft_epochs,
-            lr=self.sft_lr,
-            batch_size=self.sft_batch_size,
-            warmup_steps=self.sft_warmup_steps,
-            seed=self.seed,
-        )
+        first = {
+            "epochs": self.sft_epochs,
+            "lr": self.sft_lr,
+            "batch_size": self.sft_batch_size,
+            "warmup_steps": self.sft_warmup_steps,
+            "seed": self.seed,
+        }
+        return SftConfig(**(first | stage))
 
     def note_pass_config(self) -> NotePassConfig | None:
         """The note pass, from the SFT's result; None when there is none."""
@@ -234,18 +236,15 @@ class DemoConfig(BaseModel):
         )
 
     def teacher_sft_config(self) -> SftConfig | None:
-        """The teacher's SFT pass, from the first pass's result; None when there is none."""
-        from services.trainer.sft import SftConfig
+        """The teacher's SFT pass, from the pass before it; None when there is none."""
         from services.trainer.teacher_sft import parse_teacher_formats
 
         if not self.teacher_sft_formats:
             return None
-        return SftConfig(
+        return self.sft_config(
             epochs=self.teacher_sft_epochs,
             lr=self.teacher_sft_lr,
-            batch_size=self.sft_batch_size,
             warmup_steps=self.teacher_sft_warmup_steps,
-            seed=self.seed,
             teacher_formats=parse_teacher_formats(self.teacher_sft_formats),
             teacher_contradict=self.teacher_sft_contradict,
             limit=self.teacher_sft_conversations,
@@ -253,15 +252,11 @@ class DemoConfig(BaseModel):
 
     def boxed_pass_config(self) -> SftConfig | None:
         """The boxed SFT pass, from the first pass's result; None when there is none."""
-        from services.trainer.sft import SftConfig
-
         if not self.boxed_pass_conversations:
             return None
-        return SftConfig(
+        return self.sft_config(
             epochs=self.boxed_pass_epochs,
             lr=self.boxed_pass_lr,
-            batch_size=self.sft_batch_size,
             warmup_steps=self.boxed_pass_warmup_steps,
-            seed=self.seed,
             limit=self.boxed_pass_conversations,
         )

@@ -18,7 +18,8 @@ __all__ = ["build_policy", "committed_policy_misfit", "prepare_policy"]
 
 
 def prepare_policy(config: DemoConfig, world: Path, fingerprint: str, out: Path) -> Path:
-    """The warmed-up policy: the committed one when it was made from this very world, else built here."""
+    """The warmed-up policy: ``--policy``, or the committed one when it was made from this very world
+    with these warm-start settings, else built here."""
     target = out / "policy-sft"
     if config.policy:
         say(f"using the given policy {config.policy}")

@@ -1,5 +1,6 @@
 """``pbsd demo --from-scratch`` rebuilds the warm policy itself (oracle data, tokenizer, tiny model,
-SFT, the boxed pass, the note pass: the stages of assets/demo-policy/RECIPE.md) and runs the pipeline on it. Slow: minutes of SFT even at this size."""
+SFT, the boxed pass, the note pass: the stages of assets/demo-policy/RECIPE.md) and runs the
+pipeline on it. Slow: minutes of SFT even at this size."""
 
 from __future__ import annotations
 
