@@ -17,7 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE
+from proto.runs import (
+    ANSWER_FIRST_TEACHER_TEMPLATE,
+    SUPPORT_FIRST_TEACHER_TEMPLATE,
+    SUPPORT_TEACHER_TEMPLATE,
+)
 
 __all__ = ["VARIANTS", "Variant", "merge", "variant_spec"]
 
@@ -55,6 +59,29 @@ VARIANTS: dict[str, Variant] = {
         "(Table 1's 'w/o non-replay evidence-score recomputation')",
         {
             "algorithm": {"name": "pbsd", "evidence_routing": "replay"},
+            "rollout": {"return_routed_experts": True},
+        },
+    ),
+}
+
+# The same teacher and ablations in the short note the committed policy is taught to read
+# (assets/demo-policy/RECIPE.md): from that policy the paper's ablations mean something only
+# against the teacher that reads x*, and the richer context only in the form that teacher reads.
+_FIRST = {"name": "pbsd", "teacher_template": ANSWER_FIRST_TEACHER_TEMPLATE}
+VARIANTS |= {
+    "pbsd-support-first": Variant(
+        "PBSD with the answer-first note and the supporting facts on a second line (beyond the "
+        "paper: proto.runs.SUPPORT_FIRST_TEACHER_TEMPLATE)",
+        {"algorithm": _FIRST | {"teacher_template": SUPPORT_FIRST_TEACHER_TEMPLATE}},
+    ),
+    "pbsd-answer-first-no-deadband": Variant(
+        "pbsd-answer-first with eps+ = eps- = 0 (Table 1's '0% filtered' over the short note)",
+        {"algorithm": _FIRST | {"eps_pos": 0.0, "eps_neg": 0.0}},
+    ),
+    "pbsd-answer-first-replay": Variant(
+        "pbsd-answer-first with the evidence passes under the rollout's recorded routes",
+        {
+            "algorithm": _FIRST | {"evidence_routing": "replay"},
             "rollout": {"return_routed_experts": True},
         },
     ),

@@ -47,6 +47,17 @@ def test_every_variant_is_a_valid_run_spec_that_differs_only_in_its_overrides():
     assert pbsd.algorithm == RunSpec.model_validate(BASE | {"algorithm": {"name": "pbsd"}}).algorithm
     first = RunSpec.model_validate(variant_spec("pbsd-answer-first", BASE)).algorithm
     assert first.teacher_template == ANSWER_FIRST_TEACHER_TEMPLATE != pbsd.algorithm.teacher_template
+    # the taught policy's set: the same teacher and ablations in the note it reads
+    for name, differs in (
+        ("pbsd-support-first", {"teacher_template"}),
+        ("pbsd-answer-first-no-deadband", {"eps_pos", "eps_neg"}),
+        ("pbsd-answer-first-replay", {"evidence_routing"}),
+    ):
+        variant = RunSpec.model_validate(variant_spec(name, BASE))
+        mine, theirs = variant.algorithm.model_dump(), first.model_dump()
+        assert {k for k in mine if mine[k] != theirs[k]} == differs, name
+        assert variant.rollout.return_routed_experts == (name == "pbsd-answer-first-replay")
+    assert RunSpec.model_validate(variant_spec("pbsd-support-first", BASE)).algorithm.needs_support
 
 
 def test_the_demo_teaches_pbsd_with_its_template_and_leaves_grpo_and_compare_alone():
