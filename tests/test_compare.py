@@ -98,6 +98,9 @@ def test_settings():
     assert seed_list("3") == [0, 1, 2] and seed_list("4,7") == [4, 7] and seed_list("5,") == [5]
     with pytest.raises(typer.BadParameter):
         seed_list("a")
+    with pytest.raises(typer.BadParameter, match="seed 0 alone: '0,'"):
+        seed_list("0")
+    assert seed_list("0,") == [0]
     with pytest.raises(ValueError, match="unknown variants"):
         CompareConfig(demo=DemoConfig(), variants=["grpo", "ppo"])
     with pytest.raises(ValueError, match="baseline 'grpo'"):

@@ -18,11 +18,14 @@ EVAL_SAMPLES = 2
 def seed_list(text: str) -> list[int]:
     """``K`` (seeds 0..K-1) or a comma-separated list (``3,4``; a single seed: ``5,``)."""
     try:
-        if "," not in text:
-            return list(range(int(text)))
-        return [int(x) for x in text.split(",") if x.strip()]
+        if "," in text:
+            return [int(x) for x in text.split(",") if x.strip()]
+        k = int(text)
     except ValueError:
         raise typer.BadParameter(f"{text!r}: a number of seeds K, or seeds separated by commas") from None
+    if k < 1:  # "--seeds 0" reads as seed 0 to many; say how to write that
+        raise typer.BadParameter(f"{text!r} is {k} seeds; at least 1 (seed 0 alone: '0,')")
+    return list(range(k))
 
 
 def compare_cmd(
