@@ -32,62 +32,6 @@ class Variant:
     overrides: Mapping[str, Any] = field(default_factory=dict)
 
 
-VARIANTS: dict[str, Variant] = {
-    "grpo": Variant(
-        "GRPO: every token of a trajectory gets its group advantage", {"algorithm": {"name": "grpo"}}
-    ),
-    "pbsd": Variant(
-        "PBSD as in the paper: the answer-only teacher, deadband [-0.003, 0.001], fresh routing",
-        {"algorithm": {"name": "pbsd"}},
-    ),
-    "pbsd-support": Variant(
-        "PBSD whose teacher is also told the question's supporting facts (beyond the paper: "
-        "proto.runs.SUPPORT_TEACHER_TEMPLATE)",
-        {"algorithm": {"name": "pbsd", "teacher_template": SUPPORT_TEACHER_TEMPLATE}},
-    ),
-    "pbsd-answer-first": Variant(
-        "PBSD with the answer-only note before the question, in a few words (the demo's teacher: "
-        "proto.runs.ANSWER_FIRST_TEACHER_TEMPLATE)",
-        {"algorithm": {"name": "pbsd", "teacher_template": ANSWER_FIRST_TEACHER_TEMPLATE}},
-    ),
-    "pbsd-no-deadband": Variant(
-        "PBSD with eps+ = eps- = 0, every turn weighted (Table 1's '0% filtered' ablation)",
-        {"algorithm": {"name": "pbsd", "eps_pos": 0.0, "eps_neg": 0.0}},
-    ),
-    "pbsd-replay": Variant(
-        "PBSD with the evidence passes under the rollout's recorded routes "
-        "(Table 1's 'w/o non-replay evidence-score recomputation')",
-        {
-            "algorithm": {"name": "pbsd", "evidence_routing": "replay"},
-            "rollout": {"return_routed_experts": True},
-        },
-    ),
-}
-
-# The same teacher and ablations in the short note the committed policy is taught to read
-# (assets/demo-policy/RECIPE.md): from that policy the paper's ablations mean something only
-# against the teacher that reads x*, and the richer context only in the form that teacher reads.
-_FIRST = {"name": "pbsd", "teacher_template": ANSWER_FIRST_TEACHER_TEMPLATE}
-VARIANTS |= {
-    "pbsd-support-first": Variant(
-        "PBSD with the answer-first note and the supporting facts on a second line (beyond the "
-        "paper: proto.runs.SUPPORT_FIRST_TEACHER_TEMPLATE)",
-        {"algorithm": _FIRST | {"teacher_template": SUPPORT_FIRST_TEACHER_TEMPLATE}},
-    ),
-    "pbsd-answer-first-no-deadband": Variant(
-        "pbsd-answer-first with eps+ = eps- = 0 (Table 1's '0% filtered' over the short note)",
-        {"algorithm": _FIRST | {"eps_pos": 0.0, "eps_neg": 0.0}},
-    ),
-    "pbsd-answer-first-replay": Variant(
-        "pbsd-answer-first with the evidence passes under the rollout's recorded routes",
-        {
-            "algorithm": _FIRST | {"evidence_routing": "replay"},
-            "rollout": {"return_routed_experts": True},
-        },
-    ),
-}
-
-
 def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``base`` with ``overrides`` merged in: mappings merged key by key, other values replaced."""
     out = dict(base)
@@ -97,6 +41,59 @@ def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, An
         else:
             out[key] = value
     return out
+
+
+# The overrides the variants combine: PBSD with a teacher template, and the paper's two ablations
+# of it, applied to the paper's note and to the short note the committed policy is taught to read
+# (assets/demo-policy/RECIPE.md). From that policy the ablations mean something only against the
+# teacher that reads x*, and the richer context only in the form that teacher reads.
+def _pbsd(template: str | None = None) -> dict[str, Any]:
+    return {"algorithm": {"name": "pbsd"} | ({"teacher_template": template} if template else {})}
+
+
+_NO_DEADBAND = {"algorithm": {"eps_pos": 0.0, "eps_neg": 0.0}}
+_REPLAY = {"algorithm": {"evidence_routing": "replay"}, "rollout": {"return_routed_experts": True}}
+
+VARIANTS: dict[str, Variant] = {
+    "grpo": Variant(
+        "GRPO: every token of a trajectory gets its group advantage", {"algorithm": {"name": "grpo"}}
+    ),
+    "pbsd": Variant(
+        "PBSD as in the paper: the answer-only teacher, deadband [-0.003, 0.001], fresh routing", _pbsd()
+    ),
+    "pbsd-support": Variant(
+        "PBSD whose teacher is also told the question's supporting facts (beyond the paper: "
+        "proto.runs.SUPPORT_TEACHER_TEMPLATE)",
+        _pbsd(SUPPORT_TEACHER_TEMPLATE),
+    ),
+    "pbsd-answer-first": Variant(
+        "PBSD with the answer-only note before the question, in a few words (the demo's teacher: "
+        "proto.runs.ANSWER_FIRST_TEACHER_TEMPLATE)",
+        _pbsd(ANSWER_FIRST_TEACHER_TEMPLATE),
+    ),
+    "pbsd-no-deadband": Variant(
+        "PBSD with eps+ = eps- = 0, every turn weighted (Table 1's '0% filtered' ablation)",
+        merge(_pbsd(), _NO_DEADBAND),
+    ),
+    "pbsd-replay": Variant(
+        "PBSD with the evidence passes under the rollout's recorded routes "
+        "(Table 1's 'w/o non-replay evidence-score recomputation')",
+        merge(_pbsd(), _REPLAY),
+    ),
+    "pbsd-support-first": Variant(
+        "PBSD with the answer-first note and the supporting facts on a second line (beyond the "
+        "paper: proto.runs.SUPPORT_FIRST_TEACHER_TEMPLATE)",
+        _pbsd(SUPPORT_FIRST_TEACHER_TEMPLATE),
+    ),
+    "pbsd-answer-first-no-deadband": Variant(
+        "pbsd-answer-first with eps+ = eps- = 0 (Table 1's '0% filtered' over the short note)",
+        merge(_pbsd(ANSWER_FIRST_TEACHER_TEMPLATE), _NO_DEADBAND),
+    ),
+    "pbsd-answer-first-replay": Variant(
+        "pbsd-answer-first with the evidence passes under the rollout's recorded routes",
+        merge(_pbsd(ANSWER_FIRST_TEACHER_TEMPLATE), _REPLAY),
+    ),
+}
 
 
 def variant_spec(name: str, base: Mapping[str, Any]) -> dict[str, Any]:
