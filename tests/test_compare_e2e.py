@@ -1,7 +1,8 @@
 """``pbsd compare`` end to end at the smallest size: a tiny world and a tiny policy, GRPO and PBSD
 x 1 seed x 2 steps through real Redis and the four services, the paired evaluation, the summary
 and report; then the same command again, which finds everything done and trains nothing, and
---report-only with a seed more, which lists its runs as pending."""
+--report-only with a seed more, which lists its runs as pending. And a synchronous run, twice:
+bit for bit the same."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.test_demo_e2e import _service_processes
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -84,3 +88,44 @@ def test_compare_runs_end_to_end_and_resumes(tmp_path, tiny_checkpoint):
     assert "pending: grpo-s1, pbsd-s1" in pending.stdout
     assert json.loads((out / "compare-config.json").read_text())["seeds"] == [0]  # a report records nothing
     assert sorted(p.name for p in (out / "runs").iterdir()) == runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_synchronous_run_repeats_bit_for_bit(tmp_path):
+    """With max_staleness 0 no trajectory is in flight when weights change, so the same command
+    twice trains the same weights and evaluates the same answers (docs/compare.md, "What a seed
+    does not fix"); with the default 1, when the weights land depends on timing. The committed
+    policy on the demo's world, because a tiny random policy earns no reward and so never moves."""
+    config = tmp_path / "sync.yaml"
+    config.write_text(json.dumps({"max_staleness": 0}))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    flags = "--variants pbsd --baseline pbsd --seeds 0, --steps 2 --eval-questions 4 --eval-samples 1"
+    flags = [*flags.split(), "--resamples", "100"]
+    finals, answers, metrics = [], [], []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        cmd = [
+            sys.executable,
+            "-m",
+            "pbsd.cli",
+            "compare",
+            "--out",
+            str(out),
+            "--config",
+            str(config),
+            *flags,
+        ]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420, env=env)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        (run,) = (out / "runs").iterdir()
+        finals.append((run / "final" / "model.safetensors").read_bytes())
+        answers.append(json.loads((out / "evals" / "eval-pbsd-s0.json").read_text())["per_question"])
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        keep = ("step", "loss", "grad_norm", "reward_mean", "trained_tokens", "answer_free_mean_s")
+        metrics.append([{k: r.get(k) for k in keep} for r in rows if "loss" in r])
+    assert [m["step"] for m in metrics[0]] == [1, 2]
+    assert metrics[0][0]["trained_tokens"] > 0  # the policy moved: there is something to repeat
+    assert metrics[0] == metrics[1]
+    assert finals[0] == finals[1]
+    assert answers[0] == answers[1]
