@@ -16,7 +16,11 @@ import pytest
 
 from tests.test_demo_e2e import _service_processes
 
-ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _compare_cmd(out: Path, config: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pbsd.cli", "compare", "--out", str(out), "--config", str(config), *args]
 
 
 @pytest.mark.slow
@@ -25,12 +29,10 @@ def test_compare_runs_end_to_end_and_resumes(tmp_path, tiny_checkpoint):
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps({"seed": 11, "entities": 1200, "n_rl": 60, "n_val": 30, "n_sft": 60}))
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "pbsd.cli", "compare", "--out", str(out), "--config", str(config)]
-    cmd += ["--policy", str(tiny_checkpoint), "--variants", "grpo,pbsd", "--seeds", "1", "--steps", "2"]
-    cmd += ["--prompts-per-step", "2", "--group-size", "2", "--eval-questions", "3", "--eval-samples", "2"]
-    cmd += ["--max-turns", "2", "--max-tokens-per-turn", "32", "--stall-timeout", "120", "--resamples", "500"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=420, env=env)
+    flags = "--variants grpo,pbsd --seeds 1 --steps 2 --prompts-per-step 2 --group-size 2 --eval-questions 3"
+    flags += " --eval-samples 2 --max-turns 2 --max-tokens-per-turn 32 --stall-timeout 120 --resamples 500"
+    cmd = _compare_cmd(out, config, "--policy", str(tiny_checkpoint), *flags.split())
+    first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=420, env=ENV)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert "pbsd               mean@2" in first.stdout and "minus grpo" in first.stdout
 
@@ -73,7 +75,7 @@ def test_compare_runs_end_to_end_and_resumes(tmp_path, tiny_checkpoint):
     assert _service_processes(out) == []
 
     runs = sorted(p.name for p in (out / "runs").iterdir())
-    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env)
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150, env=ENV)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
     assert "2 of 2 runs done; 0 to go" in again.stdout + again.stderr
     assert "services up" not in again.stdout + again.stderr
@@ -83,7 +85,7 @@ def test_compare_runs_end_to_end_and_resumes(tmp_path, tiny_checkpoint):
     # a second seed asked for, reported on without training: its runs are pending
     report_only = [*cmd, "--report-only"]
     report_only[report_only.index("--seeds") + 1] = "2"
-    pending = subprocess.run(report_only, cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env)
+    pending = subprocess.run(report_only, cwd=tmp_path, capture_output=True, text=True, timeout=150, env=ENV)
     assert pending.returncode == 0, pending.stdout[-4000:] + pending.stderr[-4000:]
     assert "pending: grpo-s1, pbsd-s1" in pending.stdout
     assert json.loads((out / "compare-config.json").read_text())["seeds"] == [0]  # a report records nothing
@@ -99,24 +101,13 @@ def test_a_synchronous_run_repeats_bit_for_bit(tmp_path):
     policy on the demo's world, because a tiny random policy earns no reward and so never moves."""
     config = tmp_path / "sync.yaml"
     config.write_text(json.dumps({"max_staleness": 0}))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     flags = "--variants pbsd --baseline pbsd --seeds 0, --steps 2 --eval-questions 4 --eval-samples 1"
-    flags = [*flags.split(), "--resamples", "100"]
+    flags += " --resamples 100"
     finals, answers, metrics = [], [], []
     for name in ("a", "b"):
         out = tmp_path / name
-        cmd = [
-            sys.executable,
-            "-m",
-            "pbsd.cli",
-            "compare",
-            "--out",
-            str(out),
-            "--config",
-            str(config),
-            *flags,
-        ]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420, env=env)
+        cmd = _compare_cmd(out, config, *flags.split())
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=420, env=ENV)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
         (run,) = (out / "runs").iterdir()
         finals.append((run / "final" / "model.safetensors").read_bytes())
