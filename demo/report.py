@@ -73,11 +73,13 @@ def action_rows(sanity: TeacherSanity) -> list[dict[str, Any]]:
     ]
 
 
-def _cell(figures: dict[str, float], key: str, fmt: str, mark: dict[str, Any] | None = None) -> str:
+def _cell(
+    figures: dict[str, float], key: str, fmt: str, mark: dict[str, Any] | None = None, note: str = ""
+) -> str:
     if key not in figures:
         return "<td>&ndash;</td>"
     sign = "" if mark is None or mark["met"] is None else (" &#10003;" if mark["met"] else " &#10007;")
-    return f"<td>{format(figures[key], fmt)}{sign}</td>"
+    return f"<td>{format(figures[key], fmt)}{sign}{f' ({note})' if note else ''}</td>"
 
 
 def sanity_row(algo: str, figures: dict[str, float], spec: PbsdSpec) -> str:
@@ -95,7 +97,13 @@ def sanity_row(algo: str, figures: dict[str, float], spec: PbsdSpec) -> str:
         + _cell(figures, "wrong_final_disfavoured_frac", ".0%", marks["wrong_final_disfavoured_frac"])
         + _cell(figures, "grounded_gap", "+.4f", marks["grounded_minus_made_up_mean_s"])
         + _cell(figures, "noise_std", ".2g")
-        + _cell(figures, "noise_outside_deadband_frac", ".0%")
+        # with no deadband every null turn that rounding moves at all lies outside it
+        + _cell(
+            figures,
+            "noise_outside_deadband_frac",
+            ".0%",
+            note="" if spec.eps_pos or spec.eps_neg else "no deadband",
+        )
         + _cell(figures, "within_noise_floor_frac", ".0%")
         + "</tr>"
     )

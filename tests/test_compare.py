@@ -13,10 +13,11 @@ from demo.compare import CompareConfig, check_resume, stage
 from demo.compare_report import write_report
 from demo.compare_summary import band
 from demo.config import DemoConfig
+from demo.report import sanity_row
 from demo.variants import VARIANTS, merge, variant_spec
 from pbsd.cli.compare import seed_list
 from pbsd.comparison import compare_variants
-from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, DEFAULT_TEACHER_TEMPLATE, RunSpec
+from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, DEFAULT_TEACHER_TEMPLATE, PbsdSpec, RunSpec
 
 BASE = {
     "name": "demo-grpo",
@@ -233,6 +234,12 @@ def test_the_report_shows_every_figure_of_a_summary(tmp_path):
         "curve_accuracy.png",
         "curve_answer_free.png",
     }
+
+
+def test_the_null_pass_share_says_when_there_is_no_deadband():
+    figures = SANITY | {"noise_outside_deadband_frac": 0.064}
+    assert "<td>6% (no deadband)</td>" in sanity_row("pbsd", figures, PbsdSpec(eps_pos=0, eps_neg=0))
+    assert "<td>6%</td>" in sanity_row("pbsd", figures, PbsdSpec())
 
 
 def test_a_report_before_any_run_finished(tmp_path):
