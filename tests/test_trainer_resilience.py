@@ -161,8 +161,11 @@ async def test_a_cancel_survives_a_restart(pipeline, tiny_world, tiny_checkpoint
     p.serve()
     done = await p.until(record.id, _finished)
     assert done.state == "cancelled" and done.step < 4
-    # the workers are told: they drop the run's prompts still on the bus on sight (issue 25, item 3)
-    ends = [(e.run_id, e.state) for _, e in await p.bus.read_all(RUN_ENDS)]
+    # the workers are told: they drop the run's prompts still on the bus on sight (issue 25, item 3);
+    # the store says "cancelled" a moment before the announcement reaches the bus
+    async with asyncio.timeout(10):
+        while not (ends := [(e.run_id, e.state) for _, e in await p.bus.read_all(RUN_ENDS)]):
+            await asyncio.sleep(0.05)
     assert ends == [(record.id, "cancelled")]
 
 
