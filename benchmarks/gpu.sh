@@ -60,7 +60,7 @@ step scorer-small 180 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --pre
     --methods ours,naive,bound --method-timeout 120 --logs "$out/scorer-small"
 # `small` misses its 3x on an H200 (2026-11-28) with three forwards of about what one of naive's
 # padded forwards costs; one forward of the whole workload tests whether fewer forwards clear it.
-step scorer-small-64k 90 "$py" benchmarks/scorer.py --preset small --methods ours,naive \
+step scorer-small-64k 90 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset small --methods ours,naive \
     --budget 65536 --method-timeout 40 --logs "$out/scorer-small-64k"
 step scorer-qwen3 200 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset qwen3-30b-a3b \
     --methods ours,bound,bound-packed,ours-chunked --method-timeout 90 --logs "$out/scorer-qwen3"
