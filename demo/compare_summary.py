@@ -25,6 +25,8 @@ from demo.questions import QuestionFiles
 from demo.variants import VARIANTS
 from pbsd.comparison import compare_variants
 from proto.runs import RunSpec
+from services.trainer.dynamics import sanity_metrics
+from services.trainer.viewer import load_metrics
 
 __all__ = ["CURVES", "band", "summarise"]
 
@@ -79,14 +81,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _metrics(run_dir: Path) -> list[dict[str, float]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
 def _sanity(groups: list) -> dict[str, float]:
-    from services.trainer.dynamics import sanity_metrics
-
     scored = [g for g in groups if g.scored]
     return sanity_metrics(scored) if scored else {}
 
@@ -142,7 +137,7 @@ def summarise(
             matrices.setdefault(variant, []).append(per_question(evaluation))
             seeds.setdefault(variant, []).append(seed)
             algorithms[variant] = RunSpec.model_validate(result["spec"]).algorithm.model_dump(mode="json")
-            metrics = _metrics(run_dir)
+            metrics = load_metrics(run_dir)
             for key in CURVES + SANITY_CURVES:
                 points = {int(r["step"]): r[key] for r in metrics if key in r}
                 if points:

@@ -24,16 +24,11 @@ from pbsd.sanity import MIN_FRACTION, checks
 from proto.runs import PbsdSpec
 from proto.sanity import ACTION_CLASSES, TeacherSanity
 from services.trainer.dynamics import sanity_metrics
-from services.trainer.viewer import load_groups, render_viewer, sanity_summary, viewer_data
+from services.trainer.viewer import load_groups, load_metrics, render_viewer, sanity_summary, viewer_data
 
 __all__ = ["write_report"]
 
 VIEWER_ROWS = 600  # trajectories on a viewer page, spread over every step (the statistics use all)
-
-
-def _metrics(run_dir: Path) -> list[dict[str, float]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def _png(fig, path: Path) -> str:
@@ -148,7 +143,7 @@ def _seeded(config: DemoConfig, evals: dict[str, Any]) -> str:
 def write_report(
     out: Path, config: DemoConfig, runs: dict[str, dict[str, Any]], evals: dict[str, Any], *, elapsed: float
 ) -> Path:
-    metrics = {algo: _metrics(Path(r["dir"])) for algo, r in runs.items()}
+    metrics = {algo: load_metrics(Path(r["dir"])) for algo, r in runs.items()}
     evidence_parts = []
     deadband = (credit.DEFAULT_EPS_POS, credit.DEFAULT_EPS_NEG)
     viewers = {}

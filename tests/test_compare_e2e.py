@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from services.trainer.viewer import load_metrics
 from tests.test_demo_e2e import _service_processes
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+REPEATED = ("step", "loss", "grad_norm", "reward_mean", "trained_tokens", "answer_free_mean_s")
 
 
 def _compare_cmd(out: Path, config: Path, *args: str) -> list[str]:
@@ -112,9 +114,7 @@ def test_a_synchronous_run_repeats_bit_for_bit(tmp_path):
         (run,) = (out / "runs").iterdir()
         finals.append((run / "final" / "model.safetensors").read_bytes())
         answers.append(json.loads((out / "evals" / "eval-pbsd-s0.json").read_text())["per_question"])
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        keep = ("step", "loss", "grad_norm", "reward_mean", "trained_tokens", "answer_free_mean_s")
-        metrics.append([{k: r.get(k) for k in keep} for r in rows if "loss" in r])
+        metrics.append([{k: r.get(k) for k in REPEATED} for r in load_metrics(run) if "loss" in r])
     assert [m["step"] for m in metrics[0]] == [1, 2]
     assert metrics[0][0]["trained_tokens"] > 0  # the policy moved: there is something to repeat
     assert metrics[0] == metrics[1]

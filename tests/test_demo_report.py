@@ -10,6 +10,7 @@ from demo.config import ASSETS, DemoConfig
 from demo.figures import before_after_chart, charts, reward_chart
 from demo.report import eval_set, write_report
 from pbsd.accuracy import accuracy_interval, compare
+from services.trainer.viewer import load_metrics
 
 
 def _metrics(steps: int, reward=lambda acc: acc) -> dict[str, list[dict[str, float]]]:
@@ -124,3 +125,9 @@ def test_the_evaluation_is_described_in_whole_words():
         validation.startswith("7 easy+medium questions of the world's validation split")
         and "2 samples" in validation
     )
+
+
+def test_a_runs_metrics_are_its_steps_in_order_and_none_before_the_first(tmp_path):
+    assert load_metrics(tmp_path) == []
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1.0, "loss": 0.5}\n{"step": 2.0, "loss": 0.25}\n')
+    assert load_metrics(tmp_path) == [{"step": 1.0, "loss": 0.5}, {"step": 2.0, "loss": 0.25}]

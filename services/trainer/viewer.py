@@ -38,7 +38,7 @@ from proto.runs import PbsdSpec
 from proto.sanity import NoiseFloor
 from services.trainer.dynamics import sanity_metrics
 
-__all__ = ["load_groups", "render_viewer", "sanity_summary", "shown_groups", "viewer_data"]
+__all__ = ["load_groups", "load_metrics", "render_viewer", "sanity_summary", "shown_groups", "viewer_data"]
 
 
 def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
@@ -48,6 +48,12 @@ def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
         step = int(path.stem.split("-")[1])
         out += [(step, decode(ScoredGroup, raw)) for raw in msgpack.unpackb(path.read_bytes(), raw=False)]
     return out
+
+
+def load_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The trainer's per-step records (``metrics.jsonl``), in order; none before its first step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def label(s: float, eps_pos: float, eps_neg: float) -> str:
