@@ -179,7 +179,13 @@ def one(method: str, args) -> dict:
     )
     requests = workload(args.seed, model.config.vocab_size, *sizes(args))
     progress(begun, "model built")
-    out = {"method": method, "device": device, "attention": model.config._attn_implementation}
+    out = {
+        "method": method,
+        "device": device,
+        "attention": model.config._attn_implementation,
+        # transformers picks the MoE experts' kernels (a per-expert loop, or grouped_mm where it dispatches)
+        "experts": getattr(model.config, "_experts_implementation", None) or "eager",
+    }
     if method.startswith("ours"):
         path = kernel_path(
             model,
@@ -202,6 +208,8 @@ def one(method: str, args) -> dict:
     except torch.OutOfMemoryError:
         out["error"] = "out of memory"
         return out
+    if args.profile:
+        profile(run, model, requests, args, cuda)
     lengths = [len(ids) for ids, _ in requests]
     out["tokens"] = sum(lengths)
     out["scored_tokens"] = int(sum(len(p) for _, p in requests))
@@ -216,6 +224,33 @@ def one(method: str, args) -> dict:
     else:
         out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+def profile(run, model, requests, args, cuda: bool) -> None:
+    """One more untimed run under torch's profiler: on stderr, the ops that took the most device (or CPU)
+    time, and how much of the wall time the device was busy. A device busy for a small share of the
+    wall is waiting on the host (kernel launches, syncs), and fewer, larger kernels are the cure."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profiler(activities=activities) as prof:
+        start = time.perf_counter()
+        run(model, requests, args)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(events.table(sort_by=key, row_limit=args.profile), file=sys.stderr)
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e6  # microseconds
+        print(
+            f"profile: {len(kernels):,} device kernels, busy {busy * 1e3:.1f} ms of {wall * 1e3:.1f} ms wall "
+            f"({busy / wall:.0%}; the profiler adds host time)",
+            file=sys.stderr,
+        )
 
 
 def run_method(method: str, passthrough: list[str], timeout: float | None, logs: Path | None) -> dict:
@@ -265,6 +300,13 @@ def main() -> None:
         "--method-timeout", type=float, help="seconds a method may take (its build, warm-up and timed run)"
     )
     ap.add_argument("--logs", type=Path, help="a folder for each method's whole stderr (<method>.log)")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="after the timed run, a profiled one: the top ROWS ops",
+    )
     ap.add_argument("--stack-dump-after", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.method:
@@ -281,6 +323,7 @@ def main() -> None:
         f"--batch={args.batch}",
         f"--budget={args.budget}",
         f"--seed={args.seed}",
+        f"--profile={args.profile}",
     ]
     for name in ("layers", "trajectories", "min_len", "max_len"):
         if getattr(args, name) is not None:
@@ -325,7 +368,7 @@ def report(args, methods: list[str], results: dict) -> None:
             f"{label:40} {x['seconds']:8.2f} {x['scored_tokens'] / x['seconds']:13,.0f} {x['peak_mb']:9,.0f}{tail}"
         )
     if "ours" in done:
-        print(f"ours' path: {done['ours']['path']}")
+        print(f"ours' path: {done['ours']['path']}; MoE experts: {done['ours'].get('experts')}")
         ours = done["ours"]["seconds"]
         if "naive" in done:
             print(

@@ -160,7 +160,13 @@ def main() -> None:
     ap.add_argument("--memory", choices=("ours", "naive"))
     ap.add_argument("--length", type=int, default=65_536)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--parts",
+        default="1,2",
+        help="which parts to run (1: step time, 2: 64K memory); a GPU session splits them",
+    )
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     torch.set_num_threads(os.cpu_count() or 1)
     if args.memory:
         print(json.dumps(memory(args.memory, args)))
@@ -172,6 +178,13 @@ def main() -> None:
         + (f"{torch.cuda.get_device_name()} bf16" if CUDA else "CPU float32")
         + f"; preset {args.preset}, {layers} layers"
     )
+    if "1" in parts:
+        one_step(args)
+    if "2" in parts:
+        long_trajectory(args)
+
+
+def one_step(args) -> None:
     t = throughput(args)
     print(
         f"\n1. one optimiser step, 8 groups x 4 trajectories ({t['grpo']['tokens']:,} tokens, "
@@ -183,25 +196,30 @@ def main() -> None:
             f"   {name.upper():6} {t[name]['seconds']:7.2f} s   {t[name]['tokens_per_s']:9,.0f} training tokens/s{mfu}"
         )
     print(f"   PBSD / GRPO step time: {t['pbsd']['seconds'] / t['grpo']['seconds']:.2f}")
+
+
+def long_trajectory(args) -> None:
+    """Each variant in a process of its own, its line printed as it ends: a session's time limit that
+    cuts the naive variant keeps ours' figure."""
     passthrough = ["--preset", args.preset, "--length", str(args.length)]
     passthrough += ["--layers", str(args.layers)] if args.layers else []
-    results = {}
-    for variant in ("ours", "naive"):
-        done = subprocess.run(
-            [sys.executable, __file__, "--memory", variant, *passthrough], capture_output=True, text=True
-        )
-        lines = done.stdout.strip().splitlines()
-        results[variant] = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": "failed"}
-    print(f"\n2. one optimiser step on a single {args.length:,}-token trajectory")
+    print(f"\n2. one optimiser step on a single {args.length:,}-token trajectory", flush=True)
     for variant, label in (
         ("ours", "chunked LM head + activation checkpointing (ours)"),
         ("naive", "full-vocabulary float32 logits (naive)"),
     ):
-        r = results[variant]
-        if "error" in r:
-            print(f"   {label:52} {r['error']}")
-        else:
-            print(f"   {label:52} peak {r['peak_mb']:7,.0f} MB  {r['seconds']:6.1f} s")
+        done = subprocess.run(
+            [sys.executable, __file__, "--memory", variant, *passthrough], capture_output=True, text=True
+        )
+        lines = done.stdout.strip().splitlines()
+        r = json.loads(lines[-1]) if done.returncode == 0 and lines else {}
+        if "peak_mb" in r:
+            print(f"   {label:52} peak {r['peak_mb']:7,.0f} MB  {r['seconds']:6.1f} s", flush=True)
+        elif "error" in r:  # out of memory: the figure is that it does not fit
+            print(f"   {label:52} {r['error']}", flush=True)
+        else:  # a crash: the child's last words
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"   {label:52} failed (rc {done.returncode}): {last[:100]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ NCCL = {"backend": "nccl", "rtol": 1e-3, "atol": 1e-5}  # CUDA kernels differ fr
         (3, 2, {}),
         (2, 0, {}),
         # on GPUs, over NCCL (`make test-gpu`); never run here: this machine has no GPU
+        pytest.param(2, 1, NCCL, marks=pytest.mark.gpu, id="nccl-2-1"),
         pytest.param(2, 2, NCCL, marks=pytest.mark.gpu, id="nccl-2-2"),
         pytest.param(3, 2, NCCL, marks=pytest.mark.gpu, id="nccl-3-2"),
     ],
