@@ -19,7 +19,7 @@ from services.scorer.evidence import score_group
 from services.scorer.logprobs import sequence_logprobs
 from services.scorer.noise import null_picks, null_request
 from services.trainer.dynamics import batch_metrics
-from services.trainer.viewer import viewer_data
+from services.trainer.viewer import sanity_summary, viewer_data
 from tests.test_scorer import TEMPLATE, _group, _trajectory, contexts_of, group_of
 
 EPS = {"eps_pos": 0.001, "eps_neg": 0.003}
@@ -123,6 +123,20 @@ async def test_a_layout_dependent_floor_is_measured_and_marks_the_turns_within_i
     assert batch_metrics([scored], 0)["within_noise_floor_frac"] == pytest.approx(
         np.mean([x for row in rows for x in (turn["within_floor"] for turn in row["turns"])])
     )
+
+
+async def test_the_viewer_says_when_the_null_share_has_no_deadband_to_fall_in(tok):
+    """With eps+ = eps- = 0 every null turn that rounding moves lies outside the "deadband": the
+    viewer's summary says there is none, and says nothing of the kind for the paper's deadband."""
+    for spec, label in (
+        (PbsdSpec(teacher_template=TEMPLATE, eps_pos=0, eps_neg=0), True),
+        (PbsdSpec(teacher_template=TEMPLATE), False),
+    ):
+        scored = await score_group(_group(tok, spec), tok, _layout_sensitive(0.02))
+        assert scored.diagnostics.noise.turns and (scored.diagnostics.noise.outside_frac > 0) is label
+        summary = sanity_summary([(1, scored)])
+        assert "null turns outside the deadband" in summary
+        assert ("(no deadband)" in summary) is label
 
 
 def test_the_log_softmax_is_float32_in_a_bfloat16_model(tok, tiny_checkpoint):

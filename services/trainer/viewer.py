@@ -182,10 +182,14 @@ def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
         f"wrong final answers with s &lt; -eps-: {frac('wrong_final_disfavoured_frac', 'wrong_final_turns')}",
     ]
     if "noise_std" in f:
+        # with no deadband every null turn that rounding moves at all lies outside it: say so, or
+        # the share reads as a floor far above a run's with the paper's deadband
+        specs = [g.group.algorithm for g in scored if isinstance(g.group.algorithm, PbsdSpec)]
+        bare = bool(specs) and all(not (spec.eps_pos or spec.eps_neg) for spec in specs)
         parts.append(
             f"noise floor: per-token std {f['noise_std']:.2g} nats, null turns outside the deadband "
-            f"{f.get('noise_outside_deadband_frac', 0):.0%}, scored turns within the floor "
-            f"{f.get('within_noise_floor_frac', 0):.0%}"
+            f"{f.get('noise_outside_deadband_frac', 0):.0%}{' (no deadband)' if bare else ''}, "
+            f"scored turns within the floor {f.get('within_noise_floor_frac', 0):.0%}"
         )
     return f"<p class='sanity' data-testid='sanity'>Teacher sanity ({len(scored)} groups): {'; '.join(parts)}.</p>"
 
