@@ -19,7 +19,7 @@ test-slow: bootstrap
 	$(PY) -m pytest -m "slow and not gpu"
 
 # On a GPU machine: the CUDA paths against the CPU ones (the scorer's packed flex attention and fused
-# LM head, a trainer step) and DeepSpeed over NCCL on two GPUs. A venv of its own, $(GPU_VENV), with
+# LM head, a trainer step) and DeepSpeed over NCCL on one and two GPUs. A venv of its own, $(GPU_VENV), with
 # PyPI's Linux torch (the CUDA build, with Triton; PBSD_TORCH to pick another), so that the CPU venv is
 # never switched back and forth. Fails where there is no GPU.
 GPU_VENV ?= .venv-gpu
