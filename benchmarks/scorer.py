@@ -245,7 +245,7 @@ def profile(run, model, requests, args, cuda: bool) -> None:
     print(events.table(sort_by=key, row_limit=args.profile), file=sys.stderr)
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy = sum(e.device_time for e in kernels) / 1e6  # microseconds
+        busy = sum(e.device_time for e in kernels) / 1e6  # device_time is in microseconds
         print(
             f"profile: {len(kernels):,} device kernels, busy {busy * 1e3:.1f} ms of {wall * 1e3:.1f} ms wall "
             f"({busy / wall:.0%}; the profiler adds host time)",
