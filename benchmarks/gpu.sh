@@ -72,6 +72,9 @@ step scorer-small-64k 120 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py -
     --budget 65536 --method-timeout 60 --profile 25 --logs "$out/scorer-small-64k"
 step scorer-qwen3 200 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset qwen3-30b-a3b \
     --methods ours,bound,bound-packed,ours-chunked --method-timeout 90 --logs "$out/scorer-qwen3"
+# The same shape by budget: one forward of 64K tokens against the default's nine (2026-11-28).
+step scorer-qwen3-64k 100 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset qwen3-30b-a3b \
+    --methods ours,bound --budget 65536 --method-timeout 90 --logs "$out/scorer-qwen3-64k"
 step scorer-short 140 env TORCH_LOGS=recompiles "$py" benchmarks/scorer.py --preset short \
     --methods ours,naive,bound --method-timeout 60 --logs "$out/scorer-short"
 step numerics 60 "$py" benchmarks/scorer_numerics.py
