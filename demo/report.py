@@ -238,7 +238,7 @@ def write_report(
         f"not contain the verified answer; such turns should sit in the deadband "
         f"[-{deadband[1]}, {deadband[0]}]. A teacher that reads x* favours at least "
         f"{MIN_FRACTION:.0%} of the correct final answers, disfavours {MIN_FRACTION:.0%} of the wrong "
-        "ones, and favours grounded actions over made-up ones (&#10003;/&#10007;: target met or "
+        "ones (a last message that boxes no answer is in neither column), and favours grounded actions over made-up ones (&#10003;/&#10007;: target met or "
         "not). The noise floor is the scorer's null pass: the same tokens scored again in the teacher "
         "pass's layout, where the true evidence is 0; a turn whose |s| lies within it is marked in "
         "the viewer. The teacher's x* rewrote the user message as "

@@ -64,7 +64,7 @@ ActionClass = Literal[
     "answers/made-up",
 ]
 ACTION_CLASSES: tuple[str, ...] = get_args(ActionClass)
-TURN_KINDS = ("answer_free", "answer_bearing", "correct_final", "wrong_final")
+TURN_KINDS = ("answer_free", "answer_bearing", "correct_final", "wrong_final", "unboxed_final")
 
 
 def _fraction(part: int, whole: int) -> float | None:
@@ -137,10 +137,12 @@ class EvidenceTally(Contract):
 
 
 class TeacherSanity(Contract):
-    """The scored turns of a group by kind. Each turn is one of the four kinds of turn:
+    """The scored turns of a group by kind. Each turn is one of the five kinds of turn:
 
     ``correct_final``: the last turn of a trajectory with reward > 0; ``wrong_final``: the last turn
-    of a trajectory that ended on its own final message (finish reason "answer") with reward 0;
+    of a trajectory that ended on its own final message (finish reason "answer") with a boxed answer
+    and reward 0; ``unboxed_final``: the last turn of one that ended on its own message with nothing
+    boxed (no answer to verify, so in neither final figure);
     ``answer_bearing``: any other turn whose text contains the verified answer or an alias
     (:func:`pbsd.verifier.mentions`); ``answer_free``: every other turn. A turn that searches, reads
     or answers also counts in one of ``actions``, by whether the action was grounded
@@ -150,6 +152,7 @@ class TeacherSanity(Contract):
     answer_bearing: EvidenceTally = EvidenceTally()
     correct_final: EvidenceTally = EvidenceTally()
     wrong_final: EvidenceTally = EvidenceTally()
+    unboxed_final: EvidenceTally = EvidenceTally()
     actions: dict[ActionClass, EvidenceTally] = Field(default_factory=dict)
 
     def __add__(self, other: TeacherSanity) -> TeacherSanity:
@@ -159,13 +162,14 @@ class TeacherSanity(Contract):
             answer_bearing=self.answer_bearing + other.answer_bearing,
             correct_final=self.correct_final + other.correct_final,
             wrong_final=self.wrong_final + other.wrong_final,
+            unboxed_final=self.unboxed_final + other.unboxed_final,
             actions={
                 k: self.actions.get(k, EvidenceTally()) + other.actions.get(k, EvidenceTally()) for k in keys
             },
         )
 
     def tallies(self) -> dict[str, EvidenceTally]:
-        """Every kind's tally by name: the four kinds of turn, then the action classes present."""
+        """Every kind's tally by name: the five kinds of turn, then the action classes present."""
         return {k: getattr(self, k) for k in TURN_KINDS} | dict(self.actions)
 
     def figures(self) -> dict[str, float]:
@@ -182,7 +186,7 @@ class TeacherSanity(Contract):
                 values["favoured_frac"] = tally.above_frac
                 # how many could be favoured at all: the rest are written with near certainty
                 values["room_frac"] = tally.room_frac
-            elif key == "wrong_final":
+            elif key in ("wrong_final", "unboxed_final"):
                 values["disfavoured_frac"] = tally.below_frac
             out |= {f"{name}_{k}": float(v) for k, v in values.items() if v is not None}
         return out

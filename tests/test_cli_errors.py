@@ -144,6 +144,8 @@ CASES = [
     ("model grow: no model", lambda f: ["model", "grow", "--model", str(f.missing), "--out", str(f.tmp / "grown")], "--model", 2),
     ("teacher drift: no groups folder", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.missing)], "does not exist", 2),
     ("teacher drift: no scored groups", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.tmp)], "no scored PBSD groups", 2),
+    ("teacher tally: no groups folder", lambda f: ["teacher", "tally", "--model", str(f.ckpt), "--groups", str(f.missing)], "does not exist", 2),
+    ("teacher tally: no scored groups", lambda f: ["teacher", "tally", "--model", str(f.ckpt), "--groups", str(f.tmp)], "no scored PBSD groups", 2),
     ("teacher check: support without facts", lambda f: _teacher(f, "--teacher-template", "support"), "3 of 3 questions", 1),
     # refused before the model is loaded (f.ckpt would fail to load) or anything sampled
     ("eval: compare to other questions", lambda f: _eval(f, "--compare-to", f.tmp / "other-report.json"), "3 of the 3 evaluated here are not among its 1", 2),

@@ -9,10 +9,12 @@ import re
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from agent.chat import ChatTokenizer, spelled_at
 from agent.grounding import turn_verdicts
 from agent.transcript import turn_texts
+from pbsd.cli import app
 from pbsd.verifier import mentions, normalize
 from proto.messages import ScoredGroup
 from proto.runs import PbsdSpec
@@ -21,6 +23,7 @@ from services.model.checkpoint import load_model
 from services.scorer.backends import LocalScorer
 from services.scorer.evidence import score_group
 from services.scorer.finals import answer_room, final_turns
+from services.trainer.checkpoints import save_groups
 from services.trainer.dynamics import batch_metrics
 from tests.test_grounding import _search
 from tests.test_scorer import IDENTITY, TEMPLATE, _trajectory, group_of
@@ -197,6 +200,60 @@ async def test_a_teacher_that_lowers_everything_fails_them(tok):
     assert sanity.correct_final.above == 0 and sanity.wrong_final.below == 1
 
 
+async def test_a_last_message_that_boxes_nothing_is_no_final_answer(tok):
+    """A trajectory can stop on its own message without boxing an answer: a stray tool-call fragment
+    (the lab policy writes "</arguments></use_mcp_tool>" after a failed call) or a sentence with no
+    box. It gave no answer to verify, so that turn is an unboxed final: in neither the wrong-final
+    figure (the boxed wrong answer alone) nor the answer-free one (the searches alone)."""
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
+    boxed = _hand_made_group(tok, spec).trajectories[1]  # a made-up search, then \boxed{Rhine}
+    stray = _trajectory(
+        tok, [_search("Zorbel river"), "</arguments>\n</use_mcp_tool>"], RESULT, i=3, reward=0.0
+    )
+    prose = _trajectory(
+        tok, [_search("Zorbel river"), "The page gives the year 1538."], RESULT, i=4, reward=0.0
+    )
+    assert stray.finish_reason == prose.finish_reason == "answer" and stray.final_answer is None
+    sanity = (
+        await score_group(group_of([boxed, stray, prose], spec), tok, _reading_teacher(tok, gain=0.5))
+    ).diagnostics.sanity
+    assert (sanity.wrong_final.turns, sanity.wrong_final.below) == (1, 1)
+    assert sanity.answer_free.turns == 3  # the three searches
+    assert sanity.unboxed_final.turns == 2
+    figures = sanity.figures()
+    assert figures["wrong_final_turns"] == 1 and figures["unboxed_final_turns"] == 2
+
+
+async def test_tally_sorts_saved_groups_again_from_their_evidence(tok, tiny_checkpoint, tmp_path):
+    """`pbsd teacher tally` reads saved groups and classifies their turns as the scorer does now: a
+    group saved with tallies of an earlier classification (here: none at all) gets the figures the
+    scorer gives today, summed over every folder given, without a likelihood pass."""
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
+    stray = _trajectory(tok, [_search("Zorbel river"), "</arguments>"], RESULT, i=3, reward=0.0)
+    group = group_of([*_hand_made_group(tok, spec).trajectories, stray], spec)
+    scored = await score_group(group, tok, _reading_teacher(tok, gain=0.5))
+    blank = scored.model_copy(
+        update={"diagnostics": scored.diagnostics.model_copy(update={"sanity": TeacherSanity()})}
+    )
+    save_groups(tmp_path / "a", 0, [scored])
+    save_groups(tmp_path / "b", 3, [blank])
+    out = tmp_path / "tally.json"
+    args = ["teacher", "tally", "--model", str(tiny_checkpoint), "--out", str(out)]
+    result = CliRunner().invoke(
+        app, [*args, "--groups", str(tmp_path / "a"), "--groups", str(tmp_path / "b")]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    want = (scored.diagnostics.sanity + scored.diagnostics.sanity).figures()
+    want.pop("correct_final_room_frac")
+    assert report["figures"] == pytest.approx(want)
+    assert report["figures"]["unboxed_final_turns"] == 2 and report["figures"]["wrong_final_turns"] == 2
+    assert report["as_stored"]["wrong_final_turns"] == 1  # the blank copy stored no tallies
+    assert "finals that box nothing 2" in result.output
+    missing = CliRunner().invoke(app, [*args, "--groups", str(tmp_path)])
+    assert missing.exit_code != 0 and "no scored PBSD groups" in missing.output
+
+
 async def test_an_uninformative_teacher_leaves_answer_free_turns_at_zero(tok, tiny_checkpoint):
     """x* == x through the real scorer: every s is exactly 0, so answer-free turns sit at 0 and no
     final answer is favoured or disfavoured."""
@@ -223,7 +280,7 @@ def _reference_sanity(scored: ScoredGroup, tok: ChatTokenizer, spec: PbsdSpec) -
             if last and t.reward > 0:
                 kind = "correct_final"
             elif last and t.finish_reason == "answer":
-                kind = "wrong_final"
+                kind = "wrong_final" if t.final_answer is not None else "unboxed_final"
             elif re.search(pattern, normalize(text)):
                 kind = "answer_bearing"
             else:

@@ -314,3 +314,71 @@ def drift_cmd(
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
     typer.echo(describe_drift(report))
+
+
+@app.command("tally")
+def tally_cmd(
+    model: Path = typer.Option(..., help="a checkpoint with the run's tokenizer", callback=checkpoint_dir),
+    groups: list[Path] = typer.Option(
+        ...,
+        help="folders of scored groups (a run's, or `pbsd teacher check --save-groups`); repeat to sum",
+        exists=True,
+        file_okay=False,
+    ),
+    out: Path | None = typer.Option(None, help="also write the figures here (JSON)"),
+) -> None:
+    """Sanity figures of saved groups, sorted as the scorer sorts now.
+
+    Reads each group's stored evidence (no likelihood pass) and sorts its turns again
+    (services/scorer/sanity.py, `retally`), so a run scored before a change to the turn kinds gets
+    the figures a run would get today; the figures sum over every folder given. The correct finals'
+    room is not among them: a saved group keeps no turn ceilings."""
+    import json
+
+    from agent.chat import ChatTokenizer
+    from pbsd.sanity import checks
+    from proto.sanity import TeacherSanity
+    from services.scorer.sanity import retally
+    from services.trainer.viewer import load_groups
+
+    scored = [g for folder in groups for _, g in load_groups(folder) if g.scored]
+    if not scored:
+        raise UserError(f"no scored PBSD groups in {', '.join(str(g / 'groups') for g in groups)}", code=2)
+    tok = ChatTokenizer.from_pretrained(model)
+    specs = {(g.group.algorithm.eps_pos, g.group.algorithm.eps_neg) for g in scored}
+    if len(specs) > 1:
+        raise UserError(f"the groups use {len(specs)} deadbands; tally them apart", code=2)
+    (eps_pos, eps_neg), stored = specs.pop(), sum((g.diagnostics.sanity for g in scored), TeacherSanity())
+    figures = sum((retally(g, tok) for g in scored), TeacherSanity()).figures()
+    figures.pop("correct_final_room_frac", None)
+    shown = ("answer_free_turns", "answer_free_mean_s", "wrong_final_turns", "wrong_final_disfavoured_frac")
+    report = {
+        "groups": len(scored),
+        "figures": figures,
+        "checks": checks(figures, eps_pos=eps_pos, eps_neg=eps_neg),
+        "as_stored": {k: v for k, v in stored.figures().items() if k in shown},
+    }
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+    f, old = report["figures"], report["as_stored"]
+    typer.echo(f"{len(scored)} scored groups, deadband [-{eps_neg:g}, {eps_pos:g}]")
+    for mark in report["checks"]:
+        value = "-" if mark["value"] is None else f"{mark['value']:+.4f}"
+        met = {True: "met", False: "missed", None: "no turns"}[mark["met"]]
+        typer.echo(f"  {mark['figure']}: {value} (target {mark['target']}: {met})")
+    typer.echo(
+        f"  turns: answer-free {int(f.get('answer_free_turns', 0))}, correct finals "
+        f"{int(f.get('correct_final_turns', 0))}, wrong finals {int(f.get('wrong_final_turns', 0))}, "
+        f"finals that box nothing {int(f.get('unboxed_final_turns', 0))}"
+        + (
+            f" ({f['unboxed_final_disfavoured_frac']:.0%} with s < -eps-)"
+            if "unboxed_final_disfavoured_frac" in f
+            else ""
+        )
+    )
+    typer.echo(
+        "  as stored: "
+        + ", ".join(
+            f"{k} {v:+.4f}" if k.endswith(("_s", "_frac")) else f"{k} {int(v)}" for k, v in old.items()
+        )
+    )

@@ -52,7 +52,12 @@ from services.scorer.sanity import final_kind, turn_kinds
 __all__ = ["answer_first_tokens", "describe_drift", "drift_anatomy"]
 
 GAP = 1e-4  # nats: more than float32 rounding between the scorer's passes and this one
-OUTCOMES = {"correct_final": "correct", "wrong_final": "wrong", None: "no final answer"}
+OUTCOMES = {
+    "correct_final": "correct",
+    "wrong_final": "wrong",
+    "unboxed_final": "no final answer",
+    None: "no final answer",
+}
 PARTS = ("pulled", "fact", "rest")  # toward the answer, toward a supporting fact's entity, the others
 MEANS = ("mean_s", *(f"{p}_part" for p in PARTS))  # a turn's s is the sum of its parts
 

@@ -48,7 +48,7 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
         group.trajectories, scored.turn_evidence, group_contexts(group, tokenizer), strict=True
     ):
         kind = final_kind(t)
-        if kind is None or c is None or math.isnan(s[-1]):
+        if kind not in ("correct_final", "wrong_final") or c is None or math.isnan(s[-1]):
             continue
         last = (c.token_turns == t.num_turns - 1) & (c.phi >= 0)
         ids = [c.student[p] for p in c.loss_positions[last]]

@@ -5,8 +5,13 @@ Does the answer-aware teacher read x*? Each scored turn (s not NaN) is exactly o
 - a *correct final* answer: the last turn of a trajectory with reward > 0 (its boxed answer
   verified);
 - a *wrong final* answer: the last turn of a trajectory that ended on its own final message
-  (finish reason "answer") with reward 0. A trajectory cut by a turn, token or context limit has
-  no final answer;
+  (finish reason "answer") with a boxed answer and reward 0. A trajectory cut by a turn, token or
+  context limit has no final answer;
+- an *unboxed final*: the last turn of a trajectory that ended on its own message but boxed
+  nothing (a stray tool-call fragment, a sentence with no box). It gave no answer to verify, so it
+  is kept out of the wrong finals, whose figure judges how the teacher meets a wrong answer, and
+  out of the answer-free turns, whose figure judges the turns on the way (some of these state an
+  answer in prose, which a teacher that reads x* disfavours);
 - *answer-bearing*: any other turn whose text (what the assistant wrote in it) mentions the
   verified answer or an alias (:func:`pbsd.verifier.mentions`: normalised as the verifier
   normalises, whole words), such as a search for the answer's own page;
@@ -32,11 +37,11 @@ from agent.chat import ChatTokenizer
 from agent.grounding import turn_verdicts
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions
-from proto.messages import Trajectory, TrajectoryGroup
+from proto.messages import ScoredGroup, Trajectory, TrajectoryGroup
 from proto.runs import PbsdSpec
 from proto.sanity import ACTION_CLASSES, EvidenceTally, TeacherSanity
 
-__all__ = ["TurnKinds", "final_kind", "tally_sanity", "turn_kinds"]
+__all__ = ["TurnKinds", "final_kind", "retally", "tally_sanity", "turn_kinds"]
 
 # per trajectory (None: not scored), per turn: its kind and its action class (or None)
 TurnKinds = list[list[tuple[str, str | None]] | None]
@@ -44,8 +49,13 @@ TurnKinds = list[list[tuple[str, str | None]] | None]
 
 def final_kind(t: Trajectory) -> str | None:
     """What the last turn of ``t`` is: a correct final (reward > 0), a wrong final (it stopped on its
-    own final message), or no final answer (None: cut by a limit, or failed)."""
-    return "correct_final" if t.reward > 0 else "wrong_final" if t.finish_reason == "answer" else None
+    own final message and boxed an answer), an unboxed final (it stopped on its own message and boxed
+    nothing), or no final answer (None: cut by a limit, or failed)."""
+    if t.reward > 0:
+        return "correct_final"
+    if t.finish_reason != "answer":
+        return None
+    return "wrong_final" if t.final_answer is not None else "unboxed_final"
 
 
 def turn_kinds(group: TrajectoryGroup, tokenizer: ChatTokenizer) -> TurnKinds:
@@ -97,5 +107,20 @@ def tally_sanity(
         answer_bearing=tally("answer_bearing"),
         correct_final=tally("correct_final"),
         wrong_final=tally("wrong_final"),
+        unboxed_final=tally("unboxed_final"),
         actions={k: a for k in ACTION_CLASSES if (a := tally(k)).turns},
+    )
+
+
+def retally(scored: ScoredGroup, tokenizer: ChatTokenizer) -> TeacherSanity:
+    """``scored``'s tallies again, from the evidence it carries and the turn kinds as this module
+    classifies them now: a run or a check scored under an earlier classification is read again
+    without its likelihood passes (``pbsd teacher tally``). A scored group keeps no turn ceilings,
+    so every kind's ``room`` is 0 here."""
+    trajectories = scored.group.trajectories
+    return tally_sanity(
+        turn_kinds(scored.group, tokenizer),
+        [np.asarray(s, np.float64) for s in scored.turn_evidence],
+        [np.full(t.num_turns, np.nan) for t in trajectories],
+        scored.group.algorithm,
     )

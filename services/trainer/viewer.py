@@ -181,6 +181,8 @@ def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
         ),
         f"wrong final answers with s &lt; -eps-: {frac('wrong_final_disfavoured_frac', 'wrong_final_turns')}",
     ]
+    if f.get("unboxed_final_turns"):
+        parts.append(f"finals that box nothing (in neither figure): {int(f['unboxed_final_turns'])}")
     if "noise_std" in f:
         # with no deadband every null turn that rounding moves at all lies outside it: say so, or
         # the share reads as a floor far above a run's with the paper's deadband
