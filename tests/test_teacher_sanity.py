@@ -399,9 +399,11 @@ async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
         assert room["wrong_sure"] == int(sure) and room["wrong_answer_change"] < -0.5
         if sure:
             assert (room["already_sure"], room["already_sure_favoured"], room["unsure"]) == (2, 0, 0)
+            assert room["answer_only_room"] == 0  # nothing left to lift on a sure answer
         else:
             assert (room["already_sure"], room["unsure"], room["unsure_favoured"]) == (0, 2, 2)
             assert room["unsure_answer_lift"] > 0.5
+            assert room["answer_only_room"] == 2  # the answer's tokens at -2 nats have room above eps+
 
 
 def test_spelled_at_finds_whole_occurrences_only():

@@ -177,7 +177,8 @@ def describe(report: dict[str, Any]) -> str:
             f"  correct finals naming the answer: {r['naming_the_answer']}; the policy already sure of it "
             f"(every answer token's log-prob >= {SURE}) in {r['already_sure']}, {r['already_sure_favoured']} "
             f"of them favoured; of the {r['unsure']} others, {r['unsure_favoured']} favoured, the answer's "
-            f"tokens lifted {r['unsure_answer_lift']:+.2f} nats on average",
+            f"tokens lifted {r['unsure_answer_lift']:+.2f} nats on average; a teacher that lifted only the "
+            f"answer's tokens, to certainty, would favour {r['answer_only_room']}",
         )
         lines.append(
             f"  wrong finals spelling the answer they give: {r['wrong_spelled']}; the policy sure of it in "

@@ -90,7 +90,10 @@ def answer_room(
     """Of the correct finals in ``rows``: how many name the answer in tokens the scorer aligned,
     how many of those the student was already sure of (every answer token's log-prob >= ``sure_at``),
     and, of the rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer
-    tokens (their mean teacher-minus-student log-prob). Of the wrong finals: how many spell out the
+    tokens (their mean teacher-minus-student log-prob); and how many a teacher that lifted only the
+    answer's own tokens to certainty, every other token left where the student has it, would favour
+    (``answer_only_room``: x* says what the answer is, not how the sentence around it is phrased, so
+    a teacher that reads no more than the answer favours no more than these). Of the wrong finals: how many spell out the
     answer they give, how many of those the student was sure of, how many the teacher disfavoured
     (s < -eps-) and its mean change on the given answer's tokens. And for both, how many wrote their
     answer in an earlier turn first (:func:`first_written`), and how many of those turns the teacher
@@ -98,6 +101,9 @@ def answer_room(
 
     def sure(row: dict, key: str) -> bool:
         return min(row["student"][k] for k in row[key]) >= sure_at
+
+    def answer_only(row: dict) -> float:  # the turn's s were the answer's tokens at log-prob 0
+        return -sum(row["student"][k] for k in row["answer_tokens"]) / len(row["student"])
 
     def change(part: list[dict], key: str) -> float:
         moved = [np.mean([r["teacher"][k] - r["student"][k] for k in r[key]]) for r in part]
@@ -119,6 +125,7 @@ def answer_room(
         "unsure": len(unsure),
         "unsure_favoured": sum(r["s"] > eps_pos for r in unsure),
         "unsure_answer_lift": change(unsure, "answer_tokens"),
+        "answer_only_room": sum(answer_only(r) > eps_pos for r in named),
         "wrong_finals": len(wrong),
         "wrong_spelled": len(given),
         "wrong_sure": sum(sure(r, "written_tokens") for r in given),
