@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from proto.sanity import NoiseFloor, TeacherSanity
+from services.scorer.sanity import final_kind
 from services.trainer.viewer import load_groups
 
 
@@ -48,11 +49,12 @@ def test_pbsd_teacher_check_cli(tiny_world, tiny_checkpoint, tmp_path):
     assert "answer-free turns: mean s" in result.output and "noise floor" in result.output
     assert "data-testid='sanity'" in viewer.read_text()
     rows = [json.loads(line) for line in finals.read_text().splitlines()]
-    assert len(rows) == report["finish_reasons"].get("answer", 0)  # one per trajectory that answered
     assert report["finals"]["correct_finals"] == sum(r["correct"] for r in rows)
     assert all(len(r["tokens"]) == len(r["student"]) == len(r["teacher"]) for r in rows)
-    assert "correct finals naming the answer" in result.output
+    assert "correct finals naming the answer" in result.output and "by outcome and grounding" in result.output
     groups = load_groups(kept)  # as a run keeps them: the report's and the viewer's input
     assert len(groups) == 2 and all(g.scored and g.diagnostics.noise.tokens > 0 for _, g in groups)
+    answered = [final_kind(t) for _, g in groups for t in g.group.trajectories]
+    assert len(rows) == sum(k in ("correct_final", "wrong_final") for k in answered)  # one per final answer
     bad = CliRunner().invoke(app, [*args, "--out", str(out), "--evidence-routing", "sideways"])
     assert bad.exit_code == 2 and "evidence_routing" in bad.output

@@ -392,7 +392,15 @@ async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
             assert bool(r["answer_tokens"]) == r["correct"]  # "Danube", spelled whole, in the right ones only
             assert np.mean(np.subtract(r["teacher"], r["student"])) == pytest.approx(r["s"], abs=1e-4)
         assert all(r["written_tokens"] for r in rows)  # every final spells the answer it gives
+        assert [r["grounded"] for r in rows] == [True, False, False]  # Danube read, Rhine and Danube not
         room = answer_room(rows, **EPS)
+        by = room["by_outcome"]
+        assert {k: v["finals"] for k, v in by.items()} == {
+            "correct_grounded": 1,
+            "correct_made_up": 1,
+            "wrong_made_up": 1,
+        }
+        assert by["wrong_made_up"]["mean_s"] == pytest.approx(rows[1]["s"])
         assert (room["correct_finals"], room["naming_the_answer"]) == (2, 2)
         # a wrong answer's likelihood can always fall, sure student or not
         assert (room["wrong_finals"], room["wrong_spelled"], room["wrong_disfavoured"]) == (1, 1, 1)

@@ -190,4 +190,10 @@ def describe(report: dict[str, Any]) -> str:
             f"disfavoured in {r['wrong_written_earlier_disfavoured']}; {r['right_written_earlier']} right, "
             f"favoured in {r['right_written_earlier_favoured']} (token by token in {r['file']})"
         )
+        parts = [
+            f"{k.replace('_', ' ', 1).replace('_', '-')} {v['finals']} at {v['mean_s']:+.4f} (answer "
+            f"{v['student']:+.2f} nats, {v['answer_change']:+.2f} after x*)"
+            for k, v in r["by_outcome"].items()
+        ]
+        lines.append(f"  final answers' mean s by outcome and grounding: {', '.join(parts) or 'none'}")
     return "\n".join(lines)

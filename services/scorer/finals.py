@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from agent.chat import ChatTokenizer, spelled_at
+from agent.grounding import turn_verdicts
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions
 from proto.messages import ScoredGroup, Trajectory
@@ -53,6 +54,9 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
         last = (c.token_turns == t.num_turns - 1) & (c.phi >= 0)
         ids = [c.student[p] for p in c.loss_positions[last]]
         written = first_written(t, tokenizer)
+        verdict = turn_verdicts(
+            group.question, turn_texts(t.completion_ids, t.turn_spans, tokenizer), t.final_answer
+        )[-1]
         requests += [(c.student, c.loss_positions[last]), (c.teacher, c.phi[last])]
         rows.append(
             {
@@ -62,6 +66,8 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
                 "s": float(s[-1]),
                 "tokens": [tokenizer.decode([i]) for i in ids],
                 "final_answer": t.final_answer,
+                # found in a tool result (as the viewer labels it), None when the turn is no answer
+                "grounded": verdict[1] if verdict is not None and verdict[0] == "answers" else None,
                 "first_written": written,
                 "first_written_s": None if written is None or math.isnan(s[written]) else float(s[written]),
                 "answer_tokens": spelled_at(ids, spellings(group.answer)),
@@ -97,7 +103,11 @@ def answer_room(
     answer they give, how many of those the student was sure of, how many the teacher disfavoured
     (s < -eps-) and its mean change on the given answer's tokens. And for both, how many wrote their
     answer in an earlier turn first (:func:`first_written`), and how many of those turns the teacher
-    disfavoured (wrong) or favoured (correct): where turn-level credit lands on the commitment."""
+    disfavoured (wrong) or favoured (correct): where turn-level credit lands on the commitment. Last,
+    the finals' mean s by outcome and grounding (``by_outcome``). The sanity figures' answers pool
+    right and wrong ones; this splits them, so that a pooled "grounded below made-up" can be told
+    apart from grounded wrong answers disfavoured more than made-up wrong ones (a copied answer the
+    student was sure of has the most likelihood to lose; docs/credit-signal.md)."""
 
     def sure(row: dict, key: str) -> bool:
         return min(row["student"][k] for k in row[key]) >= sure_at
@@ -108,6 +118,18 @@ def answer_room(
     def change(part: list[dict], key: str) -> float:
         moved = [np.mean([r["teacher"][k] - r["student"][k] for k in r[key]]) for r in part]
         return float(np.mean(moved)) if moved else float("nan")
+
+    def outcome_row(part: list[dict], key: str) -> dict[str, float]:
+        """Their mean s and, over those that spell their answer, the student's mean log-prob of it
+        and the teacher's mean change on it."""
+        spelled = [r for r in part if r[key]]
+        student = [np.mean([r["student"][k] for k in r[key]]) for r in spelled]
+        return {
+            "finals": len(part),
+            "mean_s": float(np.mean([r["s"] for r in part])),
+            "student": float(np.mean(student)) if student else math.nan,
+            "answer_change": change(spelled, key),
+        }
 
     correct = [r for r in rows if r["correct"]]
     named = [r for r in correct if r["answer_tokens"]]
@@ -135,4 +157,13 @@ def answer_room(
         "wrong_written_earlier_disfavoured": sum(r["first_written_s"] < -eps_neg for r in earlier),
         "right_written_earlier": len(earlier_right),
         "right_written_earlier_favoured": sum(r["first_written_s"] > eps_pos for r in earlier_right),
+        "by_outcome": {
+            f"{outcome}_{how}": outcome_row(part, key)
+            for outcome, of, key in (
+                ("correct", correct, "answer_tokens"),
+                ("wrong", wrong, "written_tokens"),
+            )
+            for how, grounded in (("grounded", True), ("made_up", False))
+            if (part := [r for r in of if r.get("grounded") is grounded])
+        },
     }
