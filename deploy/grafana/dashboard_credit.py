@@ -141,7 +141,8 @@ def credit() -> dict:
             panel(
                 "Final answers the teacher judges right",
                 "Of the correct final answers (reward > 0), the fraction with s > eps+; of the wrong ones "
-                "(the agent's own final message, reward 0), the fraction with s < -eps-. A teacher that "
+                "(the agent's own final message boxing an answer, reward 0; a last message that boxes "
+                "nothing is counted apart), the fraction with s < -eps-. A teacher that "
                 "reads the verified answer in x* puts both near 1; near 0 it rescales advantages without "
                 "telling right from wrong. Last batch (trainer) and over 10 minutes (scorer). The room line is "
                 "the fraction of correct answers any teacher could favour at all (the student's mean "
