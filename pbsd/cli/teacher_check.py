@@ -149,8 +149,8 @@ def describe(report: dict[str, Any]) -> str:
     if f.get("unboxed_final_turns"):
         lines.append(
             f"  finals that box nothing (in neither figure): {int(f['unboxed_final_turns'])}, mean s "
-            f"{f['unboxed_final_mean_s']:+.4f}, {frac('unboxed_final_disfavoured_frac', 'unboxed_final_turns')} "
-            "with s < -eps-"
+            f"{f['unboxed_final_mean_s']:+.4f}, "
+            f"{frac('unboxed_final_disfavoured_frac', 'unboxed_final_turns')} with s < -eps-"
         )
     actions = [
         f"{kind} {how} {int(f[f'evidence_{kind}_{how}_turns'])} at {f[f'evidence_{kind}_{how}_mean_s']:+.4f}"

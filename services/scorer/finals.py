@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -92,22 +93,22 @@ def first_written(t: Trajectory, tokenizer: ChatTokenizer) -> int | None:
 
 def answer_room(
     rows: list[dict], *, eps_pos: float = 0.001, eps_neg: float = 0.003, sure_at: float = SURE
-) -> dict[str, float]:
-    """Of the correct finals in ``rows``: how many name the answer in tokens the scorer aligned,
-    how many of those the student was already sure of (every answer token's log-prob >= ``sure_at``),
-    and, of the rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer
-    tokens (their mean teacher-minus-student log-prob); and how many a teacher that lifted only the
-    answer's own tokens to certainty, every other token left where the student has it, would favour
-    (``answer_only_room``: x* says what the answer is, not how the sentence around it is phrased, so
-    a teacher that reads no more than the answer favours no more than these). Of the wrong finals: how many spell out the
-    answer they give, how many of those the student was sure of, how many the teacher disfavoured
-    (s < -eps-) and its mean change on the given answer's tokens. And for both, how many wrote their
-    answer in an earlier turn first (:func:`first_written`), and how many of those turns the teacher
-    disfavoured (wrong) or favoured (correct): where turn-level credit lands on the commitment. Last,
-    the finals' mean s by outcome and grounding (``by_outcome``). The sanity figures' answers pool
-    right and wrong ones; this splits them, so that a pooled "grounded below made-up" can be told
-    apart from grounded wrong answers disfavoured more than made-up wrong ones (a copied answer the
-    student was sure of has the most likelihood to lose; docs/credit-signal.md)."""
+) -> dict[str, Any]:
+    """Of the correct finals in ``rows``: how many name the answer in tokens the scorer aligned, how many
+    of those the student was already sure of (every answer token's log-prob >= ``sure_at``), and, of the
+    rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer tokens (their mean
+    teacher-minus-student log-prob); and how many a teacher that lifted only the answer's own tokens to
+    certainty, every other token left where the student has it, would favour (``answer_only_room``: x*
+    says what the answer is, not how the sentence around it is phrased, so a teacher that reads no more
+    than the answer favours no more than these). Of the wrong finals: how many spell out the answer they
+    give, how many of those the student was sure of, how many the teacher disfavoured (s < -eps-) and its
+    mean change on the given answer's tokens. And for both, how many wrote their answer in an earlier turn
+    first (:func:`first_written`), and how many of those turns the teacher disfavoured (wrong) or favoured
+    (correct): where turn-level credit lands on the commitment. Last, the finals' mean s by outcome and
+    grounding (``by_outcome``). The sanity figures' answers pool right and wrong ones; this splits them,
+    so that a pooled "grounded below made-up" can be told apart from grounded wrong answers disfavoured
+    more than made-up wrong ones (a copied answer the student was sure of has the most likelihood to lose;
+    docs/credit-signal.md)."""
 
     def sure(row: dict, key: str) -> bool:
         return min(row["student"][k] for k in row[key]) >= sure_at
