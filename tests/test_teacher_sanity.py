@@ -252,6 +252,18 @@ async def test_tally_sorts_saved_groups_again_from_their_evidence(tok, tiny_chec
     assert "finals that box nothing 2" in result.output
     missing = CliRunner().invoke(app, [*args, "--groups", str(tmp_path)])
     assert missing.exit_code != 0 and "no scored PBSD groups" in missing.output
+    # a comparison's folder: the variant's seeds, not a variant whose name starts the same
+    cmp = tmp_path / "cmp"
+    (cmp / "results").mkdir(parents=True)
+    for name, run in (("pbsd-x-s0", "r0"), ("pbsd-x-s1", None), ("pbsd-x-no-deadband-s0", "r1")):
+        (cmp / "results" / f"{name}.json").write_text(json.dumps({"run_id": run} if run else {}))
+    save_groups(cmp / "runs" / "r0", 0, [scored])
+    save_groups(cmp / "runs" / "r1", 0, [scored, scored])
+    result = CliRunner().invoke(app, [*args, "--compare", str(cmp), "--variant", "pbsd-x"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["groups"] == 1
+    alone = CliRunner().invoke(app, [*args, "--compare", str(cmp)])
+    assert alone.exit_code != 0 and "go together" in alone.output
 
 
 async def test_an_uninformative_teacher_leaves_answer_free_turns_at_zero(tok, tiny_checkpoint):

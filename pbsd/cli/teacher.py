@@ -320,20 +320,26 @@ def drift_cmd(
 def tally_cmd(
     model: Path = typer.Option(..., help="a checkpoint with the run's tokenizer", callback=checkpoint_dir),
     groups: list[Path] = typer.Option(
-        ...,
+        [],
         help="folders of scored groups (a run's, or `pbsd teacher check --save-groups`); repeat to sum",
         exists=True,
         file_okay=False,
     ),
+    compare: Path | None = typer.Option(
+        None, help="a `pbsd compare --out` folder: add the run folders of --variant's seeds", exists=True
+    ),
+    variant: str | None = typer.Option(None, help="with --compare: the variant, e.g. pbsd-answer-first"),
     out: Path | None = typer.Option(None, help="also write the figures here (JSON)"),
 ) -> None:
     """Sanity figures of saved groups, sorted as the scorer sorts now.
 
     Reads each group's stored evidence (no likelihood pass) and sorts its turns again
     (services/scorer/sanity.py, `retally`), so a run scored before a change to the turn kinds gets
-    the figures a run would get today; the figures sum over every folder given. The correct finals'
-    room is not among them: a saved group keeps no turn ceilings."""
+    the figures a run would get today; the figures sum over every folder given, and over every seed
+    of `--variant` in a comparison's `--compare` folder. The correct finals' room is not among them:
+    a saved group keeps no turn ceilings."""
     import json
+    import re
 
     from agent.chat import ChatTokenizer
     from pbsd.sanity import checks
@@ -341,9 +347,17 @@ def tally_cmd(
     from services.scorer.sanity import retally
     from services.trainer.viewer import load_groups
 
+    if (compare is None) != (variant is None):
+        raise UserError("--compare and --variant go together", code=2)
+    if compare is not None:
+        pattern = re.compile(re.escape(variant) + r"-s\d+\.json")
+        results = sorted(p for p in (compare / "results").glob("*.json") if pattern.fullmatch(p.name))
+        runs = [json.loads(p.read_text()).get("run_id") for p in results]  # none yet: not trained
+        groups = [*groups, *(compare / "runs" / r for r in runs if r)]
     scored = [g for folder in groups for _, g in load_groups(folder) if g.scored]
     if not scored:
-        raise UserError(f"no scored PBSD groups in {', '.join(str(g / 'groups') for g in groups)}", code=2)
+        where = ", ".join(str(g / "groups") for g in groups) or f"{variant}'s runs in {compare}"
+        raise UserError(f"no scored PBSD groups in {where}", code=2)
     tok = ChatTokenizer.from_pretrained(model)
     specs = {(g.group.algorithm.eps_pos, g.group.algorithm.eps_neg) for g in scored}
     if len(specs) > 1:
