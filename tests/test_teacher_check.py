@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from proto.sanity import NoiseFloor, TeacherSanity
 from services.scorer.sanity import final_kind
@@ -54,7 +55,11 @@ def test_pbsd_teacher_check_cli(tiny_world, tiny_checkpoint, tmp_path):
     assert "correct finals naming the answer" in result.output and "by outcome and grounding" in result.output
     groups = load_groups(kept)  # as a run keeps them: the report's and the viewer's input
     assert len(groups) == 2 and all(g.scored and g.diagnostics.noise.tokens > 0 for _, g in groups)
-    answered = [final_kind(t) for _, g in groups for t in g.group.trajectories]
-    assert len(rows) == sum(k in ("correct_final", "wrong_final") for k in answered)  # one per final answer
+    answered = [
+        final_kind(t) in ("correct_final", "wrong_final") and not math.isnan(s[-1])
+        for _, g in groups
+        for t, s in zip(g.group.trajectories, g.turn_evidence, strict=True)
+    ]
+    assert len(rows) == sum(answered)  # one per scored final answer
     bad = CliRunner().invoke(app, [*args, "--out", str(out), "--evidence-routing", "sideways"])
     assert bad.exit_code == 2 and "evidence_routing" in bad.output

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -213,15 +214,17 @@ async def test_a_last_message_that_boxes_nothing_is_no_final_answer(tok):
     prose = _trajectory(
         tok, [_search("Zorbel river"), "The page gives the year 1538."], RESULT, i=4, reward=0.0
     )
+    empty = _trajectory(tok, [_search("Zorbel river"), "\\boxed{ }"], RESULT, i=5, reward=0.0)
+    empty = empty.model_copy(update={"final_answer": ""})  # as extract_boxed reads an empty box
     assert stray.finish_reason == prose.finish_reason == "answer" and stray.final_answer is None
     sanity = (
-        await score_group(group_of([boxed, stray, prose], spec), tok, _reading_teacher(tok, gain=0.5))
+        await score_group(group_of([boxed, stray, prose, empty], spec), tok, _reading_teacher(tok, gain=0.5))
     ).diagnostics.sanity
     assert (sanity.wrong_final.turns, sanity.wrong_final.below) == (1, 1)
-    assert sanity.answer_free.turns == 3  # the three searches
-    assert sanity.unboxed_final.turns == 2
+    assert sanity.answer_free.turns == 4  # the four searches
+    assert sanity.unboxed_final.turns == 3
     figures = sanity.figures()
-    assert figures["wrong_final_turns"] == 1 and figures["unboxed_final_turns"] == 2
+    assert figures["wrong_final_turns"] == 1 and figures["unboxed_final_turns"] == 3
 
 
 async def test_tally_sorts_saved_groups_again_from_their_evidence(tok, tiny_checkpoint, tmp_path):
@@ -255,13 +258,19 @@ async def test_tally_sorts_saved_groups_again_from_their_evidence(tok, tiny_chec
     # a comparison's folder: the variant's seeds, not a variant whose name starts the same
     cmp = tmp_path / "cmp"
     (cmp / "results").mkdir(parents=True)
-    for name, run in (("pbsd-x-s0", "r0"), ("pbsd-x-s1", None), ("pbsd-x-no-deadband-s0", "r1")):
-        (cmp / "results" / f"{name}.json").write_text(json.dumps({"run_id": run} if run else {}))
+    results = {"pbsd-x-s0": "r0", "pbsd-x-s1": None, "pbsd-x-s2": "r2", "pbsd-x-no-deadband-s0": "r1"}
+    for name, run in results.items():  # s1 not started, s2 submitted but not trained
+        record = {"run_id": run, **({"train": {"wall_s": 1.0}} if run != "r2" else {})} if run else {}
+        (cmp / "results" / f"{name}.json").write_text(json.dumps(record))
     save_groups(cmp / "runs" / "r0", 0, [scored])
     save_groups(cmp / "runs" / "r1", 0, [scored, scored])
+    save_groups(cmp / "runs" / "r2", 0, [scored, scored, scored])
     result = CliRunner().invoke(app, [*args, "--compare", str(cmp), "--variant", "pbsd-x"])
     assert result.exit_code == 0, result.output
-    assert json.loads(out.read_text())["groups"] == 1
+    assert json.loads(out.read_text())["groups"] == 1 and "1 trained runs of 3 seeds" in result.output
+    shutil.rmtree(cmp / "runs" / "r0")
+    lost = CliRunner().invoke(app, [*args, "--compare", str(cmp), "--variant", "pbsd-x"])
+    assert lost.exit_code != 0 and "kept no scored groups: r0" in lost.output
     alone = CliRunner().invoke(app, [*args, "--compare", str(cmp)])
     assert alone.exit_code != 0 and "go together" in alone.output
 

@@ -352,8 +352,15 @@ def tally_cmd(
     if compare is not None:
         pattern = re.compile(re.escape(variant) + r"-s\d+\.json")
         results = sorted(p for p in (compare / "results").glob("*.json") if pattern.fullmatch(p.name))
-        runs = [json.loads(p.read_text()).get("run_id") for p in results]  # none yet: not trained
-        groups = [*groups, *(compare / "runs" / r for r in runs if r)]
+        # a run counts once trained: one cut short keeps only some of its steps' groups
+        trained = [r["run_id"] for p in results if (r := json.loads(p.read_text())).get("train")]
+        folders = [compare / "runs" / run for run in trained]
+        if bare := [f.name for f in folders if not any((f / "groups").glob("step-*.msgpack"))]:
+            raise UserError(
+                f"{len(bare)} trained runs of {variant} kept no scored groups: {', '.join(bare)}", code=2
+            )
+        typer.echo(f"{variant}: {len(trained)} trained runs of {len(results)} seeds in {compare}")
+        groups = [*groups, *folders]
     scored = [g for folder in groups for _, g in load_groups(folder) if g.scored]
     if not scored:
         where = ", ".join(str(g / "groups") for g in groups) or f"{variant}'s runs in {compare}"

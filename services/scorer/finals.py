@@ -99,8 +99,8 @@ def answer_room(
     rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer tokens (their mean
     teacher-minus-student log-prob); and how many a teacher that lifted only the answer's own tokens to
     certainty, every other token left where the student has it, would favour (``answer_only_room``: x*
-    says what the answer is, not how the sentence around it is phrased, so a teacher that reads no more
-    than the answer favours no more than these). Of the wrong finals: how many spell out the answer they
+    says what the answer is, not how the sentence around it is phrased; a teacher that favours other
+    finals does so through their phrasing tokens, not by reading the answer). Of the wrong finals: how many spell out the answer they
     give, how many of those the student was sure of, how many the teacher disfavoured (s < -eps-) and its
     mean change on the given answer's tokens. And for both, how many wrote their answer in an earlier turn
     first (:func:`first_written`), and how many of those turns the teacher disfavoured (wrong) or favoured

@@ -55,7 +55,8 @@ def final_kind(t: Trajectory) -> str | None:
         return "correct_final"
     if t.finish_reason != "answer":
         return None
-    return "wrong_final" if t.final_answer is not None else "unboxed_final"
+    # an empty box answers nothing either (the grounding verdicts read it so too)
+    return "wrong_final" if (t.final_answer or "").strip() else "unboxed_final"
 
 
 def turn_kinds(group: TrajectoryGroup, tokenizer: ChatTokenizer) -> TurnKinds:
