@@ -41,7 +41,11 @@ def check_cmd(
     out: Path = typer.Option(Path("teacher-check.json"), help="JSON report to write"),
     samples: int = typer.Option(4, min=1, help="trajectories per question: one PBSD group each"),
     limit: int | None = typer.Option(None, help="only the first N questions"),
-    seed: int = typer.Option(0, help="sample i of question q is seeded with seed + i + 1000 q"),
+    seed: int = typer.Option(
+        0,
+        help="sample i of question q is seeded with seed + i + 1000 q: checks that share no sample "
+        "step it by --samples (0, 4, 8 with 4)",
+    ),
     max_turns: int = typer.Option(300),
     max_tokens_per_turn: int = typer.Option(16_384),
     max_context: int = typer.Option(65_536),
