@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import time
@@ -211,6 +212,16 @@ def stage(result: dict[str, Any]) -> str:
     if result.get("train") and (Path(result["run_dir"]) / "final" / "config.json").exists():
         return "evaluate"
     return "train"
+
+
+def trained_runs(out: Path, variant: str) -> tuple[list[Path], int]:
+    """The run folders of ``variant``'s trained seeds in the comparison ``out``, and how many seeds
+    it has a results file for. A run counts once trained: one cut short keeps only some steps'
+    groups. ``pbsd-x`` does not take ``pbsd-x-no-deadband``'s seeds."""
+    pattern = re.compile(re.escape(variant) + r"-s\d+\.json")
+    results = [p for p in sorted((out / "results").glob("*.json")) if pattern.fullmatch(p.name)]
+    trained = [r["run_id"] for p in results if (r := json.loads(p.read_text())).get("train")]
+    return [out / "runs" / run for run in trained], len(results)
 
 
 def _result(out: Path, variant: str, seed: int) -> Path:

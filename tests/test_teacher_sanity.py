@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from agent.chat import ChatTokenizer, spelled_at
+from agent.chat import ChatTokenizer
 from agent.grounding import turn_verdicts
 from agent.transcript import turn_texts
-from pbsd.cli import app
 from pbsd.verifier import mentions, normalize
 from proto.messages import ScoredGroup
 from proto.runs import PbsdSpec
@@ -23,8 +20,6 @@ from proto.sanity import EvidenceTally, NoiseFloor, TeacherSanity
 from services.model.checkpoint import load_model
 from services.scorer.backends import LocalScorer
 from services.scorer.evidence import score_group
-from services.scorer.finals import answer_room, final_turns
-from services.trainer.checkpoints import save_groups
 from services.trainer.dynamics import batch_metrics
 from tests.test_grounding import _search
 from tests.test_scorer import IDENTITY, TEMPLATE, _trajectory, group_of
@@ -227,54 +222,6 @@ async def test_a_last_message_that_boxes_nothing_is_no_final_answer(tok):
     assert figures["wrong_final_turns"] == 1 and figures["unboxed_final_turns"] == 3
 
 
-async def test_tally_sorts_saved_groups_again_from_their_evidence(tok, tiny_checkpoint, tmp_path):
-    """`pbsd teacher tally` reads saved groups and classifies their turns as the scorer does now: a
-    group saved with tallies of an earlier classification (here: none at all) gets the figures the
-    scorer gives today, summed over every folder given, without a likelihood pass."""
-    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
-    stray = _trajectory(tok, [_search("Zorbel river"), "</arguments>"], RESULT, i=3, reward=0.0)
-    group = group_of([*_hand_made_group(tok, spec).trajectories, stray], spec)
-    scored = await score_group(group, tok, _reading_teacher(tok, gain=0.5))
-    blank = scored.model_copy(
-        update={"diagnostics": scored.diagnostics.model_copy(update={"sanity": TeacherSanity()})}
-    )
-    save_groups(tmp_path / "a", 0, [scored])
-    save_groups(tmp_path / "b", 3, [blank])
-    out = tmp_path / "tally.json"
-    args = ["teacher", "tally", "--model", str(tiny_checkpoint), "--out", str(out)]
-    result = CliRunner().invoke(
-        app, [*args, "--groups", str(tmp_path / "a"), "--groups", str(tmp_path / "b")]
-    )
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
-    want = (scored.diagnostics.sanity + scored.diagnostics.sanity).figures()
-    want.pop("correct_final_room_frac")
-    assert report["figures"] == pytest.approx(want)
-    assert report["figures"]["unboxed_final_turns"] == 2 and report["figures"]["wrong_final_turns"] == 2
-    assert report["as_stored"]["wrong_final_turns"] == 1  # the blank copy stored no tallies
-    assert "finals that box nothing 2" in result.output
-    missing = CliRunner().invoke(app, [*args, "--groups", str(tmp_path)])
-    assert missing.exit_code != 0 and "no scored PBSD groups" in missing.output
-    # a comparison's folder: the variant's seeds, not a variant whose name starts the same
-    cmp = tmp_path / "cmp"
-    (cmp / "results").mkdir(parents=True)
-    results = {"pbsd-x-s0": "r0", "pbsd-x-s1": None, "pbsd-x-s2": "r2", "pbsd-x-no-deadband-s0": "r1"}
-    for name, run in results.items():  # s1 not started, s2 submitted but not trained
-        record = {"run_id": run, **({"train": {"wall_s": 1.0}} if run != "r2" else {})} if run else {}
-        (cmp / "results" / f"{name}.json").write_text(json.dumps(record))
-    save_groups(cmp / "runs" / "r0", 0, [scored])
-    save_groups(cmp / "runs" / "r1", 0, [scored, scored])
-    save_groups(cmp / "runs" / "r2", 0, [scored, scored, scored])
-    result = CliRunner().invoke(app, [*args, "--compare", str(cmp), "--variant", "pbsd-x"])
-    assert result.exit_code == 0, result.output
-    assert json.loads(out.read_text())["groups"] == 1 and "1 trained runs of 3 seeds" in result.output
-    shutil.rmtree(cmp / "runs" / "r0")
-    lost = CliRunner().invoke(app, [*args, "--compare", str(cmp), "--variant", "pbsd-x"])
-    assert lost.exit_code != 0 and "kept no scored groups: r0" in lost.output
-    alone = CliRunner().invoke(app, [*args, "--compare", str(cmp)])
-    assert alone.exit_code != 0 and "go together" in alone.output
-
-
 async def test_an_uninformative_teacher_leaves_answer_free_turns_at_zero(tok, tiny_checkpoint):
     """x* == x through the real scorer: every s is exactly 0, so answer-free turns sit at 0 and no
     final answer is favoured or disfavoured."""
@@ -301,7 +248,7 @@ def _reference_sanity(scored: ScoredGroup, tok: ChatTokenizer, spec: PbsdSpec) -
             if last and t.reward > 0:
                 kind = "correct_final"
             elif last and t.finish_reason == "answer":
-                kind = "wrong_final" if t.final_answer is not None else "unboxed_final"
+                kind = "wrong_final" if (t.final_answer or "").strip() else "unboxed_final"
             elif re.search(pattern, normalize(text)):
                 kind = "answer_bearing"
             else:
@@ -394,66 +341,3 @@ async def test_the_scorer_counts_the_tallies_for_prometheus(tok):
     assert -negative == pytest.approx(sanity.wrong_final.sum_s)
     assert value("pbsd_scorer_noise_squared_difference_total") - squares == pytest.approx(0.001)
     assert value("pbsd_scorer_noise_turns_total", outcome="outside") - outside == 1  # null s = -0.01
-
-
-async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
-    """Token by token, the finals of the hand-made group: the teacher lifts the right answer's tokens
-    of an unsure student and has nothing to add to a sure one, whose correct finals therefore count
-    as already sure and unfavoured."""
-    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
-    for student, sure in ((-2.0, False), (-1e-5, True)):
-        teacher = _reading_teacher(tok, gain=5.0, student=student)
-        scored = await score_group(_hand_made_group(tok, spec), tok, teacher)
-        rows = await final_turns(scored, tok, teacher)
-        assert [r["correct"] for r in rows] == [True, False, True]
-        assert [r["s"] for r in rows] == pytest.approx([float(s[-1]) for s in scored.turn_evidence])
-        for r in rows:
-            assert len(r["tokens"]) == len(r["student"]) == len(r["teacher"]) > 0
-            assert "".join(r["tokens"]).startswith("\\boxed{")
-            assert bool(r["answer_tokens"]) == r["correct"]  # "Danube", spelled whole, in the right ones only
-            assert np.mean(np.subtract(r["teacher"], r["student"])) == pytest.approx(r["s"], abs=1e-4)
-        assert all(r["written_tokens"] for r in rows)  # every final spells the answer it gives
-        assert [r["grounded"] for r in rows] == [True, False, False]  # Danube read, Rhine and Danube not
-        room = answer_room(rows, **EPS)
-        by = room["by_outcome"]
-        assert {k: v["finals"] for k, v in by.items()} == {
-            "correct_grounded": 1,
-            "correct_made_up": 1,
-            "wrong_made_up": 1,
-        }
-        assert by["wrong_made_up"]["mean_s"] == pytest.approx(rows[1]["s"])
-        assert (room["correct_finals"], room["naming_the_answer"]) == (2, 2)
-        # a wrong answer's likelihood can always fall, sure student or not
-        assert (room["wrong_finals"], room["wrong_spelled"], room["wrong_disfavoured"]) == (1, 1, 1)
-        assert room["wrong_sure"] == int(sure) and room["wrong_answer_change"] < -0.5
-        if sure:
-            assert (room["already_sure"], room["already_sure_favoured"], room["unsure"]) == (2, 0, 0)
-            assert room["answer_only_room"] == 0  # nothing left to lift on a sure answer
-        else:
-            assert (room["already_sure"], room["unsure"], room["unsure_favoured"]) == (0, 2, 2)
-            assert room["unsure_answer_lift"] > 0.5
-            assert room["answer_only_room"] == 2  # the answer's tokens at -2 nats have room above eps+
-
-
-def test_spelled_at_finds_whole_occurrences_only():
-    assert spelled_at([5, 1, 2, 9, 1, 2, 1], {(1, 2), (7,)}) == [1, 2, 4, 5]
-    assert spelled_at([1, 3, 2], {(1, 2)}) == [] and spelled_at([4], {()}) == []
-
-
-async def test_final_turns_find_where_the_answer_was_first_written(tok):
-    """A wrong answer committed in an earlier turn and repeated at the end: the final turn only copies
-    it, and the row points at the turn that first wrote it, with that turn's evidence."""
-    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
-    turns = ["It must be the Rhine. " + _search("Rhine river"), "\\boxed{Rhine}"]
-    committed = _trajectory(tok, turns, RESULT, i=3, reward=0.0).model_copy(update={"final_answer": "Rhine"})
-    group = _hand_made_group(tok, spec)
-    group = group.model_copy(update={"trajectories": (*group.trajectories, committed)})
-    teacher = _reading_teacher(tok, gain=5.0)
-    scored = await score_group(group, tok, teacher)
-    rows = await final_turns(scored, tok, teacher)
-    assert [r["first_written"] for r in rows] == [None, None, None, 0]
-    assert rows[-1]["first_written_s"] == pytest.approx(float(scored.turn_evidence[3][0]))
-    assert rows[-1]["first_written_s"] < -EPS["eps_neg"]
-    room = answer_room(rows, **EPS)
-    assert (room["wrong_written_earlier"], room["wrong_written_earlier_disfavoured"]) == (1, 1)
-    assert room["right_written_earlier"] == 0

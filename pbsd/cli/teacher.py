@@ -343,7 +343,6 @@ def tally_cmd(
     of `--variant` in a comparison's `--compare` folder. The correct finals' room is not among them:
     a saved group keeps no turn ceilings."""
     import json
-    import re
 
     from agent.chat import ChatTokenizer
     from pbsd.sanity import checks
@@ -354,16 +353,14 @@ def tally_cmd(
     if (compare is None) != (variant is None):
         raise UserError("--compare and --variant go together", code=2)
     if compare is not None:
-        pattern = re.compile(re.escape(variant) + r"-s\d+\.json")
-        results = sorted(p for p in (compare / "results").glob("*.json") if pattern.fullmatch(p.name))
-        # a run counts once trained: one cut short keeps only some of its steps' groups
-        trained = [r["run_id"] for p in results if (r := json.loads(p.read_text())).get("train")]
-        folders = [compare / "runs" / run for run in trained]
+        from demo.compare import trained_runs
+
+        folders, seeds = trained_runs(compare, variant)
         if bare := [f.name for f in folders if not any((f / "groups").glob("step-*.msgpack"))]:
             raise UserError(
                 f"{len(bare)} trained runs of {variant} kept no scored groups: {', '.join(bare)}", code=2
             )
-        typer.echo(f"{variant}: {len(trained)} trained runs of {len(results)} seeds in {compare}")
+        typer.echo(f"{variant}: {len(folders)} trained runs of {seeds} seeds in {compare}")
         groups = [*groups, *folders]
     scored = [g for folder in groups for _, g in load_groups(folder) if g.scored]
     if not scored:

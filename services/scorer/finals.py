@@ -25,7 +25,7 @@ from agent.chat import ChatTokenizer, spelled_at
 from agent.grounding import turn_verdicts
 from agent.transcript import turn_texts
 from pbsd.verifier import mentions
-from proto.messages import ScoredGroup, Trajectory
+from proto.messages import ScoredGroup
 from services.scorer.contexts import group_contexts
 from services.scorer.sanity import final_kind
 
@@ -54,10 +54,9 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
             continue
         last = (c.token_turns == t.num_turns - 1) & (c.phi >= 0)
         ids = [c.student[p] for p in c.loss_positions[last]]
-        written = first_written(t, tokenizer)
-        verdict = turn_verdicts(
-            group.question, turn_texts(t.completion_ids, t.turn_spans, tokenizer), t.final_answer
-        )[-1]
+        texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)
+        written = first_written(t.final_answer, texts)
+        verdict = turn_verdicts(group.question, texts, t.final_answer)[-1]
         requests += [(c.student, c.loss_positions[last]), (c.teacher, c.phi[last])]
         rows.append(
             {
@@ -82,33 +81,34 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
     return rows
 
 
-def first_written(t: Trajectory, tokenizer: ChatTokenizer) -> int | None:
-    """The first turn before the last whose text names the answer the trajectory gives (as the
+def first_written(answer: str | None, texts: list[tuple[str, str]]) -> int | None:
+    """The first turn before the last whose text (``texts``: a trajectory's turns read back,
+    :func:`agent.transcript.turn_texts`) names ``answer``, the one the trajectory gives (as the
     verifier normalises, whole words): where it committed to that answer; None if only the last."""
-    if not t.final_answer:
+    if not answer:
         return None
-    texts = turn_texts(t.completion_ids, t.turn_spans, tokenizer)[:-1]
-    return next((k for k, (text, _) in enumerate(texts) if mentions(text, t.final_answer)), None)
+    return next((k for k, (text, _) in enumerate(texts[:-1]) if mentions(text, answer)), None)
 
 
 def answer_room(
     rows: list[dict], *, eps_pos: float = 0.001, eps_neg: float = 0.003, sure_at: float = SURE
 ) -> dict[str, Any]:
-    """Of the correct finals in ``rows``: how many name the answer in tokens the scorer aligned, how many
-    of those the student was already sure of (every answer token's log-prob >= ``sure_at``), and, of the
-    rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer tokens (their mean
-    teacher-minus-student log-prob); and how many a teacher that lifted only the answer's own tokens to
-    certainty, every other token left where the student has it, would favour (``answer_only_room``: x*
-    says what the answer is, not how the sentence around it is phrased; a teacher that favours other
-    finals does so through their phrasing tokens, not by reading the answer). Of the wrong finals: how many spell out the answer they
-    give, how many of those the student was sure of, how many the teacher disfavoured (s < -eps-) and its
-    mean change on the given answer's tokens. And for both, how many wrote their answer in an earlier turn
-    first (:func:`first_written`), and how many of those turns the teacher disfavoured (wrong) or favoured
+    """Of the correct finals in ``rows``: how many name the answer in tokens the scorer aligned, how
+    many of those the student was already sure of (every answer token's log-prob >= ``sure_at``), and,
+    of the rest, how many the teacher favoured (s > eps+) and by how much it lifted the answer tokens
+    (their mean teacher-minus-student log-prob); and how many a teacher that lifted only the answer's
+    own tokens to certainty, every other token left where the student has it, would favour
+    (``answer_only_room``: x* says what the answer is, not how the sentence around it is phrased; a
+    teacher that favours other finals does so through their phrasing tokens, not by reading the
+    answer). Of the wrong finals: how many spell out the answer they give, how many of those the
+    student was sure of, how many the teacher disfavoured (s < -eps-) and its mean change on the given
+    answer's tokens. And for both, how many wrote their answer in an earlier turn first
+    (:func:`first_written`), and how many of those turns the teacher disfavoured (wrong) or favoured
     (correct): where turn-level credit lands on the commitment. Last, the finals' mean s by outcome and
-    grounding (``by_outcome``). The sanity figures' answers pool right and wrong ones; this splits them,
-    so that a pooled "grounded below made-up" can be told apart from grounded wrong answers disfavoured
-    more than made-up wrong ones (a copied answer the student was sure of has the most likelihood to lose;
-    docs/credit-signal.md)."""
+    grounding (``by_outcome``). The sanity figures' answers pool right and wrong ones; this splits
+    them, so that a pooled "grounded below made-up" can be told apart from grounded wrong answers
+    disfavoured more than made-up wrong ones (a copied answer the student was sure of has the most
+    likelihood to lose; docs/credit-signal.md)."""
 
     def sure(row: dict, key: str) -> bool:
         return min(row["student"][k] for k in row[key]) >= sure_at
