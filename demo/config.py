@@ -48,6 +48,8 @@ WARM_START = (
     "note_pass_conversations",
     "note_pass_hops",
     "note_pass_consistency",
+    "note_pass_doubt",
+    "note_pass_same_final",
 )
 
 
@@ -133,6 +135,12 @@ class DemoConfig(BaseModel):
     note_pass_hops: float = Field(default=0.0, ge=0, description="L_hop's weight (pbsd teacher teach --hops)")
     note_pass_consistency: float = Field(
         default=1.0, ge=0, description="L_same's weight (pbsd teacher teach --consistency)"
+    )
+    note_pass_doubt: float = Field(
+        default=0.0, ge=0, le=1, description="the student's doubt on its answers (pbsd teacher teach --doubt)"
+    )
+    note_pass_same_final: bool = Field(
+        default=False, description="L_same holds the final turn's phrasing too (--same-final)"
     )
     # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
     # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
@@ -232,6 +240,8 @@ class DemoConfig(BaseModel):
             limit=self.note_pass_conversations,
             hops=self.note_pass_hops,
             consistency=self.note_pass_consistency,
+            doubt=self.note_pass_doubt,
+            same_final=self.note_pass_same_final,
             seed=self.seed,
         )
 

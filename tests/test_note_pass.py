@@ -26,7 +26,7 @@ from services.trainer.note_pass import (
     run_note_pass,
     shared_prefix,
 )
-from services.trainer.note_probe import final_turn, read_conversations
+from services.trainer.note_probe import answer_positions, final_turn, read_conversations
 from services.trainer.sft import encode_conversation
 from services.trainer.teacher_sft import teacher_format
 from worldgen.oracle import write_sft_data
@@ -104,7 +104,22 @@ def test_each_anchor_after_the_note_pairs_its_answer_free_tokens_with_the_studen
             and assistant.startswith(free_text)
             and final in assistant[len(free_text) :]
         )
-        assert [seq.ids[p] for p in seq.learnt[: twin.learnt.size]] == [ids[p] for p in twin.learnt]
+        assert np.array_equal(seq.twin_at, np.arange(twin.learnt.size))  # the first of the anchor's
+        assert [seq.ids[p] for p in seq.learnt[seq.twin_at]] == [ids[p] for p in twin.learnt]
+
+
+def test_same_final_holds_the_last_turns_phrasing_but_not_its_answer(tok, conversations):
+    rows = read_conversations(conversations)
+    config = NotePassConfig(anchor_teacher=1.0, same_final=True)
+    for seq, row in zip(lay_out_note_pass(tok, rows, config)[1], rows, strict=True):
+        ids, mask = encode_conversation(tok, row["messages"])
+        final = final_turn(mask)
+        held = seq.twin.learnt
+        answer = answer_positions(tok, ids, mask, row["answer"])
+        assert answer.size and not np.isin(answer, held).any()  # the answer's own tokens are left free
+        assert set(final) - set(answer) <= set(held)  # the rest of the last turn is held
+        assert set(np.flatnonzero(np.asarray(mask) == 1)) - set(answer) == set(held)
+        assert [seq.ids[p] for p in seq.learnt[seq.twin_at]] == [ids[p] for p in held]
 
 
 def test_hop_positions_are_the_entities_earlier_turns_read_from_the_pages(tok, conversations):
@@ -232,7 +247,7 @@ def _answer_free_gap(model_dir, tok, anchors) -> float:
     model = load_model(model_dir).eval()
     with torch.no_grad():
         gaps = [
-            cached_logprobs(model, None, 0, seq)[: seq.twin.learnt.size]
+            cached_logprobs(model, None, 0, seq)[torch.as_tensor(seq.twin_at)]
             - cached_logprobs(model, None, 0, seq.twin)
             for seq in anchors
         ]

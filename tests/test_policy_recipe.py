@@ -94,10 +94,16 @@ def test_recipe_asset_and_demo_defaults_agree():
 
     # the note pass: the recipe's flags over NotePassConfig's defaults, as recorded and as the demo runs it
     note = NotePassConfig(
-        steps=int(teach["--steps"]), lr=float(teach["--lr"]), consistency=float(teach["--consistency"])
+        steps=int(teach["--steps"]),
+        lr=float(teach["--lr"]),
+        consistency=float(teach["--consistency"]),
+        doubt=float(teach.get("--doubt", 0.0)),
+        same_final=teach.get("--same-final", False),
     )  # the default template is the demo's teacher, answer-first
     assert note.template == PbsdSpec(teacher_template=c.teacher_template).teacher_template
-    assert json.loads(json.dumps(asdict(note))) == meta["note_pass"]["config"]
+    # a record made before an option existed holds that option's default
+    defaults = json.loads(json.dumps(asdict(NotePassConfig())))
+    assert json.loads(json.dumps(asdict(note))) == defaults | meta["note_pass"]["config"]
     assert note == c.note_pass_config()
     model = json.loads((ASSETS / "config.json").read_text())
     spec = model["pbsd_tiny_spec"]  # vocab_size there is BPE's; the entity tokens come on top

@@ -214,6 +214,17 @@ def teach_cmd(
         "contradicted copies' pages name decoys for the hops too, so they are learnt from x*'s facts; "
         "needs --hops and a template with {support}, such as support-first)",
     ),
+    doubt: float = typer.Option(
+        0.0,
+        min=0,
+        max=1,
+        help="beyond the paper: in the student's layouts the answer's name is learnt toward 1 - DOUBT, the "
+        "rest spread over the other names its pages show (needs whole-name tokens), so the student leaves "
+        "the teacher room to favour a right answer",
+    ),
+    same_final: bool = typer.Option(
+        False, help="L_same holds the final turn's phrasing too (every token but the answer's)"
+    ),
     lr: float = typer.Option(5e-4),
     limit: int | None = typer.Option(3000, help="learn from the first N conversations of --data"),
     seed: int = typer.Option(0),
@@ -241,6 +252,8 @@ def teach_cmd(
             consistency=consistency,
             hops=hops,
             hops_from=hops_from,
+            doubt=doubt,
+            same_final=same_final,
             lr=lr,
             limit=limit,
             seed=seed,

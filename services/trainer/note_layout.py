@@ -21,7 +21,7 @@ from services.trainer.teacher_sft import contradict, decoy_pools, kind_pools, pi
 if TYPE_CHECKING:
     from services.trainer.note_pass import NotePassConfig
 
-__all__ = ["Sequence", "hop_names", "hop_positions", "lay_out_note_pass"]
+__all__ = ["Sequence", "hedges", "hop_names", "hop_positions", "lay_out_note_pass", "name_tokens"]
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,14 @@ class Sequence:
     learnt: np.ndarray
     layout: str
     # anchors after x*: the same conversation in the student's format learning only its answer-free
-    # tokens (L_same); they are the first ``len(twin.learnt)`` of this sequence's ``learnt``
+    # tokens (L_same), which are this sequence's ``learnt`` at the indices ``twin_at``
     twin: Sequence | None = None
+    twin_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # cut sequences: the positions of their hop tokens (L_hop)
     hops: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # the student's layouts, with doubt: an index into ``learnt`` (the answer's token) -> the other
+    # names the tool results before it show, over which its target spreads ``doubt``
+    hedges: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 def hop_names(row: dict) -> set[str]:
@@ -70,6 +74,33 @@ def hop_positions(
     return np.array(sorted(out), dtype=np.int64)
 
 
+def name_tokens(tok: ChatTokenizer) -> np.ndarray:
+    """The ids of the whole-name tokens (``pbsd model tiny --entity-tokens``), page addresses left out."""
+    special = set(tok.tok.all_special_tokens)
+    added = tok.tok.get_added_vocab().items()
+    return np.array(
+        sorted(i for t, i in added if t not in special and not t.startswith("kb://")), dtype=np.int64
+    )
+
+
+def hedges(
+    ids: list[int], mask: list[int], learnt: np.ndarray, answer_at: np.ndarray, names: np.ndarray
+) -> dict:
+    """For each answer position (``answer_at``) that holds one name token: its index in ``learnt``
+    and the other names the tool results before it show (none: no entry, the target stays hard)."""
+    arr, m = np.asarray(ids), np.asarray(mask)
+    results = (m == 0) & (np.arange(m.size) > np.flatnonzero(m == 1)[0])  # tool results: after the prompt
+    out = {}
+    for p in answer_at:
+        if not np.isin(arr[p], names):
+            continue
+        shown = np.unique(arr[:p][results[:p] & np.isin(arr[:p], names)])
+        others = shown[shown != arr[p]]
+        if others.size:
+            out[int(np.searchsorted(learnt, p))] = others
+    return out
+
+
 def _cut(row: dict, keep: int) -> dict:
     """``row`` with only its question, its last ``keep`` tool exchanges and its final answer."""
     messages = row["messages"]
@@ -86,6 +117,11 @@ def lay_out_note_pass(
     decoys = decoy_pools(rows)
     from_note = config.hops_from == "note"
     hop_pool = kind_pools(n for row in rows for n in hop_names(row)) if from_note else {}
+    names = name_tokens(tok) if config.doubt else np.zeros(0, dtype=np.int64)
+    if config.doubt and not names.size:
+        raise ValueError(
+            "doubt spreads over name tokens: the tokenizer has none (pbsd model tiny --entity-tokens)"
+        )
     cut_seqs, anchors = [], []
     for row in rows:
         exchanges = (len(row["messages"]) - 3) // 2
@@ -111,12 +147,18 @@ def lay_out_note_pass(
             hops = (
                 hop_positions(tok, ids, mask, row, from_note) if config.hops else np.zeros(0, dtype=np.int64)
             )
-            cut_seqs.append(Sequence(ids, learnt, layout, hops=hops))
+            doubt = hedges(ids, mask, learnt, learnt, names) if layout == "student" else {}
+            cut_seqs.append(Sequence(ids, learnt, layout, hops=hops, hedges=doubt))
         ids, mask = encode_conversation(tok, row["messages"])
         if to_teacher < config.anchor_teacher:
-            anchors.append(_with_twin(ids, mask, *teacher_format(tok, row, ids, mask, config.template)))
+            teacher = teacher_format(tok, row, ids, mask, config.template)
+            anchors.append(_with_twin(ids, mask, *teacher, row["answer"] if config.same_final else None, tok))
         else:
-            anchors.append(Sequence(ids, np.flatnonzero(np.asarray(mask) == 1), "anchor"))
+            learnt = np.flatnonzero(np.asarray(mask) == 1)
+            answer_at = answer_positions(tok, ids, mask, row["answer"])
+            anchors.append(
+                Sequence(ids, learnt, "anchor", hedges=hedges(ids, mask, learnt, answer_at, names))
+            )
     return cut_seqs, anchors
 
 
@@ -136,15 +178,32 @@ def _hop_decoys(row: dict, pools: dict[bool, list[str]], rng: random.Random) -> 
     return out
 
 
-def _with_twin(student_ids: list[int], student_mask: list[int], ids: list[int], mask: list[int]) -> Sequence:
+def _with_twin(
+    student_ids: list[int],
+    student_mask: list[int],
+    ids: list[int],
+    mask: list[int],
+    answer: str | None = None,
+    tok: ChatTokenizer | None = None,
+) -> Sequence:
     """The anchor after x* (``ids``, ``mask``), its twin the student's layout learning the tokens of
-    every assistant turn but the last. x* enters before the first assistant turn, so the teacher's
-    assistant tokens are the student's in the same order, and the twin's come first."""
+    every assistant turn but the last, and with ``answer`` (``same_final``) the last turn's too but
+    for the answer's own. x* enters before the first assistant turn, so the teacher's assistant
+    tokens are the student's in the same order: the twin's learnt positions are the anchor's at the
+    same indices (``twin_at``)."""
     learnt = np.flatnonzero(np.asarray(mask) == 1)
     student = np.flatnonzero(np.asarray(student_mask) == 1)
     if not np.array_equal(np.asarray(ids)[learnt], np.asarray(student_ids)[student]):
         raise ValueError("the teacher's layout changed the assistant's tokens")
-    free = student[student < final_turn(student_mask)[0]]
+    held = student < final_turn(student_mask)[0]
+    if answer is not None and tok is not None:  # the last turn's phrasing is answer-free too
+        held = ~np.isin(student, answer_positions(tok, student_ids, student_mask, answer))
+    if not held.any():
+        return Sequence(ids, learnt, "anchor-x*")
     return Sequence(
-        ids, learnt, "anchor-x*", twin=Sequence(student_ids, free, "student") if free.size else None
+        ids,
+        learnt,
+        "anchor-x*",
+        twin=Sequence(student_ids, student[held], "student"),
+        twin_at=np.flatnonzero(held),
     )

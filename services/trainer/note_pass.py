@@ -10,6 +10,8 @@ reading is learnt, and holds everything else where it was:
 
     L = L_note + lambda * L_anchor  (+ hops * L_hop + consistency * L_same)
 
+(L_note and L_anchor with the student's ``doubt``, below.)
+
 **L_note**, where reading is learnt. Each step draws ``batch_size`` SFT conversations, each cut to
 its question, its last k tool exchanges (k uniform over 1..all, so that the note's distance from
 the answer varies as in real trajectories) and its final answer, laid out as
@@ -53,6 +55,21 @@ difference between each answer-free token's log-prob after x* and the same token
 student's format (the current policy's, without gradient), averaged over those tokens. An
 answer-free turn's evidence is the mean of exactly these differences, so this term asks the teacher
 to leave them in the deadband while L_note teaches it to read the answer.
+
+With ``same_final`` L_same also covers the final turn's tokens other than the answer's: its
+phrasing ("So the city where X was born is") is as answer-free as any earlier turn, and a correct
+final's evidence is the mean over a dozen tokens of which one is the answer.
+
+**Doubt** (optional, ``doubt``, 0 by default; beyond the paper). PBSD's teacher can favour a
+right answer only by the likelihood the student leaves it: s = log p_T - log p_S. SFT on oracle
+conversations, where the name copied from the page is always right, makes the student sure of
+every name it copies, 87% of them wrong on held-out questions. With ``doubt`` the student's layouts
+(L_note's student share, the anchors without x*) learn the answer's name token toward a smoothed
+target, 1 - doubt on the answer and doubt spread evenly over the other names the tool results
+before it show (label smoothing over the candidates in view), while every layout after x* keeps the
+hard target: the student learns which name a page's relation points to and that it may be wrong,
+the teacher that the note settles it. Needs whole-name tokens (``pbsd model tiny
+--entity-tokens``); an answer that is not one name token keeps its hard target.
 
 On the demo's policy (docs/credit-signal.md, "The note pass") the taught teacher reads the note
 (an answer only x* states rises by about a nat) and disfavours most wrong finals, but its
@@ -121,6 +138,10 @@ class NotePassConfig:
     lr: float = 5e-4
     warmup_steps: int = 10
     grad_clip: float = 1.0
+    # the student's doubt (beyond the paper): in the student's layouts the answer's name token is
+    # learnt toward 1 - doubt, the rest spread over the other names the pages before it show
+    doubt: float = 0.0
+    same_final: bool = False  # L_same holds the final turn's tokens too, the answer's own left out
     limit: int | None = 3000  # learn from the first ``limit`` conversations of the data
     seed: int = 0
     # only these decoder layers learn (None: every weight), e.g. the layers ``pbsd model grow`` added
@@ -128,7 +149,7 @@ class NotePassConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "template", PbsdSpec(teacher_template=self.template).teacher_template)
-        for name in ("anchor_teacher", "contradicted", "plain"):
+        for name in ("anchor_teacher", "contradicted", "plain", "doubt"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], not {getattr(self, name)}")
         if self.hops_from not in ("page", "note"):
@@ -168,10 +189,11 @@ def prefix_cache(model, prefix: list[int]):
 
 
 def cached_logprobs(
-    model, cache, prefix_len: int, seq: Sequence, at: np.ndarray | None = None
+    model, cache, prefix_len: int, seq: Sequence, at: np.ndarray | None = None, rows: bool = False
 ) -> torch.Tensor:
     """log p of ``seq``'s tokens at positions ``at`` (its learnt ones by default), its first
-    ``prefix_len`` tokens taken from ``cache`` (a copy: the forward appends to the cache it is given)."""
+    ``prefix_len`` tokens taken from ``cache`` (a copy: the forward appends to the cache it is given);
+    with ``rows``, each position's whole log-distribution instead."""
     at = seq.learnt if at is None else at
     rest = torch.tensor([seq.ids[prefix_len:]])
     positions = torch.arange(prefix_len, len(seq.ids))[None]
@@ -181,9 +203,19 @@ def cached_logprobs(
         cache=copy.deepcopy(cache) if cache is not None else None,
         use_cache=cache is not None,
     ).last_hidden_state[0]
-    rows = hidden[torch.as_tensor(at - 1 - prefix_len)]
-    logp = torch.log_softmax(model.lm_head(rows).float(), -1)
-    return logp.gather(1, torch.tensor([seq.ids[p] for p in at])[:, None])[:, 0]
+    logp = torch.log_softmax(model.lm_head(hidden[torch.as_tensor(at - 1 - prefix_len)]).float(), -1)
+    return logp if rows else logp.gather(1, torch.tensor([seq.ids[p] for p in at])[:, None])[:, 0]
+
+
+def doubted(logp: torch.Tensor, seq: Sequence, doubt: float) -> torch.Tensor:
+    """``seq``'s learnt tokens' log-probs (``logp``: their whole rows) with each hedged answer token's
+    replaced by its target's expectation: (1 - doubt) log p(answer) + doubt * mean log p(other names
+    in view). Its negative is the cross-entropy against that smoothed target."""
+    out = logp.gather(1, torch.tensor([seq.ids[p] for p in seq.learnt])[:, None])[:, 0]
+    for k, others in seq.hedges.items():
+        spread = logp[k, torch.as_tensor(others)].mean()
+        out = out.index_put((torch.tensor([k]),), (1 - doubt) * out[k] + doubt * spread)
+    return out
 
 
 def backward_losses(
@@ -193,6 +225,7 @@ def backward_losses(
     over ``batch`` (cut sequences) and ``held`` (anchors); return each term's value."""
     losses = {"same": 0.0} if config.consistency else {}
     free_tokens = sum(s.twin.learnt.size for s in held if s.twin) if config.consistency else 0
+    doubt = config.doubt
     hop_tokens = sum(s.hops.size for s in batch) if config.hops else 0
     if config.hops:
         losses["hop"] = 0.0 if hop_tokens else math.nan  # a batch with no hop to learn
@@ -202,6 +235,9 @@ def backward_losses(
             if hop_tokens and seq.hops.size:  # one forward for the answer's tokens and the hops'
                 both = cached_logprobs(model, cache, prefix_len, seq, np.concatenate([seq.learnt, seq.hops]))
                 logp, hop = both[: seq.learnt.size], both[seq.learnt.size :]
+            elif doubt and seq.hedges:
+                logp = doubted(cached_logprobs(model, cache, prefix_len, seq, rows=True), seq, doubt)
+                hop = None
             else:
                 logp, hop = cached_logprobs(model, cache, prefix_len, seq), None
             loss = -logp.sum() / tokens
@@ -213,7 +249,7 @@ def backward_losses(
             if free_tokens and seq.twin is not None:
                 with torch.no_grad():  # the student's side is the reference, not a target
                     student = cached_logprobs(model, cache, prefix_len, seq.twin)
-                same = ((logp[: student.numel()] - student) ** 2).sum() / free_tokens
+                same = ((logp[torch.as_tensor(seq.twin_at)] - student) ** 2).sum() / free_tokens
                 total = total + config.consistency * same
                 losses["same"] += float(same.detach())
             total.backward()
