@@ -118,3 +118,20 @@ def test_the_command_and_the_demo_pass_the_options_through(named, tmp_path):
     on = DemoConfig(note_pass_doubt=0.1, note_pass_same_final=True).note_pass_config()
     assert (on.doubt, on.same_final) == (0.1, True)
     assert DemoConfig(note_pass_doubt=0.1).warm_start() != DemoConfig().warm_start()
+
+
+def test_doubt_acts_with_hops_on_too(named):
+    """One forward serves the answer's tokens and the hops': the doubt applies to its answer rows."""
+    from services.model.checkpoint import load_model
+    from services.trainer.note_pass import backward_losses
+
+    ckpt, data = named
+    tok, rows = ChatTokenizer.from_pretrained(ckpt), read_conversations(data)
+    shape = dict(hops=1.0, contradicted=0.0, plain=0.0, anchors=0)
+    cut, _ = lay_out_note_pass(tok, rows, NotePassConfig(doubt=0.3, **shape))
+    both = [s for s in cut if s.hedges and s.hops.size]
+    assert both
+    model = load_model(ckpt)
+    hard = backward_losses(model, None, 0, both, [], NotePassConfig(**shape))
+    soft = backward_losses(model, None, 0, both, [], NotePassConfig(doubt=0.3, **shape))
+    assert soft["hop"] == pytest.approx(hard["hop"]) and soft["note"] != pytest.approx(hard["note"], abs=1e-6)

@@ -63,7 +63,7 @@ final's evidence is the mean over a dozen tokens of which one is the answer.
 **Doubt** (optional, ``doubt``, 0 by default; beyond the paper). PBSD's teacher can favour a
 right answer only by the likelihood the student leaves it: s = log p_T - log p_S. SFT on oracle
 conversations, where the name copied from the page is always right, makes the student sure of
-every name it copies, 87% of them wrong on held-out questions. With ``doubt`` the student's layouts
+every name it copies, most of them wrong on held-out questions. With ``doubt`` the student's layouts
 (L_note's student share, the anchors without x*) learn the answer's name token toward a smoothed
 target, 1 - doubt on the answer and doubt spread evenly over the other names the tool results
 before it show (label smoothing over the candidates in view), while every layout after x* keeps the
@@ -71,9 +71,10 @@ hard target: the student learns which name a page's relation points to and that 
 the teacher that the note settles it. Needs whole-name tokens (``pbsd model tiny
 --entity-tokens``); an answer that is not one name token keeps its hard target.
 
-On the demo's policy (docs/credit-signal.md, "The note pass") the taught teacher reads the note
-(an answer only x* states rises by about a nat) and disfavours most wrong finals, but its
-answer-free turns leave the deadband, so the demo does not use it by default.
+On the restate-format policy (docs/credit-signal.md, "The note pass") the taught teacher reads the
+note but its answer-free turns leave the deadband; after the boxed pass and with L_same they stay
+in it, and the demo's committed policy is made so (assets/demo-policy/RECIPE.md). Neither doubt nor
+``same_final`` helped there (docs/credit-signal.md, "The student's doubt").
 
 ``train_layers`` limits what learns to some decoder layers, such as the ones ``pbsd model grow``
 added (:mod:`services.model.grow`); the others, the embeddings and the final norm stay frozen.
@@ -207,11 +208,13 @@ def cached_logprobs(
     return logp if rows else logp.gather(1, torch.tensor([seq.ids[p] for p in at])[:, None])[:, 0]
 
 
-def doubted(logp: torch.Tensor, seq: Sequence, doubt: float) -> torch.Tensor:
-    """``seq``'s learnt tokens' log-probs (``logp``: their whole rows) with each hedged answer token's
-    replaced by its target's expectation: (1 - doubt) log p(answer) + doubt * mean log p(other names
-    in view). Its negative is the cross-entropy against that smoothed target."""
-    out = logp.gather(1, torch.tensor([seq.ids[p] for p in seq.learnt])[:, None])[:, 0]
+def doubted(logp: torch.Tensor, seq: Sequence, doubt: float, at: np.ndarray | None = None) -> torch.Tensor:
+    """The log-probs of ``seq``'s tokens at ``at`` (its learnt ones first; ``logp``: their whole
+    rows) with each hedged answer token's replaced by its target's expectation: (1 - doubt) log
+    p(answer) + doubt * mean log p(other names in view). Its negative is the cross-entropy against
+    that smoothed target."""
+    at = seq.learnt if at is None else at
+    out = logp.gather(1, torch.tensor([seq.ids[p] for p in at])[:, None])[:, 0]
     for k, others in seq.hedges.items():
         spread = logp[k, torch.as_tensor(others)].mean()
         out = out.index_put((torch.tensor([k]),), (1 - doubt) * out[k] + doubt * spread)
@@ -232,14 +235,14 @@ def backward_losses(
     for name, group, weight in (("note", batch, 1.0), ("anchor", held, config.anchor_weight)):
         tokens, nll = sum(s.learnt.size for s in group), 0.0
         for seq in group:
-            if hop_tokens and seq.hops.size:  # one forward for the answer's tokens and the hops'
-                both = cached_logprobs(model, cache, prefix_len, seq, np.concatenate([seq.learnt, seq.hops]))
-                logp, hop = both[: seq.learnt.size], both[seq.learnt.size :]
-            elif doubt and seq.hedges:
-                logp = doubted(cached_logprobs(model, cache, prefix_len, seq, rows=True), seq, doubt)
-                hop = None
+            # one forward for the answer's tokens and the hops'
+            hops = bool(hop_tokens and seq.hops.size)
+            at = np.concatenate([seq.learnt, seq.hops]) if hops else seq.learnt
+            if doubt and seq.hedges:
+                both = doubted(cached_logprobs(model, cache, prefix_len, seq, at, rows=True), seq, doubt, at)
             else:
-                logp, hop = cached_logprobs(model, cache, prefix_len, seq), None
+                both = cached_logprobs(model, cache, prefix_len, seq, at)
+            logp, hop = both[: seq.learnt.size], (both[seq.learnt.size :] if hops else None)
             loss = -logp.sum() / tokens
             total = weight * loss
             if hop is not None:
