@@ -110,12 +110,12 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, spec: TinySpec = TinySp
     if spec.copy_heads:
         if not spec.entity_tokens:
             raise ValueError("copy_heads copies entity tokens: it needs entity_tokens")
-        install_copy_heads(model, _entity_ids(tokenizer), seed=spec.seed)
+        install_copy_heads(model, entity_ids(tokenizer), seed=spec.seed)
     model.config.pbsd_tiny_spec = asdict(spec)
     return model.eval()
 
 
-def _entity_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+def entity_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
     """The ids of the whole-name tokens added after BPE (train_tokenizer's ``whole``)."""
     special = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return sorted(i for i in tokenizer.get_added_vocab().values() if i not in special)

@@ -14,6 +14,7 @@ import numpy as np
 
 from agent.chat import ChatTokenizer, occurrences
 from agent.privileged import hop_entities
+from services.model.tiny import entity_ids
 from services.trainer.note_probe import answer_positions, final_turn
 from services.trainer.sft import encode_conversation
 from services.trainer.teacher_sft import contradict, decoy_pools, kind_pools, pick_decoy, teacher_format
@@ -61,7 +62,7 @@ def hop_positions(
     names = hop_names(row)
     arr, m = np.asarray(ids), np.asarray(mask)
     final = final_turn(mask)[0]
-    results = (m == 0) & (np.arange(m.size) > np.flatnonzero(m == 1)[0])  # tool results: after the prompt
+    results = _tool_results(m)
     if from_note:
         results |= np.arange(m.size) < np.flatnonzero(m == 1)[0]
     out: set[int] = set()
@@ -76,11 +77,21 @@ def hop_positions(
 
 def name_tokens(tok: ChatTokenizer) -> np.ndarray:
     """The ids of the whole-name tokens (``pbsd model tiny --entity-tokens``), page addresses left out."""
-    special = set(tok.tok.all_special_tokens)
-    added = tok.tok.get_added_vocab().items()
+    whole = entity_ids(tok.tok)
     return np.array(
-        sorted(i for t, i in added if t not in special and not t.startswith("kb://")), dtype=np.int64
+        [
+            i
+            for i, t in zip(whole, tok.tok.convert_ids_to_tokens(whole), strict=True)
+            if not t.startswith("kb://")
+        ],
+        dtype=np.int64,
     )
+
+
+def _tool_results(mask: np.ndarray) -> np.ndarray:
+    """Where a conversation's tool results lie: the tokens no loss falls on after the first assistant
+    turn begins (the prompt before it is not a result)."""
+    return (mask == 0) & (np.arange(mask.size) > np.flatnonzero(mask == 1)[0])
 
 
 def hedges(
@@ -88,8 +99,7 @@ def hedges(
 ) -> dict:
     """For each answer position (``answer_at``) that holds one name token: its index in ``learnt``
     and the other names the tool results before it show (none: no entry, the target stays hard)."""
-    arr, m = np.asarray(ids), np.asarray(mask)
-    results = (m == 0) & (np.arange(m.size) > np.flatnonzero(m == 1)[0])  # tool results: after the prompt
+    arr, results = np.asarray(ids), _tool_results(np.asarray(mask))
     out = {}
     for p in answer_at:
         if not np.isin(arr[p], names):
@@ -147,18 +157,21 @@ def lay_out_note_pass(
             hops = (
                 hop_positions(tok, ids, mask, row, from_note) if config.hops else np.zeros(0, dtype=np.int64)
             )
-            doubt = hedges(ids, mask, learnt, learnt, names) if layout == "student" else {}
+            doubt = hedges(ids, mask, learnt, learnt, names) if names.size and layout == "student" else {}
             cut_seqs.append(Sequence(ids, learnt, layout, hops=hops, hedges=doubt))
         ids, mask = encode_conversation(tok, row["messages"])
         if to_teacher < config.anchor_teacher:
             teacher = teacher_format(tok, row, ids, mask, config.template)
-            anchors.append(_with_twin(ids, mask, *teacher, row["answer"] if config.same_final else None, tok))
+            free_answer = answer_positions(tok, ids, mask, row["answer"]) if config.same_final else None
+            anchors.append(_with_twin(ids, mask, *teacher, free_answer))
         else:
             learnt = np.flatnonzero(np.asarray(mask) == 1)
-            answer_at = answer_positions(tok, ids, mask, row["answer"])
-            anchors.append(
-                Sequence(ids, learnt, "anchor", hedges=hedges(ids, mask, learnt, answer_at, names))
+            doubt = (
+                hedges(ids, mask, learnt, answer_positions(tok, ids, mask, row["answer"]), names)
+                if names.size
+                else {}
             )
+            anchors.append(Sequence(ids, learnt, "anchor", hedges=doubt))
     return cut_seqs, anchors
 
 
@@ -183,21 +196,19 @@ def _with_twin(
     student_mask: list[int],
     ids: list[int],
     mask: list[int],
-    answer: str | None = None,
-    tok: ChatTokenizer | None = None,
+    free_answer: np.ndarray | None = None,
 ) -> Sequence:
     """The anchor after x* (``ids``, ``mask``), its twin the student's layout learning the tokens of
-    every assistant turn but the last, and with ``answer`` (``same_final``) the last turn's too but
-    for the answer's own. x* enters before the first assistant turn, so the teacher's assistant
-    tokens are the student's in the same order: the twin's learnt positions are the anchor's at the
-    same indices (``twin_at``)."""
+    every assistant turn but the last, and with ``free_answer`` (``same_final``: the answer's
+    positions in the student's layout) every one but those. x* enters before the first assistant
+    turn, so the teacher's assistant tokens are the student's in the same order: the twin's learnt
+    positions are the anchor's at the same indices (``twin_at``)."""
     learnt = np.flatnonzero(np.asarray(mask) == 1)
     student = np.flatnonzero(np.asarray(student_mask) == 1)
     if not np.array_equal(np.asarray(ids)[learnt], np.asarray(student_ids)[student]):
         raise ValueError("the teacher's layout changed the assistant's tokens")
-    held = student < final_turn(student_mask)[0]
-    if answer is not None and tok is not None:  # the last turn's phrasing is answer-free too
-        held = ~np.isin(student, answer_positions(tok, student_ids, student_mask, answer))
+    # with same_final the last turn's phrasing is answer-free too
+    held = student < final_turn(student_mask)[0] if free_answer is None else ~np.isin(student, free_answer)
     if not held.any():
         return Sequence(ids, learnt, "anchor-x*")
     return Sequence(

@@ -228,7 +228,6 @@ def backward_losses(
     over ``batch`` (cut sequences) and ``held`` (anchors); return each term's value."""
     losses = {"same": 0.0} if config.consistency else {}
     free_tokens = sum(s.twin.learnt.size for s in held if s.twin) if config.consistency else 0
-    doubt = config.doubt
     hop_tokens = sum(s.hops.size for s in batch) if config.hops else 0
     if config.hops:
         losses["hop"] = 0.0 if hop_tokens else math.nan  # a batch with no hop to learn
@@ -238,8 +237,9 @@ def backward_losses(
             # one forward for the answer's tokens and the hops'
             hops = bool(hop_tokens and seq.hops.size)
             at = np.concatenate([seq.learnt, seq.hops]) if hops else seq.learnt
-            if doubt and seq.hedges:
-                both = doubted(cached_logprobs(model, cache, prefix_len, seq, at, rows=True), seq, doubt, at)
+            if config.doubt and seq.hedges:
+                rows = cached_logprobs(model, cache, prefix_len, seq, at, rows=True)
+                both = doubted(rows, seq, config.doubt, at)
             else:
                 both = cached_logprobs(model, cache, prefix_len, seq, at)
             logp, hop = both[: seq.learnt.size], (both[seq.learnt.size :] if hops else None)
