@@ -402,8 +402,12 @@ async def test_a_resume_trains_no_discarded_weights_and_samples_each_prompt_once
     fake, fake_stop = _LaggingPipeline(bus, tok, hold_after=6, lagging={10}), asyncio.Event()
     fake_task = asyncio.create_task(fake.run(fake_stop))
     serving = asyncio.create_task(RunExecutor(bus, store, settings, save_groups=True).serve(asyncio.Event()))
+    # killed once step 3's top-up is recorded (prompts 0-9 out): a kill between a publication and its
+    # record would have the resumed run publish that prompt again, sampled twice (harmless, trained
+    # once, but not what this test counts)
+    out_after_3 = (3 + 1 + spec.rollout.max_staleness) * spec.trainer.prompts_per_step
     async with asyncio.timeout(120):
-        while (await store.get(record.id)).step < 3:
+        while (await store.get(record.id)).step < 3 or (await store.published(record.id) or 0) < out_after_3:
             await asyncio.sleep(0.05)
     await kill(serving)  # version 3 is lost: the last checkpoint is step 2's
     lost = [w for _, w in await bus.read_all(WEIGHTS) if w.run_id == record.id and w.version == 3]
