@@ -54,6 +54,7 @@ async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
         if sure:
             assert (room["already_sure"], room["already_sure_favoured"], room["unsure"]) == (2, 0, 0)
             assert room["answer_only_room"] == 0  # nothing left to lift on a sure answer
+            assert room["unsure_answer_lift"] is None  # no unsure finals: None, which JSON can hold
         else:
             assert (room["already_sure"], room["unsure"], room["unsure_favoured"]) == (0, 2, 2)
             assert room["unsure_answer_lift"] > 0.5

@@ -37,7 +37,11 @@ def test_pbsd_teacher_check_cli(tiny_world, tiny_checkpoint, tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+
+    def strict(constant: str):
+        raise AssertionError(f"{constant} in the report: not JSON")
+
+    report = json.loads(out.read_text(), parse_constant=strict)
     assert report["questions"] == 2 and report["samples"] == 2 and sum(report["finish_reasons"].values()) == 4
     sanity = TeacherSanity.model_validate(report["sanity"])
     noise = NoiseFloor.model_validate(report["noise"])

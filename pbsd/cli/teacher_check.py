@@ -177,13 +177,13 @@ def describe(report: dict[str, Any]) -> str:
             f"  correct finals naming the answer: {r['naming_the_answer']}; the policy already sure of it "
             f"(every answer token's log-prob >= {SURE}) in {r['already_sure']}, {r['already_sure_favoured']} "
             f"of them favoured; of the {r['unsure']} others, {r['unsure_favoured']} favoured, the answer's "
-            f"tokens lifted {r['unsure_answer_lift']:+.2f} nats on average; a teacher that lifted only the "
+            f"tokens lifted {_nats(r['unsure_answer_lift'])} on average; a teacher that lifted only the "
             f"answer's tokens, to certainty, would favour {r['answer_only_room']}",
         )
         lines.append(
             f"  wrong finals spelling the answer they give: {r['wrong_spelled']}; the policy sure of it in "
             f"{r['wrong_sure']}; {r['wrong_disfavoured']} disfavoured, that answer's tokens moved "
-            f"{r['wrong_answer_change']:+.2f} nats on average",
+            f"{_nats(r['wrong_answer_change'])} on average",
         )
         lines.append(
             f"  answers first written before the final turn: {r['wrong_written_earlier']} wrong, that turn "
@@ -192,8 +192,13 @@ def describe(report: dict[str, Any]) -> str:
         )
         parts = [
             f"{k.replace('_', ' ', 1).replace('_', '-')} {v['finals']} at {v['mean_s']:+.4f} (answer "
-            f"{v['student']:+.2f} nats, {v['answer_change']:+.2f} after x*)"
+            f"{_nats(v['student'])}, {_nats(v['answer_change'])} after x*)"
             for k, v in r["by_outcome"].items()
         ]
         lines.append(f"  final answers' mean s by outcome and grounding: {', '.join(parts) or 'none'}")
     return "\n".join(lines)
+
+
+def _nats(x: float | None) -> str:
+    """A mean in nats; None where there was nothing to average."""
+    return "n/a" if x is None else f"{x:+.2f} nats"

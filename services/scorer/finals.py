@@ -116,19 +116,20 @@ def answer_room(
     def answer_only(row: dict) -> float:  # the turn's s were the answer's tokens at log-prob 0
         return -sum(row["student"][k] for k in row["answer_tokens"]) / len(row["student"])
 
-    def change(part: list[dict], key: str) -> float:
-        moved = [np.mean([r["teacher"][k] - r["student"][k] for k in r[key]]) for r in part]
-        return float(np.mean(moved)) if moved else float("nan")
+    def mean(values: list[float]) -> float | None:  # None, not NaN: the report is JSON
+        return float(np.mean(values)) if values else None
+
+    def change(part: list[dict], key: str) -> float | None:
+        return mean([np.mean([r["teacher"][k] - r["student"][k] for k in r[key]]) for r in part])
 
     def outcome_row(part: list[dict], key: str) -> dict[str, float]:
         """Their mean s and, over those that spell their answer, the student's mean log-prob of it
         and the teacher's mean change on it."""
         spelled = [r for r in part if r[key]]
-        student = [np.mean([r["student"][k] for k in r[key]]) for r in spelled]
         return {
             "finals": len(part),
-            "mean_s": float(np.mean([r["s"] for r in part])),
-            "student": float(np.mean(student)) if student else math.nan,
+            "mean_s": mean([r["s"] for r in part]),
+            "student": mean([np.mean([r["student"][k] for k in r[key]]) for r in spelled]),
             "answer_change": change(spelled, key),
         }
 
