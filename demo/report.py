@@ -92,13 +92,7 @@ def sanity_row(algo: str, figures: dict[str, float], spec: PbsdSpec) -> str:
         + _cell(figures, "wrong_final_disfavoured_frac", ".0%", marks["wrong_final_disfavoured_frac"])
         + _cell(figures, "grounded_gap", "+.4f", marks["grounded_minus_made_up_mean_s"])
         + _cell(figures, "noise_std", ".2g")
-        # with no deadband every null turn that rounding moves at all lies outside it
-        + _cell(
-            figures,
-            "noise_outside_deadband_frac",
-            ".0%",
-            note="" if spec.eps_pos or spec.eps_neg else "no deadband",
-        )
+        + _cell(figures, "noise_outside_deadband_frac", ".0%", note="" if spec.deadband else "no deadband")
         + _cell(figures, "within_noise_floor_frac", ".0%")
         + "</tr>"
     )

@@ -202,6 +202,12 @@ class PbsdSpec(_PolicyGradientSpec):
         "rollout.return_routed_experts and the scorer's local backend; see services/scorer/replay.py)",
     )
 
+    @property
+    def deadband(self) -> bool:
+        """Whether the weights have a deadband at all (the ablation 'no deadband' has none): without
+        one, every null turn that rounding moves lies outside it, which figures must say."""
+        return bool(self.eps_pos or self.eps_neg)
+
     @field_validator("teacher_template", mode="before")
     @classmethod
     def _named_template(cls, value: Any) -> Any:

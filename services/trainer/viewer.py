@@ -184,10 +184,9 @@ def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
     if f.get("unboxed_final_turns"):
         parts.append(f"finals that box nothing (in neither figure): {int(f['unboxed_final_turns'])}")
     if "noise_std" in f:
-        # with no deadband every null turn that rounding moves at all lies outside it: say so, or
-        # the share reads as a floor far above a run's with the paper's deadband
+        # without a deadband the share would read as a floor far above a run's with the paper's
         specs = [g.group.algorithm for g in scored if isinstance(g.group.algorithm, PbsdSpec)]
-        bare = bool(specs) and all(not (spec.eps_pos or spec.eps_neg) for spec in specs)
+        bare = bool(specs) and not any(spec.deadband for spec in specs)
         parts.append(
             f"noise floor: per-token std {f['noise_std']:.2g} nats, null turns outside the deadband "
             f"{f.get('noise_outside_deadband_frac', 0):.0%}{' (no deadband)' if bare else ''}, "
