@@ -78,11 +78,16 @@ class _Spec(Contract):
     model_config = ConfigDict(allow_inf_nan=False)
 
 
+# A file or directory on the trainer: no longer than Linux's PATH_MAX, and without the NUL byte no
+# file system takes (refused here as a 422, not as a 500 where the trainer opens it).
+TrainerPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+
+
 class ModelSpec(_Spec):
-    path: str = Field(
-        min_length=1, description="Hugging Face checkpoint directory (or hub id where the hub is reachable)"
+    path: TrainerPath = Field(
+        description="Hugging Face checkpoint directory (or hub id where the hub is reachable)"
     )
-    tokenizer: str | None = Field(
+    tokenizer: TrainerPath | None = Field(
         default=None,
         description="the trainer's tokenizer directory (defaults to the model path); rollout workers and "
         "scorers tokenize with the checkpoint they serve (PBSD_ROLLOUT_MODEL, PBSD_SCORER_MODEL)",
@@ -95,8 +100,8 @@ class ModelSpec(_Spec):
 
 
 class DataSpec(_Spec):
-    train: str = Field(min_length=1, description="question file (JSONL or Parquet) for RL")
-    validation: str | None = Field(
+    train: TrainerPath = Field(description="question file (JSONL or Parquet) for RL")
+    validation: TrainerPath | None = Field(
         default=None,
         description="held-out question file: the rollout workers evaluate the policy on it before the "
         "first step, every trainer.eval_every steps and after the last (mean@k and pass@k in evals.jsonl)",
@@ -238,15 +243,21 @@ class PbsdSpec(_PolicyGradientSpec):
 AlgorithmSpec = Annotated[GrpoSpec | PbsdSpec, Field(discriminator="name")]
 
 
-def _finite(value: Any) -> bool:
-    """Whether every number in a JSON-like value is finite."""
+# A DeepSpeed config nests four levels or so. The store reads specs back with pydantic's JSON
+# parser, which refuses about 200 levels: a deeper config would be accepted and then make its run
+# unreadable (a 500 on every listing, an executor that cannot load its queue).
+MAX_CONFIG_DEPTH = 32
+
+
+def _config_problem(value: Any, depth: int = 0) -> str | None:
+    """What unfits a JSON-like value to store: a number that is not finite, or nesting past
+    ``MAX_CONFIG_DEPTH`` (checked before going deeper, so no input can exhaust the stack)."""
     if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return all(_finite(v) for v in value)
-    return True
+        return None if math.isfinite(value) else "must hold finite numbers only (no NaN or Infinity)"
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+    if children and depth == MAX_CONFIG_DEPTH:
+        return f"must nest at most {MAX_CONFIG_DEPTH} levels deep"
+    return next((p for v in children if (p := _config_problem(v, depth + 1))), None)
 
 
 class TrainerSpec(_Spec):
@@ -287,7 +298,7 @@ class TrainerSpec(_Spec):
     routing_replay: bool = Field(
         default=False, description="R3: force the rollout's experts in the policy forward"
     )
-    deepspeed_config: str | dict[str, Any] | None = Field(
+    deepspeed_config: TrainerPath | dict[str, Any] | None = Field(
         default=None,
         description="DeepSpeed's JSON config, inline (an object) or the path of a file on the "
         "trainer; plain torch when None. What it leaves out comes from this spec; an optimizer, "
@@ -298,8 +309,8 @@ class TrainerSpec(_Spec):
     @field_validator("deepspeed_config")
     @classmethod
     def _finite_config(cls, value):
-        if isinstance(value, dict) and not _finite(value):
-            raise ValueError("deepspeed_config must hold finite numbers only (no NaN or Infinity)")
+        if isinstance(value, dict) and (problem := _config_problem(value)):
+            raise ValueError(f"deepspeed_config {problem}")
         return value
 
 

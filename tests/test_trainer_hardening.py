@@ -110,6 +110,48 @@ def test_nan_inside_an_inline_deepspeed_config_is_refused(api, tiny_world, tiny_
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "trainer", "deepspeed_config"]
 
 
+@pytest.mark.parametrize(("lists", "code"), [(32, 201), (33, 422), (250, 422), (900, 422)])
+def test_a_deepspeed_config_nests_no_deeper_than_the_store_reads_back(
+    api, tiny_world, tiny_checkpoint, lists, code
+):
+    """About 200 levels were accepted and then made every listing a 500 (the store reads specs back
+    with a parser that refuses them) and the executor's queue unreadable; about 330 were a 500 at
+    once (the finiteness check ran out of stack)."""
+    spec = _spec(tiny_world, tiny_checkpoint)
+    spec["trainer"]["deepspeed_config"] = "__CONFIG__"
+    config = '{"a": ' + "[" * lists + "]" * lists + "}"
+    body = json.dumps(spec).replace('"__CONFIG__"', config)
+    r = httpx.post(f"{api}/runs", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == code, r.text
+    if code == 422:
+        assert r.json()["detail"][0]["loc"] == ["body", "trainer", "deepspeed_config"]
+        assert "at most 32 levels" in r.json()["detail"][0]["msg"]
+        return
+    run = r.json()["id"]
+    assert httpx.get(f"{api}/runs/{run}", headers=AUTH).status_code == 200
+    assert [x["id"] for x in httpx.get(f"{api}/runs", headers=AUTH).json()] == [run]
+
+
+def test_paths_no_file_system_takes_are_a_422(api, tiny_world, tiny_checkpoint):
+    """A NUL byte and a name longer than the file system's were 500s (ValueError and OSError where the
+    trainer looked the path up); an over-long path is refused before it is echoed back."""
+    long_name = "b" * 300
+    cases = [
+        ("data", "train", "q\x00.jsonl"),
+        ("model", "path", f"{tiny_checkpoint}\x00"),
+        ("data", "train", f"{tiny_world}/{long_name}.jsonl"),
+        ("model", "path", f"{tiny_world}/{long_name}"),
+        ("data", "validation", "/" + "d/" * 3000),
+    ]
+    for section, key, value in cases:
+        spec = _spec(tiny_world, tiny_checkpoint)
+        spec[section][key] = value
+        r = httpx.post(f"{api}/runs", json=spec, headers=AUTH)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][:3] == ["body", section, key], r.text
+        assert len(r.text) < 1000
+    assert httpx.get(f"{api}/runs", headers=AUTH).json() == []
+
+
 async def test_a_series_index_past_what_redis_takes_is_a_422(
     api, redis_url, key_prefix, tiny_world, tiny_checkpoint
 ):

@@ -36,11 +36,22 @@ def _under(value: str, roots: Sequence[Path]) -> Path | None:
     return path if any(path.is_relative_to(root.resolve()) for root in roots) else None
 
 
+_KINDS = {"directory": Path.is_dir, "file": Path.is_file, "anything": Path.exists}
+
+
+def _is(path: Path, kind: str) -> bool:
+    """Whether there is a ``kind`` (a key of ``_KINDS``) at ``path``."""
+    try:
+        return _KINDS[kind](path)
+    except OSError:  # a name longer than the file system takes, a folder it may not read: nothing there
+        return False
+
+
 def _resolve(value: str, loc: list[str], roots: Sequence[Path], roots_name: str, *, kind: str) -> str:
     path = _under(value, roots)
     if path is None:
         raise SpecPathError(loc, f"{value} is not under the trainer's {roots_name}")
-    if not (path.is_dir() if kind == "directory" else path.is_file()):
+    if not _is(path, kind):
         raise SpecPathError(loc, f"no {kind} at {value} on the trainer")
     return str(path)
 
@@ -59,7 +70,7 @@ def resolve_spec_paths(spec: RunSpec, settings: TrainerSettings) -> RunSpec:
 
     def checkpoint(value: str, loc: list[str]) -> str:
         local = _under(value, models)
-        if settings.hub_models and is_hub_id(value) and not (local or Path(value)).exists():
+        if settings.hub_models and is_hub_id(value) and not _is(local or Path(value), "anything"):
             return value  # fetched from the hub: no local path is read
         return _resolve(value, loc, models, model_name, kind="directory")
 
