@@ -230,3 +230,41 @@ def test_viewer_says_what_it_shows_and_pages_by_step(tmp_path):
         assert question[len(text) - 1] == " "  # cut between words
         assert cell.get_attribute("title") == question
         browser.close()
+
+
+def test_a_hostile_run_name_and_page_text_stay_text(tmp_path):
+    """A run named "{{DATA}}" once got every trajectory spliced, unescaped, into its heading; tool
+    results are web pages, so their markup must neither run nor end the data's script element."""
+    from playwright.sync_api import sync_playwright
+
+    from services.trainer.viewer import render_viewer
+
+    attack = '</script><img src=x onerror="window.pwned=1"><!-- <script>window.pwned=2</script>'
+    rows = [
+        {
+            "id": "t1.0",
+            "step": 1,
+            "step_total": 1,
+            "question": attack,
+            "answer": "{{TITLE}}",
+            "final": attack,
+            "reward": 0.0,
+            "correct": False,
+            "advantage": 0.0,
+            "finish": "answer",
+            "algorithm": "grpo",
+            "turns": [],
+        }
+    ]
+    page_file = tmp_path / "viewer.html"
+    page_file.write_text(render_viewer(rows, title="{{DATA}} of run <b>x</b>"))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page()
+        page.goto(page_file.as_uri())
+        assert page.locator("h1").inner_text() == "{{DATA}} of run <b>x</b>"
+        assert page.locator("tr.traj").count() == 1
+        assert page.locator("tr.traj td").nth(1).get_attribute("title") == attack
+        assert page.locator("img").count() == 0
+        assert page.evaluate("window.pwned") is None
+        browser.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -197,9 +198,11 @@ def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
 
 def render_viewer(rows: list[dict[str, Any]], title: str = "Turn-level credit", summary: str = "") -> str:
     """The page of ``rows`` (:func:`viewer_data`); ``summary``: HTML above the list (:func:`sanity_summary`)."""
-    data = json.dumps(rows).replace("</", "<\\/")
-    page = _TEMPLATE.replace("{{TITLE}}", html.escape(title)).replace("{{SUMMARY}}", summary)
-    return page.replace("{{DATA}}", data)
+    # tool results are web pages: no "<" of theirs may close the script element or open a comment
+    data = json.dumps(rows).replace("<", "\\u003c")
+    parts = {"TITLE": html.escape(title), "SUMMARY": summary, "DATA": data}
+    # one pass: a run named "{{DATA}}" gets its name shown, not the trajectories spliced in unescaped
+    return re.sub(r"\{\{(TITLE|SUMMARY|DATA)\}\}", lambda m: parts[m[1]], _TEMPLATE)
 
 
 _TEMPLATE = """<!doctype html>
