@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from services.tools.fetch import FetchError, PlainFetcher
@@ -128,6 +130,14 @@ async def test_caps_on_redirects_size_time_type_and_encoding(sites):
             await fetcher.fetch(f"{site}/redirect-loop")
         bomb = await fetcher.fetch(f"{site}/bomb")  # 50 MB of gzip-compressed text
         assert bomb.truncated and len(bomb.content) == 100_000
+        # once read to the 10 s timeout (bytes after a gzip member, or empty blocks, inflate to
+        # nothing, so the cap never came), holding every byte sent and copying it at each chunk
+        started = time.monotonic()
+        page = await fetcher.fetch(f"{site}/gzip-then-more")
+        assert page.content == "The Danube flows through Vienna." and not page.truncated
+        empty = await fetcher.fetch(f"{site}/gzip-empty-blocks")
+        assert empty.truncated and empty.content == ""
+        assert time.monotonic() - started < 5
         fetcher.timeout_s = 0.5  # /slow answers after 5 s
         with pytest.raises(FetchError, match="longer than"):
             await fetcher.fetch(f"{site}/slow")

@@ -9,7 +9,14 @@ from collections import deque
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 
 SERPER_KEY = "serper-test-key-4f9a"
 JINA_KEY = "jina_test_key_77c1"
@@ -210,6 +217,24 @@ def make_site(other_base: str | None = None) -> FastAPI:
         return Response(
             body[:20] + b"\xff" * 40 + body[60:], media_type="text/html", headers={"Content-Encoding": "gzip"}
         )
+
+    # The hostile-input audit: gzip streams whose inflated size never reaches the cap.
+    def streamed(head: bytes, tail: bytes):
+        async def chunks():
+            yield head
+            for _ in range(256):  # 256 MiB at most: far past any cap, and the test still ends
+                yield tail
+                await asyncio.sleep(0)
+
+        return StreamingResponse(chunks(), media_type="text/html", headers={"Content-Encoding": "gzip"})
+
+    @app.get("/gzip-then-more")
+    async def gzip_then_more():  # a whole gzip page, then bytes that never end
+        return streamed(gzip.compress(b"<p>The Danube flows through Vienna.</p>"), b"\0" * 2**20)
+
+    @app.get("/gzip-empty-blocks")
+    async def gzip_empty_blocks():  # a gzip header, then deflate's empty stored blocks: no output
+        return streamed(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff", b"\x00\x00\x00\xff\xff" * 2**18)
 
     @app.get("/p\u00e4ge")
     async def non_ascii_path():

@@ -127,17 +127,20 @@ class PlainFetcher:
             raise EncodingRefused(f"refused content encoding {encoding!r} from {url}")
         inflater = zlib.decompressobj(16 + zlib.MAX_WBITS) if "gzip" in encoding else None
         chunks: list[bytes] = []
-        size = 0
+        size = sent = 0
         async for raw in response.aiter_stream():
             try:
                 data = inflater.decompress(raw, self.max_bytes - size + 1) if inflater else raw
             except zlib.error as exc:
                 raise FetchError(f"{url} sent a corrupt gzip body ({exc})") from None
             chunks.append(data)
-            size += len(data)
-            if size > self.max_bytes or (inflater and inflater.unconsumed_tail):
+            size, sent = size + len(data), sent + len(raw)
+            # the sent bytes are capped too: gzip's empty blocks inflate to nothing, endlessly
+            if size > self.max_bytes or sent > self.max_bytes or (inflater and inflater.unconsumed_tail):
                 # cap reached: stop reading, never inflate further
                 return b"".join(chunks)[: self.max_bytes], True
+            if inflater and inflater.eof:  # the page ends with its gzip member, whatever follows
+                break
         return b"".join(chunks), False
 
 
