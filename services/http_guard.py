@@ -5,7 +5,8 @@ A body whose ``Content-Length`` is over the cap is answered 413 before any of it
 sent without a length (chunked) is cut off with a 413 as soon as what has arrived passes the cap,
 so no request makes the service hold more than the cap. A 422 lists each error's ``loc``,
 ``msg`` and ``type`` but not the offending ``input``: the input may not be JSON at all (a NaN,
-an infinity), and echoing it made the error handler itself fail with a 500.
+an infinity), and echoing it made the error handler itself fail with a 500. It lists the first
+``MAX_ERRORS`` only: a 249 KB body of 20,000 unknown keys answered 2 MB of errors.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 __all__ = ["BodyLimit", "field_errors", "install_validation_handler"]
 
 
+MAX_ERRORS = 20
+
+
 def field_errors(errors: Sequence[dict[str, Any]], prefix: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """pydantic's (or FastAPI's) errors as FastAPI words them, without the input."""
-    return [{"loc": [*prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in errors]
+    """pydantic's (or FastAPI's) first ``MAX_ERRORS`` errors as FastAPI words them, without the input."""
+    return [{"loc": [*prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in errors[:MAX_ERRORS]]
 
 
 def install_validation_handler(app: FastAPI) -> None:

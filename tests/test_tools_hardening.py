@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from agent.catalogue import ScrapeArgs
+from services.http_guard import MAX_ERRORS
 from services.tools.app import create_app
 from services.tools.fetch import FetchError, PlainFetcher
 from services.tools.html_text import html_to_text
@@ -84,6 +85,13 @@ def test_html_to_text_reads_what_a_browser_shows():
         "Vienna",
         "a title left open keeps the page's text",
     )
+
+
+def test_characters_that_lengthen_when_lowered_shift_nothing():
+    """ "\u0130".lower() is two characters: a page once used it to shift the search copy against the
+    page, so that script showed as text and tags leaked."""
+    page = "\u0130" * 6 + "<p>hello world</p><script>var secret=1</script><p>Vienna</p><SCRIPT>x=2</SCRIPT>"
+    assert html_to_text(page) == ("", "\u0130" * 6 + "\nhello world\n\nVienna")
 
 
 @pytest.mark.parametrize(
@@ -178,6 +186,17 @@ def test_nan_anywhere_in_a_call_is_a_4xx_that_names_the_field(gateway, raw):
     assert 400 <= r.status_code < 500, r.text
     detail = r.json()["detail"]  # valid JSON: nothing non-finite echoed back
     assert detail and all(d["loc"][0] == "body" and d["msg"] for d in detail)
+
+
+def test_an_invalid_call_answers_in_a_bounded_size(gateway):
+    """A body of unknown keys: the errors listed stop at the cap (20,000 keys in 249 KB once
+    answered 2 MB)."""
+    keys = {f"k{i}": 0 for i in range(300)}
+    body = json.dumps({**SEARCH, "arguments": {"q": "x", **keys}})
+    assert len(body) < 4096
+    r = _post(gateway, body)
+    assert r.status_code == 422 and len(r.json()["detail"]) == MAX_ERRORS, r.text
+    assert all(d["loc"][:2] == ["body", "arguments"] for d in r.json()["detail"])
 
 
 def test_malformed_json_is_a_422(gateway):

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from agent.catalogue import READ, SEARCH, TOOLS, ToolSpec, catalogue, find_tool
 from agent.toolcall import DEFAULT_MAX_RESULT_CHARS, format_tool_failure, format_tool_result
+from services.http_guard import field_errors
 from services.search.offline import render
 from services.tools import metrics
 from services.tools.backends import Backend
@@ -130,11 +131,7 @@ class ToolGateway:
         try:
             return spec, spec.args_model.model_validate(arguments)
         except ValidationError as exc:
-            errors = [
-                {"loc": ["body", "arguments", *e["loc"]], "msg": e["msg"], "type": e["type"]}
-                for e in exc.errors()
-            ]
-            raise InvalidCall(422, errors) from None
+            raise InvalidCall(422, field_errors(exc.errors(), ("body", "arguments"))) from None
 
     async def call(
         self, server_name: str, tool_name: str, arguments: Any, *, trajectory_id: str | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import re
+import string
 
 __all__ = ["html_to_text"]
 
@@ -57,12 +58,15 @@ _BLOCK = frozenset(
 _NAME = re.compile(r"[a-zA-Z][^\t\n\f\r /><]*")
 _SPACES = re.compile(r"[ \t\r\f\v]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
+# Markup is ASCII, so only ASCII letters are folded: str.lower() would lengthen some characters
+# ("\u0130" becomes two), shifting every position after them between the two copies of the page.
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
 class _Reader:
     def __init__(self, document: str) -> None:
         self.doc = document
-        self.lower = document.lower()
+        self.lower = document.translate(_ASCII_LOWER)
         self.n = len(document)
         self.next: dict[str, int] = {}  # needle -> where it occurs next (n: nowhere further)
         self.parts: list[str] = []
