@@ -41,6 +41,10 @@ from tests.web_fakes import make_site
         "2002:a9fe:a9fe::1",  # 6to4 around 127.0.0.1 and 169.254.169.254
         "64:ff9b::a00:1",  # NAT64 around 10.0.0.1
         "2001:0:4136:e378:8000:63bf:80ff:fffe",  # Teredo whose client is 127.0.0.1
+        "::7f00:1",
+        "::8.8.8.8",  # IPv4-compatible (deprecated), which Python 3.11 calls global
+        "64:ff9b:1::7f00:1",
+        "64:ff9b:1:a00:1::",  # local-use NAT64, the same
     ],
 )
 def test_internal_addresses_are_refused(address):

@@ -6,7 +6,9 @@ Rules (after pydantic-ai's ``safe_download``):
 * the host is resolved here, and the connection fails if *any* address it resolves
   to is not globally routable: private, loopback, link-local (cloud metadata at
   169.254.169.254 included), CGNAT 100.64/10, reserved, multicast, unspecified, and
-  the same ranges hidden in IPv6 (IPv4-mapped ``::ffff:a.b.c.d``, 6to4, Teredo, NAT64);
+  the same ranges hidden in IPv6 (IPv4-mapped ``::ffff:a.b.c.d``, 6to4, Teredo, NAT64), and
+  the IPv6 forms whose target depends on the network (IPv4-compatible ``::a.b.c.d``, local-use
+  NAT64 ``64:ff9b:1::/48``);
 * the connection goes to the address that was checked, so a DNS answer that
   changes between check and connect (rebinding) cannot slip through; TLS still
   verifies the certificate against the host name;
@@ -30,6 +32,12 @@ import httpcore
 __all__ = ["BlockedAddress", "GuardedNetworkBackend", "address_problem", "check_url"]
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Refused whatever they embed (Python 3.11 calls both global): no public host uses the deprecated
+# IPv4-compatible form, and a local-use NAT64 prefix reaches whatever the network maps it to.
+_UNROUTED = {
+    ipaddress.ip_network("::/96"): "a deprecated IPv4-compatible address (RFC 4291)",
+    ipaddress.ip_network("64:ff9b:1::/48"): "in the local-use NAT64 prefix (RFC 8215)",
+}
 
 
 class BlockedAddress(Exception):
@@ -59,6 +67,10 @@ def address_problem(address: str) -> str | None:
         if inner is not None:
             problem = address_problem(str(inner))
             return f"{ip} embeds {inner}: {problem}" if problem else None
+        if not (ip.is_loopback or ip.is_unspecified):  # ::1 and :: are said below as what they are
+            unrouted = next((why for net, why in _UNROUTED.items() if ip in net), None)
+            if unrouted:
+                return f"{ip} is {unrouted}"
     if ip.is_loopback:
         return f"{ip} is a loopback address"
     if ip.is_link_local:
