@@ -26,14 +26,18 @@ def test_scores_are_bm25s_own(corpus):
         json.loads(line)["question"] for line in (world / "questions" / "rl.jsonl").read_text().splitlines()
     ]
     queries = (
-        [d.title for d in index.documents[:40]] + questions + ["city city river", "zzz unknown", "the of"]
+        [d.title for d in index.documents[:40]]
+        + questions
+        + ["city city river", "river " * 300, "zzz unknown", "the of"]
     )
     for bm25 in (index._body, index._title):
         for q in queries:
             words = [w for w in terms(q) if w in bm25.vocab_dict]
             ours = _scores(bm25, q)
             theirs = bm25.get_scores(words) if words else np.zeros_like(ours)
-            np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+            # a repeated word is added once times its count: float32 rounds that a little
+            # differently from bm25s's repeated additions (300 of them: 4e-6 relative)
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_ranking_is_by_score_then_corpus_order(corpus):

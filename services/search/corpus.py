@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,16 +81,18 @@ def _scores(index: bm25s.BM25, query: str) -> np.ndarray:
     """BM25 score of every document, as ``index.get_scores`` computes it: the sum, over the
     query's words, of each document's stored weight for the word; words the index never saw
     contribute nothing. A word's postings hold each document once, so a plain indexed add does
-    what bm25s's ``np.add.at`` does, several times faster on a common word's long postings."""
+    what bm25s's ``np.add.at`` does, several times faster on a common word's long postings. A word
+    the query repeats is added once, times its count: a 2,048-character query of one common word
+    would otherwise walk that word's postings some 680 times."""
     postings = index.scores
     indptr, indices, weights = postings["indptr"], postings["indices"], postings["data"]
     out = np.zeros(postings["num_docs"], dtype=weights.dtype)
     vocab = index.vocab_dict
-    for word in terms(query):
+    for word, count in Counter(terms(query)).items():
         word_id = vocab.get(word)
         if word_id is not None:
             start, end = indptr[word_id], indptr[word_id + 1]
-            out[indices[start:end]] += weights[start:end]
+            out[indices[start:end]] += weights[start:end] if count == 1 else weights[start:end] * count
     return out
 
 
