@@ -69,6 +69,9 @@ TEACHER_TEMPLATES = {
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 UnitFloat = Annotated[float, Field(ge=0, le=1)]
+# What every consumer of a seed takes (numpy refuses negative ones, torch.manual_seed overflows past
+# 64 bits): refused at submission, not at the run's start.
+Seed = Annotated[int, Field(ge=0, lt=2**31)]
 LrDecay = Literal["constant", "cosine"]  # after warm-up (also pbsd sft's --lr-decay)
 
 
@@ -110,7 +113,7 @@ class DataSpec(_Spec):
         default=None, description="evaluate only the first N validation questions"
     )
     epochs: PositiveInt = 1
-    shuffle_seed: int = 0
+    shuffle_seed: Seed = 0
     max_questions: PositiveInt | None = Field(
         default=None, description="use only the first N questions after shuffling"
     )
@@ -288,7 +291,7 @@ class TrainerSpec(_Spec):
         description="with data.validation: also evaluate every N steps (0: only before the first "
         "step and after the last)",
     )
-    seed: int = Field(
+    seed: Seed = Field(
         default=0,
         description="seeds the trainer's RNGs at the start of a run and every sample the rollout "
         "workers draw for it (prompt tasks carry it), so a run's trajectories do not depend on "

@@ -152,6 +152,23 @@ def test_paths_no_file_system_takes_are_a_422(api, tiny_world, tiny_checkpoint):
     assert httpx.get(f"{api}/runs", headers=AUTH).json() == []
 
 
+@pytest.mark.parametrize(("section", "key"), [("trainer", "seed"), ("data", "shuffle_seed")])
+def test_a_seed_no_random_generator_takes_is_refused_at_submission(tiny_world, tiny_checkpoint, section, key):
+    """-1 and 10**30 were accepted, and the run failed at its start (numpy, torch.manual_seed)."""
+    from pydantic import ValidationError
+
+    from proto.runs import RunSpec
+
+    for seed in (-1, 2**31, 10**30):
+        spec = _spec(tiny_world, tiny_checkpoint)
+        spec[section][key] = seed
+        with pytest.raises(ValidationError) as refused:
+            RunSpec.model_validate(spec)
+        assert refused.value.errors()[0]["loc"] == (section, key)
+    spec[section][key] = 2**31 - 1
+    assert getattr(getattr(RunSpec.model_validate(spec), section), key) == 2**31 - 1
+
+
 async def test_a_series_index_past_what_redis_takes_is_a_422(
     api, redis_url, key_prefix, tiny_world, tiny_checkpoint
 ):
