@@ -215,6 +215,17 @@ async def test_maxlen_bounds_a_stream_without_consumers(redis_url, key_prefix):
         await bus.close()
 
 
+async def test_the_latest_entry_passes_over_undecodable_ones(bus):
+    """A worker reads the newest weights as it starts: a garbage entry on top once raised there, so
+    every worker failed to start until a good entry came, which needed the workers."""
+    assert await bus.latest(WEIGHTS) is None
+    await bus.publish(WEIGHTS, ex.example_weights(7))
+    await bus.redis.xadd(bus.key(WEIGHTS), {"data": b"\xc1 not msgpack"})
+    await bus.redis.xadd(bus.key(WEIGHTS), {"other": b"no data field"})
+    _, latest = await bus.latest(WEIGHTS)
+    assert latest.version == 7
+
+
 async def test_a_pending_entry_trimmed_away_is_a_dead_letter(redis_url, key_prefix):
     """Past MAXLEN Redis trims entries a dead consumer still held: they cannot be processed any
     more, but their loss is recorded, not silent."""

@@ -99,13 +99,11 @@ class Bus(ConsumerGroups):
         return int(moved)
 
     # -- broadcast streams (weights) ------------------------------------------------
-    async def latest(self, stream: StreamDef[M]) -> tuple[str, M] | None:
-        """The newest entry of a stream, or None when it is empty."""
-        entries = await self.redis.xrevrange(self.key(stream), count=1)
-        if not entries:
-            return None
-        entry_id, fields = entries[0]
-        return as_text(entry_id), decode(stream.model, fields[b"data"])
+    async def latest(self, stream: StreamDef[M], *, scan: int = 64) -> tuple[str, M] | None:
+        """The newest decodable entry among the last ``scan``, or None. An undecodable one on top is
+        passed over: workers read this as they start, and one bad entry must not stop every start."""
+        found = await self.newest(stream, scan)
+        return found[-1] if found else None
 
     async def newest(self, stream: StreamDef[M], count: int) -> list[tuple[str, M]]:
         """The newest ``count`` entries of a stream, oldest first (undecodable ones logged and left out)."""
