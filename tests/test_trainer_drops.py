@@ -127,3 +127,59 @@ async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
     assert not await accept(store, "r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch)
     assert state.drops == {"stale": 1, "future": 1, "duplicate": 2, "foreign": 1}
     assert state.dropped == 2  # stale and future groups get replacement prompts
+
+
+async def test_a_group_that_cannot_be_trained_on_is_dropped_and_replaced(
+    bus, key_prefix, tiny_world, tiny_checkpoint
+):
+    """Each of these once reached the step: a token id past the embedding failed the step and so the
+    run; a NaN advantage or rollout log-prob made the loss NaN and every weight with it; a negative
+    prompt index (task "r1:-1") of a lost group failed the run where its prompt was to be
+    published again."""
+    import numpy as np
+
+    from proto.runs import RunSpec
+    from services.trainer.admission import accept
+    from services.trainer.checkpoints import TrainState, prompt_index
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    store = RunStore(bus.redis, key_prefix)
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))
+    fake = FakePipeline(bus, tok)
+    fake.version = 5
+    task = PromptTask(
+        run_id="r1",
+        task_id="r1:3",
+        question_id="q",
+        question="Q?",
+        answer="A",
+        rollout=spec.rollout,
+        algorithm=spec.algorithm,
+    )
+    await fake.handle(task, None)
+    good = [g for _, g in await bus.read_all(SCORED)][-1]
+    vocab = tok.vocab_size
+
+    def broken(**changes):
+        first = good.group.trajectories[0]
+        changed = first.model_copy(
+            update={k: np.asarray(v, dtype=getattr(first, k).dtype) for k, v in changes.items()}
+        )
+        group = good.group.model_copy(update={"trajectories": (changed, *good.group.trajectories[1:])})
+        return good.model_copy(update={"group": group})
+
+    first = good.group.trajectories[0]
+    bad = [
+        broken(
+            completion_ids=np.where(np.arange(first.completion_ids.size) == 0, vocab, first.completion_ids)
+        ),
+        broken(prompt_ids=np.where(np.arange(first.prompt_ids.size) == 0, -1, first.prompt_ids)),
+        broken(rollout_logprobs=np.full(first.completion_ids.size, np.nan)),
+        good.model_copy(update={"advantages": np.full(good.advantages.size, np.inf, np.float32)}),
+    ]
+    state, batch = TrainState(step=5, version=5), set()
+    for scored in bad:
+        assert not await accept(store, "r1", spec, state, scored, batch_ids=batch, vocab=vocab)
+    assert state.drops == {"malformed": 4} and state.dropped == 4 and state.dropped_indices == [3] * 4
+    assert await accept(store, "r1", spec, state, good, batch_ids=batch, vocab=vocab)
+    assert prompt_index("r1:-1") is None and prompt_index("r1:-1/0") is None and prompt_index("r1:7/2") == 7

@@ -3,9 +3,10 @@
 A group is dropped when it belongs to another run (``foreign``), was sampled with weights a
 resume discarded (``lost``: a version of an abandoned timeline, :mod:`services.trainer.timelines`),
 by a policy version the trainer never reached (``future``: from a sender that does not name
-timelines), is more than ``rollout.max_staleness`` versions old (``stale``), or holds a
-trajectory already trained or already in this batch (``duplicate``: a redelivery). A stale or
-future group's prompt gets a replacement, as does a prompt whose message a consumer dead-lettered
+timelines), is more than ``rollout.max_staleness`` versions old (``stale``), holds a
+trajectory already trained or already in this batch (``duplicate``: a redelivery), or cannot be
+trained on (``malformed``: :func:`services.trainer.batch.unfit`). A stale, future or malformed
+group's prompt gets a replacement, as does a prompt whose message a consumer dead-lettered
 (:mod:`services.trainer.dead_letters`); a lost group's prompt is sampled again (published
 ahead of the queue), unless another copy of it was trained; a duplicate's was trained already.
 """
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from proto.messages import ScoredGroup
 from proto.runs import RunSpec
 from services.trainer import metrics as m
+from services.trainer.batch import unfit
 from services.trainer.checkpoints import TrainState, prompt_index
 from services.trainer.controller import PromptController
 from services.trainer.runs import RunStore
@@ -37,9 +39,11 @@ async def accept(
     *,
     batch_ids: set[str],
     again: Callable[[int, str], Awaitable[None]] | None = None,
+    vocab: int | None = None,
 ) -> bool:
     """Whether ``scored`` joins the batch; a dropped group is counted in ``state`` and the metrics.
-    ``again(index, cause)`` publishes a lost group's prompt once more."""
+    ``again(index, cause)`` publishes a lost group's prompt once more; ``vocab``: the policy's
+    embedding rows, which every token id must fall within (None: not checked)."""
     group = scored.group
     ids = [t.trajectory_id for t in group.trajectories]
     index = prompt_index(group.task_id)
@@ -64,6 +68,9 @@ async def accept(
         reason = "stale"
     elif any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids)):
         reason = "duplicate"
+    elif vocab is not None and (why := unfit(scored, vocab)):
+        reason = "malformed"
+        log.error("dropping group %s: %s", group.task_id, why)
     else:
         batch_ids.update(ids)
         m.STALENESS.observe(state.version - group.policy_version)
@@ -75,7 +82,7 @@ async def accept(
     return False
 
 
-REPLACED = ("stale", "future", "dead_lettered")  # reasons whose prompt gets a replacement
+REPLACED = ("stale", "future", "dead_lettered", "malformed")  # reasons whose prompt gets a replacement
 
 
 async def count_drop(

@@ -16,7 +16,7 @@ import numpy as np
 
 from proto.messages import ScoredGroup
 
-__all__ = ["BatchCounts", "TrainSample", "micro_batches", "samples_from_groups"]
+__all__ = ["BatchCounts", "TrainSample", "micro_batches", "samples_from_groups", "unfit"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,27 @@ def samples_from_groups(
                 )
             )
     return samples, BatchCounts(sequences=sequences, tokens=tokens)
+
+
+def unfit(scored: ScoredGroup, vocab: int) -> str | None:
+    """Why ``scored`` cannot be trained on, or None. Checked as a group is admitted, so that one bad
+    group (a scorer's bug, or whatever else wrote to the stream) is dropped, not trained on: a token
+    id past the embedding fails the step and with it the run; a non-finite advantage or rollout
+    log-prob on a loss token makes the loss NaN, and the optimiser writes NaN into every weight."""
+    for i, t in enumerate(scored.group.trajectories):
+        if t.finish_reason == "error" or not t.turn_spans:
+            continue  # never trained (samples_from_groups)
+        if t.prompt_ids.size == 0:
+            return f"trajectory {t.trajectory_id} has no prompt"
+        ids = (t.prompt_ids, t.completion_ids)
+        if any(x.size and (x.min() < 0 or x.max() >= vocab) for x in ids):
+            return f"trajectory {t.trajectory_id} has token ids outside the vocabulary of {vocab}"
+        loss = t.loss_mask == 1
+        if not np.isfinite(scored.token_advantages(i)[loss]).all():
+            return f"trajectory {t.trajectory_id} has non-finite advantages"
+        if not np.isfinite(t.rollout_logprobs[loss]).all():
+            return f"trajectory {t.trajectory_id} has non-finite rollout log-probs"
+    return None
 
 
 def micro_batches(samples: list[TrainSample], token_budget: int) -> list[list[TrainSample]]:

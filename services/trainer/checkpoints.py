@@ -52,9 +52,10 @@ def prompt_index(task_or_trajectory_id: str) -> int | None:
     """The prompt index in ``{run_id}:{index}`` or ``{run_id}:{index}/{sample}`` (controller ids);
     None for an id the controller did not make."""
     try:
-        return int(task_or_trajectory_id.rsplit(":", 1)[1].split("/", 1)[0])
+        index = int(task_or_trajectory_id.rsplit(":", 1)[1].split("/", 1)[0])
     except (IndexError, ValueError):
         return None
+    return index if index >= 0 else None  # a negative one would be read as a place in the data
 
 
 def latest_checkpoint(out: Path) -> Path | None:

@@ -194,6 +194,7 @@ class RunExecutor:
             run.state,
             batch_ids=set(),
             again=lambda index, cause: run.controller.again(index, cause, run.state.step),
+            vocab=run.trainer.model.get_input_embeddings().num_embeddings,
         )
         kept: list[ScoredGroup] = []
 
