@@ -21,7 +21,7 @@ from pydantic import Field, field_validator, model_validator
 
 from proto.arrays import Float32Array, Int32Array, RoutedExpertsArray, Uint8Array
 from proto.base import Contract, Message
-from proto.runs import AlgorithmSpec, RolloutSpec
+from proto.runs import AlgorithmSpec, RolloutSpec, Seed
 from proto.sanity import NoiseFloor, TeacherSanity
 
 __all__ = [
@@ -73,7 +73,7 @@ class PromptTask(Message):
     )
     rollout: RolloutSpec = RolloutSpec()
     algorithm: AlgorithmSpec
-    seed: int | None = Field(
+    seed: Seed | None = Field(
         default=None,
         description="the run's sampling seed (trainer.seed): sample i of this prompt is seeded from "
         "seed + i + 1000 * index, whichever worker takes it; None: the worker's own setting",

@@ -31,6 +31,7 @@ __all__ = [
     "PbsdSpec",
     "RolloutSpec",
     "RunSpec",
+    "Seed",
     "TrainerSpec",
 ]
 
@@ -119,8 +120,13 @@ class DataSpec(_Spec):
     )
 
 
+# The upper bounds below are far past any real run (the paper: G = 8, 300 turns, 16K tokens a turn,
+# 64K context, staleness 1): they keep one spec from asking a worker for 10**9 concurrent samples or
+# the controller for 10**9 prompts at once, which are accepted and then exhaust memory.
 class RolloutSpec(_Spec):
-    group_size: PositiveInt = Field(default=8, description="G, trajectories sampled per prompt")
+    group_size: Annotated[int, Field(gt=0, le=1024)] = Field(
+        default=8, description="G, trajectories sampled per prompt"
+    )
     temperature: Annotated[float, Field(ge=1e-5)] = Field(
         default=1.0,
         description="sampling temperature; the trainer's log-probs are of softmax(logits / T) to match the "
@@ -131,13 +137,13 @@ class RolloutSpec(_Spec):
     eval_top_p: Annotated[float, Field(gt=0, le=1)] = Field(
         default=0.95, description="top-p of validation samples (the paper evaluates with 0.95)"
     )
-    eval_samples: PositiveInt = Field(
+    eval_samples: Annotated[int, Field(gt=0, le=1024)] = Field(
         default=4, description="samples per validation question: k of mean@k (the paper reports mean@4)"
     )
-    max_turns: PositiveInt = 300
-    max_tokens_per_turn: PositiveInt = 16_384
-    max_context: PositiveInt = 65_536
-    max_staleness: Annotated[int, Field(ge=0)] = Field(
+    max_turns: Annotated[int, Field(gt=0, le=100_000)] = 300
+    max_tokens_per_turn: Annotated[int, Field(gt=0, le=2**20)] = 16_384
+    max_context: Annotated[int, Field(gt=0, le=2**24)] = 65_536
+    max_staleness: Annotated[int, Field(ge=0, le=64)] = Field(
         default=1,
         description="how many policy versions rollouts may run ahead of the trainer (0 = strictly on-policy)",
     )
@@ -264,7 +270,9 @@ def _config_problem(value: Any, depth: int = 0) -> str | None:
 
 
 class TrainerSpec(_Spec):
-    prompts_per_step: PositiveInt = Field(default=32, description="groups per optimiser step")
+    prompts_per_step: Annotated[int, Field(gt=0, le=65_536)] = Field(
+        default=32, description="groups per optimiser step"
+    )
     max_steps: PositiveInt = 100
     lr: PositiveFloat = 3e-6
     warmup_steps: Annotated[int, Field(ge=0)] = 8

@@ -169,6 +169,32 @@ def test_a_seed_no_random_generator_takes_is_refused_at_submission(tiny_world, t
     assert getattr(getattr(RunSpec.model_validate(spec), section), key) == 2**31 - 1
 
 
+@pytest.mark.parametrize(
+    ("section", "key", "most"),
+    [
+        ("rollout", "group_size", 1024),
+        ("rollout", "max_staleness", 64),
+        ("rollout", "max_context", 2**24),
+        ("trainer", "prompts_per_step", 65_536),
+    ],
+)
+def test_a_spec_cannot_ask_for_unbounded_work_at_once(tiny_world, tiny_checkpoint, section, key, most):
+    """group_size 10**9 was accepted: a rollout worker would gather 10**9 samples of one prompt; a
+    staleness or batch as large had the controller publish 10**9 prompts at once."""
+    from pydantic import ValidationError
+
+    from proto.runs import RunSpec
+
+    spec = _spec(tiny_world, tiny_checkpoint)
+    spec[section][key] = most
+    assert getattr(getattr(RunSpec.model_validate(spec), section), key) == most
+    for value in (most + 1, 10**9):
+        spec[section][key] = value
+        with pytest.raises(ValidationError) as refused:
+            RunSpec.model_validate(spec)
+        assert refused.value.errors()[0]["loc"] == (section, key)
+
+
 async def test_a_series_index_past_what_redis_takes_is_a_422(
     api, redis_url, key_prefix, tiny_world, tiny_checkpoint
 ):
