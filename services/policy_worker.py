@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 
 from fastapi import FastAPI, Response
 
@@ -223,8 +222,12 @@ class PolicyWorker(abc.ABC):
         ends = await self.bus.newest(RUN_ENDS, self.remembered_ends)
         self.ended.update(event.run_id for _, event in ends)
         followers = [
-            asyncio.create_task(self._follow(WEIGHTS, cursor, self._see, stop)),
-            asyncio.create_task(self._follow(RUN_ENDS, ends[-1][0] if ends else "0-0", self._end, stop)),
+            asyncio.create_task(self.bus.follow_for_good(WEIGHTS, cursor, self._see, stop, reader=self.name)),
+            asyncio.create_task(
+                self.bus.follow_for_good(
+                    RUN_ENDS, ends[-1][0] if ends else "0-0", self._end, stop, reader=self.name
+                )
+            ),
         ]
         self.ready.set()
         try:
@@ -239,23 +242,6 @@ class PolicyWorker(abc.ABC):
         finally:
             for follower in followers:
                 await cancel_and_wait(follower)
-
-    async def _follow(
-        self, stream: StreamDef, cursor: str, see: Callable[[str, Any], Awaitable[None]], stop: asyncio.Event
-    ) -> None:
-        """Every event of a broadcast stream, for the worker's whole life: a lost connection is retried,
-        not fatal (a weights follower that died would leave the worker at its old version for good)."""
-        while not stop.is_set():
-            try:
-                async for entry, event in self.bus.follow(stream, after=cursor, stop=stop):
-                    await see(entry, event)
-                    cursor = entry
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s lost the %s stream; following again in 1 s", self.name, stream.name)
-                await asyncio.sleep(1.0)
 
 
 def _see_weights(held: dict[str, int], timeline: str, version: int) -> None:

@@ -298,3 +298,35 @@ async def test_publish_ahead_puts_messages_before_what_the_group_has_not_read(bu
 
 async def _yes(message) -> bool:
     return True
+
+
+async def test_a_follower_for_good_rides_out_a_lost_connection_and_a_failed_handler(bus, monkeypatch):
+    """The trainer's dead-letter follower died with its connection: dead-lettered prompts were never
+    replaced after that, and a run whose last prompt was one waited for good."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    for v in range(4):
+        await bus.publish(WEIGHTS, ex.example_weights(v))
+    real, calls = bus.follow, []
+
+    async def flaky(stream, *, after, block_ms, stop):
+        calls.append(after)
+        async for entry, message in real(stream, after=after, block_ms=50, stop=stop):
+            yield entry, message
+            if len(calls) == 1:
+                raise RedisConnectionError("connection lost")
+
+    monkeypatch.setattr(bus, "follow", flaky)
+    seen, stop, failed = [], asyncio.Event(), []
+
+    async def see(entry, message):
+        if message.version == 2 and not failed:
+            failed.append(entry)
+            raise RuntimeError("a handler's bug")
+        seen.append(message.version)
+        if message.version == 3:
+            stop.set()
+
+    await asyncio.wait_for(bus.follow_for_good(WEIGHTS, "0-0", see, stop, reader="test"), 10)
+    assert seen == [0, 1, 2, 3]  # version 2's failure was followed again, not skipped
+    assert calls[0] == "0-0" and len(calls) == 3  # lost after 0; the handler failed at 2

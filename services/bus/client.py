@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -137,6 +137,32 @@ class Bus(ConsumerGroups):
                         yield last, decode(stream.model, fields[b"data"])
                     except (ValueError, KeyError) as exc:
                         log.error("skipping undecodable %s entry %s: %s", stream.name, last, exc)
+
+    async def follow_for_good(
+        self,
+        stream: StreamDef[M],
+        after: str,
+        see: Callable[[str, M], Awaitable[None]],
+        stop: asyncio.Event,
+        *,
+        reader: str,
+        block_ms: int = 1000,
+    ) -> None:
+        """``see(entry_id, message)`` for every entry after ``after``, until ``stop``. A lost
+        connection, or a ``see`` that fails, is logged and followed again a second later from the
+        last entry seen through: a follower that died would leave its reader behind for good (a
+        worker at its old weights, a run that never replaces its dead-lettered prompts)."""
+        while not stop.is_set():
+            try:
+                async for entry_id, message in self.follow(stream, after=after, block_ms=block_ms, stop=stop):
+                    await see(entry_id, message)
+                    after = entry_id
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s lost the %s stream; following again in 1 s", reader, stream.name)
+                await asyncio.sleep(1.0)
 
     async def read_all(self, stream: StreamDef[M], *, count: int = 1000) -> list[tuple[str, M]]:
         """The first ``count`` entries still on a stream (for inspection and tests)."""

@@ -70,8 +70,12 @@ async def follow_dead_letters(
     stop: asyncio.Event,
 ) -> None:
     """Call ``on_lost(key, letter)`` for every dead letter that ``pick`` gives a key (not None), from
-    the stream's start, then as they arrive, until ``stop``."""
-    async for _entry_id, letter in bus.follow(DEAD_LETTERS, after="0-0", block_ms=500, stop=stop):
+    the stream's start, then as they arrive, until ``stop``; through lost connections (a follower
+    that died would leave the run waiting for good for a prompt it never replaced)."""
+
+    async def see(_entry_id: str, letter: DeadLetter) -> None:
         key = pick(letter)
         if key is not None:
             await on_lost(key, letter)
+
+    await bus.follow_for_good(DEAD_LETTERS, "0-0", see, stop, reader="the trainer", block_ms=500)
