@@ -134,8 +134,8 @@ def pipeline() -> dict:
             ),
             panel(
                 "Dropped groups and dead letters",
-                "Groups the trainer did not train on, by reason (stale, lost, future, duplicate, foreign), and "
-                "entries moved to the dead-letter stream, by cause.",
+                "Groups the trainer did not train on, by reason (stale, lost, future, duplicate, foreign, "
+                "malformed), and entries moved to the dead-letter stream, by cause.",
                 [
                     (
                         "sum(increase(pbsd_trainer_dropped_groups_total[15m])) by (reason)",

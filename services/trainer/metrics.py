@@ -99,6 +99,7 @@ DROP_REASONS = (
     "stale",
     "duplicate",
     "dead_lettered",
+    "malformed",
 )  # services/trainer/admission.py
 for _reason in DROP_REASONS:  # at zero from the start: a panel shows 0 drops, not "no data"
     DROPPED.labels(_reason)
