@@ -1,4 +1,4 @@
-"""The demo's settings: everything ``pbsd demo`` does is sized here (defaults: 5 to 9 minutes on 2 cores)."""
+"""The demo's settings: everything ``pbsd demo`` does is sized here (defaults: 5 to 15 minutes on 2 cores)."""
 
 from __future__ import annotations
 
