@@ -96,6 +96,25 @@ def test_steps_move_log_probs_in_the_direction_of_the_advantage(tok, tiny_checkp
     assert history[0]["clip_frac"] == 0.0  # on-policy first step: every ratio is 1
 
 
+def test_an_update_whose_gradient_is_not_finite_is_skipped(tok, tiny_checkpoint):
+    """Clipped to NaN and taken, such a gradient wrote NaN into every weight, for good."""
+    model = load_model(tiny_checkpoint)
+    trainer = PolicyTrainer(model, TrainerSpec(lr=3e-3, warmup_steps=0, weight_decay=0.0))
+    group = _group(tok, GrpoSpec(), rewards=(1.0, 0.0))
+    samples, counts = samples_from_groups([_scored(group, advantages=[1.0, 0.0])])
+    samples = _on_policy(trainer, samples)
+    poisoned = [
+        s.__class__(**{**s.__dict__, "advantages": np.full_like(s.advantages, np.inf)}) for s in samples
+    ]
+    before = [p.detach().clone() for p in model.parameters()]
+    record = trainer.train_step(poisoned, counts, GrpoSpec())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert not np.isfinite(record["grad_norm"]) and record["skipped_update"] == 1.0 and trainer.step == 1
+    record = trainer.train_step(samples, counts, GrpoSpec())  # the next one goes through, from clean moments
+    assert record["skipped_update"] == 0.0 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
 def test_pbsd_weights_reach_the_loss_token_by_token(tok, tiny_checkpoint):
     """At ratio 1 (first micro-step) the gradient is -sum_k c_k w_{t(k)} A grad log p_k: compare exactly."""
     group = _group(tok, PbsdSpec(), rewards=(1.0, 0.0))

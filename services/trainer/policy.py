@@ -27,9 +27,11 @@ its full-vocabulary logits for the backward pass.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,8 @@ from services.model.routing import replay_routes
 from services.trainer.batch import BatchCounts, TrainSample, micro_batches
 
 __all__ = ["PolicyTrainer", "lr_factor", "warmup_factor"]
+
+log = logging.getLogger(__name__)
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -253,12 +257,21 @@ class PolicyTrainer:
             float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip or math.inf)) if params else 0.0
         )
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        # a NaN or infinite norm clips every gradient to NaN, and AdamW would write it into every
+        # weight (and its moments) for good: that update is skipped, as Megatron skips an overflow
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.error("step %d: gradient norm %s; the update is skipped", self.step + 1, grad_norm)
+            with warnings.catch_warnings():  # the schedule follows the steps, taken or not: torch
+                warnings.simplefilter("ignore", UserWarning)  # warns when no update came before
+                self.scheduler.step()
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         self.step += 1
-        return {"grad_norm": grad_norm, "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr, "skipped_update": float(skipped)}
 
     # -- full checkpoints -----------------------------------------------------------------
     def state(self) -> dict[str, Any]:
