@@ -86,7 +86,8 @@ def make_sglang(
 ) -> FastAPI:
     """``script`` items are used one per /generate call first: an int status, "abort", "updated"
     (the weights were updated mid-turn: the first half of the output came from the version
-    before), or "ok". A weight update from a path containing "missing" fails; one containing
+    before), "reload" (the weights were updated just before this call: it and every later one
+    name the next version), or "ok". A weight update from a path containing "missing" fails; one containing
     "busy" loads the weights but reports failure, as a refused cache flush does."""
     app = FastAPI()
     app.state.requests = []
@@ -103,6 +104,8 @@ def make_sglang(
         rid = uuid.uuid4().hex
         if isinstance(item, int):
             return JSONResponse({"error": {"message": f"internal error {item}"}}, status_code=item)
+        if item == "reload":
+            app.state.version += 1
         ids = body["input_ids"]
         sp = body.get("sampling_params", {})
         if unknown := set(sp) - SAMPLING_KEYS:

@@ -88,7 +88,7 @@ def _layout_sensitive(scale: float):
     """A likelihood whose rounding depends on the sequence's length, as a bfloat16 kernel's tiling
     can: the same token, scored in a longer context, moves by up to ``scale``."""
 
-    async def logprobs(requests):
+    async def logprobs(requests, pairs=None):
         return [-2.0 + scale * np.sin(len(ids) * 0.7 + np.asarray(pos) * 1.3) for ids, pos in requests]
 
     return logprobs

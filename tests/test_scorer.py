@@ -18,6 +18,7 @@ from services.scorer.backends import LocalScorer, SglangScorer
 from services.scorer.contexts import build_contexts
 from services.scorer.evidence import score_group
 from services.scorer.logprobs import sequence_logprobs
+from services.upstream import UpstreamError
 from tests.servers import serve
 from tests.sglang_fake import make_sglang, prompt_logprob
 
@@ -206,7 +207,7 @@ def test_scoring_ignores_a_routing_replay_left_on_the_model(tok, model):
 async def test_grpo_groups_pass_through(tok):
     group = _group(tok, GrpoSpec())
 
-    async def never(requests):
+    async def never(requests, pairs=None):
         raise AssertionError("GRPO groups are not scored")
 
     scored = await score_group(group, tok, never)
@@ -228,6 +229,38 @@ async def test_failed_trajectories_get_no_advantage(tok, model):
     scored = await score_group(group, tok, LocalScorer(model))
     np.testing.assert_allclose(scored.advantages[:2], credit.group_advantages([1.0, 0.0]), rtol=1e-6)
     assert scored.advantages[2] == 0.0 and np.all(scored.turn_weights[2] == 1.0)
+
+
+async def test_sglang_scorer_keeps_a_trajectorys_passes_on_one_server_and_one_weight_version(tok):
+    """Spread one request at a time, with two servers every student pass went to one and every
+    teacher pass to the other, and a reload between a pair's passes went unseen: s was one
+    version's teacher minus another's student."""
+    ids = tok.encode("The Danube flows through Vienna.")
+    pos = np.array([3, 4])
+    requests = [(ids, pos), (ids[:-1], pos), (ids, pos), (ids[:-1], pos), (ids[:-2], pos)]
+    pairs = [0, 0, 1, 1, 0]  # two trajectories' student and teacher passes, and one null pass
+    a, b = make_sglang(lambda ids: []), make_sglang(lambda ids: [], script=["ok", "reload"])
+    with serve(a) as url_a, serve(b) as url_b:
+        scorer = SglangScorer([url_a, url_b], concurrency=1)  # one at a time: the script's order holds
+        got = await scorer(requests, pairs)
+        await scorer.http.aclose()
+    served = (
+        {tuple(r["input_ids"]) for r in a.state.requests},
+        {tuple(r["input_ids"]) for r in b.state.requests},
+    )
+    assert len(a.state.requests) == 3 and len(b.state.requests) == 4  # b's pair was scored again
+    assert {tuple(ids), tuple(ids[:-1]), tuple(ids[:-2])} == served[0] and served[1] == {
+        tuple(ids),
+        tuple(ids[:-1]),
+    }
+    for (r_ids, r_pos), values in zip(requests, got, strict=True):
+        np.testing.assert_allclose(values, [prompt_logprob(r_ids[p], p) for p in r_pos], rtol=1e-6)
+    always = make_sglang(lambda ids: [], script=["ok", "reload"] * SglangScorer.PAIR_ATTEMPTS)
+    with serve(always) as url:
+        scorer = SglangScorer([url])
+        with pytest.raises(UpstreamError, match="weights changed between a trajectory's passes"):
+            await scorer(requests[:2], [0, 0])
+        await scorer.http.aclose()
 
 
 async def test_sglang_scorer_reads_prompt_logprobs(tok):

@@ -94,7 +94,7 @@ def _reading_teacher(tok: ChatTokenizer, *, gain: float, offset: float = 0.0, st
     lose ``gain``; every other teacher token moves by ``offset``."""
     right, wrong = _spelling(tok, "Danube", "Rhine"), _spelling(tok, "Rhine", "Danube")
 
-    async def logprobs(requests):
+    async def logprobs(requests, pairs=None):
         out = []
         for ids, positions in requests:
             lp = np.full(len(positions), student)

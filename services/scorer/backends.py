@@ -1,8 +1,9 @@
 """Where the scorer's likelihoods come from: the model in this process, or an SGLang server.
 
 Both take the same requests (token ids, positions to score) and give the log-probs of
-the tokens at those positions; student and teacher requests of a group are sent
-together, to the same backend and the same weights.
+the tokens at those positions. A trajectory's passes (student, teacher, null; ``pairs``) see the
+same weights: the local model scores a whole call under one lock, and SGLang gets each pair on
+one server and checks the weight version every answer names.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class LocalScorer:
         self._whole = asyncio.Event()  # cleared while a broken broadcast leaves the weights torn
         self._whole.set()
 
-    async def __call__(self, requests: Sequence[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
+    async def __call__(
+        self, requests: Sequence[tuple[Sequence[int], np.ndarray]], pairs: Sequence[int] | None = None
+    ) -> list[np.ndarray]:
         await self._whole.wait()
         async with self._lock:
             try:
@@ -118,7 +121,16 @@ class LocalScorer:
 class SglangScorer:
     """Prompt log-probs from SGLang: ``max_new_tokens`` 0, ``return_logprob``, ``logprob_start_len``
     one before the first scored position (the prefix before it stays in SGLang's radix cache);
-    ``input_token_logprobs`` then align with ``input_ids[logprob_start_len:]``, the first entry null."""
+    ``input_token_logprobs`` then align with ``input_ids[logprob_start_len:]``, the first entry null.
+
+    A pair's requests go to one server (pairs spread over the servers, the spread turning with each
+    call), and each answer names the weights that scored it (``meta_info.weight_version``). A pair
+    whose answers name two versions (a reload came between them) is scored again, up to
+    ``PAIR_ATTEMPTS`` times: its evidence would otherwise be one version's teacher minus another's
+    student. Requests were once spread one by one, so with two servers every student pass went to
+    one and every teacher pass to the other."""
+
+    PAIR_ATTEMPTS = 3
 
     def __init__(
         self,
@@ -134,12 +146,15 @@ class SglangScorer:
         self.retry = retry or RetryPolicy(max_attempts=3, base_delay_s=1.0)
         self.semaphore = asyncio.Semaphore(concurrency)
         self.version = version
+        self._calls = 0
 
-    async def _one(self, index: int, ids: Sequence[int], positions: np.ndarray) -> np.ndarray:
+    async def _one(
+        self, url: str, ids: Sequence[int], positions: np.ndarray
+    ) -> tuple[np.ndarray, str | None]:
+        """The log-probs, and the weight version the server says scored them."""
         if len(positions) == 0:
-            return np.zeros(0, dtype=np.float32)
+            return np.zeros(0, dtype=np.float32), None
         start = int(positions.min()) - 1
-        url = self.urls[index % len(self.urls)]
         payload = {
             "input_ids": list(ids),
             "sampling_params": {"max_new_tokens": 0},
@@ -152,16 +167,53 @@ class SglangScorer:
             )
         if response.status_code >= 400:
             raise UpstreamError(f"sglang {url}", f"HTTP {response.status_code}", status=response.status_code)
-        entries = response.json()["meta_info"]["input_token_logprobs"]
+        meta = response.json()["meta_info"]
+        entries = meta["input_token_logprobs"]
         if len(entries) != len(ids) - start:
             raise UpstreamError(
                 f"sglang {url}", f"{len(entries)} input log-probs for {len(ids) - start} tokens"
             )
         values = np.array([np.nan if e[0] is None else e[0] for e in entries], dtype=np.float64)
-        return values[np.asarray(positions) - start].astype(np.float32)
+        version = meta.get("weight_version")
+        return values[np.asarray(positions) - start].astype(np.float32), None if version is None else str(
+            version
+        )
 
-    async def __call__(self, requests: Sequence[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
-        return list(await asyncio.gather(*(self._one(i, ids, pos) for i, (ids, pos) in enumerate(requests))))
+    async def _pair(self, url: str, requests: list[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
+        for _ in range(self.PAIR_ATTEMPTS):
+            answers = await asyncio.gather(*(self._one(url, ids, pos) for ids, pos in requests))
+            versions = {v for _, v in answers if v is not None}
+            if len(versions) <= 1:
+                return [values for values, _ in answers]
+            log.warning(
+                "sglang %s: one trajectory's passes scored by weights %s; scoring them again",
+                url,
+                sorted(versions),
+            )
+        raise UpstreamError(
+            f"sglang {url}", f"the weights changed between a trajectory's passes {self.PAIR_ATTEMPTS} times"
+        )
+
+    async def __call__(
+        self, requests: Sequence[tuple[Sequence[int], np.ndarray]], pairs: Sequence[int] | None = None
+    ) -> list[np.ndarray]:
+        pairs = range(len(requests)) if pairs is None else pairs
+        members: dict[int, list[int]] = {}
+        for k, pair in enumerate(pairs):
+            members.setdefault(pair, []).append(k)
+        turn, self._calls = self._calls, self._calls + 1
+        urls = [self.urls[(turn + n) % len(self.urls)] for n in range(len(members))]
+        answers = await asyncio.gather(
+            *(
+                self._pair(url, [requests[k] for k in ks])
+                for url, ks in zip(urls, members.values(), strict=True)
+            )
+        )
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(requests)
+        for ks, values in zip(members.values(), answers, strict=True):
+            for k, v in zip(ks, values, strict=True):
+                out[k] = v
+        return out
 
     async def update_weights(self, path: str, version: int) -> None:
         for url in self.urls:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -44,10 +45,22 @@ from services.scorer.noise import null_floor, null_picks, null_request
 from services.scorer.replay import RoutedRequest, context_routes, routes_at
 from services.scorer.sanity import tally_sanity, turn_kinds
 
-__all__ = ["LogprobFn", "ReplayFn", "group_advantages", "score_group"]
+__all__ = ["LogprobFn", "ReplayFn", "Request", "group_advantages", "score_group"]
 
-# (ids, positions) requests -> log-probs of the tokens at those positions
-LogprobFn = Callable[[Sequence[tuple[Sequence[int], np.ndarray]]], Awaitable[list[np.ndarray]]]
+Request = tuple[Sequence[int], np.ndarray]  # token ids, and the positions whose log-probs are wanted
+
+
+class LogprobFn(Protocol):
+    """A scorer backend: each request's log-probs at its positions. Requests that share a number in
+    ``pairs`` are one trajectory's passes (student, teacher, null): s is their difference, so they
+    must see the same weights on the same server (:class:`services.scorer.backends.SglangScorer`);
+    None: no request is tied to another."""
+
+    async def __call__(
+        self, requests: Sequence[Request], pairs: Sequence[int] | None = None
+    ) -> list[np.ndarray]: ...
+
+
 # the same with each request's MoE routes forced (services.scorer.replay)
 ReplayFn = Callable[[Sequence[RoutedRequest]], Awaitable[list[np.ndarray]]]
 
@@ -91,14 +104,15 @@ async def score_group(
     contexts = group_contexts(group, tokenizer)
     scored_idx = [i for i, c in enumerate(contexts) if c is not None]
     nulls = null_picks(scored_idx, algo.noise_floor_samples)
-    requests: list[tuple[Sequence[int], np.ndarray]] = []
+    requests: list[Request] = []
     for i in scored_idx:
         c = contexts[i]
         requests += [(c.student, c.loss_positions), (c.teacher, c.phi[c.phi >= 0])]
     requests += [null_request(contexts[i]) for i in nulls]
+    pairs = [i for i in scored_idx for _ in range(2)] + nulls  # a trajectory's passes, together
     # reading the turns back as text needs no likelihood: it runs beside the passes
     answers, kinds = await asyncio.gather(
-        _likelihoods(group, contexts, scored_idx, nulls, requests, logprobs, replayed),
+        _likelihoods(group, contexts, scored_idx, nulls, requests, pairs, logprobs, replayed),
         asyncio.to_thread(turn_kinds, group, tokenizer),
     )
 
@@ -165,7 +179,8 @@ async def _likelihoods(
     contexts: list[Contexts | None],
     scored: list[int],
     nulls: list[int],
-    requests: list[tuple[Sequence[int], np.ndarray]],
+    requests: list[Request],
+    pairs: list[int],
     logprobs: LogprobFn,
     replayed: ReplayFn | None,
 ) -> list[np.ndarray]:
@@ -174,7 +189,7 @@ async def _likelihoods(
     if not requests:
         return []
     if group.algorithm.evidence_routing == "fresh":
-        return await logprobs(requests)
+        return await logprobs(requests, pairs)
     if replayed is None:
         raise ValueError(
             "evidence_routing 'replay' needs a scorer that can force MoE routes (the local backend)"

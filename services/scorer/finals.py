@@ -16,7 +16,6 @@ teacher that reads x* has something to add.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,13 +26,12 @@ from agent.transcript import turn_texts
 from pbsd.verifier import mentions
 from proto.messages import ScoredGroup
 from services.scorer.contexts import group_contexts
+from services.scorer.evidence import LogprobFn
 from services.scorer.sanity import final_kind
 
 __all__ = ["SURE", "answer_room", "final_turns"]
 
 SURE = -0.05  # nats: an answer token the student gives at least this log-prob leaves no room
-
-LogprobFn = Callable[[Sequence[tuple[Sequence[int], np.ndarray]]], Awaitable[list[np.ndarray]]]
 
 
 async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: LogprobFn) -> list[dict]:
@@ -74,7 +72,7 @@ async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: L
                 "written_tokens": spelled_at(ids, spellings(t.final_answer)),
             }
         )
-    answers = await logprobs(requests) if requests else []
+    answers = await logprobs(requests, [k for k in range(len(rows)) for _ in range(2)]) if requests else []
     for k, row in enumerate(rows):
         row["student"] = [round(float(x), 5) for x in answers[2 * k]]
         row["teacher"] = [round(float(x), 5) for x in answers[2 * k + 1]]
