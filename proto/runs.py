@@ -12,7 +12,7 @@ import math
 import string
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from pbsd import credit
 from proto.base import Contract, Message
@@ -70,9 +70,10 @@ TEACHER_TEMPLATES = {
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 UnitFloat = Annotated[float, Field(ge=0, le=1)]
-# What every consumer of a seed takes (numpy refuses negative ones, torch.manual_seed overflows past
-# 64 bits): refused at submission, not at the run's start.
-Seed = Annotated[int, Field(ge=0, lt=2**31)]
+# What every consumer of a seed takes, refused at submission rather than at the run's start: numpy
+# refuses negative seeds, and the rollout seeds each turn with (seed + sample + 1000 * prompt) * 1000
+# + turn, which torch.manual_seed takes only below 2^64.
+Seed = Annotated[int, Field(ge=0, lt=2**53)]
 LrDecay = Literal["constant", "cosine"]  # after warm-up (also pbsd sft's --lr-decay)
 
 
@@ -85,13 +86,15 @@ class _Spec(Contract):
 # A file or directory on the trainer: no longer than Linux's PATH_MAX, and without the NUL byte no
 # file system takes (refused here as a 422, not as a 500 where the trainer opens it).
 TrainerPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+# An optional one: "" reads as none, as the trainer has always taken it (and stored it).
+OptionalTrainerPath = Annotated[TrainerPath | None, BeforeValidator(lambda v: None if v == "" else v)]
 
 
 class ModelSpec(_Spec):
     path: TrainerPath = Field(
         description="Hugging Face checkpoint directory (or hub id where the hub is reachable)"
     )
-    tokenizer: TrainerPath | None = Field(
+    tokenizer: OptionalTrainerPath = Field(
         default=None,
         description="the trainer's tokenizer directory (defaults to the model path); rollout workers and "
         "scorers tokenize with the checkpoint they serve (PBSD_ROLLOUT_MODEL, PBSD_SCORER_MODEL)",
@@ -105,7 +108,7 @@ class ModelSpec(_Spec):
 
 class DataSpec(_Spec):
     train: TrainerPath = Field(description="question file (JSONL or Parquet) for RL")
-    validation: TrainerPath | None = Field(
+    validation: OptionalTrainerPath = Field(
         default=None,
         description="held-out question file: the rollout workers evaluate the policy on it before the "
         "first step, every trainer.eval_every steps and after the last (mean@k and pass@k in evals.jsonl)",

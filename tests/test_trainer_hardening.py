@@ -159,14 +159,46 @@ def test_a_seed_no_random_generator_takes_is_refused_at_submission(tiny_world, t
 
     from proto.runs import RunSpec
 
-    for seed in (-1, 2**31, 10**30):
+    for seed in (-1, 2**53, 10**30):
         spec = _spec(tiny_world, tiny_checkpoint)
         spec[section][key] = seed
         with pytest.raises(ValidationError) as refused:
             RunSpec.model_validate(spec)
         assert refused.value.errors()[0]["loc"] == (section, key)
-    spec[section][key] = 2**31 - 1
-    assert getattr(getattr(RunSpec.model_validate(spec), section), key) == 2**31 - 1
+    spec[section][key] = 2**53 - 1
+    assert getattr(getattr(RunSpec.model_validate(spec), section), key) == 2**53 - 1
+
+
+async def test_a_stored_record_that_no_longer_reads_leaves_the_others_listed(
+    api, redis_url, key_prefix, tiny_world, tiny_checkpoint
+):
+    """A contract made stricter (a bound, a pattern) must not turn the records stored under the
+    looser one into a 500 on every listing and an executor that cannot read its queue."""
+    import redis.asyncio as aioredis
+
+    from tests.test_trainer_api import _parked_run
+
+    kept = await _parked_run(redis_url, key_prefix, _spec(tiny_world, tiny_checkpoint), "completed")
+    old = await _parked_run(redis_url, key_prefix, _spec(tiny_world, tiny_checkpoint), "failed")
+    client = aioredis.Redis.from_url(redis_url)
+    stored = json.loads(await client.hget(f"{key_prefix}:run:{old}", "spec"))
+    stored["trainer"]["seed"] = -1  # what the contract took before seeds were bounded
+    await client.hset(f"{key_prefix}:run:{old}", "spec", json.dumps(stored))
+    await client.aclose()
+    async with httpx.AsyncClient(base_url=api, headers=AUTH) as http:
+        r = await http.get("/runs")
+        assert r.status_code == 200 and [x["id"] for x in r.json()] == [kept]
+        assert (await http.get(f"/runs/{kept}")).status_code == 200
+
+
+def test_a_blank_optional_path_reads_as_none(tiny_world, tiny_checkpoint):
+    """The trainer took "" for no validation set or no separate tokenizer, and stored it so."""
+    from proto.runs import RunSpec
+
+    spec = _spec(tiny_world, tiny_checkpoint)
+    spec["data"]["validation"], spec["model"]["tokenizer"] = "", ""
+    read = RunSpec.model_validate(spec)
+    assert read.data.validation is None and read.model.tokenizer is None
 
 
 @pytest.mark.parametrize(

@@ -16,16 +16,19 @@ sets, a resume after a crash tells the prompts still in flight from those the lo
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from proto.base import new_id
 from proto.runs import RunSpec
 
 __all__ = ["ACTIVE", "FINISHED", "RunRecord", "RunStore"]
+
+log = logging.getLogger(__name__)
 
 State = Literal["queued", "running", "cancelling", "completed", "cancelled", "failed"]
 ACTIVE = ("queued", "running", "cancelling")
@@ -73,8 +76,16 @@ class RunStore:
         return _from_hash(data) if data else None
 
     async def list(self, limit: int = 100) -> list[RunRecord]:
-        ids = await self.redis.zrevrange(f"{self.prefix}:runs", 0, limit - 1)
-        records = [await self.get(i.decode() if isinstance(i, bytes) else i) for i in ids]
+        """The newest ``limit`` runs. A record that no longer reads (a spec stored under an older,
+        looser contract) is logged and left out: it must not make every listing fail, nor the
+        executor's look at its queue as it starts."""
+        records = []
+        for i in await self.redis.zrevrange(f"{self.prefix}:runs", 0, limit - 1):
+            run_id = i.decode() if isinstance(i, bytes) else i
+            try:
+                records.append(await self.get(run_id))
+            except ValidationError as exc:
+                log.error("run %s: its stored record does not read (%s); left out", run_id, exc)
         return [r for r in records if r is not None]
 
     async def update(self, run_id: str, **fields: Any) -> None:
