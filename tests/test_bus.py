@@ -330,3 +330,17 @@ async def test_a_follower_for_good_rides_out_a_lost_connection_and_a_failed_hand
     await asyncio.wait_for(bus.follow_for_good(WEIGHTS, "0-0", see, stop, reader="test"), 10)
     assert seen == [0, 1, 2, 3]  # version 2's failure was followed again, not skipped
     assert calls[0] == "0-0" and len(calls) == 3  # lost after 0; the handler failed at 2
+
+    tries, seen, stop = [], [], asyncio.Event()
+
+    async def stuck(entry, message):  # fails at version 1 every time
+        if message.version == 1:
+            tries.append(entry)
+            raise RuntimeError("a letter this reader cannot take")
+        seen.append(message.version)
+        if message.version == 3:
+            stop.set()
+
+    monkeypatch.setattr(bus, "follow", real)
+    await asyncio.wait_for(bus.follow_for_good(WEIGHTS, "0-0", stuck, stop, reader="test", block_ms=50), 10)
+    assert len(tries) == 3 and seen == [0, 2, 3]  # tried three times, then passed over

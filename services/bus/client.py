@@ -14,7 +14,7 @@ from proto.base import Message, decode, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
-from services.bus.connection import as_text, redis_client
+from services.bus.connection import REDIS_DOWN, as_text, redis_client
 from services.bus.groups import ConsumerGroups
 
 log = logging.getLogger(__name__)
@@ -147,22 +147,39 @@ class Bus(ConsumerGroups):
         *,
         reader: str,
         block_ms: int = 1000,
+        attempts: int = 3,
     ) -> None:
         """``see(entry_id, message)`` for every entry after ``after``, until ``stop``. A lost
-        connection, or a ``see`` that fails, is logged and followed again a second later from the
-        last entry seen through: a follower that died would leave its reader behind for good (a
-        worker at its old weights, a run that never replaces its dead-lettered prompts)."""
+        connection is followed again a second later from the last entry seen through: a follower
+        that died would leave its reader behind for good (a worker at its old weights, a run that
+        never replaces its dead-lettered prompts). An entry whose ``see`` fails is tried again, and
+        after ``attempts`` failures logged and passed over: it must not hold back every entry after it."""
+        failures = 0
         while not stop.is_set():
             try:
                 async for entry_id, message in self.follow(stream, after=after, block_ms=block_ms, stop=stop):
-                    await see(entry_id, message)
-                    after = entry_id
+                    try:
+                        await see(entry_id, message)
+                    except Exception:
+                        failures += 1
+                        if failures < attempts:
+                            raise
+                        log.exception(
+                            "%s: %s entry %s failed %d times; passed over",
+                            reader,
+                            stream.name,
+                            entry_id,
+                            failures,
+                        )
+                    failures, after = 0, entry_id
                 return
-            except asyncio.CancelledError:
-                raise
+            except REDIS_DOWN as exc:
+                log.warning("%s lost the %s stream (%s); following again in 1 s", reader, stream.name, exc)
             except Exception:
-                log.exception("%s lost the %s stream; following again in 1 s", reader, stream.name)
-                await asyncio.sleep(1.0)
+                log.exception(
+                    "%s: an %s entry after %s failed; trying it again in 1 s", reader, stream.name, after
+                )
+            await asyncio.sleep(1.0)
 
     async def read_all(self, stream: StreamDef[M], *, count: int = 1000) -> list[tuple[str, M]]:
         """The first ``count`` entries still on a stream (for inspection and tests)."""
