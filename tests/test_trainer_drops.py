@@ -114,17 +114,25 @@ async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
 
     state = TrainState(step=5, version=5)
     batch: set[str] = set()
-    assert await accept(store, "r1", spec, state, await scored(4, "a"), batch_ids=batch)  # staleness 1: kept
-    assert not await accept(store, "r1", spec, state, await scored(3, "b"), batch_ids=batch)  # staleness 2
+    assert await accept(
+        store, "r1", spec, state, await scored(4, "a"), batch_ids=batch, vocab=tok.vocab_size
+    )  # staleness 1: kept
     assert not await accept(
-        store, "r1", spec, state, await scored(6, "c"), batch_ids=batch
+        store, "r1", spec, state, await scored(3, "b"), batch_ids=batch, vocab=tok.vocab_size
+    )  # staleness 2
+    assert not await accept(
+        store, "r1", spec, state, await scored(6, "c"), batch_ids=batch, vocab=tok.vocab_size
     )  # from the future
     assert not await accept(
-        store, "r1", spec, state, await scored(5, "a"), batch_ids=batch
+        store, "r1", spec, state, await scored(5, "a"), batch_ids=batch, vocab=tok.vocab_size
     )  # same ids as "a"
     await store.mark_trained("r1", ["d/0", "d/1"])
-    assert not await accept(store, "r1", spec, state, await scored(5, "d"), batch_ids=batch)  # trained before
-    assert not await accept(store, "r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch)
+    assert not await accept(
+        store, "r1", spec, state, await scored(5, "d"), batch_ids=batch, vocab=tok.vocab_size
+    )  # trained before
+    assert not await accept(
+        store, "r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch, vocab=tok.vocab_size
+    )
     assert state.drops == {"stale": 1, "future": 1, "duplicate": 2, "foreign": 1}
     assert state.dropped == 2  # stale and future groups get replacement prompts
 
@@ -180,6 +188,7 @@ async def test_a_group_that_cannot_be_trained_on_is_dropped_and_replaced(
     state, batch = TrainState(step=5, version=5), set()
     for scored in bad:
         assert not await accept(store, "r1", spec, state, scored, batch_ids=batch, vocab=vocab)
-    assert state.drops == {"malformed": 4} and state.dropped == 4 and state.dropped_indices == [3] * 4
+    # four bad copies of prompt 3's group: each counted, the prompt replaced once
+    assert state.drops == {"malformed": 4} and state.dropped == 1 and state.dropped_indices == [3]
     assert await accept(store, "r1", spec, state, good, batch_ids=batch, vocab=vocab)
     assert prompt_index("r1:-1") is None and prompt_index("r1:-1/0") is None and prompt_index("r1:7/2") == 7

@@ -75,7 +75,14 @@ async def test_a_group_sampled_with_a_discarded_version_is_dropped_and_its_promp
 
     async def admit(index, version, timelines):
         return await accept(
-            store, "r1", spec, state, await group(index, version, timelines), batch_ids=batch, again=republish
+            store,
+            "r1",
+            spec,
+            state,
+            await group(index, version, timelines),
+            batch_ids=batch,
+            vocab=tok.vocab_size,
+            again=republish,
         )
 
     assert not await admit(7, 3, {"A": 3})  # the bug: trained, as version 3 within the bound

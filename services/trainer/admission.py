@@ -38,12 +38,12 @@ async def accept(
     scored: ScoredGroup,
     *,
     batch_ids: set[str],
+    vocab: int,
     again: Callable[[int, str], Awaitable[None]] | None = None,
-    vocab: int | None = None,
 ) -> bool:
     """Whether ``scored`` joins the batch; a dropped group is counted in ``state`` and the metrics.
-    ``again(index, cause)`` publishes a lost group's prompt once more; ``vocab``: the policy's
-    embedding rows, which every token id must fall within (None: not checked)."""
+    ``vocab``: the policy's embedding rows, which every token id must fall within;
+    ``again(index, cause)`` publishes a lost group's prompt once more."""
     group = scored.group
     ids = [t.trajectory_id for t in group.trajectories]
     index = prompt_index(group.task_id)
@@ -68,7 +68,7 @@ async def accept(
         reason = "stale"
     elif any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids)):
         reason = "duplicate"
-    elif vocab is not None and (why := unfit(scored, vocab)):
+    elif why := unfit(scored, vocab):
         reason = "malformed"
         log.error("dropping group %s: %s", group.task_id, why)
     else:
@@ -89,10 +89,12 @@ async def count_drop(
     store: RunStore, run_id: str, state: TrainState, reason: str, replaced: int | None
 ) -> None:
     """Count a group dropped for ``reason``; ``replaced``: the prompt index whose group will not be
-    trained and that the next prompt of the data replaces (it counts against the prompts out)."""
+    trained and that the next prompt of the data replaces (it counts against the prompts out). A
+    prompt is replaced once, however many of its groups are dropped (a second copy that is as
+    malformed as the first, say)."""
     m.DROPPED.labels(reason).inc()
     state.drops[reason] = state.drops.get(reason, 0) + 1
-    if reason in REPLACED:
+    if reason in REPLACED and (replaced is None or replaced not in state.dropped_indices):
         state.dropped += 1  # its prompt needs a replacement
         if replaced is not None:
             state.dropped_indices.append(replaced)
