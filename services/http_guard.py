@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodyLimit", "field_errors", "install_validation_handler"]
+__all__ = ["MAX_ERRORS", "BodyLimit", "field_errors", "install_validation_handler"]
 
 
 MAX_ERRORS = 20

@@ -127,8 +127,7 @@ class SglangScorer:
     call), and each answer names the weights that scored it (``meta_info.weight_version``). A pair
     whose answers name two versions (a reload came between them) is scored again, up to
     ``PAIR_ATTEMPTS`` times: its evidence would otherwise be one version's teacher minus another's
-    student. Requests were once spread one by one, so with two servers every student pass went to
-    one and every teacher pass to the other."""
+    student. A server that names no version in its answers cannot be checked so."""
 
     PAIR_ATTEMPTS = 3
 
@@ -174,10 +173,9 @@ class SglangScorer:
                 f"sglang {url}", f"{len(entries)} input log-probs for {len(ids) - start} tokens"
             )
         values = np.array([np.nan if e[0] is None else e[0] for e in entries], dtype=np.float64)
-        version = meta.get("weight_version")
-        return values[np.asarray(positions) - start].astype(np.float32), None if version is None else str(
-            version
-        )
+        tag = meta.get("weight_version")
+        version = None if tag is None else str(tag)
+        return values[np.asarray(positions) - start].astype(np.float32), version
 
     async def _pair(self, url: str, requests: list[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
         for _ in range(self.PAIR_ATTEMPTS):
@@ -198,6 +196,8 @@ class SglangScorer:
         self, requests: Sequence[tuple[Sequence[int], np.ndarray]], pairs: Sequence[int] | None = None
     ) -> list[np.ndarray]:
         pairs = range(len(requests)) if pairs is None else pairs
+        if len(pairs) != len(requests):
+            raise ValueError(f"{len(pairs)} pair numbers for {len(requests)} requests")
         members: dict[int, list[int]] = {}
         for k, pair in enumerate(pairs):
             members.setdefault(pair, []).append(k)

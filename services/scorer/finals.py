@@ -120,7 +120,7 @@ def answer_room(
     def change(part: list[dict], key: str) -> float | None:
         return mean([np.mean([r["teacher"][k] - r["student"][k] for k in r[key]]) for r in part])
 
-    def outcome_row(part: list[dict], key: str) -> dict[str, float]:
+    def outcome_row(part: list[dict], key: str) -> dict[str, float | None]:
         """Their mean s and, over those that spell their answer, the student's mean log-prob of it
         and the teacher's mean change on it."""
         spelled = [r for r in part if r[key]]

@@ -124,7 +124,7 @@ class _Reader:
         end = self.find(">", name.end())
         if end >= self.n:  # a tag cut off by the end of the page: nothing of it is visible
             return self.n
-        tag = name.group().lower()
+        tag = name.group().translate(_ASCII_LOWER)
         # a title holds text only: any other tag ends it, so a title left open keeps no page text
         self.in_title = tag == "title" and not closing and doc[end - 1] != "/"
         if tag == "title":
