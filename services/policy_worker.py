@@ -215,17 +215,24 @@ class PolicyWorker(abc.ABC):
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.prepare()
-        latest = await self.bus.latest(WEIGHTS)  # catch up with what was published while we were away
-        cursor = latest[0] if latest else "0-0"
+        # Catch up with what was published while we were away, then follow from there. The heads
+        # are read first: where nothing near the top decodes, following from "0-0" instead would
+        # replay every weights entry the stream still holds.
+        heads = [await self.bus.head(WEIGHTS), await self.bus.head(RUN_ENDS)]
+        latest = await self.bus.latest(WEIGHTS)
         if latest:
             await self._see(*latest)
         ends = await self.bus.newest(RUN_ENDS, self.remembered_ends)
         self.ended.update(event.run_id for _, event in ends)
         followers = [
-            asyncio.create_task(self.bus.follow_for_good(WEIGHTS, cursor, self._see, stop, reader=self.name)),
             asyncio.create_task(
                 self.bus.follow_for_good(
-                    RUN_ENDS, ends[-1][0] if ends else "0-0", self._end, stop, reader=self.name
+                    WEIGHTS, latest[0] if latest else heads[0], self._see, stop, reader=self.name
+                )
+            ),
+            asyncio.create_task(
+                self.bus.follow_for_good(
+                    RUN_ENDS, ends[-1][0] if ends else heads[1], self._end, stop, reader=self.name
                 )
             ),
         ]

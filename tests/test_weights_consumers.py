@@ -215,3 +215,37 @@ async def test_a_receiver_that_refuses_to_join_sits_the_next_publications_out():
         await broadcaster.aclose()
     assert left_out == [[url]] * (BENCH + 2)  # every version went without it
     assert len(joins) == 2  # asked again
+
+
+async def test_a_worker_that_starts_under_undecodable_entries_follows_from_the_top(bus):
+    """With nothing decodable among the newest weights entries a starting worker followed from "0-0":
+    it loaded every old version the stream still held, one by one, and remembered every run end."""
+    from proto.messages import RunEnded
+    from proto.streams import PROMPTS, RUN_ENDS, WEIGHTS
+
+    class Idle(Worker):
+        stream = PROMPTS
+        remembered_ends = 8
+
+    for v in (1, 2):
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=v, step=v, path=f"/w/{v}"))
+    await bus.publish(RUN_ENDS, RunEnded(run_id="old", state="completed"))
+    for stream in (WEIGHTS, RUN_ENDS):
+        for _ in range(70):
+            await bus.redis.xadd(bus.key(stream), {"data": b"\xc1 not msgpack"})
+    worker, stop = Idle(0, None), asyncio.Event()
+    worker.bus = bus
+    running = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 10)
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=3, step=3, path="/w/3"))
+        await bus.publish(RUN_ENDS, RunEnded(run_id="new", state="completed"))
+        for _ in range(100):
+            if worker.loads and "new" in worker.ended:
+                break
+            await asyncio.sleep(0.05)
+        assert worker.loads == [("/w/3", 3)]
+        assert worker.ended == {"new"}
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)

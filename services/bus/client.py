@@ -105,6 +105,12 @@ class Bus(ConsumerGroups):
         found = await self.newest(stream, scan)
         return found[-1] if found else None
 
+    async def head(self, stream: StreamDef) -> str:
+        """The id of a stream's newest entry, decodable or not ("0-0" when it is empty): where a
+        reader that wants only what comes next starts following."""
+        newest = await self.redis.xrevrange(self.key(stream), count=1)
+        return as_text(newest[0][0]) if newest else "0-0"
+
     async def newest(self, stream: StreamDef[M], count: int) -> list[tuple[str, M]]:
         """The newest ``count`` entries of a stream, oldest first (undecodable ones logged and left out)."""
         out = []
@@ -124,10 +130,8 @@ class Bus(ConsumerGroups):
         stop: asyncio.Event | None = None,
     ) -> AsyncIterator[tuple[str, M]]:
         """Every entry after ``after`` as it arrives (XREAD, no group: each reader sees all)."""
-        last = after
-        if last == "$":  # resolve now, so entries published while we process are not skipped
-            newest = await self.redis.xrevrange(self.key(stream), count=1)
-            last = as_text(newest[0][0]) if newest else "0-0"
+        last = await self.head(stream) if after == "$" else after  # resolved now, so entries
+        # published while we process are not skipped
         while stop is None or not stop.is_set():
             reply = await self.redis.xread({self.key(stream): last}, count=16, block=block_ms)
             for _key, entries in reply or []:
