@@ -268,3 +268,28 @@ def test_a_hostile_run_name_and_page_text_stay_text(tmp_path):
         assert page.locator("img").count() == 0
         assert page.evaluate("window.pwned") is None
         browser.close()
+
+
+async def test_the_served_page_is_made_once_until_the_run_saves_more(
+    api, run_with_groups, monkeypatch, tmp_path
+):
+    """Every reload of a long run's viewer decoded all its groups again, and concurrent ones did so
+    side by side: the page is now kept until a step file changes."""
+    import asyncio
+
+    import httpx
+
+    from services.trainer import viewer
+
+    run_id, groups = run_with_groups
+    made, real = [], viewer.run_page
+    monkeypatch.setattr(viewer, "run_page", lambda *a, **k: made.append(a[0]) or real(*a, **k))
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        pages = await asyncio.gather(*(http.get(f"{api}/runs/{run_id}/viewer") for _ in range(4)))
+        assert [p.status_code for p in pages] == [200] * 4 and len({p.text for p in pages}) == 1
+        assert len(made) == 1
+        assert (await http.get(f"{api}/runs/{run_id}/viewer", params={"limit": 3})).text != pages[0].text
+        assert len(made) == 2  # another limit is another page
+        _save_groups(tmp_path / "run", 3, [groups[0]])  # the run saves another step
+        again = await http.get(f"{api}/runs/{run_id}/viewer")
+        assert len(made) == 3 and again.text.count('"step"') > pages[0].text.count('"step"')

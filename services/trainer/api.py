@@ -1,7 +1,8 @@
 """The REST API for runs.
 
     POST /runs                   a run specification -> {"id", "state"}      (201)
-    GET  /runs                   the runs, newest first (``?limit=N``, 1 to 1000, default 100)
+    GET  /runs                   the runs, newest first, without their specs (``?limit=N``, 1 to 1000,
+                                 default 100)
     GET  /runs/{id}              state, step, policy version, latest metrics and validation round, spec
     POST /runs/{id}/cancel       stop after the current step (a queued run never starts); 409 when it has
                                  already finished
@@ -26,16 +27,19 @@ import functools
 import hmac
 import re
 import shutil
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proto.runs import RunSpec
-from services.trainer.runs import FINISHED, RunRecord, RunStore
+from services.trainer.runs import FINISHED, RunRecord, RunStore, RunSummary
 from services.trainer.settings import TrainerSettings
 from services.trainer.spec_paths import SpecPathError, resolve_spec_paths
 
@@ -115,14 +119,30 @@ RunId = Annotated[str, Depends(_run_id)]
 
 
 async def _existing_run(run_id: RunId, request: Request) -> RunRecord:
-    """The record of the route's run: a 404 when there is none."""
-    record = await _store(request).get(run_id)
+    """The record of the route's run: a 404 when there is none, a 409 when its stored spec no longer
+    reads (stored under an older, looser contract; the run can still be listed and deleted)."""
+    try:
+        record = await _store(request).get(run_id)
+    except ValidationError:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"run {run_id}'s stored spec does not read under this trainer's contract; it can be deleted",
+        ) from None
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
     return record
 
 
+async def _existing_summary(run_id: RunId, request: Request) -> RunSummary:
+    """The route's run without its spec, for the routes that do not need it: a 404 when there is none."""
+    summary = await _store(request).summary(run_id)
+    if summary is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return summary
+
+
 Run = Annotated[RunRecord, Depends(_existing_run)]
+Summary = Annotated[RunSummary, Depends(_existing_summary)]
 
 
 def _field_error(loc: list[str], msg: str) -> HTTPException:
@@ -146,7 +166,7 @@ async def submit(spec: RunSpec, request: Request) -> dict[str, str]:
 
 
 @router.get("/runs")
-async def list_runs(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[RunRecord]:
+async def list_runs(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[RunSummary]:
     return await _store(request).list(limit)
 
 
@@ -170,7 +190,7 @@ async def cancel(run_id: RunId, request: Request) -> RunRecord:
 
 
 @router.delete("/runs/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete(record: Run, request: Request, files: bool = False) -> Response:
+async def delete(record: Summary, request: Request, files: bool = False) -> Response:
     """A finished run's record and series; with ``files`` its output folder (checkpoints,
     weights, metrics, kept groups) as well. An active run must be cancelled first."""
     if record.state not in FINISHED:
@@ -192,39 +212,57 @@ async def delete(record: Run, request: Request, files: bool = False) -> Response
 
 @router.get("/runs/{run_id}/metrics")
 async def run_metrics(
-    record: Run, request: Request, since: Annotated[int, Query(ge=0, le=MAX_SERIES_INDEX)] = 0
+    record: Summary, request: Request, since: Annotated[int, Query(ge=0, le=MAX_SERIES_INDEX)] = 0
 ) -> list[dict[str, Any]]:
     return await _store(request).metrics(record.id, since, series="metrics")
 
 
 @router.get("/runs/{run_id}/evals")
 async def run_evals(
-    record: Run, request: Request, since: Annotated[int, Query(ge=0, le=MAX_SERIES_INDEX)] = 0
+    record: Summary, request: Request, since: Annotated[int, Query(ge=0, le=MAX_SERIES_INDEX)] = 0
 ) -> list[dict[str, Any]]:
     return await _store(request).metrics(record.id, since, series="evals")
 
 
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
 async def viewer(record: Run, limit: Annotated[int, Query(ge=1, le=100_000)] = 400) -> HTMLResponse:
-    from services.trainer.viewer import load_groups, render_viewer, sanity_summary, viewer_data
-
-    def render() -> str | None:
-        groups = load_groups(Path(record.output_dir)) if record.output_dir else []
-        if not groups:
-            return None
-        tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
-        rows = viewer_data(groups, tokenizer, limit=limit)
-        return render_viewer(rows, f"Turn-level credit: {record.name} ({record.id})", sanity_summary(groups))
-
-    # reading and decoding hundreds of trajectories is seconds of blocking work: off the event
-    # loop, which also serves the run's training loop and the other routes
-    html = await asyncio.to_thread(render)
+    # reading and decoding a run's groups is seconds of blocking work: off the event loop, which
+    # also serves the run's training loop and the other routes
+    html = await asyncio.to_thread(_viewer_page, record, limit)
     if html is None:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
             "no scored groups kept for this run (start the trainer with --save-groups)",
         )
     return HTMLResponse(html)
+
+
+_PAGES: OrderedDict[tuple, str | None] = OrderedDict()  # the newest few pages, by what they were made of
+_PAGES_KEPT = 4
+_RENDERING = threading.Lock()
+
+
+def _viewer_page(record: RunRecord, limit: int) -> str | None:
+    """A run's viewer page, made once for as long as its saved groups do not change: reloads and
+    concurrent requests of a long run's page must not each decode its groups again, so one page
+    is made at a time and the newest few are kept."""
+    from services.trainer.saved_groups import step_files
+    from services.trainer.viewer import run_page
+
+    if not record.output_dir:
+        return None
+    run_dir = Path(record.output_dir)
+    with _RENDERING:
+        files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for _, p in step_files(run_dir))
+        key = (record.id, record.name, limit, files)
+        if key not in _PAGES:
+            tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
+            title = f"Turn-level credit: {record.name} ({record.id})"
+            _PAGES[key] = run_page(run_dir, tokenizer, title, limit=limit) if files else None
+            while len(_PAGES) > _PAGES_KEPT:
+                _PAGES.popitem(last=False)
+        _PAGES.move_to_end(key)
+        return _PAGES[key]
 
 
 @functools.lru_cache(maxsize=4)

@@ -18,7 +18,7 @@ from agent.transcript import turn_texts
 from proto.messages import ScoredGroup
 from proto.sanity import NoiseFloor, TeacherSanity
 
-__all__ = ["GROUNDING_SAMPLE", "batch_metrics", "covered_seconds", "sanity_metrics"]
+__all__ = ["GROUNDING_SAMPLE", "batch_metrics", "covered_seconds", "sanity_figures", "sanity_metrics"]
 
 
 def covered_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -103,11 +103,18 @@ def sanity_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
     """The teacher sanity figures and the noise floor of scored groups, from their summed counts
     (exact over the union, not a mean of group means), and the fraction of their scored turns whose
     |s| lies within the floor measured over all of them (:class:`proto.sanity.NoiseFloor`)."""
-    sanity = sum((g.diagnostics.sanity for g in groups), TeacherSanity())
-    noise = sum((g.diagnostics.noise for g in groups), NoiseFloor())
+    return sanity_figures(
+        sum((g.diagnostics.sanity for g in groups), TeacherSanity()),
+        sum((g.diagnostics.noise for g in groups), NoiseFloor()),
+        [g.scored_turns() for g in groups],
+    )
+
+
+def sanity_figures(sanity: TeacherSanity, noise: NoiseFloor, turns: list[tuple]) -> dict[str, float]:
+    """:func:`sanity_metrics` from the groups' summed tallies and each group's scored turns, (s, tokens)."""
     out = sanity.figures() | noise.figures()
     if noise.tokens:
-        within = [noise.within(*g.scored_turns()) for g in groups]
+        within = [noise.within(s, n) for s, n in turns]
         total = sum(w.size for w in within)
         if total:
             out["within_noise_floor_frac"] = sum(int(w.sum()) for w in within) / total

@@ -92,8 +92,8 @@ class RunExecutor:
             try:
                 if not resumed:
                     await self.store.requeue_orphans()
-                    for record in await self.store.in_state("running", "cancelling"):
-                        await self.execute(record.id, resume=True, stop=stop)
+                    for run_id in await self.store.in_state("running", "cancelling"):
+                        await self.execute(run_id, resume=True, stop=stop)
                     resumed = True
                 run_id = await self.store.next_queued()
                 delay = 0.5

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from proto.base import new_id
 from proto.runs import RunSpec
 
-__all__ = ["ACTIVE", "FINISHED", "RunRecord", "RunStore"]
+__all__ = ["ACTIVE", "FINISHED", "RunRecord", "RunStore", "RunSummary"]
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ ACTIVE = ("queued", "running", "cancelling")
 FINISHED = ("completed", "cancelled", "failed")
 
 
-class RunRecord(BaseModel):
+class RunSummary(BaseModel):
+    """A run as a listing shows it: everything but its spec, which can be a large document."""
+
     id: str
     name: str
     state: State
@@ -47,6 +49,9 @@ class RunRecord(BaseModel):
     latest_metrics: dict[str, float] = {}
     latest_eval: dict[str, Any] = {}  # the last validation round (runs with data.validation)
     output_dir: str | None = None
+
+
+class RunRecord(RunSummary):
     spec: RunSpec
 
 
@@ -75,18 +80,33 @@ class RunStore:
         data = await self.redis.hgetall(self._key(run_id))
         return _from_hash(data) if data else None
 
-    async def list(self, limit: int = 100) -> list[RunRecord]:
-        """The newest ``limit`` runs. A record that no longer reads (a spec stored under an older,
-        looser contract) is logged and left out: it must not make every listing fail, nor the
-        executor's look at its queue as it starts."""
-        records = []
-        for i in await self.redis.zrevrange(f"{self.prefix}:runs", 0, limit - 1):
-            run_id = i.decode() if isinstance(i, bytes) else i
+    async def summary(self, run_id: str) -> RunSummary | None:
+        """A run's record without its spec: what reads even where a stricter contract refuses the spec."""
+        values = await self.redis.hmget(self._key(run_id), _SUMMARY)
+        return (
+            None
+            if values[0] is None
+            else RunSummary(**_summary_fields(dict(zip(_SUMMARY, values, strict=True))))
+        )
+
+    async def list(self, limit: int = 100) -> list[RunSummary]:
+        """The newest ``limit`` runs, without their specs: a listing of a thousand runs must not
+        read, parse and send a thousand specs. A record that no longer reads is logged and left
+        out: it must not make every listing fail."""
+        ids = [_s(i) for i in await self.redis.zrevrange(f"{self.prefix}:runs", 0, limit - 1)]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id in ids:
+                pipe.hmget(self._key(run_id), _SUMMARY)
+            rows = await pipe.execute()
+        summaries = []
+        for run_id, values in zip(ids, rows, strict=True):
+            if values[0] is None:  # deleted between the two reads
+                continue
             try:
-                records.append(await self.get(run_id))
-            except ValidationError as exc:
+                summaries.append(RunSummary(**_summary_fields(dict(zip(_SUMMARY, values, strict=True)))))
+            except (ValidationError, ValueError) as exc:
                 log.error("run %s: its stored record does not read (%s); left out", run_id, exc)
-        return [r for r in records if r is not None]
+        return summaries
 
     async def update(self, run_id: str, **fields: Any) -> None:
         await self.redis.hset(self._key(run_id), mapping=_mapping(fields))
@@ -101,16 +121,19 @@ class RunStore:
         its model, say) lost it. Only the trainer takes runs off the queue, and it calls this
         before it takes any."""
         queue = {_s(x) for x in await self.redis.lrange(f"{self.prefix}:runs:queue", 0, -1)}
-        runs = [_s(x) for x in await self.redis.zrange(f"{self.prefix}:runs", 0, -1)]
-        orphans = [
-            r for r in runs if r not in queue and _s(await self.redis.hget(self._key(r), "state")) == "queued"
-        ]
+        orphans = [r for r in await self.in_state("queued") if r not in queue]
         if orphans:
             await self.redis.lpush(f"{self.prefix}:runs:queue", *reversed(orphans))  # ahead of newer ones
         return orphans
 
-    async def in_state(self, *states: str) -> list[RunRecord]:
-        return [r for r in await self.list(1000) if r.state in states]
+    async def in_state(self, *states: str) -> list[str]:
+        """The ids of every run in one of ``states``, in submission order (however many runs there are)."""
+        runs = [_s(x) for x in await self.redis.zrange(f"{self.prefix}:runs", 0, -1)]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id in runs:
+                pipe.hget(self._key(run_id), "state")
+            found = await pipe.execute()
+        return [r for r, state in zip(runs, found, strict=True) if _s(state) in states]
 
     # one step, so that a cancel that lands while the trainer loads the run's model (the run is
     # off the queue but still "queued") is not overwritten by "running"
@@ -255,22 +278,27 @@ def _to_hash(record: RunRecord) -> dict[str, str]:
     }
 
 
-def _from_hash(data: dict) -> RunRecord:
-    d = {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in data.items()
+_SUMMARY = tuple(RunSummary.model_fields)  # the hash's fields a listing reads
+
+
+def _summary_fields(data: dict) -> dict[str, Any]:
+    """A run hash's fields, but its spec, as :class:`RunSummary` takes them."""
+    d = {_s(k): _s(v) for k, v in data.items()}
+    return {
+        "id": d["id"],
+        "name": d["name"],
+        "state": d["state"],
+        "step": int(d.get("step") or 0),
+        "policy_version": int(d.get("policy_version") or 0),
+        "created_at": float(d["created_at"]),
+        "updated_at": float(d["updated_at"]),
+        "error": d.get("error") or None,
+        "latest_metrics": json.loads(d.get("latest_metrics") or "{}"),
+        "latest_eval": json.loads(d.get("latest_eval") or "{}"),
+        "output_dir": d.get("output_dir") or None,
     }
-    return RunRecord(
-        id=d["id"],
-        name=d["name"],
-        state=d["state"],
-        step=int(d.get("step") or 0),
-        policy_version=int(d.get("policy_version") or 0),
-        created_at=float(d["created_at"]),
-        updated_at=float(d["updated_at"]),
-        error=d.get("error") or None,
-        latest_metrics=json.loads(d.get("latest_metrics") or "{}"),
-        latest_eval=json.loads(d.get("latest_eval") or "{}"),
-        output_dir=d.get("output_dir") or None,
-        spec=RunSpec.model_validate_json(d["spec"]),
-    )
+
+
+def _from_hash(data: dict) -> RunRecord:
+    spec = data.get(b"spec", data.get("spec"))
+    return RunRecord(**_summary_fields(data), spec=RunSpec.model_validate_json(spec))

@@ -26,29 +26,25 @@ import re
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import numpy as np
-
 from agent.chat import ChatTokenizer
 from agent.grounding import turn_verdicts
 from agent.toolcall import parse_tool_call
 from agent.transcript import turn_texts
-from proto.base import decode
 from proto.messages import ScoredGroup
 from proto.runs import PbsdSpec
 from proto.sanity import NoiseFloor
-from services.trainer.dynamics import sanity_metrics
+from services.trainer.dynamics import sanity_figures, sanity_metrics
+from services.trainer.saved_groups import index_groups, load_groups, shown_groups, shown_indices
 
-__all__ = ["load_groups", "load_metrics", "render_viewer", "sanity_summary", "shown_groups", "viewer_data"]
-
-
-def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
-    """(step, scored group) for every group the trainer saved (``--save-groups``), in step order."""
-    out = []
-    for path in sorted((Path(run_dir) / "groups").glob("step-*.msgpack")):
-        step = int(path.stem.split("-")[1])
-        out += [(step, decode(ScoredGroup, raw)) for raw in msgpack.unpackb(path.read_bytes(), raw=False)]
-    return out
+__all__ = [
+    "load_groups",
+    "load_metrics",
+    "render_viewer",
+    "run_page",
+    "sanity_summary",
+    "shown_groups",
+    "viewer_data",
+]
 
 
 def load_metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -67,44 +63,46 @@ def label(s: float, eps_pos: float, eps_neg: float) -> str:
     return "filtered"
 
 
-def shown_groups(groups: list[tuple[int, ScoredGroup]], limit: int) -> list[tuple[int, ScoredGroup]]:
-    """The groups a page of about ``limit`` trajectories holds: all of them when they fit; else
-    every step's first groups, whole (a group's samples are compared with each other), up to the
-    step's equal share of ``limit`` and at least one; where even one group a step does not fit,
-    that for evenly spaced steps, the first and the last among them."""
-    if sum(len(g.group.trajectories) for _, g in groups) <= limit:
-        return list(groups)
-    by_step: dict[int, list[ScoredGroup]] = {}
-    for step, g in groups:
-        by_step.setdefault(step, []).append(g)
-    steps = sorted(by_step)
-    mean_size = sum(len(gs[0].group.trajectories) for gs in by_step.values()) / len(steps)
-    if len(steps) * mean_size > limit:
-        keep = max(1, int(limit // mean_size))
-        steps = sorted({steps[round(i)] for i in np.linspace(0, len(steps) - 1, keep)})
-    share = limit / len(steps)
-    picked: list[tuple[int, ScoredGroup]] = []
-    for step in steps:
-        taken = 0
-        for g in by_step[step]:
-            if taken and taken + len(g.group.trajectories) > share:
-                break
-            picked.append((step, g))
-            taken += len(g.group.trajectories)
-    return picked
-
-
 def viewer_data(
     groups: list[tuple[int, ScoredGroup]], tokenizer: ChatTokenizer, *, limit: int = 400
 ) -> list[dict[str, Any]]:
     """One row per trajectory of :func:`shown_groups`, each with its turns and with how many
     trajectories its step had (``step_total``), so that the page can say what it leaves out."""
-    rows: list[dict[str, Any]] = []
     noise = sum((g.diagnostics.noise for _, g in groups if g.scored), NoiseFloor())
     step_total: dict[int, int] = {}
     for step, g in groups:
         step_total[step] = step_total.get(step, 0) + len(g.group.trajectories)
-    for step, scored in shown_groups(groups, limit):
+    return _rows(shown_groups(groups, limit), tokenizer, noise, step_total)
+
+
+def run_page(run_dir: Path, tokenizer: ChatTokenizer, title: str, *, limit: int = 400) -> str | None:
+    """The viewer page of a run's saved groups (None: it saved none). The files are read one at a
+    time and only the groups shown are decoded and kept, so a run of any length pages in the
+    memory of one step's file: what :func:`viewer_data` and :func:`sanity_summary` show of the
+    same groups in memory."""
+    index = index_groups(run_dir)
+    if not index.places:
+        return None
+    shown = index.load(
+        shown_indices([(p[0], n) for p, n in zip(index.places, index.sizes, strict=True)], limit)
+    )
+    rows = _rows(shown, tokenizer, index.noise, index.step_totals())
+    summary = ""
+    if index.scored:
+        figures = sanity_figures(index.sanity, index.noise, index.turns)
+        bare = index.pbsd_specs > 0 and index.with_deadband == 0
+        summary = _summary(figures, index.scored, bare)
+    return render_viewer(rows, title, summary)
+
+
+def _rows(
+    shown: list[tuple[int, ScoredGroup]],
+    tokenizer: ChatTokenizer,
+    noise: NoiseFloor,
+    step_total: dict[int, int],
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for step, scored in shown:
         algo = scored.group.algorithm
         eps_pos, eps_neg = (algo.eps_pos, algo.eps_neg) if isinstance(algo, PbsdSpec) else (0.0, 0.0)
         for i, t in enumerate(scored.group.trajectories):
@@ -165,7 +163,12 @@ def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
     scored = [g for _, g in groups if g.scored]
     if not scored:
         return ""
-    f = sanity_metrics(scored)
+    # without a deadband the noise share would read as a floor far above a run's with the paper's
+    specs = [g.group.algorithm for g in scored if isinstance(g.group.algorithm, PbsdSpec)]
+    return _summary(sanity_metrics(scored), len(scored), bool(specs) and not any(s.deadband for s in specs))
+
+
+def _summary(f: dict[str, float], groups: int, bare: bool) -> str:
 
     def frac(key: str, turns: str) -> str:
         return f"{f[key]:.0%} of {int(f[turns])}" if key in f else f"none of {int(f[turns])}"
@@ -185,15 +188,12 @@ def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
     if f.get("unboxed_final_turns"):
         parts.append(f"finals that box nothing (in neither figure): {int(f['unboxed_final_turns'])}")
     if "noise_std" in f:
-        # without a deadband the share would read as a floor far above a run's with the paper's
-        specs = [g.group.algorithm for g in scored if isinstance(g.group.algorithm, PbsdSpec)]
-        bare = bool(specs) and not any(spec.deadband for spec in specs)
         parts.append(
             f"noise floor: per-token std {f['noise_std']:.2g} nats, null turns outside the deadband "
             f"{f.get('noise_outside_deadband_frac', 0):.0%}{' (no deadband)' if bare else ''}, "
             f"scored turns within the floor {f.get('within_noise_floor_frac', 0):.0%}"
         )
-    return f"<p class='sanity' data-testid='sanity'>Teacher sanity ({len(scored)} groups): {'; '.join(parts)}.</p>"
+    return f"<p class='sanity' data-testid='sanity'>Teacher sanity ({groups} groups): {'; '.join(parts)}.</p>"
 
 
 def render_viewer(rows: list[dict[str, Any]], title: str = "Turn-level credit", summary: str = "") -> str:

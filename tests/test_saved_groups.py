@@ -1,0 +1,51 @@
+"""A run's saved groups paged a step file at a time: the same page as from the groups in memory,
+decoding only the files whose groups it shows a second time."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.chat import ChatTokenizer
+from proto.runs import PbsdSpec
+from services.model.checkpoint import load_model
+from services.scorer.backends import LocalScorer
+from services.scorer.evidence import score_group
+from services.trainer import saved_groups
+from services.trainer.checkpoints import save_groups
+from services.trainer.viewer import load_groups, render_viewer, run_page, sanity_summary, viewer_data
+from tests.test_scorer import TEMPLATE, _group
+
+REWARDS = ((1.0, 0.0, 1.0), (0.0, 0.0, 1.0), (0.0, 1.0, 0.0))
+
+
+@pytest.fixture
+async def run_dir(tiny_checkpoint, tmp_path):
+    """Six steps of two groups each (three trajectories a group), scored by the tiny model."""
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    scorer = LocalScorer(load_model(tiny_checkpoint))
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=1)
+    scored = [await score_group(_group(tok, spec, rewards=r), tok, scorer) for r in REWARDS]
+    out = tmp_path / "run"
+    for step in range(1, 7):
+        save_groups(out, step, [scored[step % 3], scored[(step + 1) % 3]])
+    return out
+
+
+@pytest.mark.parametrize("limit", [400, 13, 4])  # all of it; two groups a step; fewer steps than saved
+def test_a_page_made_a_file_at_a_time_is_the_page_made_in_memory(
+    run_dir, tiny_checkpoint, limit, monkeypatch
+):
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    groups = load_groups(run_dir)
+    want = render_viewer(viewer_data(groups, tok, limit=limit), "t", sanity_summary(groups))
+    read, real = [], saved_groups._read
+    monkeypatch.setattr(saved_groups, "_read", lambda path: read.append(path.name) or real(path))
+    assert run_page(run_dir, tok, "t", limit=limit) == want
+    files = sorted(p.name for p in (run_dir / "groups").iterdir())
+    shown = sorted({f"step-{row['step']:06d}.msgpack" for row in viewer_data(groups, tok, limit=limit)})
+    assert read == files + shown  # each file once for the index, then only those it shows from
+    assert len(shown) < len(files) or limit == 400
+
+
+def test_a_run_that_saved_no_groups_has_no_page(tmp_path, tiny_checkpoint):
+    assert run_page(tmp_path, ChatTokenizer.from_pretrained(tiny_checkpoint), "t") is None
