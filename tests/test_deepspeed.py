@@ -1,6 +1,7 @@
 """DeepSpeed data parallelism (ZeRO-1 and ZeRO-3 on two processes, ZeRO-2 on one and on one started
 without the launcher, CPU accelerator)
-makes exactly the update a single plain-torch process makes on the whole batch, takes no step on an
+makes exactly the update a single plain-torch process makes on the whole batch, skips an update whose
+gradient is not finite with the schedule going on as the plain trainer's does, takes no step on an
 empty batch, reports the whole batch's metrics, and resumes every rank's state. Slow: DeepSpeed
 builds its CPU ops on first use."""
 
@@ -69,7 +70,7 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     distributed = load_model(tmp_path / "weights")
 
     sys.path.insert(0, str(script.parent))
-    from deepspeed_dp import ALGORITHM, samples
+    from deepspeed_dp import ALGORITHM, poisoned, samples
 
     reference = PolicyTrainer(
         load_model(tiny_checkpoint),
@@ -77,15 +78,22 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
         reference_path=str(tiny_checkpoint),
     )
     batch, counts = samples(reference.model.config.vocab_size)
-    expected = [reference.train_step(batch, counts, ALGORITHM) for _ in range(2)]
+    expected = [reference.train_step(poisoned(batch), counts, ALGORITHM)]
+    expected += [reference.train_step(batch, counts, ALGORITHM) for _ in range(2)]
     reference.train_step([], counts, ALGORITHM)
     mine = dict(distributed.named_parameters())
     for name, param in reference.model.named_parameters():
         torch.testing.assert_close(mine[name], param.detach(), rtol=rtol, atol=atol, msg=name)
     history = json.loads((tmp_path / "history.json").read_text())
-    assert len(history) == 3 and history[0]["grad_norm"] > 0 and history[2]["grad_norm"] == 0
-    assert history[0]["kl_ref"] < 1e-6 < history[1]["kl_ref"]  # the first step starts at the reference
-    for got, want in zip(history, expected, strict=False):  # the whole batch's figures, every rank's share
+    assert len(history) == 4 and history[1]["grad_norm"] > 0 and history[3]["grad_norm"] == 0
+    assert [h["skipped_update"] for h in history] == [1.0, 0.0, 0.0, 0.0] and expected[0]["skipped_update"]
+    assert [h["lr"] for h in history[:3]] == pytest.approx(
+        [h["lr"] for h in expected]
+    )  # the schedule went on
+    assert history[1]["kl_ref"] < 1e-6 < history[2]["kl_ref"]  # the first update starts at the reference
+    for got, want in zip(
+        history[1:], expected[1:], strict=False
+    ):  # the whole batch's figures, every rank's share
         assert got["trained_tokens"] == want["trained_tokens"] == sum(s.targets.size for s in batch)
         for key in ("loss", "clip_frac", "kl_ref", "ratio_mean"):
             assert got[key] == pytest.approx(want[key], rel=rtol, abs=atol / 10), key

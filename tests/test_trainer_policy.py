@@ -115,6 +115,26 @@ def test_an_update_whose_gradient_is_not_finite_is_skipped(tok, tiny_checkpoint)
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("knows", [True, False])
+def test_a_bf16_deepspeed_config_checks_for_gradients_that_are_not_finite(monkeypatch, knows):
+    """DeepSpeed skips such an update in fp32 and fp16, in bf16 only with ``check_grad_overflow``,
+    which was off by default before mid-2026: a NaN gradient then reached every weight (measured on
+    the CPU accelerator, ZeRO-2, DeepSpeed 0.19.8 with the check off). The update skipped, with its
+    schedule, is `tests/test_deepspeed.py`'s (slow)."""
+    from services.trainer import distributed
+
+    monkeypatch.setattr(distributed, "_knows_bf16_overflow_check", lambda: knows)
+    spec = TrainerSpec(deepspeed_config={"bf16": {"enabled": True}})
+    assert distributed.deepspeed_config(spec)["bf16"] == {
+        "enabled": True,
+        **({"check_grad_overflow": True} if knows else {}),
+    }
+    assert spec.deepspeed_config == {"bf16": {"enabled": True}}  # the spec keeps what it was given
+    off = TrainerSpec(deepspeed_config={"bf16": {"enabled": True, "check_grad_overflow": False}})
+    assert distributed.deepspeed_config(off)["bf16"]["check_grad_overflow"] is False  # asked for
+    assert "bf16" not in distributed.deepspeed_config(TrainerSpec(deepspeed_config={}))
+
+
 def test_pbsd_weights_reach_the_loss_token_by_token(tok, tiny_checkpoint):
     """At ratio 1 (first micro-step) the gradient is -sum_k c_k w_{t(k)} A grad log p_k: compare exactly."""
     group = _group(tok, PbsdSpec(), rewards=(1.0, 0.0))

@@ -39,6 +39,7 @@ Ranks load the model in rank 0's dtype; mixed precision is the config's ``bf16``
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ from proto.runs import AlgorithmSpec, TrainerSpec
 from services.model.checkpoint import dtype_name, save_checkpoint
 from services.trainer.batch import BatchCounts, TrainSample
 from services.trainer.policy import PolicyTrainer, lr_factor, param_groups
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DeepSpeedPolicyTrainer", "deepspeed_config", "follow_rank0", "make_trainer"]
 
@@ -108,7 +111,21 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
     if spec.grad_clip is not None:
         config.setdefault("gradient_clipping", spec.grad_clip)
     config.setdefault("zero_optimization", {"stage": 1})
+    bf16 = config.get("bf16")
+    if isinstance(bf16, dict) and bf16.get("enabled") and _knows_bf16_overflow_check():
+        # ZeRO skips an update whose gradient is not finite in fp16 and fp32; in bf16 only with
+        # this check, off by default in DeepSpeed before mid-2026 (deepspeedai/DeepSpeed#8035).
+        # Without it a NaN gradient is written into every weight and AdamW moment for good.
+        bf16.setdefault("check_grad_overflow", True)
     return config
+
+
+def _knows_bf16_overflow_check() -> bool:
+    try:
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    except ImportError:
+        return False
+    return "check_grad_overflow" in DeepSpeedBF16Config.model_fields
 
 
 class _PolicyForward(nn.Module):
@@ -216,10 +233,17 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.model.eval()
         if self._empty:  # as the plain optimiser does without gradients: no decay, no momentum
             self.scheduler.step()
-            return {"grad_norm": 0.0, "lr": lr}
+            return {"grad_norm": 0.0, "lr": lr, "skipped_update": 0.0}
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return {"grad_norm": float(norm) if norm is not None else 0.0, "lr": lr}
+        norm = float(norm) if norm is not None else 0.0
+        # ZeRO takes no step on a gradient that is not finite (an "overflow"), and holds its
+        # schedule back with it; the plain trainer's schedule follows the steps, taken or not
+        skipped = not self.engine.was_step_applied()
+        if skipped:
+            log.error("step %d: gradient norm %s; DeepSpeed skipped the update", self.step, norm)
+            self.scheduler.step()
+        return {"grad_norm": norm, "lr": lr, "skipped_update": float(skipped)}
 
     def save_weights(self, path: Path, *, tokenizer=None, meta: dict | None = None) -> Path:
         """Only rank 0 writes (every rank must call it). Under ZeRO-3 the 16-bit weights are

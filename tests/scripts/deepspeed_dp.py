@@ -1,7 +1,7 @@
 """Run by tests/test_deepspeed.py under ``deepspeed --num_gpus N`` (CPU accelerator), or as a plain
 process (a trainer started without the launcher, as Compose and Kubernetes start it): rank 0 leads a
-data-parallel ZeRO trainer through two steps and an empty one, the other ranks follow; rank 0 saves
-the weights (``weights``). Then a resume: the state is saved, a step taken and saved
+data-parallel ZeRO trainer through a step whose gradient is not finite, two steps and an empty one,
+the other ranks follow; rank 0 saves the weights (``weights``). Then a resume: the state is saved, a step taken and saved
 (``resumed-a``), the state loaded back and the same step taken again (``resumed-b``)."""
 
 import json
@@ -41,6 +41,11 @@ def samples(vocab: int) -> tuple[list[TrainSample], BatchCounts]:
     return out, BatchCounts(sequences=6, tokens=sum(s.targets.size for s in out) + 7)
 
 
+def poisoned(batch: list[TrainSample]) -> list[TrainSample]:
+    """The batch with infinite advantages: a gradient that is not finite, an update to skip."""
+    return [s.__class__(**{**s.__dict__, "advantages": np.full_like(s.advantages, np.inf)}) for s in batch]
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
     ckpt, out, config = Path(args[0]), Path(args[1]), args[2]
@@ -59,7 +64,8 @@ def main() -> None:
     model = load_model(ckpt).to(device)
     trainer = make_trainer(model, spec, model_path=str(ckpt), reference_path=str(ckpt))
     batch, counts = samples(trainer.model.config.vocab_size)
-    history = [trainer.train_step(batch, counts, ALGORITHM) for _ in range(2)]
+    history = [trainer.train_step(poisoned(batch), counts, ALGORITHM)]  # skipped, the schedule on
+    history += [trainer.train_step(batch, counts, ALGORITHM) for _ in range(2)]
     history.append(trainer.train_step([], counts, ALGORITHM))  # nothing trainable: no update at all
     trainer.save_weights(out / "weights")
     trainer.save_state(out / "state.pt")
