@@ -27,7 +27,6 @@ import functools
 import hmac
 import re
 import shutil
-import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Annotated, Any
@@ -225,10 +224,13 @@ async def run_evals(
 
 
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
-async def viewer(record: Run, limit: Annotated[int, Query(ge=1, le=100_000)] = 400) -> HTMLResponse:
-    # reading and decoding a run's groups is seconds of blocking work: off the event loop, which
-    # also serves the run's training loop and the other routes
-    html = await asyncio.to_thread(_viewer_page, record, limit)
+async def viewer(
+    record: Run, request: Request, limit: Annotated[int, Query(ge=1, le=100_000)] = 400
+) -> HTMLResponse:
+    state = request.app.state
+    if not hasattr(state, "viewer_pages"):
+        state.viewer_pages = ViewerPages()
+    html = await state.viewer_pages.page(record, limit)
     if html is None:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
@@ -237,32 +239,41 @@ async def viewer(record: Run, limit: Annotated[int, Query(ge=1, le=100_000)] = 4
     return HTMLResponse(html)
 
 
-_PAGES: OrderedDict[tuple, str | None] = OrderedDict()  # the newest few pages, by what they were made of
-_PAGES_KEPT = 4
-_RENDERING = threading.Lock()
+class ViewerPages:
+    """The viewer pages of one trainer: each made once for as long as its run's saved groups do not
+    change, one at a time, the newest few kept. Reloads and concurrent requests of a long run's page
+    must not each decode its groups again; the requests that wait, wait on the event loop, not in
+    the threads that the other routes' file work shares."""
 
+    kept = 4
 
-def _viewer_page(record: RunRecord, limit: int) -> str | None:
-    """A run's viewer page, made once for as long as its saved groups do not change: reloads and
-    concurrent requests of a long run's page must not each decode its groups again, so one page
-    is made at a time and the newest few are kept."""
-    from services.trainer.saved_groups import step_files
-    from services.trainer.viewer import run_page
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.pages: OrderedDict[tuple, str | None] = OrderedDict()
 
-    if not record.output_dir:
-        return None
-    run_dir = Path(record.output_dir)
-    with _RENDERING:
+    async def page(self, record: RunRecord, limit: int) -> str | None:
+        async with self.lock:
+            # reading and decoding a run's groups is seconds of blocking work: off the event loop,
+            # which also serves the run's training loop and the other routes
+            return await asyncio.to_thread(self._page, record, limit)
+
+    def _page(self, record: RunRecord, limit: int) -> str | None:
+        from services.trainer.saved_groups import step_files
+        from services.trainer.viewer import run_page
+
+        if not record.output_dir:
+            return None
+        run_dir = Path(record.output_dir)
         files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for _, p in step_files(run_dir))
         key = (record.id, record.name, limit, files)
-        if key not in _PAGES:
+        if key not in self.pages:
             tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
             title = f"Turn-level credit: {record.name} ({record.id})"
-            _PAGES[key] = run_page(run_dir, tokenizer, title, limit=limit) if files else None
-            while len(_PAGES) > _PAGES_KEPT:
-                _PAGES.popitem(last=False)
-        _PAGES.move_to_end(key)
-        return _PAGES[key]
+            self.pages[key] = run_page(run_dir, tokenizer, title, limit=limit) if files else None
+            while len(self.pages) > self.kept:
+                self.pages.popitem(last=False)
+        self.pages.move_to_end(key)
+        return self.pages[key]
 
 
 @functools.lru_cache(maxsize=4)
