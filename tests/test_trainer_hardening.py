@@ -174,7 +174,7 @@ async def test_a_stored_record_that_no_longer_reads_leaves_the_others_listed(
 ):
     """A contract made stricter (a bound, a pattern) must not turn the records stored under the
     looser one into a 500 on every listing and an executor that cannot read its queue; such a
-    run is still listed, a 409 to show, and can be deleted."""
+    run is still listed, a 409 to show, and can be cancelled and deleted."""
     import redis.asyncio as aioredis
 
     from tests.test_trainer_api import _parked_run
@@ -185,17 +185,21 @@ async def test_a_stored_record_that_no_longer_reads_leaves_the_others_listed(
     stored = json.loads(await client.hget(f"{key_prefix}:run:{old}", "spec"))
     stored["trainer"]["seed"] = -1  # what the contract took before seeds were bounded
     await client.hset(f"{key_prefix}:run:{old}", "spec", json.dumps(stored))
+    active = await _parked_run(redis_url, key_prefix, _spec(tiny_world, tiny_checkpoint), "running")
+    await client.hset(f"{key_prefix}:run:{active}", "spec", json.dumps(stored))
     await client.aclose()
     async with httpx.AsyncClient(base_url=api, headers=AUTH) as http:
-        r = await http.get("/runs")  # a listing shows no spec, so both are there
-        assert r.status_code == 200 and [x["id"] for x in r.json()] == [old, kept]
+        r = await http.post(f"/runs/{active}/cancel")  # once a 500, after the cancel had been written
+        assert r.status_code == 202 and r.json()["state"] == "cancelling" and "spec" not in r.json(), r.text
+        r = await http.get("/runs")  # a listing shows no spec, so all three are there
+        assert r.status_code == 200 and [x["id"] for x in r.json()] == [active, old, kept]
         assert all("spec" not in x for x in r.json())
         assert (await http.get(f"/runs/{kept}")).status_code == 200
         r = await http.get(f"/runs/{old}")
         assert r.status_code == 409 and "does not read" in r.json()["detail"], r.text
         assert (await http.get(f"/runs/{old}/metrics")).json() == [{"step": 1.0}]
         assert (await http.delete(f"/runs/{old}")).status_code == 204  # and it can be cleared away
-        assert [x["id"] for x in (await http.get("/runs")).json()] == [kept]
+        assert [x["id"] for x in (await http.get("/runs")).json()] == [active, kept]
 
 
 def test_a_blank_optional_path_reads_as_none(tiny_world, tiny_checkpoint):

@@ -4,8 +4,8 @@
     GET  /runs                   the runs, newest first, without their specs (``?limit=N``, 1 to 1000,
                                  default 100)
     GET  /runs/{id}              state, step, policy version, latest metrics and validation round, spec
-    POST /runs/{id}/cancel       stop after the current step (a queued run never starts); 409 when it has
-                                 already finished
+    POST /runs/{id}/cancel       stop after the current step (a queued run never starts) -> the run
+                                 without its spec; 409 when it has already finished
     DELETE /runs/{id}            forget a finished run (``?files=true``: its folder too); 409 while active
     GET  /runs/{id}/metrics      the per-step metric history (``?since=N`` skips the first N)
     GET  /runs/{id}/evals        the validation rounds (runs with ``data.validation``), the same way
@@ -175,7 +175,7 @@ async def show(record: Run) -> RunRecord:
 
 
 @router.post("/runs/{run_id}/cancel", status_code=status.HTTP_202_ACCEPTED)
-async def cancel(run_id: RunId, request: Request) -> RunRecord:
+async def cancel(run_id: RunId, request: Request) -> RunSummary:
     store = _store(request)
     before = await store.request_cancel(run_id)  # one atomic step: the state it found
     if before is None:
@@ -185,7 +185,7 @@ async def cancel(run_id: RunId, request: Request) -> RunRecord:
             status.HTTP_409_CONFLICT,
             {"msg": f"run {run_id} is already {before}: nothing to cancel", "state": before},
         )
-    return await store.get(run_id)
+    return await store.summary(run_id)  # read, like a listing, without the spec
 
 
 @router.delete("/runs/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
