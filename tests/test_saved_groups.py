@@ -49,3 +49,29 @@ def test_a_page_made_a_file_at_a_time_is_the_page_made_in_memory(
 
 def test_a_run_that_saved_no_groups_has_no_page(tmp_path, tiny_checkpoint):
     assert run_page(tmp_path, ChatTokenizer.from_pretrained(tiny_checkpoint), "t") is None
+
+
+def test_a_step_file_written_again_while_the_page_is_made_starts_it_over(
+    run_dir, tiny_checkpoint, monkeypatch
+):
+    """A resumed run writes its steps again: the groups the index counted are then not the file's,
+    and a page made of both would show the wrong groups (or fail on an index past the file's end)."""
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    index = saved_groups.index_groups(run_dir)
+    first = load_groups(run_dir)
+    save_groups(run_dir, 1, [first[0][1]])  # step 1 again, with one group of its two
+    with pytest.raises(saved_groups.GroupsChanged):
+        index.load(index.shown(400))
+    real, calls = saved_groups.GroupIndex.load, []
+
+    def rewritten_once(self, indices):
+        if not calls:
+            save_groups(run_dir, 2, [first[2][1]])  # step 2 written again between index and load
+        calls.append(len(indices))
+        return real(self, indices)
+
+    monkeypatch.setattr(saved_groups.GroupIndex, "load", rewritten_once)
+    page = run_page(run_dir, tok, "t")
+    groups = load_groups(run_dir)
+    assert len(groups) == len(first) - 2 and len(calls) == 2
+    assert page == render_viewer(viewer_data(groups, tok), "t", sanity_summary(groups))  # what is there now

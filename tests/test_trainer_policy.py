@@ -133,6 +133,8 @@ def test_a_bf16_deepspeed_config_checks_for_gradients_that_are_not_finite(monkey
     off = TrainerSpec(deepspeed_config={"bf16": {"enabled": True, "check_grad_overflow": False}})
     assert distributed.deepspeed_config(off)["bf16"]["check_grad_overflow"] is False  # asked for
     assert "bf16" not in distributed.deepspeed_config(TrainerSpec(deepspeed_config={}))
+    legacy = distributed.deepspeed_config(TrainerSpec(deepspeed_config={"bfloat16": {"enabled": True}}))
+    assert legacy["bfloat16"].get("check_grad_overflow") is (True if knows else None)
 
 
 def test_pbsd_weights_reach_the_loss_token_by_token(tok, tiny_checkpoint):

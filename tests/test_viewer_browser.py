@@ -293,3 +293,19 @@ async def test_the_served_page_is_made_once_until_the_run_saves_more(
         _save_groups(tmp_path / "run", 3, [groups[0]])  # the run saves another step
         again = await http.get(f"{api}/runs/{run_id}/viewer")
         assert len(made) == 3 and again.text.count('"step"') > pages[0].text.count('"step"')
+
+
+async def test_a_page_too_large_to_keep_is_made_each_time(api, run_with_groups, monkeypatch):
+    import httpx
+
+    from services.trainer import viewer
+    from services.trainer.api import ViewerPages
+
+    run_id, _ = run_with_groups
+    made, real = [], viewer.run_page
+    monkeypatch.setattr(viewer, "run_page", lambda *a, **k: made.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(ViewerPages, "kept_bytes", 1000)  # the page of six trajectories is larger
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for _ in range(2):
+            assert (await http.get(f"{api}/runs/{run_id}/viewer")).status_code == 200
+    assert len(made) == 2

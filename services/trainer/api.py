@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proto.runs import RunSpec
 from services.trainer.runs import FINISHED, RunRecord, RunStore, RunSummary
+from services.trainer.saved_groups import signature
 from services.trainer.settings import TrainerSettings
 from services.trainer.spec_paths import SpecPathError, resolve_spec_paths
 
@@ -240,40 +241,52 @@ async def viewer(
 
 
 class ViewerPages:
-    """The viewer pages of one trainer: each made once for as long as its run's saved groups do not
-    change, one at a time, the newest few kept. Reloads and concurrent requests of a long run's page
-    must not each decode its groups again; the requests that wait, wait on the event loop, not in
-    the threads that the other routes' file work shares."""
+    """The viewer pages of one trainer, each made once for as long as its run's saved groups do not
+    change. Reloads and concurrent requests of a long run's page must not each decode its groups
+    again: pages are made one at a time, and the newest are kept up to ``kept_bytes`` in all (a
+    page larger than that is not kept). A kept page is served without waiting for the page being
+    made, and the requests that wait, wait on the event loop, not in the threads that the other
+    routes' file work shares."""
 
-    kept = 4
+    kept_bytes = 64 * 2**20
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.pages: OrderedDict[tuple, str | None] = OrderedDict()
 
     async def page(self, record: RunRecord, limit: int) -> str | None:
-        async with self.lock:
-            # reading and decoding a run's groups is seconds of blocking work: off the event loop,
-            # which also serves the run's training loop and the other routes
-            return await asyncio.to_thread(self._page, record, limit)
-
-    def _page(self, record: RunRecord, limit: int) -> str | None:
-        from services.trainer.saved_groups import step_files
-        from services.trainer.viewer import run_page
-
         if not record.output_dir:
             return None
         run_dir = Path(record.output_dir)
-        files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for _, p in step_files(run_dir))
-        key = (record.id, record.name, limit, files)
-        if key not in self.pages:
-            tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
-            title = f"Turn-level credit: {record.name} ({record.id})"
-            self.pages[key] = run_page(run_dir, tokenizer, title, limit=limit) if files else None
-            while len(self.pages) > self.kept:
-                self.pages.popitem(last=False)
+        try:
+            key = (record.id, record.name, limit, await asyncio.to_thread(signature, run_dir))
+            if key not in self.pages:
+                async with self.lock:
+                    if key not in self.pages:  # or it was made while this request waited
+                        # reading and decoding a run's groups is seconds of blocking work: off the
+                        # event loop, which also serves the run's training loop and the other routes
+                        made = (
+                            await asyncio.to_thread(self._make, record, run_dir, limit) if key[-1] else None
+                        )
+                        return self._keep(key, made)
+        except FileNotFoundError:  # its folder went (a delete with ?files=true) while it was read
+            return None
         self.pages.move_to_end(key)
         return self.pages[key]
+
+    def _make(self, record: RunRecord, run_dir: Path, limit: int) -> str | None:
+        from services.trainer.viewer import run_page
+
+        tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
+        return run_page(run_dir, tokenizer, f"Turn-level credit: {record.name} ({record.id})", limit=limit)
+
+    def _keep(self, key: tuple, page: str | None) -> str | None:
+        if page is not None and len(page) > self.kept_bytes:
+            return page
+        self.pages[key] = page
+        while sum(len(p or "") for p in self.pages.values()) > self.kept_bytes:
+            self.pages.popitem(last=False)
+        return page
 
 
 @functools.lru_cache(maxsize=4)

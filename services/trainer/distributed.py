@@ -111,7 +111,7 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
     if spec.grad_clip is not None:
         config.setdefault("gradient_clipping", spec.grad_clip)
     config.setdefault("zero_optimization", {"stage": 1})
-    bf16 = config.get("bf16")
+    bf16 = config.get("bf16", config.get("bfloat16"))  # the second, DeepSpeed's older name for it
     if isinstance(bf16, dict) and bf16.get("enabled") and _knows_bf16_overflow_check():
         # ZeRO skips an update whose gradient is not finite in fp16 and fp32; in bf16 only with
         # this check, off by default in DeepSpeed before mid-2026 (deepspeedai/DeepSpeed#8035).
@@ -237,10 +237,14 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else 0.0
-        # ZeRO takes no step on a gradient that is not finite (an "overflow"), and holds its
-        # schedule back with it; the plain trainer's schedule follows the steps, taken or not
+        # ZeRO (stages 1 to 3) takes no step on a gradient that is not finite (an "overflow"), and
+        # holds its schedule back with it; the plain trainer's schedule follows the steps, taken or
+        # not. Under fp16's dynamic loss scale an overflow is how the scale is found, and DeepSpeed's
+        # holding back is meant: that one is left as it is.
         skipped = not self.engine.was_step_applied()
-        if skipped:
+        if skipped and self.engine.fp16_enabled():
+            log.warning("step %d: fp16 loss-scale overflow; DeepSpeed skipped the update", self.step)
+        elif skipped:
             log.error("step %d: gradient norm %s; DeepSpeed skipped the update", self.step, norm)
             self.scheduler.step()
         return {"grad_norm": norm, "lr": lr, "skipped_update": float(skipped)}

@@ -83,11 +83,7 @@ class RunStore:
     async def summary(self, run_id: str) -> RunSummary | None:
         """A run's record without its spec: what reads even where a stricter contract refuses the spec."""
         values = await self.redis.hmget(self._key(run_id), _SUMMARY)
-        return (
-            None
-            if values[0] is None
-            else RunSummary(**_summary_fields(dict(zip(_SUMMARY, values, strict=True))))
-        )
+        return None if values[0] is None else _summary_of(values)
 
     async def list(self, limit: int = 100) -> list[RunSummary]:
         """The newest ``limit`` runs, without their specs: a listing of a thousand runs must not
@@ -103,7 +99,7 @@ class RunStore:
             if values[0] is None:  # deleted between the two reads
                 continue
             try:
-                summaries.append(RunSummary(**_summary_fields(dict(zip(_SUMMARY, values, strict=True)))))
+                summaries.append(_summary_of(values))
             except (ValidationError, ValueError) as exc:
                 log.error("run %s: its stored record does not read (%s); left out", run_id, exc)
         return summaries
@@ -279,6 +275,11 @@ def _to_hash(record: RunRecord) -> dict[str, str]:
 
 
 _SUMMARY = tuple(RunSummary.model_fields)  # the hash's fields a listing reads
+
+
+def _summary_of(values: list) -> RunSummary:
+    """A summary from the hash's ``_SUMMARY`` fields, in that order (HMGET's answer)."""
+    return RunSummary(**_summary_fields(dict(zip(_SUMMARY, values, strict=True))))
 
 
 def _summary_fields(data: dict) -> dict[str, Any]:

@@ -20,12 +20,36 @@ from proto.messages import ScoredGroup
 from proto.runs import PbsdSpec
 from proto.sanity import NoiseFloor, TeacherSanity
 
-__all__ = ["GroupIndex", "index_groups", "load_groups", "shown_groups", "shown_indices", "step_files"]
+__all__ = [
+    "GroupIndex",
+    "GroupsChanged",
+    "index_groups",
+    "load_groups",
+    "shown_groups",
+    "shown_indices",
+    "signature",
+    "step_files",
+]
 
 
 def step_files(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, file) of every step whose groups were saved, in step order."""
     return [(int(p.stem.split("-")[1]), p) for p in sorted((Path(run_dir) / "groups").glob("step-*.msgpack"))]
+
+
+def signature(run_dir: Path) -> tuple[tuple[str, int, int], ...]:
+    """What the saved groups are made of: each step file's name, size and modification time. A
+    page made of the same signature is the same page."""
+    return tuple((p.name, *_stat(p)) for _, p in step_files(run_dir))
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+class GroupsChanged(RuntimeError):
+    """A step file changed between the index and the load (a resumed run writes its steps again)."""
 
 
 def _read(path: Path) -> list[ScoredGroup]:
@@ -39,20 +63,37 @@ def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
 
 @dataclass
 class GroupIndex:
-    """Every saved group's place and size, and the sums of the scored ones' sanity figures."""
+    """Every group's place and size, and the sums of the scored ones' sanity figures: of a run's
+    step files (:func:`index_groups`), or of groups in memory (:meth:`of`)."""
 
-    places: list[tuple[int, Path, int]] = field(default_factory=list)  # step, file, index in the file
+    places: list[tuple[int, Path | None, int]] = field(default_factory=list)  # step, file, index in it
+    stats: dict[Path, tuple[int, int]] = field(default_factory=dict)  # each file's size and mtime, as read
     sizes: list[int] = field(default_factory=list)  # trajectories of each group
     scored: int = 0  # groups with evidence
     sanity: TeacherSanity = field(default_factory=TeacherSanity)
     noise: NoiseFloor = field(default_factory=NoiseFloor)
-    turns: list[tuple[np.ndarray, np.ndarray]] = field(
-        default_factory=list
-    )  # each scored group's (s, tokens)
+    turns: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # scored groups' (s, tokens)
     pbsd_specs: int = 0  # scored groups under PBSD, and how many of them kept a deadband
     with_deadband: int = 0
 
-    def add(self, step: int, path: Path, index: int, g: ScoredGroup) -> None:
+    @classmethod
+    def of(cls, groups: list[tuple[int, ScoredGroup]]) -> GroupIndex:
+        index = cls()
+        for i, (step, g) in enumerate(groups):
+            index.add(step, None, i, g)
+        return index
+
+    @property
+    def bare(self) -> bool:
+        """Every PBSD group scored without a deadband (eps+ = eps- = 0): the null pass's share of
+        turns "outside the deadband" then reads as a floor far above a run's with the paper's."""
+        return self.pbsd_specs > 0 and self.with_deadband == 0
+
+    def shown(self, limit: int) -> list[int]:
+        """:func:`shown_indices` of the indexed groups."""
+        return shown_indices([(p[0], n) for p, n in zip(self.places, self.sizes, strict=True)], limit)
+
+    def add(self, step: int, path: Path | None, index: int, g: ScoredGroup) -> None:
         self.places.append((step, path, index))
         self.sizes.append(len(g.group.trajectories))
         if not g.scored:
@@ -60,8 +101,7 @@ class GroupIndex:
         self.scored += 1
         self.sanity += g.diagnostics.sanity
         self.noise += g.diagnostics.noise
-        s, n = g.scored_turns()
-        self.turns.append((s.astype(np.float32), n.astype(np.float32)))
+        self.turns.append(g.scored_turns())  # a float per turn: small beside the groups
         if isinstance(g.group.algorithm, PbsdSpec):
             self.pbsd_specs += 1
             self.with_deadband += bool(g.group.algorithm.deadband)
@@ -74,15 +114,21 @@ class GroupIndex:
         return totals
 
     def load(self, indices: list[int]) -> list[tuple[int, ScoredGroup]]:
-        """The groups at ``indices`` (in their order), decoding only the files that hold them."""
+        """The indexed files' groups at ``indices`` (in their order), decoding only the files that
+        hold them; :class:`GroupsChanged` when one of those files changed since it was indexed."""
         wanted: dict[Path, list[int]] = {}
         for i in indices:
             wanted.setdefault(self.places[i][1], []).append(i)
         found: dict[int, ScoredGroup] = {}
         for path, among in wanted.items():
-            groups = _read(path)
-            for i in among:
-                found[i] = groups[self.places[i][2]]
+            try:
+                if _stat(path) != self.stats[path]:
+                    raise GroupsChanged(path)
+                groups = _read(path)
+                for i in among:
+                    found[i] = groups[self.places[i][2]]
+            except (FileNotFoundError, IndexError) as exc:
+                raise GroupsChanged(path) from exc
         return [(self.places[i][0], found[i]) for i in indices]
 
 
@@ -90,6 +136,7 @@ def index_groups(run_dir: Path) -> GroupIndex:
     """The index of a run's saved groups, read a step file at a time."""
     index = GroupIndex()
     for step, path in step_files(run_dir):
+        index.stats[path] = _stat(path)  # before the read: a write after it shows as a change
         for i, g in enumerate(_read(path)):
             index.add(step, path, i, g)
     return index

@@ -32,9 +32,8 @@ from agent.toolcall import parse_tool_call
 from agent.transcript import turn_texts
 from proto.messages import ScoredGroup
 from proto.runs import PbsdSpec
-from proto.sanity import NoiseFloor
-from services.trainer.dynamics import sanity_figures, sanity_metrics
-from services.trainer.saved_groups import index_groups, load_groups, shown_groups, shown_indices
+from services.trainer.dynamics import sanity_figures
+from services.trainer.saved_groups import GroupIndex, GroupsChanged, index_groups, load_groups, shown_groups
 
 __all__ = [
     "load_groups",
@@ -68,39 +67,32 @@ def viewer_data(
 ) -> list[dict[str, Any]]:
     """One row per trajectory of :func:`shown_groups`, each with its turns and with how many
     trajectories its step had (``step_total``), so that the page can say what it leaves out."""
-    noise = sum((g.diagnostics.noise for _, g in groups if g.scored), NoiseFloor())
-    step_total: dict[int, int] = {}
-    for step, g in groups:
-        step_total[step] = step_total.get(step, 0) + len(g.group.trajectories)
-    return _rows(shown_groups(groups, limit), tokenizer, noise, step_total)
+    index = GroupIndex.of(groups)
+    return _rows([groups[i] for i in index.shown(limit)], tokenizer, index)
 
 
 def run_page(run_dir: Path, tokenizer: ChatTokenizer, title: str, *, limit: int = 400) -> str | None:
-    """The viewer page of a run's saved groups (None: it saved none). The files are read one at a
-    time and only the groups shown are decoded and kept, so a run of any length pages in the
-    memory of one step's file: what :func:`viewer_data` and :func:`sanity_summary` show of the
-    same groups in memory."""
-    index = index_groups(run_dir)
-    if not index.places:
-        return None
-    shown = index.load(
-        shown_indices([(p[0], n) for p, n in zip(index.places, index.sizes, strict=True)], limit)
-    )
-    rows = _rows(shown, tokenizer, index.noise, index.step_totals())
-    summary = ""
-    if index.scored:
-        figures = sanity_figures(index.sanity, index.noise, index.turns)
-        bare = index.pbsd_specs > 0 and index.with_deadband == 0
-        summary = _summary(figures, index.scored, bare)
-    return render_viewer(rows, title, summary)
+    """The viewer page of a run's saved groups (None: it saved none), what :func:`viewer_data` and
+    :func:`sanity_summary` make of the same groups in memory. The files are read one at a time
+    and only the groups shown are decoded again and kept, so a run of any length pages in the
+    memory of one step's file. A step file written again meanwhile (a resumed run) starts it over."""
+    for attempt in range(3):
+        index = index_groups(run_dir)
+        if not index.places:
+            return None
+        try:
+            shown = index.load(index.shown(limit))
+            break
+        except GroupsChanged:
+            if attempt == 2:
+                raise
+    return render_viewer(_rows(shown, tokenizer, index), title, _summary(index))
 
 
 def _rows(
-    shown: list[tuple[int, ScoredGroup]],
-    tokenizer: ChatTokenizer,
-    noise: NoiseFloor,
-    step_total: dict[int, int],
+    shown: list[tuple[int, ScoredGroup]], tokenizer: ChatTokenizer, index: GroupIndex
 ) -> list[dict[str, Any]]:
+    noise, step_total = index.noise, index.step_totals()
     rows: list[dict[str, Any]] = []
     for step, scored in shown:
         algo = scored.group.algorithm
@@ -160,15 +152,14 @@ def _rows(
 
 def sanity_summary(groups: list[tuple[int, ScoredGroup]]) -> str:
     """The teacher sanity figures and the noise floor of the scored groups, as a paragraph of HTML."""
-    scored = [g for _, g in groups if g.scored]
-    if not scored:
+    return _summary(GroupIndex.of(groups))
+
+
+def _summary(index: GroupIndex) -> str:
+    if not index.scored:
         return ""
-    # without a deadband the noise share would read as a floor far above a run's with the paper's
-    specs = [g.group.algorithm for g in scored if isinstance(g.group.algorithm, PbsdSpec)]
-    return _summary(sanity_metrics(scored), len(scored), bool(specs) and not any(s.deadband for s in specs))
-
-
-def _summary(f: dict[str, float], groups: int, bare: bool) -> str:
+    f = sanity_figures(index.sanity, index.noise, index.turns)
+    bare = index.bare  # without a deadband the null share reads as a floor far above the paper's
 
     def frac(key: str, turns: str) -> str:
         return f"{f[key]:.0%} of {int(f[turns])}" if key in f else f"none of {int(f[turns])}"
@@ -193,7 +184,7 @@ def _summary(f: dict[str, float], groups: int, bare: bool) -> str:
             f"{f.get('noise_outside_deadband_frac', 0):.0%}{' (no deadband)' if bare else ''}, "
             f"scored turns within the floor {f.get('within_noise_floor_frac', 0):.0%}"
         )
-    return f"<p class='sanity' data-testid='sanity'>Teacher sanity ({groups} groups): {'; '.join(parts)}.</p>"
+    return f"<p class='sanity' data-testid='sanity'>Teacher sanity ({index.scored} groups): {'; '.join(parts)}.</p>"
 
 
 def render_viewer(rows: list[dict[str, Any]], title: str = "Turn-level credit", summary: str = "") -> str:
