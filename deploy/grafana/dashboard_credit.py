@@ -72,13 +72,15 @@ def credit() -> dict:
             panel(
                 "Policy loss, clipping, gradient norm",
                 "The clipped surrogate loss, the fraction of tokens outside the trust region, the "
-                "gradient norm before clipping, and the mean per-token KL to the initial policy "
-                "(runs with kl_coef > 0; the paper uses none).",
+                "gradient norm before clipping, the mean per-token KL to the initial policy "
+                "(runs with kl_coef > 0; the paper uses none), and the updates skipped in the last "
+                "15 minutes because the gradient was not finite (any at all is worth a look).",
                 [
                     ("pbsd_trainer_loss", "loss"),
                     ("pbsd_trainer_clip_fraction", "clip fraction"),
                     ("pbsd_trainer_grad_norm", "grad norm"),
                     ("pbsd_trainer_kl_ref", "KL to reference"),
+                    ("increase(pbsd_trainer_skipped_updates_total[15m])", "updates skipped (15 min)"),
                 ],
             ),
             row("PBSD's evidence and weights"),

@@ -104,6 +104,11 @@ DROP_REASONS = (
 for _reason in DROP_REASONS:  # at zero from the start: a panel shows 0 drops, not "no data"
     DROPPED.labels(_reason)
 GROUPS = Counter("pbsd_trainer_trained_groups_total", "Scored groups trained on")
+SKIPPED_UPDATES = Counter(
+    "pbsd_trainer_skipped_updates_total",
+    "Optimiser steps whose update was skipped: the gradient was not finite (or, under DeepSpeed's fp16, "
+    "the loss scale overflowed)",
+)
 
 
 # a step record's key -> the gauge that shows it (keys a step lacks leave their gauge as it was)
@@ -141,11 +146,13 @@ for _action in ACTION_CLASSES:  # evidence_queries_grounded_mean_s -> {action="q
 
 
 def export_step(record: dict[str, float]) -> None:
-    """A step's record as the gauges and the step-time histogram."""
+    """A step's record as the gauges, the step-time histogram and the skipped-update count."""
     for key, gauge in STEP_GAUGES.items():
         if key in record:
             gauge.set(record[key])
     STEP_SECONDS.observe(record["step_s"])
+    if record.get("skipped_update"):
+        SKIPPED_UPDATES.inc()
 
 
 PUBLISH_SECONDS = Histogram(
