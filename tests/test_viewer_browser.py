@@ -296,6 +296,9 @@ async def test_the_served_page_is_made_once_until_the_run_saves_more(
 
 
 async def test_a_page_too_large_to_keep_is_made_each_time(api, run_with_groups, monkeypatch):
+    import asyncio
+    import time
+
     import httpx
 
     from services.trainer import viewer
@@ -308,4 +311,11 @@ async def test_a_page_too_large_to_keep_is_made_each_time(api, run_with_groups, 
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         for _ in range(2):
             assert (await http.get(f"{api}/runs/{run_id}/viewer")).status_code == 200
-    assert len(made) == 2
+        assert len(made) == 2
+        # requests at the same time share one making, kept or not (it takes a second here, so
+        # that they all come while it is made)
+        monkeypatch.setattr(
+            viewer, "run_page", lambda *a, **k: time.sleep(1) or made.append(a[0]) or real(*a, **k)
+        )
+        pages = await asyncio.gather(*(http.get(f"{api}/runs/{run_id}/viewer") for _ in range(3)))
+        assert [p.status_code for p in pages] == [200] * 3 and len(made) == 3

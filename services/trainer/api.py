@@ -243,16 +243,18 @@ async def viewer(
 class ViewerPages:
     """The viewer pages of one trainer, each made once for as long as its run's saved groups do not
     change. Reloads and concurrent requests of a long run's page must not each decode its groups
-    again: pages are made one at a time, and the newest are kept up to ``kept_bytes`` in all (a
-    page larger than that is not kept). A kept page is served without waiting for the page being
-    made, and the requests that wait, wait on the event loop, not in the threads that the other
-    routes' file work shares."""
+    again: requests for the same page share its making, pages are made one at a time, and the
+    newest are kept up to ``kept_bytes`` in all (a larger page is not kept). A kept page is served
+    without waiting for the page being made; the requests that wait, wait on the event loop, not
+    in the threads that the other routes' file work shares; and a request that goes away while it
+    waits leaves the making, and the one-at-a-time lock, to finish."""
 
     kept_bytes = 64 * 2**20
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.pages: OrderedDict[tuple, str | None] = OrderedDict()
+        self.making: dict[tuple, asyncio.Task] = {}
 
     async def page(self, record: RunRecord, limit: int) -> str | None:
         if not record.output_dir:
@@ -260,19 +262,28 @@ class ViewerPages:
         run_dir = Path(record.output_dir)
         try:
             key = (record.id, record.name, limit, await asyncio.to_thread(signature, run_dir))
-            if key not in self.pages:
-                async with self.lock:
-                    if key not in self.pages:  # or it was made while this request waited
-                        # reading and decoding a run's groups is seconds of blocking work: off the
-                        # event loop, which also serves the run's training loop and the other routes
-                        made = (
-                            await asyncio.to_thread(self._make, record, run_dir, limit) if key[-1] else None
-                        )
-                        return self._keep(key, made)
         except FileNotFoundError:  # its folder went (a delete with ?files=true) while it was read
             return None
-        self.pages.move_to_end(key)
-        return self.pages[key]
+        if key in self.pages:
+            self.pages.move_to_end(key)
+            return self.pages[key]
+        job = self.making.get(key)
+        if job is None:
+            job = self.making[key] = asyncio.create_task(self._made(key, record, run_dir, limit))
+            job.add_done_callback(lambda _: self.making.pop(key, None))
+        return await asyncio.shield(job)
+
+    async def _made(self, key: tuple, record: RunRecord, run_dir: Path, limit: int) -> str | None:
+        async with self.lock:
+            if key in self.pages:  # made while this one waited
+                return self.pages[key]
+            try:
+                # reading and decoding a run's groups is seconds of blocking work: off the event
+                # loop, which also serves the run's training loop and the other routes
+                made = await asyncio.to_thread(self._make, record, run_dir, limit) if key[-1] else None
+            except FileNotFoundError:
+                return None
+            return self._keep(key, made)
 
     def _make(self, record: RunRecord, run_dir: Path, limit: int) -> str | None:
         from services.trainer.viewer import run_page
