@@ -200,6 +200,12 @@ async def test_a_stored_record_that_no_longer_reads_leaves_the_others_listed(
         assert (await http.get(f"/runs/{old}/metrics")).json() == [{"step": 1.0}]
         assert (await http.delete(f"/runs/{old}")).status_code == 204  # and it can be cleared away
         assert [x["id"] for x in (await http.get("/runs")).json()] == [active, kept]
+    client = aioredis.Redis.from_url(redis_url)  # a record without its times (float(None) once raised)
+    await client.hset(f"{key_prefix}:run:run-20260101-000000-abcdef", mapping={"id": "x", "state": "failed"})
+    await client.zadd(f"{key_prefix}:runs", {"run-20260101-000000-abcdef": 0})
+    await client.aclose()
+    async with httpx.AsyncClient(base_url=api, headers=AUTH) as http:
+        assert [x["id"] for x in (await http.get("/runs")).json()] == [active, kept]
 
 
 def test_a_blank_optional_path_reads_as_none(tiny_world, tiny_checkpoint):

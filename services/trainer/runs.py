@@ -100,7 +100,7 @@ class RunStore:
                 continue
             try:
                 summaries.append(_summary_of(values))
-            except (ValidationError, ValueError) as exc:
+            except (ValidationError, ValueError, TypeError) as exc:  # a field missing or malformed
                 log.error("run %s: its stored record does not read (%s); left out", run_id, exc)
         return summaries
 
