@@ -228,10 +228,7 @@ async def run_evals(
 async def viewer(
     record: Run, request: Request, limit: Annotated[int, Query(ge=1, le=100_000)] = 400
 ) -> HTMLResponse:
-    state = request.app.state
-    if not hasattr(state, "viewer_pages"):
-        state.viewer_pages = ViewerPages()
-    html = await state.viewer_pages.page(record, limit)
+    html = await request.app.state.viewer_pages.page(record, limit)
     if html is None:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
@@ -253,7 +250,7 @@ class ViewerPages:
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
-        self.pages: OrderedDict[tuple, str | None] = OrderedDict()
+        self.pages: OrderedDict[tuple, str] = OrderedDict()
         self.making: dict[tuple, asyncio.Task] = {}
 
     async def page(self, record: RunRecord, limit: int) -> str | None:
@@ -263,6 +260,8 @@ class ViewerPages:
         try:
             key = (record.id, record.name, limit, await asyncio.to_thread(signature, run_dir))
         except FileNotFoundError:  # its folder went (a delete with ?files=true) while it was read
+            return None
+        if not key[-1]:  # no saved groups: nothing to make, nothing to keep
             return None
         if key in self.pages:
             self.pages.move_to_end(key)
@@ -280,10 +279,10 @@ class ViewerPages:
             try:
                 # reading and decoding a run's groups is seconds of blocking work: off the event
                 # loop, which also serves the run's training loop and the other routes
-                made = await asyncio.to_thread(self._make, record, run_dir, limit) if key[-1] else None
+                made = await asyncio.to_thread(self._make, record, run_dir, limit)
             except FileNotFoundError:
                 return None
-            return self._keep(key, made)
+            return made if made is None else self._keep(key, made)
 
     def _make(self, record: RunRecord, run_dir: Path, limit: int) -> str | None:
         from services.trainer.viewer import run_page
@@ -291,11 +290,11 @@ class ViewerPages:
         tokenizer = _tokenizer(record.spec.model.tokenizer or record.spec.model.path)
         return run_page(run_dir, tokenizer, f"Turn-level credit: {record.name} ({record.id})", limit=limit)
 
-    def _keep(self, key: tuple, page: str | None) -> str | None:
-        if page is not None and len(page) > self.kept_bytes:
+    def _keep(self, key: tuple, page: str) -> str:
+        if len(page) > self.kept_bytes:
             return page
         self.pages[key] = page
-        while sum(len(p or "") for p in self.pages.values()) > self.kept_bytes:
+        while sum(map(len, self.pages.values())) > self.kept_bytes:
             self.pages.popitem(last=False)
         return page
 

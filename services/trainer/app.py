@@ -15,7 +15,7 @@ from services.bus import REDIS_DOWN, Bus, redis_client
 from services.bus.lag import StreamLagMonitor
 from services.http_guard import BodyLimit, install_validation_handler
 from services.telemetry import add_metrics_route, setup_logging
-from services.trainer.api import AuthenticateFirst, router
+from services.trainer.api import AuthenticateFirst, ViewerPages, router
 from services.trainer.executor import RunExecutor
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
@@ -48,6 +48,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             executor,
             task,
         )
+        app.state.viewer_pages = ViewerPages()
         try:
             yield
         finally:

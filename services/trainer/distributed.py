@@ -232,7 +232,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.step += 1
         self.model.eval()
         if self._empty:  # as the plain optimiser does without gradients: no decay, no momentum
-            self.scheduler.step()
+            self._schedule_without_update()
             return {"grad_norm": 0.0, "lr": lr, "skipped_update": 0.0}
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
@@ -246,7 +246,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             log.warning("step %d: fp16 loss-scale overflow; DeepSpeed skipped the update", self.step)
         elif skipped:
             log.error("step %d: gradient norm %s; DeepSpeed skipped the update", self.step, norm)
-            self.scheduler.step()
+            self._schedule_without_update()
         return {"grad_norm": norm, "lr": lr, "skipped_update": float(skipped)}
 
     def save_weights(self, path: Path, *, tokenizer=None, meta: dict | None = None) -> Path:

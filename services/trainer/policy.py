@@ -262,9 +262,7 @@ class PolicyTrainer:
         skipped = not math.isfinite(grad_norm)
         if skipped:
             log.error("step %d: gradient norm %s; the update is skipped", self.step + 1, grad_norm)
-            with warnings.catch_warnings():  # the schedule follows the steps, taken or not: torch
-                warnings.simplefilter("ignore", UserWarning)  # warns when no update came before
-                self.scheduler.step()
+            self._schedule_without_update()
         else:
             self.optimizer.step()
             self.scheduler.step()
@@ -272,6 +270,13 @@ class PolicyTrainer:
         self.model.eval()
         self.step += 1
         return {"grad_norm": grad_norm, "lr": lr, "skipped_update": float(skipped)}
+
+    def _schedule_without_update(self) -> None:
+        """The schedule follows the steps, taken or not (a skipped update, an empty batch): torch
+        warns when the scheduler steps before any optimiser step has, which here is meant."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
 
     # -- full checkpoints -----------------------------------------------------------------
     def state(self) -> dict[str, Any]:
