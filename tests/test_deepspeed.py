@@ -1,4 +1,4 @@
-"""DeepSpeed data parallelism (ZeRO-1 and ZeRO-3 on two processes, ZeRO-2 on one and on one started
+"""DeepSpeed data parallelism (no ZeRO, ZeRO-1 and ZeRO-3 on two processes, ZeRO-2 on one and on one started
 without the launcher, CPU accelerator)
 makes exactly the update a single plain-torch process makes on the whole batch, skips an update whose
 gradient is not finite with the schedule going on as the plain trainer's does, takes no step on an
@@ -31,6 +31,7 @@ NCCL = {"backend": "nccl", "rtol": 1e-3, "atol": 1e-5}  # CUDA kernels differ fr
 @pytest.mark.parametrize(
     ("stage", "ranks", "on"),
     [
+        (0, 2, {}),
         (1, 2, {}),
         (2, 1, {}),
         (2, 2, {}),

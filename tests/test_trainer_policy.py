@@ -135,6 +135,10 @@ def test_a_bf16_deepspeed_config_checks_for_gradients_that_are_not_finite(monkey
     assert "bf16" not in distributed.deepspeed_config(TrainerSpec(deepspeed_config={}))
     legacy = distributed.deepspeed_config(TrainerSpec(deepspeed_config={"bfloat16": {"enabled": True}}))
     assert legacy["bfloat16"].get("check_grad_overflow") is (True if knows else None)
+    # the trainer marks the boundary itself, so the gradient is reduced before the step (stage 0's
+    # check of it, in `tests/test_deepspeed.py`, reads it there)
+    unmanaged = TrainerSpec(deepspeed_config={"managed_gradient_accumulation": False})
+    assert "managed_gradient_accumulation" not in distributed.deepspeed_config(unmanaged)
 
 
 def test_pbsd_weights_reach_the_loss_token_by_token(tok, tiny_checkpoint):

@@ -1,4 +1,4 @@
-"""DeepSpeed for GPU training: ZeRO stages 1 to 3, with the run's DeepSpeed config file.
+"""DeepSpeed for GPU training: ZeRO stages 0 to 3, with the run's DeepSpeed config file.
 
 Launch the trainer the usual DeepSpeed way, one process per GPU::
 
@@ -17,7 +17,7 @@ the whole batch. Every pass goes through the engine's forward (ZeRO-3 counts its
 micro-steps there) and every rank runs as many passes as the busiest one; a batch with
 nothing to train takes no step at all, as in plain torch. Metrics are the whole batch's.
 
-Verified on the CPU accelerator (tests/test_deepspeed.py, slow): ZeRO stages 1, 2 and 3 on
+Verified on the CPU accelerator (tests/test_deepspeed.py, slow): ZeRO stages 0, 1, 2 and 3 on
 two ranks with a batch that does not split evenly, and stage 2 on one, make exactly the
 single-process update, skip the empty step, report the whole batch's loss and token counts,
 and repeat a step exactly after every rank reloads its saved state. Not verified: NCCL on
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,9 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
     config = json.loads(json.dumps(config))  # a copy: the defaults below must not reach the spec
     config.setdefault("train_micro_batch_size_per_gpu", 1)
     config["gradient_accumulation_steps"] = 1
+    # The trainer marks the accumulation boundary itself (set_gradient_accumulation_boundary), so
+    # every stage reduces in the boundary's backward and the gradient is whole before the step.
+    config.pop("managed_gradient_accumulation", None)
     config.setdefault(
         "optimizer",
         {
@@ -168,6 +172,12 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage = _zero_stage(self.engine)
+        # ZeRO and DeepSpeed's fp16 and bf16 wrappers check the gradient before they step (their
+        # "overflow"), and torch autocast's fp16 scaler does; without ZeRO in fp32 DeepSpeed steps
+        # the plain optimiser, which never skips.
+        self._unchecked = not hasattr(self.engine.optimizer, "overflow") and not getattr(
+            self.engine, "torch_autocast_z0_gradscaler", None
+        )
         self._remaining = 0
         self._empty = False
 
@@ -234,12 +244,23 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         if self._empty:  # as the plain optimiser does without gradients: no decay, no momentum
             self._schedule_without_update()
             return {"grad_norm": 0.0, "lr": lr, "skipped_update": 0.0}
+        if self._unchecked:
+            norm = _grad_norm(self.model)
+            if not math.isfinite(norm):
+                # as the plain trainer skips: no step (DeepSpeed's clipping cannot be handed a model
+                # without gradients), the gradient dropped, the schedule moved on
+                self.optimizer.zero_grad(set_to_none=True)
+                self._schedule_without_update()
+                log.error("step %d: gradient norm %s; the update is skipped", self.step, norm)
+                return {"grad_norm": norm, "lr": lr, "skipped_update": 1.0}
+            self.engine.step()
+            return {"grad_norm": norm, "lr": lr, "skipped_update": 0.0}
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else 0.0
-        # ZeRO (stages 1 to 3) takes no step on a gradient that is not finite (an "overflow"), and
-        # holds its schedule back with it; the plain trainer's schedule follows the steps, taken or
-        # not. Under fp16's dynamic loss scale an overflow is how the scale is found, and DeepSpeed's
+        # ZeRO (stages 1 to 3) and DeepSpeed's fp16 and bf16 wrappers take no step on a gradient
+        # that is not finite (an "overflow"), and hold the schedule back with it; the plain
+        # trainer's schedule follows the steps, taken or not. Under fp16's dynamic loss scale an overflow is how the scale is found, and DeepSpeed's
         # holding back is meant: that one is left as it is.
         skipped = not self.engine.was_step_applied()
         if skipped and self.engine.fp16_enabled():
@@ -273,6 +294,12 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         pointer = json.loads(Path(path).read_text())
         _, client = self.engine.load_checkpoint(pointer["deepspeed"], tag="state")
         self.step = int((client or {}).get("step", pointer["step"]))
+
+
+def _grad_norm(model: nn.Module) -> float:
+    """The 2-norm of the whole gradient, before clipping (the plain trainer reports the same)."""
+    grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
 
 
 def _zero_stage(engine) -> int:
