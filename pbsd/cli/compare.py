@@ -31,7 +31,9 @@ def seed_list(text: str) -> list[int]:
 def compare_cmd(
     out: Path = typer.Option(..., help="output folder; the same folder again resumes the comparison"),
     variants: str = typer.Option(
-        "grpo,pbsd", help=f"comma-separated, of: {', '.join(VARIANTS)} (demo/variants.py, docs/compare.md)"
+        # the committed policy's teacher is taught to read the answer-first note, the demo's
+        "grpo,pbsd-answer-first",
+        help=f"comma-separated, of: {', '.join(VARIANTS)} (demo/variants.py, docs/compare.md)",
     ),
     seeds: str = typer.Option("3", help="K (seeds 0..K-1) or a comma-separated list of seeds"),
     baseline: str = typer.Option("grpo", help="the variant every other is compared against"),
