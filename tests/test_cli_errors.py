@@ -88,6 +88,7 @@ CASES = [
     ("runs list: no trainer", lambda f: ["runs", "list", "--url", f.closed], "no trainer at", 1),
     ("runs show: no trainer", lambda f: ["runs", "show", "r1", "--url", f.closed], "PBSD_TRAINER_URL", 1),
     ("runs evals: no trainer", lambda f: ["runs", "evals", "r1", "--url", f.closed], "pbsd serve trainer", 1),
+    ("runs watch: no trainer", lambda f: ["runs", "watch", "r1", "--url", f.closed], "no trainer at", 1),
     ("runs cancel: no trainer", lambda f: ["runs", "cancel", "r1", "--url", f.closed], "no trainer at", 1),
     ("runs delete: no trainer", lambda f: ["runs", "delete", "r1", "--url", f.closed], "no trainer at", 1),
     ("runs list: not a URL", lambda f: ["runs", "list", "--url", "trainer:8000"], "not a usable URL", 1),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,8 +90,6 @@ def runs_list(url: str = _URL, token: str | None = _TOKEN) -> None:
 @app.command("show")
 def runs_show(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None:
     """A run's state, latest metrics and latest validation round, as JSON."""
-    import json
-
     with _api(url, token) as api:
         typer.echo(json.dumps(_check(api.get(f"/runs/{run_id}")), indent=2))
 
@@ -104,11 +105,69 @@ def runs_evals(run_id: str, url: str = _URL, token: str | None = _TOKEN) -> None
     if not rounds:
         typer.echo("no validation round recorded yet (a run without data.validation never has one)")
     for r in rounds:
-        k, acc = r["samples"], r["accuracy"]["all"]
-        typer.echo(
-            f"v{r['version']:<5} step {r['step']:>5}  mean@{k} {acc[f'mean@{k}']:.3f}  "
-            f"pass@{k} {acc['pass@k'][str(k)]:.3f}  on {r['questions']} questions"
-        )
+        typer.echo(_eval_line(r))
+
+
+def _eval_line(r: dict) -> str:
+    k, acc = r["samples"], r["accuracy"]["all"]
+    return (
+        f"v{r['version']:<5} step {r['step']:>5}  mean@{k} {acc[f'mean@{k}']:.3f}  "
+        f"pass@{k} {acc['pass@k'][str(k)]:.3f}  on {r['questions']} questions"
+    )
+
+
+def _step_line(m: dict) -> str:
+    """One training step: reward, the update, and for PBSD what the teacher made of the answer."""
+    line = (
+        f"step {m['step']:>5}  v{m.get('policy_version', 0):<5} reward {m.get('reward_mean', 0):.3f}  "
+        f"loss {m.get('loss', 0):+.4f}  grad {m.get('grad_norm', 0):.3f}  {m.get('step_s', 0):.1f} s"
+    )
+    if m.get("skipped_update"):
+        line += "  UPDATE SKIPPED"
+    if "answer_free_mean_s" in m:  # a PBSD step (docs/credit-signal.md has the targets)
+        line += f"  | answer-free s {m['answer_free_mean_s']:+.4f}"
+        for kind, frac, what in _FINALS:
+            if m.get(f"{kind}_turns"):  # a step with no such final has no fraction to show
+                line += f"  {what} {m[frac]:.0%} of {m[f'{kind}_turns']:.0f}"
+    return line
+
+
+_FINALS = (
+    ("wrong_final", "wrong_final_disfavoured_frac", "wrong finals down"),
+    ("correct_final", "correct_final_favoured_frac", "right finals up"),
+)
+_ENDED = ("completed", "cancelled", "failed")
+
+
+@app.command("watch")
+def runs_watch(
+    run_id: str,
+    interval: float = typer.Option(5.0, min=0.1, help="seconds between two looks"),
+    timeout: float = typer.Option(0.0, min=0, help="give up after this many seconds (0: when the run ends)"),
+    url: str = _URL,
+    token: str | None = _TOKEN,
+) -> None:
+    """Follow a run: a line per step and validation round, until it ends.
+
+    Exits 0 when the run completes; 1 when it fails or is cancelled, or --timeout passes first."""
+    series = (_Series("metrics", _step_line), _Series("evals", _eval_line))
+    deadline = time.monotonic() + timeout if timeout else None
+    with _api(url, token) as api:
+        while True:
+            record = _check(api.get(f"/runs/{run_id}"))  # before the series: what ended is all in them
+            for s in series:
+                for line in s.new_lines(api, run_id):
+                    typer.echo(line)
+            state, step = record["state"], record["step"]
+            if state == "completed":
+                typer.echo(f"{run_id} completed at step {step}")
+                return
+            if state in _ENDED:
+                error = f": {record['error']}" if record.get("error") else ""
+                raise UserError(f"run {run_id} {state} at step {step}{error}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise UserError(f"run {run_id} is still {state} at step {step} after {timeout:g} s")
+            time.sleep(interval)
 
 
 @app.command("cancel")
@@ -132,3 +191,40 @@ def runs_delete(
         if response.status_code != 204:
             _check(response)
     typer.echo(f"{run_id} deleted" + (" with its files" if files else ""))
+
+
+class _Series:
+    """The records of one of a run's series not yet shown. A resumed run records its steps again
+    from its checkpoint on (the steps a crash lost are trained again), so each look reads the last
+    record shown once more: if it changed, the series is read whole and shown again from where
+    it parts from what was shown."""
+
+    def __init__(self, name: str, line) -> None:
+        self.name, self.line = name, line
+        self.shown: list[bytes] = []  # a digest of each record shown: 8 bytes a step, however long the run
+
+    def new_lines(self, api, run_id: str) -> list[str]:
+        since = max(len(self.shown) - 1, 0)
+        records = _check(api.get(f"/runs/{run_id}/{self.name}", params={"since": since}))
+        digests = [_digest(r) for r in records]
+        notice = []
+        if self.shown and digests[:1] != self.shown[-1:]:
+            records = _check(api.get(f"/runs/{run_id}/{self.name}"))
+            digests = [_digest(r) for r in records]
+            kept = next(
+                (i for i, (a, b) in enumerate(zip(self.shown, digests, strict=False)) if a != b),
+                min(len(self.shown), len(digests)),
+            )
+            notice.append(
+                f"(the run resumed from a checkpoint: its {self.name} from record {kept + 1} on come again)"
+            )
+            del self.shown[kept:]
+            records, digests = records[kept:], digests[kept:]
+        elif self.shown:
+            records, digests = records[1:], digests[1:]
+        self.shown += digests
+        return notice + [self.line(r) for r in records]
+
+
+def _digest(record: dict) -> bytes:
+    return hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=8).digest()
