@@ -75,3 +75,15 @@ def test_a_step_file_written_again_while_the_page_is_made_starts_it_over(
     groups = load_groups(run_dir)
     assert len(groups) == len(first) - 2 and len(calls) == 2
     assert page == render_viewer(viewer_data(groups, tok), "t", sanity_summary(groups))  # what is there now
+
+
+def test_iter_groups_reads_a_step_file_only_when_its_groups_are_wanted(run_dir, monkeypatch):
+    """`pbsd teacher tally` sums a run of any length in one pass: the groups of one step at a time."""
+    read, real = [], saved_groups._read
+    monkeypatch.setattr(saved_groups, "_read", lambda path: read.append(path.name) or real(path))
+    groups = saved_groups.iter_groups(run_dir)
+    assert read == []
+    assert [next(groups)[0], next(groups)[0]] == [1, 1] and read == ["step-000001.msgpack"]
+    assert next(groups)[0] == 2 and read == ["step-000001.msgpack", "step-000002.msgpack"]
+    rest = list(groups)
+    assert len(rest) == 2 * 6 - 3 and len(read) == 6

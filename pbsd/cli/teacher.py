@@ -361,7 +361,7 @@ def tally_cmd(
     from pbsd.sanity import checks
     from proto.sanity import TeacherSanity
     from services.scorer.sanity import retally
-    from services.trainer.viewer import load_groups
+    from services.trainer.saved_groups import iter_groups
 
     if (compare is None) != (variant is None):
         raise UserError("--compare and --variant go together", code=2)
@@ -375,20 +375,26 @@ def tally_cmd(
             )
         typer.echo(f"{variant}: {len(folders)} trained runs of {seeds} seeds in {compare}")
         groups = [*groups, *folders]
-    scored = [g for folder in groups for _, g in load_groups(folder) if g.scored]
-    if not scored:
+    # one pass, a step file at a time: a long run's groups never sit in memory together
+    tok, count, specs, stored, sorted_anew = None, 0, set(), TeacherSanity(), TeacherSanity()
+    for folder in groups:
+        for _, g in iter_groups(folder):
+            if g.scored:
+                tok = tok or ChatTokenizer.from_pretrained(model)  # once there is something to sort
+                count += 1
+                specs.add((g.group.algorithm.eps_pos, g.group.algorithm.eps_neg))
+                stored = stored + g.diagnostics.sanity
+                sorted_anew = sorted_anew + retally(g, tok)
+    if not count:
         where = ", ".join(str(g / "groups") for g in groups) or f"{variant}'s runs in {compare}"
         raise UserError(f"no scored PBSD groups in {where}", code=2)
-    tok = ChatTokenizer.from_pretrained(model)
-    specs = {(g.group.algorithm.eps_pos, g.group.algorithm.eps_neg) for g in scored}
     if len(specs) > 1:
         raise UserError(f"the groups use {len(specs)} deadbands; tally them apart", code=2)
-    (eps_pos, eps_neg), stored = specs.pop(), sum((g.diagnostics.sanity for g in scored), TeacherSanity())
-    figures = sum((retally(g, tok) for g in scored), TeacherSanity()).figures()
+    (eps_pos, eps_neg), figures = specs.pop(), sorted_anew.figures()
     figures.pop("correct_final_room_frac", None)
     shown = ("answer_free_turns", "answer_free_mean_s", "wrong_final_turns", "wrong_final_disfavoured_frac")
     report = {
-        "groups": len(scored),
+        "groups": count,
         "figures": figures,
         "checks": checks(figures, eps_pos=eps_pos, eps_neg=eps_neg),
         "as_stored": {k: v for k, v in stored.figures().items() if k in shown},
@@ -396,7 +402,7 @@ def tally_cmd(
     if out is not None:
         out.write_text(json.dumps(report, indent=2))
     f, old = report["figures"], report["as_stored"]
-    typer.echo(f"{len(scored)} scored groups, deadband [-{eps_neg:g}, {eps_pos:g}]")
+    typer.echo(f"{count} scored groups, deadband [-{eps_neg:g}, {eps_pos:g}]")
     for mark in report["checks"]:
         value = "-" if mark["value"] is None else f"{mark['value']:+.4f}"
         met = {True: "met", False: "missed", None: "no turns"}[mark["met"]]

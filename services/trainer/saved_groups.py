@@ -9,6 +9,7 @@ time, and keeps of each group only its place, its size and what the page's sanit
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ __all__ = [
     "GroupIndex",
     "GroupsChanged",
     "index_groups",
+    "iter_groups",
     "load_groups",
     "shown_groups",
     "shown_indices",
@@ -58,7 +60,14 @@ def _read(path: Path) -> list[ScoredGroup]:
 
 def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
     """(step, scored group) for every group the trainer saved, in step order."""
-    return [(step, g) for step, path in step_files(run_dir) for g in _read(path)]
+    return list(iter_groups(run_dir))
+
+
+def iter_groups(run_dir: Path) -> Iterator[tuple[int, ScoredGroup]]:
+    """The same, a step file at a time: what a pass over a long run holds is one step's groups."""
+    for step, path in step_files(run_dir):
+        for g in _read(path):
+            yield step, g
 
 
 @dataclass
