@@ -53,6 +53,12 @@ async def test_tally_sorts_saved_groups_again_from_their_evidence(tok, tiny_chec
     assert "finals that box nothing 2" in result.output
     missing = CliRunner().invoke(app, [*args, "--groups", str(tmp_path)])
     assert missing.exit_code != 0 and "no scored PBSD groups" in missing.output
+    # groups of another deadband are not summed with these: their figures would mean nothing together
+    algorithm = scored.group.algorithm.model_copy(update={"eps_pos": 0.0, "eps_neg": 0.0})
+    other = scored.model_copy(update={"group": scored.group.model_copy(update={"algorithm": algorithm})})
+    save_groups(tmp_path / "c", 1, [other])
+    mixed = CliRunner().invoke(app, [*args, "--groups", str(tmp_path / "a"), "--groups", str(tmp_path / "c")])
+    assert mixed.exit_code == 2 and "the groups use 2 deadbands; tally them apart" in mixed.output
     # a comparison's folder: the variant's seeds, not a variant whose name starts the same
     cmp = tmp_path / "cmp"
     (cmp / "results").mkdir(parents=True)

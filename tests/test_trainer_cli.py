@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from functools import partial
 
 import pytest
 import yaml
@@ -315,10 +316,10 @@ async def _in_store(redis_url: str, prefix: str, do) -> None:
         await client.aclose()
 
 
-def _step(step: int, **extra) -> dict:
+def _step(step: int, **extra) -> dict:  # as the executor records a step: every figure a float
     return {
-        "step": step,
-        "policy_version": step,
+        "step": float(step),
+        "policy_version": float(step),
         "reward_mean": 0.25,
         "loss": 0.01,
         "grad_norm": 0.5,
@@ -333,7 +334,7 @@ def test_runs_watch_follows_steps_and_rounds_until_the_run_ends(
     after a resume rewrote them, and an exit code that says how the run ended."""
     import httpx
 
-    from pbsd.cli.runs import _Series, _step_line
+    from pbsd.cli.runs import _look, _Series, _step_line
 
     spec_file = tmp_path / "run.yaml"
     spec = _spec(tiny_world, tiny_checkpoint)
@@ -360,29 +361,33 @@ def test_runs_watch_follows_steps_and_rounds_until_the_run_ends(
 
     store(two_steps)
     with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
-        steps = _Series("metrics", _step_line)
-        first = steps.new_lines(client, run_id)
+        steps, look = _Series("metrics", _step_line), partial(_look, client, wait=True)
+        first = steps.new_lines(look, run_id)
         assert [line.split()[:2] for line in first] == [["step", "1"], ["step", "2"]]
         assert "answer-free s -0.0020  wrong finals down 90% of 10" in first[1]
         assert "right finals" not in first[1]  # no correct final that step: no fraction
-        assert steps.new_lines(client, run_id) == []  # nothing new, nothing shown twice
+        assert steps.new_lines(look, run_id) == []  # nothing new, nothing shown twice
         store(lambda s: s.add_metrics(run_id, _step(3)))
-        assert [line.split()[:2] for line in steps.new_lines(client, run_id)] == [["step", "3"]]
+        assert [line.split()[:2] for line in steps.new_lines(look, run_id)] == [["step", "3"]]
 
         async def resumed(s):  # a crash lost steps 2 and 3; the resumed run trains step 2 again
             await s.truncate_metrics(run_id, 1)
-            await s.add_metrics(run_id, _step(2, skipped_update=1.0))
+            await s.add_metrics(run_id, _step(2, skipped_update=1.0, grad_norm=float("nan")))
 
         store(resumed)
-        again = steps.new_lines(client, run_id)
+        again = steps.new_lines(look, run_id)
         assert "resumed from a checkpoint" in again[0] and "record 2" in again[0]
-        assert again[1].startswith("step     2") and "UPDATE SKIPPED" in again[1] and len(again) == 2
+        # the API sends the skipped update's NaN norm as null
+        assert (
+            again[1].startswith("step     2  v2 ") and "grad -  " in again[1] and "UPDATE SKIPPED" in again[1]
+        )
+        assert len(again) == 2
         store(lambda s: s.add_metrics(run_id, _step(3)))
-        assert [line.split()[:2] for line in steps.new_lines(client, run_id)] == [["step", "3"]]
+        assert [line.split()[:2] for line in steps.new_lines(look, run_id)] == [["step", "3"]]
 
     asyncio.run(_add_eval_round(redis_url, key_prefix, run_id))
     waiting = runner.invoke(app, ["runs", "watch", run_id, "--interval", "0.1", "--timeout", "0.3", *args])
-    assert waiting.exit_code == 1 and f"run {run_id} is still " in waiting.output, waiting.output
+    assert waiting.exit_code == 1 and f"run {run_id}: it is still " in waiting.output, waiting.output
     assert waiting.stdout.count("step ") == 3 + 1  # three steps, and the round's "step     3"
     assert "v3     step     3  mean@4 0.250" in waiting.stdout
     runner.invoke(app, ["runs", "cancel", run_id, *args])
@@ -395,3 +400,18 @@ def test_runs_watch_follows_steps_and_rounds_until_the_run_ends(
     store(lambda s: s.update(run_id, state="completed"))
     completed = runner.invoke(app, ["runs", "watch", run_id, "--interval", "0.1", *args])
     assert completed.exit_code == 0 and f"{run_id} completed" in completed.stdout, completed.output
+
+
+def test_runs_watch_waits_for_a_trainer_it_reached_once_and_not_for_one_it_never_did():
+    """A resumed run follows a trainer restart: watch waits through the restart. A trainer never
+    reached is a wrong URL, said at once (`test_cli_errors.py`'s "runs watch: no trainer")."""
+    import httpx
+
+    from pbsd.cli.runs import _Away, _look
+    from services.local_redis import free_port
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{free_port()}", timeout=2) as gone:
+        with pytest.raises(_Away, match="connection failed"):
+            _look(gone, "/runs/r1", wait=True)
+        with pytest.raises(httpx.ConnectError):
+            _look(gone, "/runs/r1", wait=False)

@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import typer
@@ -119,17 +120,24 @@ def _eval_line(r: dict) -> str:
 def _step_line(m: dict) -> str:
     """One training step: reward, the update, and for PBSD what the teacher made of the answer."""
     line = (
-        f"step {m['step']:>5}  v{m.get('policy_version', 0):<5} reward {m.get('reward_mean', 0):.3f}  "
-        f"loss {m.get('loss', 0):+.4f}  grad {m.get('grad_norm', 0):.3f}  {m.get('step_s', 0):.1f} s"
+        f"step {int(m['step']):>5}  v{int(m.get('policy_version') or 0):<5} "
+        f"reward {_n(m.get('reward_mean'), '.3f')}  loss {_n(m.get('loss'), '+.4f')}  "
+        f"grad {_n(m.get('grad_norm'), '.3f')}  {_n(m.get('step_s'), '.1f')} s"
     )
     if m.get("skipped_update"):
         line += "  UPDATE SKIPPED"
     if "answer_free_mean_s" in m:  # a PBSD step (docs/credit-signal.md has the targets)
-        line += f"  | answer-free s {m['answer_free_mean_s']:+.4f}"
+        line += f"  | answer-free s {_n(m['answer_free_mean_s'], '+.4f')}"
         for kind, frac, what in _FINALS:
             if m.get(f"{kind}_turns"):  # a step with no such final has no fraction to show
-                line += f"  {what} {m[frac]:.0%} of {m[f'{kind}_turns']:.0f}"
+                line += f"  {what} {_n(m.get(frac), '.0%')} of {int(m[f'{kind}_turns'])}"
     return line
+
+
+def _n(value, spec: str) -> str:
+    """A figure of a record, "-" where it has none: the API sends a NaN (a skipped update's
+    gradient norm) as null."""
+    return "-" if value is None else format(value, spec)
 
 
 _FINALS = (
@@ -152,22 +160,54 @@ def runs_watch(
     Exits 0 when the run completes; 1 when it fails or is cancelled, or --timeout passes first."""
     series = (_Series("metrics", _step_line), _Series("evals", _eval_line))
     deadline = time.monotonic() + timeout if timeout else None
+    state, step, away = "unseen", 0, None
     with _api(url, token) as api:
         while True:
-            record = _check(api.get(f"/runs/{run_id}"))  # before the series: what ended is all in them
-            for s in series:
-                for line in s.new_lines(api, run_id):
-                    typer.echo(line)
-            state, step = record["state"], record["step"]
-            if state == "completed":
-                typer.echo(f"{run_id} completed at step {step}")
-                return
-            if state in _ENDED:
-                error = f": {record['error']}" if record.get("error") else ""
-                raise UserError(f"run {run_id} {state} at step {step}{error}")
+            # a trainer that answered once and then does not is restarting (a resume follows one),
+            # and is waited for; one never reached is a wrong URL, said at once
+            look = partial(_look, api, wait=state != "unseen")
+            try:
+                record = look(f"/runs/{run_id}")  # before the series: what ended is all in them
+                for s in series:
+                    for line in s.new_lines(look, run_id):
+                        typer.echo(line)
+            except _Away as exc:
+                if away is None:
+                    typer.echo(f"(the trainer does not answer: {exc}; waiting for it)", err=True)
+                away = exc
+            else:
+                away = None
+                state, step = record["state"], record["step"]
+                if state == "completed":
+                    typer.echo(f"{run_id} completed at step {step}")
+                    return
+                if state in _ENDED:
+                    error = f": {record['error']}" if record.get("error") else ""
+                    raise UserError(f"run {run_id} {state} at step {step}{error}")
             if deadline is not None and time.monotonic() >= deadline:
-                raise UserError(f"run {run_id} is still {state} at step {step} after {timeout:g} s")
+                last = (
+                    f"the trainer does not answer ({away})" if away else f"it is still {state} at step {step}"
+                )
+                raise UserError(f"run {run_id}: {last} after {timeout:g} s")
             time.sleep(interval)
+
+
+class _Away(Exception):
+    """The trainer cannot answer for now: not listening, or a proxy's or its own 502-504."""
+
+
+def _look(api, path: str, params: dict | None = None, *, wait: bool):
+    import httpx
+
+    try:
+        response = api.get(path, params=params)
+    except httpx.TransportError as exc:
+        if not wait:
+            raise
+        raise _Away(transport_reason(exc)) from None
+    if wait and response.status_code in (502, 503, 504):
+        raise _Away(f"it answered {response.status_code}")
+    return _check(response)
 
 
 @app.command("cancel")
@@ -203,13 +243,14 @@ class _Series:
         self.name, self.line = name, line
         self.shown: list[bytes] = []  # a digest of each record shown: 8 bytes a step, however long the run
 
-    def new_lines(self, api, run_id: str) -> list[str]:
+    def new_lines(self, look, run_id: str) -> list[str]:
+        """What came since the last call; nothing is marked shown unless every read succeeded."""
         since = max(len(self.shown) - 1, 0)
-        records = _check(api.get(f"/runs/{run_id}/{self.name}", params={"since": since}))
+        records = look(f"/runs/{run_id}/{self.name}", {"since": since})
         digests = [_digest(r) for r in records]
         notice = []
         if self.shown and digests[:1] != self.shown[-1:]:
-            records = _check(api.get(f"/runs/{run_id}/{self.name}"))
+            records = look(f"/runs/{run_id}/{self.name}")
             digests = [_digest(r) for r in records]
             kept = next(
                 (i for i, (a, b) in enumerate(zip(self.shown, digests, strict=False)) if a != b),

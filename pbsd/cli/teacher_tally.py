@@ -43,13 +43,13 @@ def tally(
                 tok = tok or ChatTokenizer.from_pretrained(model)  # once there is something to sort
                 count += 1
                 specs.add((g.group.algorithm.eps_pos, g.group.algorithm.eps_neg))
+                if len(specs) > 1:  # said before the sorting of what is left, which a long run makes slow
+                    raise UserError(f"the groups use {len(specs)} deadbands; tally them apart", code=2)
                 stored = stored + g.diagnostics.sanity
                 sorted_anew = sorted_anew + retally(g, tok)
     if not count:
         where = ", ".join(str(g / "groups") for g in groups) or f"{variant}'s runs in {compare}"
         raise UserError(f"no scored PBSD groups in {where}", code=2)
-    if len(specs) > 1:
-        raise UserError(f"the groups use {len(specs)} deadbands; tally them apart", code=2)
     (eps_pos, eps_neg), figures = specs.pop(), sorted_anew.figures()
     figures.pop("correct_final_room_frac", None)
     shown = ("answer_free_turns", "answer_free_mean_s", "wrong_final_turns", "wrong_final_disfavoured_frac")

@@ -246,7 +246,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             return {"grad_norm": 0.0, "lr": lr, "skipped_update": 0.0}
         if self._unchecked:
             norm = _grad_norm(self.model)
-            if not math.isfinite(norm):
+            if not self._finite_on_every_rank(norm):
                 # as the plain trainer skips: no step (DeepSpeed's clipping cannot be handed a model
                 # without gradients), the gradient dropped, the schedule moved on
                 self.optimizer.zero_grad(set_to_none=True)
@@ -269,6 +269,16 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             log.error("step %d: gradient norm %s; DeepSpeed skipped the update", self.step, norm)
             self._schedule_without_update()
         return {"grad_norm": norm, "lr": lr, "skipped_update": float(skipped)}
+
+    def _finite_on_every_rank(self, norm: float) -> bool:
+        """The gradient is reduced before the step, so every rank holds the same norm; the ranks
+        still agree on the skip here, for parameters a rank keeps apart from the others (expert or
+        tensor parallelism): one rank skipping while another steps would wait in the others'
+        collectives for good."""
+        bad = torch.tensor([0.0 if math.isfinite(norm) else 1.0], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def save_weights(self, path: Path, *, tokenizer=None, meta: dict | None = None) -> Path:
         """Only rank 0 writes (every rank must call it). Under ZeRO-3 the 16-bit weights are
