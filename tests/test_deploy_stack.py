@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -233,6 +234,8 @@ def finished_run(stack):
     rollout.reload()
     return {
         "run": run,
+        "url": url,
+        "token": token,
         "evals": evals,
         "start": start,
         "end": end,
@@ -257,6 +260,39 @@ def test_a_run_completes_through_the_api_with_a_crashed_rollout_worker(finished_
     assert finished_run["crashed_at_step"] is not None, "the run finished before the crash"
     assert finished_run["restarts"] >= 1, "the crashed rollout worker was not restarted"
     assert [r["version"] for r in finished_run["evals"]] == [0, short_run()["trainer"]["max_steps"]]
+
+
+def test_runs_watch_shows_the_run_step_by_step(finished_run):
+    """`pbsd runs watch` from the host, on the stack's trainer: every step and both validation
+    rounds of the real run's records, each once, and exit 0 for a completed run."""
+    pbsd = Path(sys.executable).parent / "pbsd"
+    run_id, steps = finished_run["run"]["id"], short_run()["trainer"]["max_steps"]
+    watched = subprocess.run(
+        [
+            str(pbsd),
+            "runs",
+            "watch",
+            run_id,
+            "--url",
+            finished_run["url"],
+            "--interval",
+            "0.5",
+            "--timeout",
+            "60",
+        ],
+        env={**os.environ, "PBSD_TRAINER_API_TOKEN": finished_run["token"]},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    lines = watched.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == [
+        str(s) for s in range(1, steps + 1)
+    ]
+    assert [line.split()[0] for line in lines if line.startswith("v")] == ["v0", f"v{steps}"]
+    assert any("answer-free s" in line for line in lines)  # a PBSD run: the teacher's figures
+    assert lines[-1] == f"{run_id} completed at step {steps}"
 
 
 def test_prometheus_scraped_every_service(stack, finished_run):
