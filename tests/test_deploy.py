@@ -144,16 +144,20 @@ def load_dashboards() -> dict[str, dict]:
 
 
 def queried_metrics(dashboard: dict) -> set[str]:
-    names = set()
-    for panel in dashboard["panels"]:
-        for target in panel.get("targets", []):
-            expr = re.sub(
-                r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", target["expr"]
-            )  # selectors, ranges, strings
-            names |= {
-                n for n in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr) if n.startswith(("pbsd_", "sglang:"))
-            }
-    return names
+    return {
+        n for panel in dashboard["panels"] for t in panel.get("targets", []) for n in expr_metrics(t["expr"])
+    }
+
+
+def expr_metrics(expr: str) -> set[str]:
+    """The pbsd and SGLang series a PromQL expression reads."""
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", expr)  # selectors, ranges, strings
+    return {n for n in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr) if n.startswith(("pbsd_", "sglang:"))}
+
+
+def alert_rules() -> list[dict]:
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
+    return [rule for group in rules["groups"] for rule in group["rules"]]
 
 
 def exported_names(text: str) -> set[str]:
@@ -301,6 +305,22 @@ def test_images_are_pinned_non_root_and_free_of_secrets():
 
 
 # -- Prometheus -----------------------------------------------------------------------------------
+def test_the_alert_rules_are_loaded_and_say_what_to_do():
+    """Prometheus loads them (the compose file mounts them beside its configuration), and every
+    rule has a severity and an operator's summary and description; that each one's series exist
+    is tests/test_deploy_metrics.py's, that Prometheus evaluates them `make test-deploy`'s."""
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    mounts = compose()["services"]["prometheus"]["volumes"]
+    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
+    rules = alert_rules()
+    assert len({r["alert"] for r in rules}) == len(rules) >= 6
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("critical", "warning", "info"), rule["alert"]
+        assert rule["annotations"]["summary"] and len(rule["annotations"]["description"]) > 80, rule["alert"]
+        assert rule["alert"] == "PbsdServiceDown" or expr_metrics(rule["expr"]), rule["alert"]
+
+
 def test_every_scrape_target_names_a_service_on_its_port():
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     services = compose()["services"]

@@ -13,7 +13,14 @@ import pytest
 
 from services.launcher import ServiceProcess
 from services.local_redis import free_port
-from tests.test_deploy import ROOT, exported_names, load_dashboards, queried_metrics
+from tests.test_deploy import (
+    ROOT,
+    alert_rules,
+    exported_names,
+    expr_metrics,
+    load_dashboards,
+    queried_metrics,
+)
 
 
 def test_dashboards_are_generated_from_their_source():
@@ -131,6 +138,8 @@ def test_every_dashboard_metric_is_exported_by_a_running_service(pipeline):
         if queried - exported:
             missing[name] = sorted(queried - exported)
     assert not missing, f"dashboards query series no service exports: {missing}"
+    alerts = {r["alert"]: expr_metrics(r["expr"]) - exported for r in alert_rules()}
+    assert not any(alerts.values()), f"alert rules read series no service exports: {alerts}"
     # and the check has teeth: the lag exporter's series are really there, a made-up one is not
     assert {"pbsd_stream_lag", "pbsd_stream_pending", "pbsd_scorer_evidence_bucket"} <= exported
     assert "pbsd_made_up_total" not in exported

@@ -34,6 +34,7 @@ from services.local_redis import free_port
 from tests.deploystack.engine import HealthTicker, start_engine
 from tests.deploystack.images import ROOT, build_settings, fill_wheelhouse, standins_needed
 from tests.deploystack.promql import grafana_expr, panel_queries, query_range
+from tests.test_deploy import alert_rules
 
 pytestmark = [pytest.mark.deploy, pytest.mark.timeout(3600)]
 
@@ -307,6 +308,24 @@ def test_prometheus_scraped_every_service(stack, finished_run):
             STEP_S,
         )
         assert series and all(float(s["values"][-1][1]) == 1 for s in series), f"{job} was never scraped up"
+
+
+def test_prometheus_loads_and_evaluates_every_alert_rule(stack, finished_run):
+    """deploy/prometheus/alerts.yml, mounted beside the configuration: every rule loaded and
+    evaluated without an error over the run (a rule Prometheus cannot parse fails its start-up)."""
+    prometheus = f"http://127.0.0.1:{stack.ports['PROMETHEUS']}"
+    loaded = httpx.get(f"{prometheus}/api/v1/rules", timeout=30).raise_for_status().json()["data"]["groups"]
+    rules = {r["name"]: r for group in loaded for r in group["rules"]}
+    assert set(rules) == {r["alert"] for r in alert_rules()}
+    broken = {
+        name: r.get("lastError") for name, r in rules.items() if r["health"] != "ok" or r.get("lastError")
+    }
+    assert not broken, broken
+    # the run's stack is sound: nothing that pages anyone fires over it (info may: the teacher's drift)
+    paging = [
+        r["name"] for r in rules.values() if r["state"] == "firing" and r["labels"]["severity"] != "info"
+    ]
+    assert not paging, paging
 
 
 def test_every_dashboard_query_returns_series_over_the_run(stack, finished_run):
