@@ -45,8 +45,8 @@ def tally(
                 specs.add((g.group.algorithm.eps_pos, g.group.algorithm.eps_neg))
                 if len(specs) > 1:  # said before the sorting of what is left, which a long run makes slow
                     raise UserError(f"the groups use {len(specs)} deadbands; tally them apart", code=2)
-                stored = stored + g.diagnostics.sanity
-                sorted_anew = sorted_anew + retally(g, tok)
+                stored += g.diagnostics.sanity
+                sorted_anew += retally(g, tok)
     if not count:
         where = ", ".join(str(g / "groups") for g in groups) or f"{variant}'s runs in {compare}"
         raise UserError(f"no scored PBSD groups in {where}", code=2)

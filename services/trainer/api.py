@@ -282,7 +282,7 @@ class ViewerPages:
                 made = await asyncio.to_thread(self._make, record, run_dir, limit)
             except FileNotFoundError:
                 return None
-            return made if made is None else self._keep(key, made)
+            return None if made is None else self._keep(key, made)
 
     def _make(self, record: RunRecord, run_dir: Path, limit: int) -> str | None:
         from services.trainer.viewer import run_page

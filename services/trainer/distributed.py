@@ -245,40 +245,32 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             self._schedule_without_update()
             return {"grad_norm": 0.0, "lr": lr, "skipped_update": 0.0}
         if self._unchecked:
-            norm = _grad_norm(self.model)
-            if not self._finite_on_every_rank(norm):
-                # as the plain trainer skips: no step (DeepSpeed's clipping cannot be handed a model
-                # without gradients), the gradient dropped, the schedule moved on
+            # without ZeRO in fp32 the check is the trainer's, on the gradient the boundary's
+            # backward reduced: every rank holds the same one and decides alike. A skip takes no
+            # step (DeepSpeed's clipping cannot be handed a model without gradients).
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads))
+            skipped = not math.isfinite(norm)
+            if skipped:
                 self.optimizer.zero_grad(set_to_none=True)
-                self._schedule_without_update()
-                log.error("step %d: gradient norm %s; the update is skipped", self.step, norm)
-                return {"grad_norm": norm, "lr": lr, "skipped_update": 1.0}
+            else:
+                self.engine.step()
+        else:
+            # ZeRO (stages 1 to 3) and DeepSpeed's fp16 and bf16 wrappers take no step on a gradient
+            # that is not finite (an "overflow") and hold the schedule back with it. Under fp16's
+            # dynamic loss scale an overflow is how the scale is found, and the holding back is
+            # meant: that one is left to DeepSpeed.
             self.engine.step()
-            return {"grad_norm": norm, "lr": lr, "skipped_update": 0.0}
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else 0.0
-        # ZeRO (stages 1 to 3) and DeepSpeed's fp16 and bf16 wrappers take no step on a gradient
-        # that is not finite (an "overflow"), and hold the schedule back with it; the plain
-        # trainer's schedule follows the steps, taken or not. Under fp16's dynamic loss scale an overflow is how the scale is found, and DeepSpeed's
-        # holding back is meant: that one is left as it is.
-        skipped = not self.engine.was_step_applied()
-        if skipped and self.engine.fp16_enabled():
-            log.warning("step %d: fp16 loss-scale overflow; DeepSpeed skipped the update", self.step)
-        elif skipped:
-            log.error("step %d: gradient norm %s; DeepSpeed skipped the update", self.step, norm)
+            norm = self.engine.get_global_grad_norm()
+            norm = float(norm) if norm is not None else 0.0
+            skipped = not self.engine.was_step_applied()
+            if skipped and self.engine.fp16_enabled():
+                log.warning("step %d: fp16 loss-scale overflow; DeepSpeed skipped the update", self.step)
+                return {"grad_norm": norm, "lr": lr, "skipped_update": 1.0}
+        if skipped:  # the plain trainer's schedule follows the steps, taken or not: so does this one
+            log.error("step %d: gradient norm %s; the update is skipped", self.step, norm)
             self._schedule_without_update()
         return {"grad_norm": norm, "lr": lr, "skipped_update": float(skipped)}
-
-    def _finite_on_every_rank(self, norm: float) -> bool:
-        """The gradient is reduced before the step, so every rank holds the same norm; the ranks
-        still agree on the skip here, for parameters a rank keeps apart from the others (expert or
-        tensor parallelism): one rank skipping while another steps would wait in the others'
-        collectives for good."""
-        bad = torch.tensor([0.0 if math.isfinite(norm) else 1.0], device=self.device)
-        if self.world > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return not bool(bad.item())
 
     def save_weights(self, path: Path, *, tokenizer=None, meta: dict | None = None) -> Path:
         """Only rank 0 writes (every rank must call it). Under ZeRO-3 the 16-bit weights are
@@ -304,12 +296,6 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         pointer = json.loads(Path(path).read_text())
         _, client = self.engine.load_checkpoint(pointer["deepspeed"], tag="state")
         self.step = int((client or {}).get("step", pointer["step"]))
-
-
-def _grad_norm(model: nn.Module) -> float:
-    """The 2-norm of the whole gradient, before clipping (the plain trainer reports the same)."""
-    grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else 0.0
 
 
 def _zero_stage(engine) -> int:
