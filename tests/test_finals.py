@@ -53,12 +53,25 @@ async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
         assert room["wrong_sure"] == int(sure) and room["wrong_answer_change"] < -0.5
         if sure:
             assert (room["already_sure"], room["already_sure_favoured"], room["unsure"]) == (2, 0, 0)
-            assert room["answer_only_room"] == 0  # nothing left to lift on a sure answer
+            assert room["answer_only_room"] == room["answer_alone_room"] == 0  # nothing left to lift
             assert room["unsure_answer_lift"] is None  # no unsure finals: None, which JSON can hold
         else:
             assert (room["already_sure"], room["unsure"], room["unsure_favoured"]) == (0, 2, 2)
             assert room["unsure_answer_lift"] > 0.5
-            assert room["answer_only_room"] == 2  # the answer's tokens at -2 nats have room above eps+
+            assert room["answer_only_room"] == room["answer_alone_room"] == 2  # -2 nats: room above eps+
+
+
+async def test_a_turn_cut_to_the_answer_bounds_every_shape_of_final(tok):
+    """An answer the student gives at -0.002 nats a token: a teacher that lifts it to certainty moves
+    a turn made of nothing but the answer's tokens by +0.002, above eps+ (answer_alone_room), while in
+    the whole final turn the other tokens dilute that below eps+ (answer_only_room)."""
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
+    teacher = _reading_teacher(tok, gain=5.0, student=-0.002)
+    rows = await final_turns(await score_group(_hand_made_group(tok, spec), tok, teacher), tok, teacher)
+    right = [r for r in rows if r["correct"]]
+    assert all(len(r["answer_tokens"]) * 2 <= len(r["tokens"]) for r in right)  # the dilution, at least 2x
+    room = answer_room(rows, **EPS)
+    assert (room["naming_the_answer"], room["answer_alone_room"], room["answer_only_room"]) == (2, 2, 0)
 
 
 def test_spelled_at_finds_whole_occurrences_only():

@@ -178,7 +178,8 @@ def describe(report: dict[str, Any]) -> str:
             f"(every answer token's log-prob >= {SURE}) in {r['already_sure']}, {r['already_sure_favoured']} "
             f"of them favoured; of the {r['unsure']} others, {r['unsure_favoured']} favoured, the answer's "
             f"tokens lifted {_nats(r['unsure_answer_lift'])} on average; a teacher that lifted only the "
-            f"answer's tokens, to certainty, would favour {r['answer_only_room']}",
+            f"answer's tokens, to certainty, would favour {r['answer_only_room']}, and "
+            f"{r['answer_alone_room']} were the turn nothing but those tokens",
         )
         lines.append(
             f"  wrong finals spelling the answer they give: {r['wrong_spelled']}; the policy sure of it in "

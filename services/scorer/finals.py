@@ -98,7 +98,10 @@ def answer_room(
     own tokens to certainty, every other token left where the student has it, would favour
     (``answer_only_room``: x* says what the answer is, not how the sentence around it is phrased; a
     teacher that favours other finals does so through their phrasing tokens, not by reading the
-    answer). Of the wrong finals: how many spell out the answer they give, how many of those the
+    answer), and how many it would favour were the turn nothing but the answer's tokens
+    (``answer_alone_room``: their mean distance from certainty above eps+): a bound for a final turn
+    of any shape, since every other token a turn holds only dilutes what reading the answer adds.
+    Of the wrong finals: how many spell out the answer they give, how many of those the
     student was sure of, how many the teacher disfavoured (s < -eps-) and its mean change on the given
     answer's tokens. And for both, how many wrote their answer in an earlier turn first
     (:func:`first_written`), and how many of those turns the teacher disfavoured (wrong) or favoured
@@ -113,6 +116,9 @@ def answer_room(
 
     def answer_only(row: dict) -> float:  # the turn's s were the answer's tokens at log-prob 0
         return -sum(row["student"][k] for k in row["answer_tokens"]) / len(row["student"])
+
+    def answer_alone(row: dict) -> float:  # the same, the turn cut to the answer's tokens
+        return -float(np.mean([row["student"][k] for k in row["answer_tokens"]]))
 
     def mean(values: list[float]) -> float | None:  # None, not NaN: the report is JSON
         return float(np.mean(values)) if values else None
@@ -148,6 +154,7 @@ def answer_room(
         "unsure_favoured": sum(r["s"] > eps_pos for r in unsure),
         "unsure_answer_lift": change(unsure, "answer_tokens"),
         "answer_only_room": sum(answer_only(r) > eps_pos for r in named),
+        "answer_alone_room": sum(answer_alone(r) > eps_pos for r in named),
         "wrong_finals": len(wrong),
         "wrong_spelled": len(given),
         "wrong_sure": sum(sure(r, "written_tokens") for r in given),
