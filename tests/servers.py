@@ -14,9 +14,9 @@ from services.local_redis import free_port
 
 
 @contextlib.contextmanager
-def serve(app, *, host: str = "127.0.0.1") -> Iterator[str]:
-    """Run ``app`` on a free loopback port; yields its base URL; stops it afterwards."""
-    port = free_port(host)
+def serve(app, *, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
+    """Run ``app`` on ``port`` (a free loopback port if None); yields its base URL; stops it afterwards."""
+    port = port or free_port(host)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

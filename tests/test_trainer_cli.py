@@ -1,11 +1,11 @@
-"""The command line around the trainer: runs submit/list/show/watch/cancel, model tiny, sft."""
+"""The command line around the trainer: runs submit/list/show/cancel, model tiny, sft (runs watch:
+test_runs_watch.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from functools import partial
 
 import pytest
 import yaml
@@ -302,116 +302,3 @@ def test_a_service_with_bad_settings_says_which_variable_in_one_line(monkeypatch
     assert port.exit_code == 2 and "error: PBSD_TRAINER_PORT: Input should be a valid integer" in port.output
     tools = runner.invoke(app, ["serve", "tools"])
     assert tools.exit_code == 2 and "PBSD_TOOLS_CORPUS" in tools.output
-
-
-async def _in_store(redis_url: str, prefix: str, do) -> None:
-    import redis.asyncio as aioredis
-
-    from services.trainer.runs import RunStore
-
-    client = aioredis.from_url(redis_url)
-    try:
-        await do(RunStore(client, prefix))
-    finally:
-        await client.aclose()
-
-
-def _step(step: int, **extra) -> dict:  # as the executor records a step: every figure a float
-    return {
-        "step": float(step),
-        "policy_version": float(step),
-        "reward_mean": 0.25,
-        "loss": 0.01,
-        "grad_norm": 0.5,
-        **extra,
-    }
-
-
-def test_runs_watch_follows_steps_and_rounds_until_the_run_ends(
-    api, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
-):
-    """`pbsd runs watch`: a line per step and per validation round, each once, the steps again
-    after a resume rewrote them, and an exit code that says how the run ended."""
-    import httpx
-
-    from pbsd.cli.runs import _look, _Series, _step_line
-
-    spec_file = tmp_path / "run.yaml"
-    spec = _spec(tiny_world, tiny_checkpoint)
-    spec["trainer"]["max_steps"] = 100
-    spec_file.write_text(yaml.safe_dump(spec))
-    args = ["--url", api, "--token", TOKEN]
-    run_id = runner.invoke(app, ["runs", "submit", str(spec_file), *args]).stdout.strip()
-
-    def store(do):
-        asyncio.run(_in_store(redis_url, key_prefix, do))
-
-    async def two_steps(s):  # no rollout worker runs here: the steps are recorded as the executor would
-        await s.add_metrics(run_id, _step(1))
-        await s.add_metrics(
-            run_id,
-            _step(
-                2,
-                answer_free_mean_s=-0.002,
-                wrong_final_turns=10.0,
-                wrong_final_disfavoured_frac=0.9,
-                correct_final_turns=0.0,
-            ),
-        )
-
-    store(two_steps)
-    with httpx.Client(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
-        steps, look = _Series("metrics", _step_line), partial(_look, client, wait=True)
-        first = steps.new_lines(look, run_id)
-        assert [line.split()[:2] for line in first] == [["step", "1"], ["step", "2"]]
-        assert "answer-free s -0.0020  wrong finals down 90% of 10" in first[1]
-        assert "right finals" not in first[1]  # no correct final that step: no fraction
-        assert steps.new_lines(look, run_id) == []  # nothing new, nothing shown twice
-        store(lambda s: s.add_metrics(run_id, _step(3)))
-        assert [line.split()[:2] for line in steps.new_lines(look, run_id)] == [["step", "3"]]
-
-        async def resumed(s):  # a crash lost steps 2 and 3; the resumed run trains step 2 again
-            await s.truncate_metrics(run_id, 1)
-            await s.add_metrics(run_id, _step(2, skipped_update=1.0, grad_norm=float("nan")))
-
-        store(resumed)
-        again = steps.new_lines(look, run_id)
-        assert "resumed from a checkpoint" in again[0] and "record 2" in again[0]
-        # the API sends the skipped update's NaN norm as null
-        assert (
-            again[1].startswith("step     2  v2 ") and "grad -  " in again[1] and "UPDATE SKIPPED" in again[1]
-        )
-        assert len(again) == 2
-        store(lambda s: s.add_metrics(run_id, _step(3)))
-        assert [line.split()[:2] for line in steps.new_lines(look, run_id)] == [["step", "3"]]
-
-    asyncio.run(_add_eval_round(redis_url, key_prefix, run_id))
-    waiting = runner.invoke(app, ["runs", "watch", run_id, "--interval", "0.1", "--timeout", "0.3", *args])
-    assert waiting.exit_code == 1 and f"run {run_id}: it is still " in waiting.output, waiting.output
-    assert waiting.stdout.count("step ") == 3 + 1  # three steps, and the round's "step     3"
-    assert "v3     step     3  mean@4 0.250" in waiting.stdout
-    runner.invoke(app, ["runs", "cancel", run_id, *args])
-    deadline = time.monotonic() + 60
-    while json.loads(runner.invoke(app, ["runs", "show", run_id, *args]).stdout)["state"] != "cancelled":
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    cancelled = runner.invoke(app, ["runs", "watch", run_id, "--interval", "0.1", *args])
-    assert cancelled.exit_code == 1 and f"run {run_id} cancelled" in cancelled.output
-    store(lambda s: s.update(run_id, state="completed"))
-    completed = runner.invoke(app, ["runs", "watch", run_id, "--interval", "0.1", *args])
-    assert completed.exit_code == 0 and f"{run_id} completed" in completed.stdout, completed.output
-
-
-def test_runs_watch_waits_for_a_trainer_it_reached_once_and_not_for_one_it_never_did():
-    """A resumed run follows a trainer restart: watch waits through the restart. A trainer never
-    reached is a wrong URL, said at once (`test_cli_errors.py`'s "runs watch: no trainer")."""
-    import httpx
-
-    from pbsd.cli.runs import _Away, _look
-    from services.local_redis import free_port
-
-    with httpx.Client(base_url=f"http://127.0.0.1:{free_port()}", timeout=2) as gone:
-        with pytest.raises(_Away, match="connection failed"):
-            _look(gone, "/runs/r1", wait=True)
-        with pytest.raises(httpx.ConnectError):
-            _look(gone, "/runs/r1", wait=False)
