@@ -89,11 +89,18 @@ def api(redis_url, key_prefix, tmp_path, tmp_path_factory):
     """A trainer service (REST API and executor) on a free port, bearer token ``TOKEN``; its data and
     model roots are the test session's temporary folder (the tiny world and checkpoint are there)."""
     from services.trainer.app import create_app
-    from services.trainer.settings import TrainerSettings
     from tests.servers import serve
 
+    with serve(create_app(trainer_settings(redis_url, key_prefix, tmp_path, tmp_path_factory))) as url:
+        yield url
+
+
+def trainer_settings(redis_url, key_prefix, tmp_path, tmp_path_factory):
+    """The settings of the ``api`` fixture's trainer service."""
+    from services.trainer.settings import TrainerSettings
+
     roots = [tmp_path_factory.getbasetemp()]
-    settings = TrainerSettings(
+    return TrainerSettings(
         api_token=TOKEN,
         redis_url=redis_url,
         stream_prefix=key_prefix,
@@ -101,5 +108,3 @@ def api(redis_url, key_prefix, tmp_path, tmp_path_factory):
         data_roots=roots,
         model_roots=roots,
     )
-    with serve(create_app(settings)) as url:
-        yield url

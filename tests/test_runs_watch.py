@@ -17,7 +17,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pbsd.cli import app
-from tests.conftest import TOKEN
+from tests.conftest import TOKEN, trainer_settings
 from tests.test_trainer_cli import _add_eval_round
 from tests.test_trainer_service import _spec
 
@@ -147,18 +147,9 @@ def test_runs_watch_follows_a_run_through_a_real_trainer_restart(
 
     from services.local_redis import free_port
     from services.trainer.app import create_app
-    from services.trainer.settings import TrainerSettings
     from tests.servers import serve
 
-    roots = [tmp_path_factory.getbasetemp()]
-    settings = TrainerSettings(
-        api_token=TOKEN,
-        redis_url=redis_url,
-        stream_prefix=key_prefix,
-        runs_dir=tmp_path / "runs",
-        data_roots=roots,
-        model_roots=roots,
-    )
+    settings = trainer_settings(redis_url, key_prefix, tmp_path, tmp_path_factory)
     port = free_port()
     spec_file = tmp_path / "run.yaml"
     spec = _spec(tiny_world, tiny_checkpoint)
