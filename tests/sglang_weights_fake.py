@@ -9,11 +9,15 @@ It answers as sglang's HTTP server does (``srt/entrypoints/http_server.py``; bod
   ``rendezvous("tcp://address:port")``, the store wrapped in ``PrefixStore(group_name)``, the
   group built by ``_new_process_group_helper``, its ranks registered as its own;
   ``{"success", "message"}``, HTTP 200 or 400.
+- ``/begin_weight_update`` ``{selector="all"}`` and ``/end_weight_update`` ``{}``: a weight-update
+  session (``managers/scheduler_components/weight_updater.py``); a second begin and an end
+  without a begin are refused, HTTP 400.
 - ``/update_weights_from_distributed`` ``{names, dtypes, shapes, group_name, flush_cache=True,
   abort_all_requests=False, weight_version=None, load_format=None, torch_empty_cache=False}``:
-  an empty tensor per name (``getattr(torch, dtype)``), an async ``broadcast(src=0)`` each, wait
-  for all, then ``load_weights`` by name; a group that does not exist is refused.
-  ``weight_version`` becomes the served version once the weights are in.
+  refused outside a session without joining the broadcast, as 0.5.23 refuses it; else an empty
+  tensor per name (``getattr(torch, dtype)``), an async ``broadcast(src=0)`` each, wait for all,
+  then ``load_weights`` by name; a group that does not exist is refused. ``weight_version``
+  becomes the served version once the weights are in.
 - ``/destroy_weights_update_group`` ``{group_name}``; ``/pause_generation`` ``{mode}`` (abort,
   retract, in_place); ``/continue_generation`` ``{torch_empty_cache=True}``;
   ``/model_info`` and ``/get_model_info`` (``weight_version``); ``/server_info`` (``tp_size``).
@@ -23,14 +27,15 @@ it holds the checkpoint's tensors by name in a dict (what ``load_weights`` reads
 tests' eyes only, answers ``GET /weights_digest`` with their digest and ``GET /control`` with the
 control calls it got.
 
-Run as ``python -m tests.sglang_weights_fake CHECKPOINT PORT [LACKING]``; a group's name is one per
-process in torch, so it runs apart from the trainer, as SGLang does.
+Run as ``python -m tests.sglang_weights_fake CHECKPOINT PORT [--lacking NAME] [--no-sessions |
+--session-open]``: ``--no-sessions`` is a server older than 0.5.23, without the session routes
+(404); ``--session-open`` starts with a session an earlier publisher left open. A group's name is
+one per process in torch, so it runs apart from the trainer, as SGLang does.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from datetime import timedelta
 
 import torch
@@ -80,14 +85,23 @@ def _receive(group, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
     return weights
 
 
-def make_app(checkpoint: str, *, tp_rank: int = 0, lacking: str | None = None) -> FastAPI:
+def make_app(
+    checkpoint: str,
+    *,
+    tp_rank: int = 0,
+    lacking: str | None = None,
+    sessions: bool = True,
+    session_open: bool = False,
+) -> FastAPI:
     """:func:`tests.sglang_fake.make_sglang` (pause, continue, model info, health) with the
     distributed weight update on top; its ``version`` is the served ``weight_version``. ``lacking``:
-    a tensor its model does not have (an update naming it fails, as a mismatched model's does)."""
+    a tensor its model does not have (an update naming it fails, as a mismatched model's does).
+    ``sessions``: the session routes exist (0.5.23) and an update needs one open."""
     app = make_sglang(lambda ids: [], version=0)
     app.state.weights = load_file(f"{checkpoint}/model.safetensors")
     app.state.weights.pop(lacking, None)
     app.state.groups = {}
+    app.state.session = session_open
 
     def answer(ok: bool, message: str) -> JSONResponse:
         return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
@@ -120,12 +134,40 @@ def make_app(checkpoint: str, *, tp_rank: int = 0, lacking: str | None = None) -
             return answer(False, f"Failed to initialize custom process group: {exc}.")
         return answer(True, "Succeeded to initialize custom process group.")
 
+    if sessions:
+
+        @app.post("/begin_weight_update")
+        async def begin(request: Request):
+            body = await request.json()
+            app.state.control.append(("begin_weight_update", body))
+            if set(body) - {"selector"}:
+                return JSONResponse({"detail": f"unknown fields {sorted(body)}"}, status_code=400)
+            if app.state.session:
+                return answer(
+                    False, "a weight-update session is already open; call end_weight_update() first"
+                )
+            app.state.session = True
+            return answer(True, "Success")
+
+        @app.post("/end_weight_update")
+        async def end(request: Request):
+            app.state.control.append(("end_weight_update", await request.json()))
+            if not app.state.session:
+                return answer(False, "no weight-update session is open; call begin_weight_update() first")
+            app.state.session = False
+            return answer(True, "Success")
+
     @app.post("/update_weights_from_distributed")
     async def update(request: Request):
         body = await request.json()
         app.state.control.append(("update_weights_from_distributed", body))
         if error := invalid(body, UPDATE_FIELDS, UPDATE_OPTIONAL):
             return JSONResponse({"detail": error}, status_code=400)
+        if sessions and not app.state.session:  # refused before the receive: the sender's broadcast hangs
+            return answer(
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+            )
         name = body.get("group_name", "weight_update_group")
         if name not in app.state.groups:
             return answer(False, f"Group {name} not in {sorted(app.state.groups)}.")
@@ -167,9 +209,16 @@ def make_app(checkpoint: str, *, tp_rank: int = 0, lacking: str | None = None) -
 
 
 if __name__ == "__main__":
+    import argparse
+
     import uvicorn
 
-    lacking = sys.argv[3] if len(sys.argv) > 3 else None
-    uvicorn.run(
-        make_app(sys.argv[1], lacking=lacking), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning"
-    )
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--lacking")
+    parser.add_argument("--no-sessions", dest="sessions", action="store_false")
+    parser.add_argument("--session-open", action="store_true")
+    a = parser.parse_args()
+    app = make_app(a.checkpoint, lacking=a.lacking, sessions=a.sessions, session_open=a.session_open)
+    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")

@@ -107,7 +107,8 @@ class Receivers:
 
     def __init__(self, checkpoint: Path, redis_url: str = "", prefix: str = "") -> None:
         self.checkpoint = checkpoint
-        self.ports = {kind: free_port() for kind in ("sglang", "engine", "scorer", "mismatched")}
+        kinds = ("sglang", "engine", "scorer", "mismatched", "sglang-old", "sglang-left-open")
+        self.ports = {kind: free_port() for kind in kinds}
         self.env = {
             **os.environ,
             "REDIS_URL": redis_url,
@@ -128,7 +129,30 @@ class Receivers:
             command = {
                 "sglang": ["-m", "tests.sglang_weights_fake", str(self.checkpoint), port],
                 # an SGLang server whose model lacks the first tensor sent
-                "mismatched": ["-m", "tests.sglang_weights_fake", str(self.checkpoint), port, FIRST],
+                "mismatched": [
+                    "-m",
+                    "tests.sglang_weights_fake",
+                    str(self.checkpoint),
+                    port,
+                    "--lacking",
+                    FIRST,
+                ],
+                # SGLang before 0.5.23, without weight-update sessions
+                "sglang-old": [
+                    "-m",
+                    "tests.sglang_weights_fake",
+                    str(self.checkpoint),
+                    port,
+                    "--no-sessions",
+                ],
+                # a server an earlier publisher left with its session open
+                "sglang-left-open": [
+                    "-m",
+                    "tests.sglang_weights_fake",
+                    str(self.checkpoint),
+                    port,
+                    "--session-open",
+                ],
                 "engine": ["-m", "tests.weights_receiver_app", "engine", str(self.checkpoint), port],
                 "scorer": ["-m", "pbsd.cli", "serve", "scorer", "--port", port],
             }[kind]
@@ -203,17 +227,56 @@ async def test_versions_reach_the_sglang_stand_in_and_the_engine_bitwise(
         assert generated["weight_version"] == 2 and len(generated["output_ids"]) == 4  # the engine resumed
     finally:
         await run.publisher.aclose()
-    # SGLang's side saw its protocol: one group; pause, the buckets (the version and the cache flush
-    # with the last only), continue
+    # SGLang's side saw its protocol: one group; pause, a session around the buckets (the version and
+    # the cache flush with the last only), continue
     routes = [route for route, _ in control]
     assert routes.count("init_weights_update_group") == 1 and routes[-1] == "continue_generation"
     last = max(i for i, r in enumerate(routes) if r == "pause_generation")
     assert control[last][1] == {"mode": "retract"}
     updates = [body for route, body in control[last:] if route == "update_weights_from_distributed"]
     assert len(updates) > 1
+    assert routes[last:] == [
+        "pause_generation",
+        "begin_weight_update",
+        *["update_weights_from_distributed"] * len(updates),
+        "end_weight_update",
+        "continue_generation",
+    ]
     assert [u.get("weight_version") for u in updates] == [None] * (len(updates) - 1) + ["2"]
     assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [True]
     assert {d for u in updates for d in u["dtypes"]} == {"float32"}
+
+
+async def test_a_server_without_sessions_and_one_left_in_a_session_take_versions_bitwise(
+    receivers, checkpoint, bus, tmp_path
+):
+    """SGLang before 0.5.23 has no session routes (404: nothing to open); a server whose session an
+    earlier publisher left open refuses the begin until that session is closed."""
+    kinds = ("sglang-old", "sglang-left-open")
+    receivers.start(*kinds)
+    run = Run(checkpoint, bus, tmp_path, [receivers.url(k) for k in kinds])
+    await run.publisher.announce(run.state, str(checkpoint))
+    try:
+        for _ in range(2):
+            event = await run.publish()
+            assert event.transport == "broadcast"
+            assert await receivers.digests() == dict.fromkeys(kinds, run.expected())
+        async with httpx.AsyncClient(timeout=60) as http:
+            left_open = [
+                r for r, _ in (await http.get(receivers.url("sglang-left-open") + "/control")).json()
+            ]
+    finally:
+        await run.publisher.aclose()
+    sessions = [r for r in left_open if r.endswith("_weight_update")]
+    assert sessions == [
+        "begin_weight_update",
+        "end_weight_update",
+        "begin_weight_update",
+        "end_weight_update",
+    ] + [
+        "begin_weight_update",
+        "end_weight_update",
+    ]
 
 
 @pytest.mark.slow
@@ -296,8 +359,9 @@ async def test_a_broadcast_broken_half_way_goes_to_disk_and_leaves_the_others_to
         control = (await http.get(receivers.url("mismatched") + "/control")).json()
     assert engine["weight_version"] == "-1"  # torn: its worker reloads the disk copy the event names
     # the server was kept paused until it had loaded the whole version from disk
-    assert [route for route, _ in control][-3:] == [
+    assert [route for route, _ in control][-4:] == [
         "destroy_weights_update_group",
+        "end_weight_update",  # the session the failed version opened, closed
         "update_weights_from_disk",
         "continue_generation",
     ]

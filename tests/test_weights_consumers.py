@@ -170,6 +170,22 @@ async def test_a_pause_without_a_continue_runs_out():
     assert len(target.calls) == 2
 
 
+async def test_the_receiver_keeps_sglangs_weight_update_session():
+    """As SGLang 0.5.23: an update outside a begin/end session is refused before anything is
+    received or held; a second begin, and an end without a begin, are refused."""
+    target = Held()
+    receiver = WeightReceiver(lambda: target)
+    body = {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}
+    ok, message = await receiver.update(body)
+    assert not ok and "between begin_weight_update() and end_weight_update()" in message
+    assert target.calls == []  # the model was not held
+    assert receiver.end() == (False, "no weight-update session is open; call begin_weight_update() first")
+    assert receiver.begin()[0] and not receiver.begin()[0]
+    ok, message = await receiver.update(body)  # in a session: on to the group check
+    assert not ok and "Group g not in []" in message
+    assert receiver.end()[0] and not receiver.end()[0]
+
+
 def test_settings_refuse_a_broadcast_nobody_can_take(moe_checkpoint):
     from services.rollout.settings import RolloutSettings
     from services.scorer.settings import ScorerSettings

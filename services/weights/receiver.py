@@ -8,6 +8,9 @@ server does (sglang ``srt/entrypoints/http_server.py``, request bodies from
   group_name, backend}``: join the group as rank ``rank_offset`` (one rank: no tensor parallelism).
 - ``POST /pause_generation`` ``{mode}``: hold the model (the running pass finishes first; nothing
   new starts) until ``/continue_generation``, or until the lease runs out.
+- ``POST /begin_weight_update`` ``{}`` and ``POST /end_weight_update`` ``{}``: open and close a
+  weight-update session, as SGLang 0.5.23 does (a second begin, or an end without a begin, is
+  refused); an update outside a session is refused, as SGLang refuses it.
 - ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes, group_name, flush_cache,
   weight_version}``: receive the named tensors, in order, by broadcast from rank 0, into the model
   (checkpoint names: :mod:`services.weights.layout`); a request without a pause holds the model for
@@ -75,6 +78,7 @@ class WeightReceiver:
         self._lease: asyncio.Task | None = None
         # one control call at a time, as SGLang's tokenizer manager serialises them
         self._lock = asyncio.Lock()
+        self._session = False  # between /begin_weight_update and /end_weight_update
 
     def layout(self, model: nn.Module) -> HubLayout:
         if self._layout is None or self._layout[0] != id(model):
@@ -143,8 +147,26 @@ class WeightReceiver:
         async with self._lock:
             await self.resume()
 
+    # -- the session (SGLang's words, so a sender reads the same refusals from every receiver) ----
+    def begin(self) -> tuple[bool, str]:
+        if self._session:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self._session = True
+        return True, "Success"
+
+    def end(self) -> tuple[bool, str]:
+        if not self._session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self._session = False
+        return True, "Success"
+
     # -- receiving -------------------------------------------------------------------------------
     async def update(self, body: dict) -> tuple[bool, str]:
+        if not self._session:
+            return (
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+            )
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         if not len(names) == len(dtypes) == len(shapes):
             return False, "names, dtypes and shapes differ in length"
@@ -251,6 +273,16 @@ def add_weight_routes(app: FastAPI, receiver: WeightReceiver) -> None:
         async with receiver._lock:
             await receiver.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/begin_weight_update")
+    async def begin():
+        async with receiver._lock:
+            return answer(*receiver.begin())
+
+    @app.post("/end_weight_update")
+    async def end():
+        async with receiver._lock:
+            return answer(*receiver.end())
 
     @app.post("/update_weights_from_distributed")
     async def update(request: Request):

@@ -9,11 +9,18 @@ One version::
         receivers that answer (POST /init_weights_update_group to each while this process
         hosts the rendezvous as rank 0; SGLang server i gets ranks rank_offset.. of its tp_size)
     POST /pause_generation {mode} to the members
+    POST /begin_weight_update {} to the members (a session one left open is closed first)
     for each bucket of about bucket_bytes (checkpoint-layout tensors, in order):
         POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
             weight_version (the last bucket only)} to every member, and meanwhile broadcast the
             bucket's tensors from rank 0; each member answers once it has received them
+    POST /end_weight_update {} to the members
     POST /continue_generation to the members
+
+SGLang (0.5.23) refuses ``update_weights_from_distributed`` outside a weight-update session
+(``begin_weight_update`` ... ``end_weight_update``, whose end finalises quantised weights);
+a refused update never joins the broadcast, which would then wait out its timeout. A server
+without the session routes (older SGLang) answers them 404, which counts as done.
 
 The HTTP calls and the broadcast run at once because a member answers only after its receive
 ends. The tensors are views of the model's own memory (:class:`HubLayout`): nothing is copied
@@ -47,6 +54,7 @@ __all__ = ["BroadcastFailed", "WeightBroadcaster", "buckets"]
 
 
 BENCH = 5  # publications a receiver that refused to join the group sits out (as if it were down)
+SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
 
 
 class BroadcastFailed(Exception):
@@ -115,16 +123,24 @@ class WeightBroadcaster:
         if not self.members:
             return left_out
         paused = await self._call_all("/pause_generation", {"mode": self.pause_mode})
+        opened: list[str] = []
         try:
             if len(paused) < len(self.members):
                 raise BroadcastFailed("a member did not pause")
+            opened = await self._open_sessions()
+            if len(opened) < len(self.members):
+                raise BroadcastFailed("a member did not open a weight-update session")
             layout = self.layout(model)
             pieces = list(buckets(layout.pieces, self.bucket_bytes))
             for i, bucket in enumerate(pieces):
                 await self._send(model, layout, bucket, version if i == len(pieces) - 1 else None)
+            closing, opened = opened, []
+            if len(await self._call_all("/end_weight_update", {}, only=closing)) < len(closing):
+                raise BroadcastFailed("a member did not close its weight-update session")
         except Exception as exc:  # the members may hold part of the version: the group goes, they stay paused
             self.stranded = paused
             await self._teardown()
+            await self._call_all("/end_weight_update", {}, only=opened)  # recover's disk load needs none
             raise exc if isinstance(exc, BroadcastFailed) else BroadcastFailed(repr(exc)) from exc
         await self._call_all("/continue_generation", {}, only=paused)
         self.sent = version
@@ -183,6 +199,24 @@ class WeightBroadcaster:
         failed = [f"{u}: {r}" for u, r in zip(self.members, await calls, strict=True) if r is not True]
         if failed:
             raise BroadcastFailed("; ".join(failed))
+
+    async def _open_sessions(self) -> list[str]:
+        """Open a weight-update session on every member; the ones that did. A session still open
+        on a member (a publisher died between its begin and end) is closed and opened again."""
+
+        async def begin(url: str) -> bool | str:
+            answer = await self._post(url, "/begin_weight_update", {})
+            if answer is not True and "already open" in answer:
+                log.warning("%s: closing the weight-update session an earlier publication left open", url)
+                await self._post(url, "/end_weight_update", {})
+                answer = await self._post(url, "/begin_weight_update", {})
+            return answer
+
+        answers = await asyncio.gather(*(begin(u) for u in self.members))
+        failed = [f"{u}: {a}" for u, a in zip(self.members, answers, strict=True) if a is not True]
+        if failed:
+            log.warning("weight group: %s", "; ".join(failed))
+        return [u for u, a in zip(self.members, answers, strict=True) if a is True]
 
     # -- the group -----------------------------------------------------------------------------
     async def _ensure_group(self) -> None:
@@ -287,11 +321,14 @@ class WeightBroadcaster:
         return 1
 
     async def _post(self, url: str, route: str, body: dict) -> bool | str:
-        """True when ``url`` did it; otherwise what went wrong."""
+        """True when ``url`` did it (or has no session routes to do it with); otherwise what went
+        wrong."""
         try:
             response = await self.http.post(f"{url}{route}", json=body, timeout=self.timeout_s)
         except httpx.HTTPError as exc:
             return f"{route}: {type(exc).__name__} {exc}"
+        if response.status_code == 404 and route in SESSION_ROUTES:  # SGLang before 0.5.23
+            return True
         try:
             reply = response.json()
         except ValueError:
