@@ -3,12 +3,19 @@
 ``POST /update_weights_from_disk`` ``{model_path, weight_version, flush_cache}`` answers
 ``{"success", "message", "num_paused_requests"}``: HTTP 200 when it succeeded and HTTP 400
 when it did not (sglang ``srt/entrypoints/http_server.py``). A 400 does not always mean the
-old weights are still served: the update loads the weights and sets ``weight_version``
-first and flushes the cache after, so a refused flush (requests still running) reports
-failure for weights that are already live. The served version (``GET /model_info``, or
-``/get_model_info`` on servers older than 0.5.23, where the new route is missing) tells
-which: the caller must not keep believing in the old version while the server samples
-with the new one.
+old weights are still served: the scheduler loads the weights and records the version first
+and flushes the prefix cache after, so a refused flush (requests still running or queued)
+reports failure for weights that are already live, with the message "Weights were updated,
+but the cache was not flushed ..." (0.5.23, ``managers/scheduler_components/
+weight_updater.py``). The version ``GET /model_info`` names then is still the old one: the
+tokenizer manager moves its tag on success only. So on that message the weights are taken
+as in, the cache is flushed once the running requests are done (``POST /flush_cache?timeout=``,
+which waits for the server to go idle) and the version is named (``POST /update_weight_version``
+``{new_version, abort_all_requests: false}``): a prefix cache of the old weights' keys and
+values would otherwise go on serving new requests. For any other 400 the served version
+(``/model_info``, or ``/get_model_info`` on servers older than 0.5.23, where the new route is
+missing) tells whether the weights are in: the caller must not keep believing in the old
+version while the server samples with the new one.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 log = logging.getLogger(__name__)
 
 __all__ = ["WeightsRefused", "follow_broadcast", "load_weights_from_disk", "model_info"]
+
+
+FLUSH_WAIT_S = 120.0  # how long a refused flush is given for the running requests to finish
+UNFLUSHED = "the cache was not flushed"  # SGLang's words for weights loaded whose flush was refused
 
 
 class WeightsRefused(Exception):
@@ -58,12 +69,42 @@ async def load_weights_from_disk(
     if response.status_code < 400 and reply.get("success", False):
         return
     message = reply.get("message") or response.text[:200]
+    if response.status_code == 400 and UNFLUSHED in message:
+        await _settle(http, url, path, version, retry)
+        log.warning(
+            "sglang %s: the weights at %s were in before their cache flush; flushed it since", url, path
+        )
+        return
     if response.status_code in (200, 400):  # SGLang's own answer: ask what it serves now
         served = str((await model_info(http, url, retry)).get("weight_version"))
         if served == str(version):
             log.warning("sglang %s serves the weights at %s although it reported: %s", url, path, message)
             return
     raise WeightsRefused(f"{url} refused the weights at {path}: HTTP {response.status_code} {message}")
+
+
+async def _settle(http: httpx.AsyncClient, url: str, path: str, version: int, retry: RetryPolicy) -> None:
+    """Weights in whose cache flush was refused: flush it once the server is idle, then name
+    ``version`` as served; :class:`WeightsRefused` when the flush is refused again (the server
+    samples with the new weights, its cache still holds the old ones' keys and values)."""
+    flushed = await send_with_retries(
+        f"sglang {url}",
+        lambda: http.post(f"{url}/flush_cache", params={"timeout": FLUSH_WAIT_S}, timeout=FLUSH_WAIT_S + 30),
+        retry,
+    )
+    if flushed.status_code != 200:
+        raise WeightsRefused(
+            f"{url} loaded the weights at {path} but its cache could not be flushed within {FLUSH_WAIT_S:g} s: "
+            f"HTTP {flushed.status_code} {flushed.text[:200]}"
+        )
+    body = {"new_version": str(version), "abort_all_requests": False}
+    named = await send_with_retries(
+        f"sglang {url}", lambda: http.post(f"{url}/update_weight_version", json=body), retry
+    )
+    if named.status_code != 200:
+        raise WeightsRefused(
+            f"{url} did not take version {version}: HTTP {named.status_code} {named.text[:200]}"
+        )
 
 
 async def follow_broadcast(

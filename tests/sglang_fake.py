@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 Policy = Callable[[list[int]], list[int]]
 
@@ -88,11 +88,16 @@ def make_sglang(
     (the weights were updated mid-turn: the first half of the output came from the version
     before), "reload" (the weights were updated just before this call: it and every later one
     name the next version), or "ok". A weight update from a path containing "missing" fails; one containing
-    "busy" loads the weights but reports failure, as a refused cache flush does."""
+    "busy" loads the weights but reports failure, as SGLang 0.5.23 does when the cache flush after
+    the load is refused: the scheduler samples with the new version, ``/model_info`` still names the
+    old one (the tokenizer manager moves its tag on success only), a later ``/flush_cache`` succeeds
+    and ``/update_weight_version`` names the version. "stuck" is "busy" whose later flushes fail too."""
     app = FastAPI()
     app.state.requests = []
     app.state.control = []
     app.state.version = version
+    app.state.named = None  # the version /model_info names while it lags the scheduler's
+    app.state.stuck = False  # the cache cannot be flushed
     app.state.paused = False
     queue = deque(script or [])
 
@@ -169,7 +174,7 @@ def make_sglang(
             "model_path": "/models/fake",
             "tokenizer_path": "/models/fake",
             "is_generation": True,
-            "weight_version": str(app.state.version),
+            "weight_version": str(app.state.version if app.state.named is None else app.state.named),
         }
 
     app.get("/get_model_info")(model_info)
@@ -177,9 +182,18 @@ def make_sglang(
         app.get("/model_info")(model_info)
 
     @app.post("/flush_cache")
-    async def flush():
-        app.state.control.append(("flush_cache", {}))
-        return "Cache flushed."
+    async def flush(timeout: float = 0.0):
+        app.state.control.append(("flush_cache", {"timeout": timeout}))
+        if app.state.stuck:
+            return PlainTextResponse("Timed out waiting for idle state.", status_code=400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/update_weight_version")
+    async def name_version(request: Request):
+        body = await request.json()
+        app.state.control.append(("update_weight_version", body))
+        app.state.version, app.state.named = int(body["new_version"]), None
+        return {"success": True, "message": f"Weight version updated to {body['new_version']}", **body}
 
     @app.post("/pause_generation")
     async def pause(request: Request):
@@ -209,12 +223,15 @@ def make_sglang(
                 },
                 status_code=400,
             )
+        before, app.state.named = app.state.version, None
         app.state.version = int(body.get("weight_version", app.state.version))
-        if "busy" in body["model_path"]:  # loaded, then the cache flush was refused
+        if "busy" in body["model_path"] or "stuck" in body["model_path"]:  # loaded, then the flush refused
+            app.state.named, app.state.stuck = before, "stuck" in body["model_path"]
             return JSONResponse(
                 {
                     "success": False,
-                    "message": "Failed to flush cache after updating weights",
+                    "message": "Weights were updated, but the cache was not flushed because requests are "
+                    "still running or queued. Retract or finish them, then call /flush_cache.",
                     "num_paused_requests": 0,
                 },
                 status_code=400,
