@@ -233,6 +233,43 @@ async def test_a_receiver_that_refuses_to_join_sits_the_next_publications_out():
     assert len(joins) == 2  # asked again
 
 
+async def test_a_server_with_data_parallel_replicas_is_never_asked_to_join():
+    """SGLang's weight-group routes assert dp_size == 1 (a 500): such a server is left to the disk
+    copies and not asked to join, since a refused join holds the other members in the rendezvous
+    until the timeout; its /server_info is read again after BENCH publications."""
+    import time
+
+    from fastapi import FastAPI
+    from torch import nn
+
+    from services.weights.sender import BENCH, WeightBroadcaster
+
+    app, joins, infos = FastAPI(), [], []
+
+    @app.get("/model_info")
+    async def model_info():
+        return {"weight_version": "default"}
+
+    @app.get("/server_info")
+    async def server_info():
+        infos.append(1)
+        return {"tp_size": 1, "dp_size": 2}
+
+    @app.post("/init_weights_update_group")
+    async def init_group():
+        joins.append(1)
+        raise AssertionError("data-parallel replicas are not supported")
+
+    with serve(app) as url:
+        broadcaster = WeightBroadcaster([url], master_address="127.0.0.1", timeout_s=30)
+        model, started = nn.Linear(2, 2), time.monotonic()
+        left_out = [await broadcaster.publish(model, v) for v in range(1, BENCH + 3)]
+        await broadcaster.aclose()
+    assert joins == [] and left_out == [[url]] * (BENCH + 2)
+    assert len(infos) == 2  # at the first publication, and once its bench ran out
+    assert time.monotonic() - started < 10  # no rendezvous waited out
+
+
 async def test_a_worker_that_starts_under_undecodable_entries_follows_from_the_top(bus):
     """With nothing decodable among the newest weights entries a starting worker followed from "0-0":
     it loaded every old version the stream still held, one by one, and remembered every run end."""

@@ -234,6 +234,14 @@ class WeightBroadcaster:
 
     async def _form(self, urls: list[str]) -> None:
         ranks = await asyncio.gather(*(self._ranks(u) for u in urls))
+        if unable := [u for u, r in zip(urls, ranks, strict=True) if r is None]:
+            # SGLang's group routes assert dp_size == 1 (a 500): asked to join, such a server would
+            # hold every other member in the rendezvous until the timeout. Asked again after BENCH.
+            log.warning("%s serve data-parallel replicas, which SGLang's weight group does not take", unable)
+            self._benched.update(dict.fromkeys(unable, BENCH))
+            urls, ranks = [u for u in urls if u not in unable], [r for r in ranks if r is not None]
+            if not urls:
+                return
         name = f"pbsd-weights-{uuid.uuid4().hex[:12]}"
         port = self.master_port or free_port(self.master_address)
         offsets = [1 + sum(ranks[:i]) for i in range(len(urls))]
@@ -310,14 +318,16 @@ class WeightBroadcaster:
                 return None
         return None
 
-    async def _ranks(self, url: str) -> int:
+    async def _ranks(self, url: str) -> int | None:
         """How many ranks ``url`` joins with: an SGLang server one per tensor-parallel rank
-        (``/server_info`` ``tp_size``), our receivers one."""
+        (``/server_info`` ``tp_size``), our receivers one; None for a server with data-parallel
+        replicas (``dp_size`` > 1), which cannot join."""
         for route in ("/server_info", "/get_server_info"):
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 response = await self.http.get(f"{url}{route}", timeout=30)
                 if response.status_code == 200:
-                    return int(response.json().get("tp_size") or 1)
+                    info = response.json()
+                    return None if int(info.get("dp_size") or 1) > 1 else int(info.get("tp_size") or 1)
         return 1
 
     async def _post(self, url: str, route: str, body: dict) -> bool | str:
