@@ -16,7 +16,7 @@ from services.tools.fetch import PlainFetcher
 from services.tools.gateway import ToolGateway
 from services.tools.resilience import BreakerState, CircuitBreaker, RateLimiter, Upstream, UpstreamLimits
 from services.tools.store import MemoryStore
-from services.tools.web import JinaReader, LlmSummariser, Page, SerperSearch, WebBackend
+from services.tools.web import JinaReader, LlmSummariser, Page, SerperSearch, WebBackend, _parse_jina
 from services.upstream import RetryPolicy, UpstreamError
 from tests.openai_fake import make_app as make_openai
 from tests.servers import serve
@@ -147,20 +147,42 @@ async def test_breaker_opens_fails_fast_then_closes():
             assert upstream.breaker.state is BreakerState.CLOSED
 
 
-@pytest.mark.parametrize(("status", "opens"), [(403, True), (402, True), (404, False)])
-async def test_a_refused_key_opens_the_breaker_a_bad_request_does_not(status, opens):
-    """Serper's 403 {"message": "Unauthorized."} or Jina's 402 fail every request that follows;
-    a 404 is the request's own fault. The upstream's words reach the error."""
+@pytest.mark.parametrize(
+    ("status", "message", "opens"),
+    [
+        (403, "Unauthorized.", True),
+        (402, "Unauthorized.", True),
+        (400, "Not enough credits", True),  # Serper's empty balance, a 400 by status
+        (400, "Query too long", False),
+        (404, "Unauthorized.", False),
+    ],
+)
+async def test_a_refused_key_opens_the_breaker_a_bad_request_does_not(status, message, opens):
+    """Serper's 403 {"message": "Unauthorized."}, its 400 {"message": "Not enough credits"} or
+    Jina's 402 fail every request that follows; another 400 or a 404 is the request's own fault.
+    The upstream's words reach the error."""
     limits = UpstreamLimits(failure_threshold=2, reset_after_s=30, retry=RetryPolicy(max_attempts=1))
-    body = {"message": "Unauthorized.", "statusCode": status}
+    body = {"message": message, "statusCode": status}
     transport = httpx.MockTransport(lambda r: httpx.Response(status, json=body))
     async with httpx.AsyncClient(transport=transport) as http:
         upstream = Upstream("serper", limits)
         serper = SerperSearch(http, upstream, base_url="https://serper.test/search", api_key=SecretStr("k"))
         for _ in range(2):
-            with pytest.raises(UpstreamError, match=f"HTTP {status}: .*Unauthorized"):
+            with pytest.raises(UpstreamError, match=f"HTTP {status}: .*{message}"):
                 await serper.search(GoogleSearchArgs(q="x"))
     assert (upstream.breaker.state is BreakerState.OPEN) == opens
+
+
+def test_the_jina_rate_keeps_under_jinas_published_limit_for_the_key():
+    """Jina's Reader takes 500 requests a minute with a key and 20 without; the default rate keeps
+    under whichever applies, and a rate set by hand (None: no limit) is kept."""
+    from services.tools.settings import ToolsSettings
+
+    web = {"backend": "web", "serper_api_key": "s"}
+    assert ToolsSettings(**web, jina_api_key="j").jina_rate_per_s * 60 < 500
+    assert ToolsSettings(**web).jina_rate_per_s * 60 < 20
+    assert ToolsSettings(**web, jina_rate_per_s=None).jina_rate_per_s is None
+    assert ToolsSettings(**web, jina_rate_per_s=30.0).jina_rate_per_s == 30.0
 
 
 def test_breaker_failed_trial_reopens():
@@ -280,6 +302,21 @@ async def test_a_page_jina_could_not_load_is_not_summarised_as_read():
             backend = _backend(http, "http://127.0.0.1:9", jina_base=jina)
             out = await backend.read(ScrapeArgs(url="http://127.0.0.1:9/gone", info_to_extract="goal"))
     assert len(jina_app.state.requests) <= 1 and not out["success"] and out["error"]
+
+
+async def test_the_readers_text_form_warning_of_a_failed_target_is_seen():
+    """A Reader that answers in its text form (it ignored Accept: application/json) puts the
+    target's failure in a ``Warning:`` header line, as the JSON form puts it in ``warning``: no
+    page titled "Not Found" comes of it."""
+    with serve(make_jina(["target-404", None])) as jina:
+        async with httpx.AsyncClient() as http:
+            gone = await http.get(f"{jina}/https://example.org/gone")
+            there = await http.get(f"{jina}/https://example.org/there")
+    assert "json" not in gone.headers["content-type"] and "\nWarning: Target URL" in gone.text
+    with pytest.raises(UpstreamError, match="Target URL returned error 404: Not Found"):
+        _parse_jina("https://example.org/gone", gone)
+    page = _parse_jina("https://example.org/there", there)
+    assert page.title == "Danube" and "Vienna" in page.content
 
 
 @pytest.mark.parametrize("jina_failure", [402, 422, 524])

@@ -150,7 +150,10 @@ def make_jina(script: list[Any] | None = None) -> FastAPI:
             if warning:
                 data["warning"] = warning
             return JSONResponse({"code": 200, "status": 20000, "data": {**data, "usage": {"tokens": 42}}})
-        return PlainTextResponse(f"Title: Danube\n\nURL Source: {target}\n\nMarkdown Content:\n{content}")
+        warned = f"Warning: {warning}\n\n" if warning else ""  # where the Reader's text form puts it
+        return PlainTextResponse(
+            f"Title: Danube\n\nURL Source: {target}\n\n{warned}Markdown Content:\n{content}"
+        )
 
     return app
 

@@ -174,11 +174,21 @@ class Upstream:
                 )
         except UpstreamError as exc:
             # A 4xx other than throttling is the request's fault, not the upstream's health; except a
-            # refused key or an empty balance (401, 402, 403), which fail every request that follows.
-            if exc.status is None or exc.status >= 500 or exc.status in (401, 402, 403, 429):
+            # refused key or an empty balance (401, 402, 403, or a 400 that says so), which fail every
+            # request that follows.
+            if exc.status is None or exc.status >= 500 or exc.status in (401, 402, 403, 429) or _spent(exc):
                 self.breaker.failure()
             else:
                 self.breaker.success()
             raise
         self.breaker.success()
         return response
+
+
+# Serper answers an empty balance with HTTP 400 {"message": "Not enough credits", "statusCode": 400}:
+# the status is a bad request's, so only its words tell the account is spent
+SPENT_WORDS = ("credit", "balance", "quota")
+
+
+def _spent(exc: UpstreamError) -> bool:
+    return exc.status == 400 and any(word in str(exc).lower() for word in SPENT_WORDS)

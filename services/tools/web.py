@@ -162,6 +162,9 @@ def _parse_jina(url: str, response: httpx.Response) -> Page:
         for line in head.splitlines():
             if line.startswith("Title:"):
                 title = line[6:].strip()
+            # the text form's header carries the same warning ("Warning: Target URL returned error 404")
+            if line.startswith("Warning:") and "returned error" in line:
+                raise UpstreamError("jina", line[8:].strip()[:200])
         content = rest.strip() or text
     if not content.strip():
         raise UpstreamError("jina", "empty reader response")
