@@ -11,6 +11,11 @@ from pydantic_settings import SettingsConfigDict
 from agent.toolcall import DEFAULT_MAX_RESULT_CHARS
 from services.settings import CommonSettings
 
+# Jina's rate-limit page (jina.ai/api-dashboard/rate-limit, read 2026-11-28): the Reader takes 500
+# requests a minute with a free or paid key and 20 without; these stay just under
+JINA_RATE_KEYED = 8.0
+JINA_RATE_KEYLESS = 0.3
+
 
 class ToolsSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="PBSD_TOOLS_", extra="ignore")
@@ -65,7 +70,11 @@ class ToolsSettings(CommonSettings):
     jina_api_key: SecretStr | None = None
     use_jina: bool = True
     jina_concurrency: int = 32
-    jina_rate_per_s: float | None = 20.0
+    jina_rate_per_s: float | None = Field(
+        default=None,
+        description="Jina Reader requests a second; unset: under Jina's published limit for the key "
+        "(500 a minute with a key, 20 without)",
+    )
     summariser_base_url: str | None = Field(
         default=None, description="OpenAI-compatible /v1 URL; extractive if unset"
     )
@@ -99,6 +108,8 @@ class ToolsSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if "jina_rate_per_s" not in self.model_fields_set:  # an explicit None still means no limit
+            self.jina_rate_per_s = JINA_RATE_KEYED if self.jina_api_key else JINA_RATE_KEYLESS
         if self.backend == "web" and self.serper_api_key is None:
             raise ValueError("the web backend needs PBSD_TOOLS_SERPER_API_KEY")
         if self.backend == "offline" and self.corpus is None:
