@@ -4,6 +4,8 @@ that differs from fresh routing and equals a replayed pass computed by hand."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -72,6 +74,34 @@ def test_rows_of_minus_one_route_fresh(tok, model):
     used = rec.take()
     assert (used[n // 2 :] == mixed[n // 2 :].numpy()).all()  # forced where recorded
     assert (used[: n // 2] == fresh_routes[: n // 2]).all()  # the router's own choice elsewhere
+
+
+def test_replaying_the_models_own_routes_is_the_models_own_forward_and_backward(tiny_checkpoint, tok):
+    """R3's premise: the routes a forward recorded, replayed, give that forward's logits and every
+    parameter's gradient bit for bit (the router's included, through the gathered weights); the same
+    routes one position late do not, so an off-by-one in the alignment cannot pass unseen."""
+    model = load_model(tiny_checkpoint)  # its own copy: gradients are taken
+    ids = torch.tensor([tok.encode("The Danube flows through Vienna, the capital of Austria, and on.")])
+
+    def forward_backward(routes=None):
+        model.zero_grad()
+        with (
+            RouteRecorder(model) as rec,
+            replay_routes(model, routes) if routes is not None else contextlib.nullcontext(),
+        ):
+            logits = model(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), grads, torch.as_tensor(rec.take())
+
+    fresh, fresh_grads, recorded = forward_backward()
+    replayed, replayed_grads, _ = forward_backward(recorded)
+    assert torch.equal(replayed, fresh)
+    assert fresh_grads.keys() == replayed_grads.keys() and any("gate" in n for n in fresh_grads)
+    assert all(torch.equal(replayed_grads[n], g) for n, g in fresh_grads.items())
+    late = torch.cat([recorded[:1], recorded[:-1]])  # position p replays p - 1's experts
+    shifted, _, _ = forward_backward(late)
+    assert not torch.equal(shifted, fresh)
 
 
 def _with_routes(group, model, first: int = 0):

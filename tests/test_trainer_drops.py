@@ -188,7 +188,23 @@ async def test_a_group_that_cannot_be_trained_on_is_dropped_and_replaced(
     state, batch = TrainState(step=5, version=5), set()
     for scored in bad:
         assert not await accept(store, "r1", spec, state, scored, batch_ids=batch, vocab=vocab)
-    # four bad copies of prompt 3's group: each counted, the prompt replaced once
-    assert state.drops == {"malformed": 4} and state.dropped == 1 and state.dropped_indices == [3]
+
+    def routed(top: int, dtype=np.uint8):  # under routing replay, experts 0..7 of each layer
+        routes = np.zeros((first.prompt_ids.size + first.completion_ids.size - 1, 2, 2), dtype)
+        routes[3, 1, 0] = top
+        changed = first.model_copy(update={"routed_experts": routes})
+        group = good.group.model_copy(update={"trajectories": (changed, *good.group.trajectories[1:])})
+        return good.model_copy(update={"group": group})
+
+    # an SGLang server with redundant experts records physical ids; a -1 cast to uint8 is 255
+    for scored in (routed(8), routed(255), routed(-2, np.int16)):
+        assert not await accept(store, "r1", spec, state, scored, batch_ids=batch, vocab=vocab, experts=8)
+    # seven bad copies of prompt 3's group: each counted, the prompt replaced once
+    assert state.drops == {"malformed": 7} and state.dropped == 1 and state.dropped_indices == [3]
+    # routes name experts 0..7 or -1 (routed afresh): trained; the same without replay: not checked
+    assert await accept(
+        store, "r1", spec, state, routed(-1, np.int16), batch_ids={"x"}, vocab=vocab, experts=8
+    )
+    assert await accept(store, "r1", spec, state, routed(255), batch_ids={"x"}, vocab=vocab)
     assert await accept(store, "r1", spec, state, good, batch_ids=batch, vocab=vocab)
     assert prompt_index("r1:-1") is None and prompt_index("r1:-1/0") is None and prompt_index("r1:7/2") == 7

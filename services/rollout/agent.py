@@ -189,7 +189,8 @@ async def run_trajectory(
         )  # trailing glue whose routes were never computed is dropped
         if keep < len(b.completion):
             b.completion, b.mask, b.logprobs = b.completion[:keep], b.mask[:keep], b.logprobs[:keep]
-        routes = routes.astype(np.uint8 if routes.max(initial=0) < 256 else np.int16)
+        small = routes.min(initial=0) >= 0 and routes.max(initial=0) < 256  # a -1 would become 255
+        routes = routes.astype(np.uint8 if small else np.int16)
     final = extract_boxed(last_text) if finish == "answer" else None
     reward = verify(last_text, answer, aliases).reward if finish == "answer" else 0.0
     return Trajectory(

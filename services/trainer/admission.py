@@ -39,10 +39,12 @@ async def accept(
     *,
     batch_ids: set[str],
     vocab: int,
+    experts: int | None = None,
     again: Callable[[int, str], Awaitable[None]] | None = None,
 ) -> bool:
     """Whether ``scored`` joins the batch; a dropped group is counted in ``state`` and the metrics.
-    ``vocab``: the policy's embedding rows, which every token id must fall within;
+    ``vocab``: the policy's embedding rows, which every token id must fall within; ``experts``: under
+    routing replay, the experts a recorded route may name;
     ``again(index, cause)`` publishes a lost group's prompt once more."""
     group = scored.group
     ids = [t.trajectory_id for t in group.trajectories]
@@ -68,7 +70,7 @@ async def accept(
         reason = "stale"
     elif any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids)):
         reason = "duplicate"
-    elif why := unfit(scored, vocab):
+    elif why := unfit(scored, vocab, experts):
         reason = "malformed"
         log.error("dropping group %s: %s", group.task_id, why)
     else:

@@ -91,11 +91,14 @@ def samples_from_groups(
     return samples, BatchCounts(sequences=sequences, tokens=tokens)
 
 
-def unfit(scored: ScoredGroup, vocab: int) -> str | None:
+def unfit(scored: ScoredGroup, vocab: int, experts: int | None = None) -> str | None:
     """Why ``scored`` cannot be trained on, or None. Checked as a group is admitted, so that one bad
     group (a scorer's bug, or whatever else wrote to the stream) is dropped, not trained on: a token
     id past the embedding fails the step and with it the run; a non-finite advantage or rollout
-    log-prob on a loss token makes the loss NaN, and the optimiser writes NaN into every weight."""
+    log-prob on a loss token makes the loss NaN, and the optimiser writes NaN into every weight.
+    ``experts``: under routing replay, the experts of each MoE layer; a recorded expert id outside
+    them (an SGLang server with redundant experts records physical ids) fails the step's gather, on
+    a GPU with a device-side assert. -1 is a row the router routes afresh."""
     for i, t in enumerate(scored.group.trajectories):
         if t.finish_reason == "error" or not t.turn_spans:
             continue  # never trained (samples_from_groups)
@@ -104,6 +107,10 @@ def unfit(scored: ScoredGroup, vocab: int) -> str | None:
         ids = (t.prompt_ids, t.completion_ids)
         if any(x.size and (x.min() < 0 or x.max() >= vocab) for x in ids):
             return f"trajectory {t.trajectory_id} has token ids outside the vocabulary of {vocab}"
+        routes = t.routed_experts
+        routed = experts is not None and routes is not None and routes.size
+        if routed and (routes.min() < -1 or routes.max() >= experts):
+            return f"trajectory {t.trajectory_id} has routed experts outside the model's {experts}"
         loss = t.loss_mask == 1
         if not np.isfinite(scored.token_advantages(i)[loss]).all():
             return f"trajectory {t.trajectory_id} has non-finite advantages"

@@ -195,6 +195,7 @@ class RunExecutor:
             batch_ids=set(),
             again=lambda index, cause: run.controller.again(index, cause, run.state.step),
             vocab=run.trainer.model.get_input_embeddings().num_embeddings,
+            experts=_experts(run.trainer.model) if run.spec.trainer.routing_replay else None,
         )
         kept: list[ScoredGroup] = []
 
@@ -361,3 +362,8 @@ class RunExecutor:
         with (out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
         m.export_step(record)
+
+
+def _experts(model) -> int | None:
+    """The experts of each MoE layer (what a replayed route may name); None for a dense model."""
+    return getattr(model.config, "num_experts", None)
