@@ -299,6 +299,15 @@ def worker_app(
     add_metrics_route(app)
     app.add_middleware(BodyLimit, max_bytes=64 * 1024)  # its routes take no body: none is held
 
+    @app.get("/livez")
+    async def live(response: Response) -> dict:
+        """Alive while the worker runs, whatever the engine's health: a liveness probe that asked
+        /health would restart a worker whenever its SGLang server is slow or restarting."""
+        if app.state.task.done():
+            response.status_code = 503
+            return {"status": "stopped"}
+        return {"status": "alive"}
+
     @app.get("/health")
     async def health(response: Response) -> dict:
         worker, task = app.state.worker, app.state.task

@@ -69,3 +69,32 @@ async def test_a_shutdown_cancelled_during_the_grace_still_ends_the_worker_and_s
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
     assert worker.ended and closed == [True]
+
+
+async def test_liveness_asks_only_whether_the_worker_runs():
+    """/health is readiness: 503 while the engine is unhealthy (an SGLang server slow or restarting).
+    /livez, the liveness probe's route, stays 200 then, and turns 503 once the worker has stopped."""
+    import httpx
+
+    worker, engine_ok = FakeWorker(stubborn=False), [False]
+
+    async def start():
+        return worker, []
+
+    async def healthy(_) -> bool:
+        return engine_ok[0]
+
+    app = worker_app("test", start, healthy, grace_s=0.5)
+    async with app.router.lifespan_context(app):
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
+            assert (await http.get("/health")).status_code == 503
+            assert (await http.get("/livez")).json() == {"status": "alive"}
+            engine_ok[0] = True
+            assert (await http.get("/health")).status_code == 200
+            app.state.task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await app.state.task
+            assert (await http.get("/livez")).status_code == 503
+            assert (await http.get("/health")).status_code == 503
