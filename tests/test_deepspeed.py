@@ -26,6 +26,18 @@ pytestmark = pytest.mark.slow
 
 
 NCCL = {"backend": "nccl", "rtol": 1e-3, "atol": 1e-5}  # CUDA kernels differ from the CPU's in rounding
+# A config as DeepSpeed users write them: a train_batch_size (which DeepSpeed checks against micro
+# batch x accumulation x world) and an optimizer whose weight decay wins over the spec's 0.1
+CONFIG_OPTIMIZER = {
+    "config": {
+        "train_batch_size": 32,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.5, "torch_adam": True},
+        },
+    },
+    "weight_decay": 0.5,
+}
 
 
 @pytest.mark.parametrize(
@@ -37,6 +49,7 @@ NCCL = {"backend": "nccl", "rtol": 1e-3, "atol": 1e-5}  # CUDA kernels differ fr
         (2, 2, {}),
         (3, 2, {}),
         (2, 0, {}),
+        pytest.param(1, 1, CONFIG_OPTIMIZER, id="1-1-config-optimizer"),
         # on GPUs, over NCCL (`make test-gpu`); never run here: this machine has no GPU
         pytest.param(2, 1, NCCL, marks=pytest.mark.gpu, id="nccl-2-1"),
         pytest.param(2, 2, NCCL, marks=pytest.mark.gpu, id="nccl-2-2"),
@@ -51,7 +64,7 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
     assert launcher, "the deepspeed launcher ships with the package"
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+    config.write_text(json.dumps({"zero_optimization": {"stage": stage}, **on.get("config", {})}))
     script = Path(__file__).parent / "scripts" / "deepspeed_dp.py"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "PBSD_TEST_DIST_BACKEND": backend}
     if backend == "gloo":
@@ -75,7 +88,7 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
 
     reference = PolicyTrainer(
         load_model(tiny_checkpoint),
-        TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0),
+        TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=on.get("weight_decay", 0.1), grad_clip=1.0),
         reference_path=str(tiny_checkpoint),
     )
     batch, counts = samples(reference.model.config.vocab_size)
@@ -96,7 +109,8 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
         history[1:], expected[1:], strict=False
     ):  # the whole batch's figures, every rank's share
         assert got["trained_tokens"] == want["trained_tokens"] == sum(s.targets.size for s in batch)
-        for key in ("loss", "clip_frac", "kl_ref", "ratio_mean"):
+        # the norm before clipping: a loss scaled by a constant shows here, where AdamW hides it
+        for key in ("loss", "clip_frac", "kl_ref", "ratio_mean", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=rtol, abs=atol / 10), key
     # a resumed trainer (every rank loads its own optimiser partition) repeats the same step exactly
     a, b = (dict(load_model(tmp_path / d).named_parameters()) for d in ("resumed-a", "resumed-b"))

@@ -115,6 +115,22 @@ def test_an_update_whose_gradient_is_not_finite_is_skipped(tok, tiny_checkpoint)
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
+def test_a_deepspeed_config_as_users_write_it_is_taken():
+    """DeepSpeed asserts train_batch_size = micro batch x accumulation x world when all are set; the
+    trainer sets the other two, so a user's train_batch_size is dropped rather than failing the start.
+    The config's optimizer's weight decay wins over the spec's, as the spec promises."""
+    from services.trainer import distributed
+
+    spec = TrainerSpec(weight_decay=0.1, deepspeed_config={"train_batch_size": 32})
+    config = distributed.deepspeed_config(spec)
+    assert "train_batch_size" not in config and config["gradient_accumulation_steps"] == 1
+    assert distributed._weight_decay(config, spec.weight_decay) == 0.1  # the default optimizer: the spec's
+    mine = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
+    config = distributed.deepspeed_config(TrainerSpec(weight_decay=0.1, deepspeed_config=mine))
+    assert distributed._weight_decay(config, 0.1) == 0.0
+    assert distributed._weight_decay({"optimizer": {"type": "Adam"}}, 0.1) == 0.1  # says none: the spec's
+
+
 @pytest.mark.parametrize("knows", [True, False])
 def test_a_bf16_deepspeed_config_checks_for_gradients_that_are_not_finite(monkeypatch, knows):
     """DeepSpeed skips such an update in fp32 and fp16, in bf16 only with ``check_grad_overflow``,

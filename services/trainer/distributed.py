@@ -97,6 +97,9 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
     config = json.loads(json.dumps(config))  # a copy: the defaults below must not reach the spec
     config.setdefault("train_micro_batch_size_per_gpu", 1)
     config["gradient_accumulation_steps"] = 1
+    # DeepSpeed asserts train_batch_size = micro batch x accumulation x world when all three are
+    # set; the trainer's batch is the step's groups, not a sample count, so it is left to DeepSpeed
+    config.pop("train_batch_size", None)
     # The trainer marks the accumulation boundary itself (set_gradient_accumulation_boundary), so
     # every stage reduces in the boundary's backward and the gradient is whole before the step.
     config.pop("managed_gradient_accumulation", None)
@@ -122,6 +125,12 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
         # Without it a NaN gradient is written into every weight and AdamW moment for good.
         bf16.setdefault("check_grad_overflow", True)
     return config
+
+
+def _weight_decay(config: dict[str, Any], default: float) -> float:
+    """The decay of the matrices: the config's optimizer's, where it sets one (it wins over the spec)."""
+    params = (config.get("optimizer") or {}).get("params") or {}
+    return float(params.get("weight_decay", default))
 
 
 def _knows_bf16_overflow_check() -> bool:
@@ -164,7 +173,8 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         _single_process_group()
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=_PolicyForward(model, self._logprobs),
-            model_parameters=param_groups(model, self.spec.weight_decay),
+            # a group's own weight_decay overrides the optimizer's: the config's, when it sets one
+            model_parameters=param_groups(model, _weight_decay(config, self.spec.weight_decay)),
             config=config,
             lr_scheduler=schedule,
         )
