@@ -15,6 +15,7 @@ not be: Qwen3's template, for one, drops earlier turns' ``<think>`` blocks.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +100,9 @@ class ChatTokenizer:
     of a tool result's encoding), and the pieces that repeat (the format's markup, the system
     prompt) are encoded once."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat = CHATML) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat = CHATML, *, eos_ids: tuple[int, ...] = ()
+    ) -> None:
         self.tok = tokenizer
         self.fmt = fmt
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -115,14 +118,21 @@ class ChatTokenizer:
         self._markup: dict[str, list[int]] = {}  # the format's few fixed strings
         self._system: tuple[str, list[int]] = ("", [])  # the last system prompt encoded
         self.end_id = self._single_id(fmt.end)
-        stops = {self.end_id}
+        # the turn's end, and every end of text the model knows: SGLang stops on the model's own
+        # (generation_config's) eos ids whatever it is asked, so the in-process engine does too
+        stops = {self.end_id, *eos_ids}
         if tokenizer.eos_token_id is not None:
             stops.add(int(tokenizer.eos_token_id))
         self.stop_ids = sorted(stops)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
-        return cls(AutoTokenizer.from_pretrained(str(path)))
+        return cls(AutoTokenizer.from_pretrained(str(path)), eos_ids=generation_eos_ids(path))
+
+    def ends_text(self, ids: list[int]) -> bool:
+        """A turn that stopped on an end of text other than the turn's end (Qwen3's <|endoftext|>):
+        the model has finished, and no format's glue follows it."""
+        return bool(ids) and ids[-1] != self.end_id and ids[-1] in self.stop_ids
 
     def _single_id(self, token: str) -> int:
         ids = self.tok.encode(token, add_special_tokens=False)
@@ -213,3 +223,13 @@ def occurrences(ids, spellings) -> list[tuple[int, int]]:
 def spelled_at(ids, spellings) -> list[int]:
     """Indices of ``ids`` inside a whole occurrence of any of ``spellings`` (token sequences)."""
     return sorted({k for start, n in occurrences(ids, spellings) for k in range(start, start + n)})
+
+
+def generation_eos_ids(path: str | Path) -> tuple[int, ...]:
+    """The eos ids of a checkpoint's ``generation_config.json`` (an id or a list; Qwen3's are
+    <|im_end|> and <|endoftext|>), none when it has no such file."""
+    config = Path(path) / "generation_config.json"
+    if not config.is_file():
+        return ()
+    eos = json.loads(config.read_text()).get("eos_token_id")
+    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None)

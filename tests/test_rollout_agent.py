@@ -287,3 +287,25 @@ def test_the_fast_path_encodes_and_decodes_as_the_hugging_face_wrapper(tok, tiny
         for question in ("Which river?", "x <|im_end|>"):
             want = by_wrapper(tok.fmt.prompt_parts(system, question))
             assert tok.prompt_ids(system, question) == want
+
+
+async def test_a_turn_that_ends_the_text_ends_the_trajectory(tok, tmp_path):
+    """Qwen3 lists <|endoftext|> beside <|im_end|> among its eos ids, and SGLang stops on either
+    whatever it is asked. A turn that stops on the end of text gets no glue after it (no format
+    follows an end of text): the trajectory ends there, its tool call not made."""
+    from agent.chat import generation_eos_ids
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.end_id, 0]}))
+    assert generation_eos_ids(tmp_path) == (tok.end_id, 0) and generation_eos_ids(tmp_path / "none") == ()
+    qwen_like = ChatTokenizer(tok.tok, eos_ids=generation_eos_ids(tmp_path))
+    assert 0 in qwen_like.stop_ids and qwen_like.decode([0], skip_special_tokens=False) == "<|endoftext|>"
+    call = format_tool_call(*SEARCH, {"q": "Vienna river"})
+    app = make_sglang(lambda ids: tok.encode(call) + [0])
+    tools = FixedTools()
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, tools, qwen_like)
+        await engine.aclose()
+    assert app.state.requests[0]["sampling_params"]["stop_token_ids"] == qwen_like.stop_ids
+    assert t.finish_reason == "answer" and len(t.turn_spans) == 1 and tools.calls == [] and t.reward == 0.0
+    assert t.completion_ids[-1] == 0  # the end of text, as sampled, with nothing glued after it

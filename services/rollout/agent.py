@@ -134,8 +134,10 @@ async def run_trajectory(
             break
 
         parsed = parse_tool_call(last_text)
-        if parsed.call is None and parsed.error is None:
-            finish = "answer"  # no tool call: the agent is done (a \boxed{} answer, or none at all)
+        if (parsed.call is None and parsed.error is None) or tokenizer.ends_text(result.output_ids):
+            # no tool call, or the model ended its text (no format's glue follows that): the agent
+            # is done (a \boxed{} answer, or none at all)
+            finish = "answer"
             break
         if turn == limits.max_turns - 1:
             break  # no turn left to read the tool's answer
