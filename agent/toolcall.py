@@ -64,6 +64,7 @@ class Parsed:
     call: ToolCallRequest | None
     error: str | None = None  # set when the message tries to call a tool but the call is unusable
     count: int = 0  # complete call blocks found in the message
+    names: tuple[str, str] | None = None  # (server, tool) of an unusable call whose names could be read
 
 
 def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
@@ -85,7 +86,8 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
         repaired = True
     if not isinstance(value, dict):
         return None, repaired, "arguments must be a JSON object"
-    return value, repaired, None
+    # a null is an argument not given (as MiroFlow drops them), so the tool's default applies
+    return {k: v for k, v in value.items() if v is not None}, repaired, None
 
 
 def parse_tool_call(text: str) -> Parsed:
@@ -108,7 +110,7 @@ def parse_tool_call(text: str) -> Parsed:
         return Parsed(None, "server_name and tool_name must not be empty", len(matches))
     args, repaired, error = _arguments(m.group(3))
     if error:
-        return Parsed(None, error, len(matches))
+        return Parsed(None, error, len(matches), (server, tool))
     return Parsed(
         ToolCallRequest(server, tool, args, repaired or truncated), None, 0 if truncated else len(matches)
     )

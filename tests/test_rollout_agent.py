@@ -150,6 +150,8 @@ async def test_malformed_and_repaired_calls(tok):
         "<use_mcp_tool>\n<server_name>search_and_scrape_webpage</server_name>\n<tool_name>google_search</tool_name>\n"
         '<arguments>\n{"q": "Vienna river\n</arguments>\n</use_mcp_tool>',  # missing quote and brace: repaired
         "<use_mcp_tool><tool_name>x</tool_name></use_mcp_tool>",  # unusable: reported back
+        "<use_mcp_tool>\n<server_name>search_and_scrape_webpage</server_name>\n<tool_name>google_search</tool_name>\n"
+        '<arguments>\n["Vienna"]\n</arguments>\n</use_mcp_tool>',  # unusable arguments of a named tool
         "\\boxed{Danube}",
     ]
     app = make_sglang(scripted(tok, turns))
@@ -163,6 +165,10 @@ async def test_malformed_and_repaired_calls(tok):
     assert len(tools.calls) == 1  # the malformed call never reached the tools
     assert not t.tool_calls[1].ok and "malformed" in t.tool_calls[1].error
     assert "failed. Error: the <use_mcp_tool> block is malformed" in tok.decode(t.completion_ids)
+    assert (t.tool_calls[2].server_name, t.tool_calls[2].tool_name) == SEARCH and not t.tool_calls[2].ok
+    assert "Tool call to google_search on search_and_scrape_webpage failed. Error: arguments must be" in (
+        tok.decode(t.completion_ids)
+    )
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,14 @@ def test_missing_closing_tags_at_the_end_are_recovered():
 def test_unrecoverable_calls_are_errors(text, error):
     p = parse_tool_call(text)
     assert p.call is None and error in p.error
+    # names that could be read go into the failure the agent is shown, as MiroFlow names them
+    assert p.names == (("s", "t") if error == "JSON object" else None)
+
+
+def test_a_null_argument_is_an_argument_not_given():
+    """As MiroFlow drops them, so the tool's default applies ({"num": null} would fail the schema)."""
+    p = parse_tool_call(CALL.replace('"num": 5', '"num": null'))
+    assert p.call.arguments == {"q": 'the "Glass" Orchard'}
 
 
 def test_no_call_and_several_calls():

@@ -142,13 +142,14 @@ async def run_trajectory(
         if turn == limits.max_turns - 1:
             break  # no turn left to read the tool's answer
         if parsed.call is None:
+            server, tool = parsed.names or ("unknown", "unknown")
             reply_text, ok, call_error, latency = (
-                format_tool_failure("unknown", "unknown", parsed.error),
+                format_tool_failure(server, tool, parsed.error),
                 False,
                 parsed.error,
                 0.0,
             )
-            server, tool, args = "unknown", "unknown", {}
+            args = {}
         else:
             server, tool, args = parsed.call.server_name, parsed.call.tool_name, parsed.call.arguments
             reply = await tools.call(server, tool, args, trajectory_id=trajectory_id)
