@@ -270,3 +270,22 @@ def test_static_lengths_are_few_and_waste_at_most_a_quarter():
     assert all(n <= m <= max(n + 127, 1.25 * n) and m % 128 == 0 for n, m in lengths.items())
     assert len({m for n, m in lengths.items() if 4096 < n <= 8192}) == 4
     assert static_length(16_384) == 16_384 and static_length(16_385) == 20_480
+
+
+def test_flash_attention_is_chosen_only_where_it_runs(monkeypatch):
+    """flash_attn's kernels take half precision only: a float32 scorer on CUDA (the settings'
+    default dtype) with flash_attn installed gets flex attention, not a model that fails its first
+    forward. On CPU the default (SDPA) whatever is installed."""
+    import importlib.util
+
+    from transformers.utils import is_torch_flex_attn_available
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a)
+    )
+    assert logprobs_module.scoring_attention("cuda", "bfloat16") == "flash_attention_2"
+    assert logprobs_module.scoring_attention("cuda", "float16") == "flash_attention_2"
+    flex = "flex_attention" if is_torch_flex_attn_available() else None
+    assert logprobs_module.scoring_attention("cuda", "float32") == flex
+    assert logprobs_module.scoring_attention("cpu", "bfloat16") is None

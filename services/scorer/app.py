@@ -32,7 +32,7 @@ def build_scorer(settings: ScorerSettings):
     from services.scorer.logprobs import scoring_attention
 
     kwargs = {"dtype": DTYPES[settings.dtype]}
-    attention = settings.attn_implementation or scoring_attention(settings.device)
+    attention = settings.attn_implementation or scoring_attention(settings.device, settings.dtype)
     if attention:
         kwargs["attn_implementation"] = attention
     model = AutoModelForCausalLM.from_pretrained(settings.model, **kwargs).to(settings.device)

@@ -90,13 +90,14 @@ def kernel_path(model: nn.Module, *, pack: bool | None = None, head: HeadPath | 
     )
 
 
-def scoring_attention(device: str) -> str | None:
+def scoring_attention(device: str, dtype: str = "bfloat16") -> str | None:
     """The attention implementation to load a scoring model with on ``device`` (None: transformers'
-    default, SDPA): on CUDA flash attention's varlen kernels when installed, else flex attention
-    (part of torch, no extra package); on CPU the default, where one sequence per forward is best."""
+    default, SDPA): on CUDA flash attention's varlen kernels when installed and the model is in half
+    precision (flash attention refuses float32), else flex attention (part of torch, no extra
+    package); on CPU the default, where one sequence per forward is best."""
     if torch.device(device).type != "cuda":
         return None
-    if importlib.util.find_spec("flash_attn") is not None:
+    if dtype in ("bfloat16", "float16") and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     from transformers.utils import is_torch_flex_attn_available
 
