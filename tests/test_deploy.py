@@ -43,6 +43,7 @@ OTHER_VARIABLES = {
     "PBSD_TRAINER_URL",
     "OMP_NUM_THREADS",
     "REDIS_PASSWORD",
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",  # SGLang's own (sglang/srt/environ.py)
 }
 SERVICE_ALIASES = ("tools", "rollout", "scorer", "trainer")
 

@@ -93,8 +93,20 @@ def test_k8s_workloads_have_probes_resources_and_wiring(rendered):
                 if c in pod["spec"]["containers"] and doc["metadata"]["name"] != "redis":
                     check_variables({e["name"]: "" for e in c.get("env", [])}, f"{overlay} {c['name']}")
                     port = c["ports"][0]["containerPort"]
-                    for probe in ("readinessProbe", "livenessProbe"):
-                        assert c[probe]["httpGet"]["path"] == "/health", (overlay, c["name"], probe)
+                    # readiness asks the service's health (SGLang's by a one-token generation);
+                    # a worker's liveness only whether it runs, not its engine's health
+                    ready = "/health_generate" if c["name"] == "sglang" else "/health"
+                    live = "/livez" if c["name"] in ("rollout", "scorer") else "/health"
+                    assert c["readinessProbe"]["httpGet"]["path"] == ready, (overlay, c["name"])
+                    assert c["livenessProbe"]["httpGet"]["path"] == live, (overlay, c["name"])
+                    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                        # Kubernetes' default timeout is 1 s, less than SGLang's /health_generate
+                        # takes, or a worker's /health asking its engine
+                        assert c.get(probe, {"timeoutSeconds": 5}).get("timeoutSeconds", 1) >= 5, (
+                            overlay,
+                            c["name"],
+                            probe,
+                        )
                     assert "requests" in c["resources"]
                     annotations = pod["metadata"].get("annotations", {})
                     assert annotations.get("prometheus.io/scrape") == "true"
