@@ -215,6 +215,44 @@ async def test_maxlen_bounds_a_stream_without_consumers(redis_url, key_prefix):
         await bus.close()
 
 
+async def test_a_work_stream_keeps_its_backlog_past_maxlen(redis_url, key_prefix):
+    """MAXLEN removes entries whether or not a group has read them: applied to a work stream, a
+    backlog past it lost prompts without a trace (no pending entry, no dead letter). Work streams
+    are trimmed by what their groups acknowledged only."""
+    bus = Bus.from_url(redis_url, prefix=key_prefix + "-backlog", maxlen=10)
+    try:
+        await bus.ensure_group(PROMPTS)
+        for i in range(400):
+            await bus.publish(PROMPTS, ex.example_task(i))
+        assert await bus.stream_length(PROMPTS) == 400
+        read = await bus.redis.xreadgroup("rollout", "late", {bus.key(PROMPTS): ">"}, count=1000)
+        assert len(read[0][1]) == 400
+    finally:
+        await bus.close()
+
+
+async def test_a_heartbeat_does_not_take_back_an_entry_another_consumer_took_over(bus: Bus):
+    """A consumer whose loop stalled past the takeover renewed its entries with XCLAIM min-idle 0,
+    which claims whatever it is given: it took the entry back from the consumer that had taken it
+    over, and both worked it. A renewal now keeps only what the consumer still owns, and leaves
+    the delivery count alone."""
+    key = bus.key(PROMPTS)
+    await bus.ensure_group(PROMPTS)
+    await bus.publish(PROMPTS, ex.example_task(0))
+    [(_, [(entry, _)])] = await bus.redis.xreadgroup("rollout", "stalled", {key: ">"}, count=1)
+    entry = entry.decode()
+    await bus.redis.xclaim(key, "rollout", "taker", 0, [entry])  # the takeover (counts a delivery)
+
+    def owner():
+        return bus.redis.xpending_range(key, "rollout", min=entry, max=entry, count=1)
+
+    before = (await owner())[0]
+    assert await bus.renew(key, "rollout", "stalled", [entry]) == []
+    assert await bus.renew(key, "rollout", "taker", [entry]) == [entry]
+    after = (await owner())[0]
+    assert after["consumer"] == b"taker" and after["times_delivered"] == before["times_delivered"] == 2
+
+
 async def test_the_latest_entry_passes_over_undecodable_ones(bus):
     """A worker reads the newest weights as it starts: a garbage entry on top once raised there, so
     every worker failed to start until a good entry came, which needed the workers."""

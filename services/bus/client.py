@@ -48,13 +48,17 @@ class Bus(ConsumerGroups):
 
     # -- publishing -----------------------------------------------------------------
     async def publish(self, stream: StreamDef[M], message: M) -> str:
-        """XADD the message (approximate MAXLEN trim); returns the entry id."""
+        """XADD the message; returns the entry id. A broadcast stream (weights, run ends, dead
+        letters) is trimmed to about ``maxlen`` entries as it grows. A work stream is not: MAXLEN
+        removes entries whether or not a consumer group has read them, so a backlog past it would
+        lose work without a trace; its consumers trim what every group has acknowledged
+        (:meth:`trim_acked`), and a Redis that runs out of memory refuses the XADD, loudly."""
         _check_type(stream, message)
         payload = encode(message)
         entry_id = await self.redis.xadd(
             self.key(stream),
             {b"type": stream.model.__name__, b"mid": message.message_id, b"data": payload},
-            maxlen=self.maxlen,
+            maxlen=self.maxlen if stream.group is None else None,
             approximate=True,
         )
         metrics.PUBLISHED.labels(stream.name).inc()

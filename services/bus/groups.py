@@ -318,6 +318,29 @@ class ConsumerGroups:
                 pipe.hdel(self._errors_key(stream, group), entry_id)
             await pipe.execute()
 
+    # Reset the idle time of the entries this consumer still owns, and of no other: an XCLAIM with
+    # min-idle 0 claims whatever it is given, so a consumer whose loop stalled past the takeover
+    # would take its entries back from the one that took them over, and both would work them.
+    _RENEW = """
+    local owned = {}
+    for i = 3, #ARGV do
+        local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+        if #p > 0 then owned[#owned + 1] = ARGV[i] end
+    end
+    if #owned > 0 then
+        local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+        for _, id in ipairs(owned) do args[#args + 1] = id end
+        args[#args + 1] = 'JUSTID'  -- the delivery counter stays where it is
+        redis.call(unpack(args))
+    end
+    return owned
+    """
+
+    async def renew(self, key: str, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        """Reset the idle time of those of ``entry_ids`` that ``consumer`` still owns; returns them."""
+        owned = await self.redis.eval(self._RENEW, 1, key, group, consumer, *entry_ids)
+        return [as_text(i) for i in owned]
+
     async def _heartbeat(
         self, key: str, group: str, consumer: str, entry_ids: list[str], options: ConsumerOptions
     ) -> None:
@@ -328,9 +351,12 @@ class ConsumerGroups:
             if not entry_ids:
                 continue
             try:
-                await self.redis.xclaim(key, group, consumer, 0, list(entry_ids), justid=True)
+                owned = await self.renew(key, group, consumer, list(entry_ids))
             except Exception:  # a missed beat only risks a duplicate, which idempotency absorbs
                 log.warning("heartbeat for %s failed", key, exc_info=True)
+                continue
+            if lost := set(entry_ids) - set(owned):
+                log.warning("%s: %d entries were taken over by another consumer while held", key, len(lost))
 
     async def _dead_letter(
         self,
