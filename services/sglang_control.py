@@ -29,7 +29,7 @@ from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightsRefused", "follow_broadcast", "load_weights_from_disk", "model_info"]
+__all__ = ["WeightsRefused", "follow_broadcast", "load_weights_from_disk", "model_info", "settle_flush"]
 
 
 FLUSH_WAIT_S = 120.0  # how long a refused flush is given for the running requests to finish
@@ -56,8 +56,10 @@ async def model_info(http: httpx.AsyncClient, url: str, retry: RetryPolicy) -> d
 
 async def load_weights_from_disk(
     http: httpx.AsyncClient, url: str, path: str, version: int, retry: RetryPolicy
-) -> None:
-    """Load ``path`` as ``version`` on one server; raise WeightsRefused unless it then serves them."""
+) -> bool:
+    """Load ``path`` as ``version`` on one server; raise WeightsRefused unless it then serves them.
+    True when the weights are in but their cache flush was refused: the caller lifts any pause it
+    holds (a paused server's queued requests never finish) and then calls :func:`settle_flush`."""
     body = {"model_path": path, "weight_version": str(version), "flush_cache": True}
     response = await send_with_retries(
         f"sglang {url}", lambda: http.post(f"{url}/update_weights_from_disk", json=body), retry
@@ -67,23 +69,22 @@ async def load_weights_from_disk(
     except ValueError:
         reply = {}
     if response.status_code < 400 and reply.get("success", False):
-        return
+        return False
     message = reply.get("message") or response.text[:200]
     if response.status_code == 400 and UNFLUSHED in message:
-        await _settle(http, url, path, version, retry)
-        log.warning(
-            "sglang %s: the weights at %s were in before their cache flush; flushed it since", url, path
-        )
-        return
+        log.warning("sglang %s: the weights at %s are in, their cache flush was refused", url, path)
+        return True
     if response.status_code in (200, 400):  # SGLang's own answer: ask what it serves now
         served = str((await model_info(http, url, retry)).get("weight_version"))
         if served == str(version):
             log.warning("sglang %s serves the weights at %s although it reported: %s", url, path, message)
-            return
+            return False
     raise WeightsRefused(f"{url} refused the weights at {path}: HTTP {response.status_code} {message}")
 
 
-async def _settle(http: httpx.AsyncClient, url: str, path: str, version: int, retry: RetryPolicy) -> None:
+async def settle_flush(
+    http: httpx.AsyncClient, url: str, path: str, version: int, retry: RetryPolicy
+) -> None:
     """Weights in whose cache flush was refused: flush it once the server is idle, then name
     ``version`` as served; :class:`WeightsRefused` when the flush is refused again (the server
     samples with the new weights, its cache still holds the old ones' keys and values)."""

@@ -184,7 +184,8 @@ def make_sglang(
     @app.post("/flush_cache")
     async def flush(timeout: float = 0.0):
         app.state.control.append(("flush_cache", {"timeout": timeout}))
-        if app.state.stuck:
+        if app.state.stuck or (app.state.paused and app.state.named is not None):
+            # requests the load found running stay queued while the server is paused
             return PlainTextResponse("Timed out waiting for idle state.", status_code=400)
         return PlainTextResponse("Cache flushed.\n")
 

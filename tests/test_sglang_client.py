@@ -115,23 +115,24 @@ async def test_weight_update_pauses_loads_and_continues():
         assert apps[0].state.control[-1][0] == "continue_generation"  # never left paused
         assert engine.weight_version == 4
         # SGLang reports failure when the cache flush after a load is refused, but samples with the
-        # new weights while /model_info names the old ones: the engine flushes once the server is
-        # idle and names the version, instead of believing in the old one
+        # new weights while /model_info names the old ones: the engine lifts its pause (the requests
+        # it holds must finish), flushes once the server is idle and names the version, instead of
+        # believing in the old one
         await engine.update_weights("/ckpt/busy/v6", 6)
         assert engine.weight_version == 6 and (await engine.model_info())["weight_version"] == "6"
         for app in apps:
             assert [c[0] for c in app.state.control[-4:]] == [
                 "update_weights_from_disk",
+                "continue_generation",
                 "flush_cache",
                 "update_weight_version",
-                "continue_generation",
             ]
-            assert app.state.control[-3][1]["timeout"] > 0  # it waits for the running requests
-            assert app.state.control[-2][1] == {"new_version": "6", "abort_all_requests": False}
+            assert app.state.control[-2][1]["timeout"] > 0  # it waits for the running requests
+            assert app.state.control[-1][1] == {"new_version": "6", "abort_all_requests": False}
         # a flush refused again: the weights are in but the cache is stale, which is an error
         with pytest.raises(EngineError, match="loaded the weights at /ckpt/stuck/v7 but its cache could not"):
             await engine.update_weights("/ckpt/stuck/v7", 7)
-        assert engine.weight_version == 6 and apps[0].state.control[-1][0] == "continue_generation"
+        assert engine.weight_version == 6 and not apps[0].state.paused  # never left paused
         await engine.aclose()
 
 

@@ -350,12 +350,13 @@ class ConsumerGroups:
             await asyncio.sleep(interval)
             if not entry_ids:
                 continue
+            held = list(entry_ids)  # the list changes as entries are added and acknowledged
             try:
-                owned = await self.renew(key, group, consumer, list(entry_ids))
+                owned = await self.renew(key, group, consumer, held)
             except Exception:  # a missed beat only risks a duplicate, which idempotency absorbs
                 log.warning("heartbeat for %s failed", key, exc_info=True)
                 continue
-            if lost := set(entry_ids) - set(owned):
+            if lost := set(held) - set(owned):
                 log.warning("%s: %d entries were taken over by another consumer while held", key, len(lost))
 
     async def _dead_letter(

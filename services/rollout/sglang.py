@@ -42,7 +42,13 @@ import httpx
 import numpy as np
 
 from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
-from services.sglang_control import WeightsRefused, follow_broadcast, load_weights_from_disk, model_info
+from services.sglang_control import (
+    WeightsRefused,
+    follow_broadcast,
+    load_weights_from_disk,
+    model_info,
+    settle_flush,
+)
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
 log = logging.getLogger(__name__)
@@ -197,11 +203,16 @@ class SglangEngine:
     async def _reload(self, url: str, path: str, version: int) -> None:
         await self._post(url, "/pause_generation", {"mode": self.pause_mode})
         try:
-            await load_weights_from_disk(self.http, url, path, version, self.retry)
+            unflushed = await load_weights_from_disk(self.http, url, path, version, self.retry)
         except WeightsRefused as exc:
             raise EngineError(str(exc)) from None
         finally:
             await self._post(url, "/continue_generation", {})
+        if unflushed:  # flushed once the requests the pause held have finished
+            try:
+                await settle_flush(self.http, url, path, version, self.retry)
+            except WeightsRefused as exc:
+                raise EngineError(str(exc)) from None
 
     async def _post(self, url: str, path: str, body: dict) -> dict:
         response = await send_with_retries(

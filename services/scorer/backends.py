@@ -21,7 +21,7 @@ from services.model.checkpoint import load_weights_into
 from services.model.lm_head import HeadPath
 from services.scorer.logprobs import kernel_path, sequence_logprobs
 from services.scorer.replay import RoutedRequest, replayed_logprobs
-from services.sglang_control import WeightsRefused, follow_broadcast, load_weights_from_disk
+from services.sglang_control import WeightsRefused, follow_broadcast, load_weights_from_disk, settle_flush
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 from services.weights.receiver import TORN
 
@@ -230,6 +230,7 @@ class SglangScorer:
 
     async def _reload(self, url: str, path: str, version: int) -> None:
         try:
-            await load_weights_from_disk(self.http, url, path, version, self.retry)
+            if await load_weights_from_disk(self.http, url, path, version, self.retry):
+                await settle_flush(self.http, url, path, version, self.retry)
         except WeightsRefused as exc:
             raise UpstreamError(f"sglang {url}", str(exc)) from None

@@ -102,6 +102,7 @@ class WeightBroadcaster:
         self.device: torch.device | None = None  # the model's CUDA device, for NCCL
         self.stranded: list[str] = []  # members a failed version left paused (see recover)
         self._benched: dict[str, int] = {}  # receivers that refused to join: publications to sit out
+        self._unjoinable: set[str] = set()  # servers with data-parallel replicas: never in the group
 
     def layout(self, model: nn.Module) -> HubLayout:
         if self._layout is None or self._layout[0] != id(model):
@@ -223,7 +224,8 @@ class WeightBroadcaster:
         served = dict(
             zip(self.urls, await asyncio.gather(*(self._served(u) for u in self.urls)), strict=True)
         )
-        reachable = [u for u in self.urls if served[u] is not None and u not in self._benched]
+        out = self._unjoinable | set(self._benched)
+        reachable = [u for u in self.urls if served[u] is not None and u not in out]
         self._benched = {u: n - 1 for u, n in self._benched.items() if n > 1}
         intact = self.sent is not None and all(served[u] == str(self.sent) for u in self.members)
         if self.group is not None and intact and reachable == self.members:
@@ -236,9 +238,10 @@ class WeightBroadcaster:
         ranks = await asyncio.gather(*(self._ranks(u) for u in urls))
         if unable := [u for u, r in zip(urls, ranks, strict=True) if r is None]:
             # SGLang's group routes assert dp_size == 1 (a 500): asked to join, such a server would
-            # hold every other member in the rendezvous until the timeout. Asked again after BENCH.
+            # hold every other member in the rendezvous until the timeout. It takes the disk copies
+            # for as long as this trainer runs (asked again, it would re-form the group each time).
             log.warning("%s serve data-parallel replicas, which SGLang's weight group does not take", unable)
-            self._benched.update(dict.fromkeys(unable, BENCH))
+            self._unjoinable.update(unable)
             urls, ranks = [u for u in urls if u not in unable], [r for r in ranks if r is not None]
             if not urls:
                 return
