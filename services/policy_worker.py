@@ -299,21 +299,27 @@ def worker_app(
     add_metrics_route(app)
     app.add_middleware(BodyLimit, max_bytes=64 * 1024)  # its routes take no body: none is held
 
+    def stopped() -> dict | None:
+        task = app.state.task
+        if not task.done():
+            return None
+        return {"status": "stopped", "error": repr(task.exception()) if not task.cancelled() else None}
+
     @app.get("/livez")
     async def live(response: Response) -> dict:
         """Alive while the worker runs, whatever the engine's health: a liveness probe that asked
         /health would restart a worker whenever its SGLang server is slow or restarting."""
-        if app.state.task.done():
+        if (gone := stopped()) is not None:
             response.status_code = 503
-            return {"status": "stopped"}
+            return gone
         return {"status": "alive"}
 
     @app.get("/health")
     async def health(response: Response) -> dict:
-        worker, task = app.state.worker, app.state.task
-        if task.done():
+        if (gone := stopped()) is not None:
             response.status_code = 503
-            return {"status": "stopped", "error": repr(task.exception()) if not task.cancelled() else None}
+            return gone
+        worker = app.state.worker
         if not worker.ready.is_set() or (healthy is not None and not await healthy(worker)):
             response.status_code = 503
             return {"status": "starting"}

@@ -203,16 +203,14 @@ class SglangEngine:
     async def _reload(self, url: str, path: str, version: int) -> None:
         await self._post(url, "/pause_generation", {"mode": self.pause_mode})
         try:
-            unflushed = await load_weights_from_disk(self.http, url, path, version, self.retry)
+            try:
+                unflushed = await load_weights_from_disk(self.http, url, path, version, self.retry)
+            finally:
+                await self._post(url, "/continue_generation", {})
+            if unflushed:  # flushed once the requests the pause held have finished
+                await settle_flush(self.http, url, path, version, self.retry)
         except WeightsRefused as exc:
             raise EngineError(str(exc)) from None
-        finally:
-            await self._post(url, "/continue_generation", {})
-        if unflushed:  # flushed once the requests the pause held have finished
-            try:
-                await settle_flush(self.http, url, path, version, self.retry)
-            except WeightsRefused as exc:
-                raise EngineError(str(exc)) from None
 
     async def _post(self, url: str, path: str, body: dict) -> dict:
         response = await send_with_retries(

@@ -213,11 +213,7 @@ class WeightBroadcaster:
                 answer = await self._post(url, "/begin_weight_update", {})
             return answer
 
-        answers = await asyncio.gather(*(begin(u) for u in self.members))
-        failed = [f"{u}: {a}" for u, a in zip(self.members, answers, strict=True) if a is not True]
-        if failed:
-            log.warning("weight group: %s", "; ".join(failed))
-        return [u for u, a in zip(self.members, answers, strict=True) if a is True]
+        return await self._each(self.members, begin)
 
     # -- the group -----------------------------------------------------------------------------
     async def _ensure_group(self) -> None:
@@ -353,8 +349,12 @@ class WeightBroadcaster:
 
     async def _call_all(self, route: str, body: dict, *, only: list[str] | None = None) -> list[str]:
         """POST to every member (or ``only``); the ones that did it (the others are logged)."""
-        urls = self.members if only is None else only
-        answers = await asyncio.gather(*(self._post(u, route, body) for u in urls))
+        return await self._each(self.members if only is None else only, lambda u: self._post(u, route, body))
+
+    async def _each(self, urls: list[str], call) -> list[str]:
+        """``call(url)`` on every one of ``urls`` at once; the ones it returned True for (the
+        others' answers are logged)."""
+        answers = await asyncio.gather(*(call(u) for u in urls))
         failed = [f"{u}: {a}" for u, a in zip(urls, answers, strict=True) if a is not True]
         if failed:
             log.warning("weight group: %s", "; ".join(failed))
