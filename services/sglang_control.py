@@ -20,8 +20,10 @@ version while the server samples with the new one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 
 import httpx
 
@@ -29,7 +31,17 @@ from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightsRefused", "follow_broadcast", "load_weights_from_disk", "model_info", "settle_flush"]
+__all__ = [
+    "Guard",
+    "WeightsRefused",
+    "follow_broadcast",
+    "load_each",
+    "load_weights_from_disk",
+    "model_info",
+    "settle_flush",
+    "shared_guard",
+    "unguarded",
+]
 
 
 FLUSH_WAIT_S = 120.0  # how long a refused flush is given for the running requests to finish
@@ -38,6 +50,24 @@ UNFLUSHED = "the cache was not flushed"  # SGLang's words for weights loaded who
 
 class WeightsRefused(Exception):
     """The server did not load the weights (and does not serve them)."""
+
+
+# ``guard(url)``: held while one server is checked and loaded, so that of the replicas sharing a
+# server one loads each version and the rest find it served (a lock on the bus, ``Bus.exclusive``)
+Guard = Callable[[str], AbstractAsyncContextManager[object]]
+Reload = Callable[[str, str, int], Awaitable[None]]
+Served = Callable[[dict], bool]  # of a server's /model_info: whether it already serves what is wanted
+
+
+def unguarded(url: str) -> AbstractAsyncContextManager[object]:
+    """The guard of a replica that shares its servers with no one."""
+    return contextlib.nullcontext()
+
+
+def shared_guard(exclusive: Callable[[str], AbstractAsyncContextManager[object]]) -> Guard:
+    """The guard of replicas that share servers: ``exclusive(name)`` is a lock they all see
+    (``Bus.exclusive``), one per server URL."""
+    return lambda url: exclusive(f"sglang-load:{url}")
 
 
 async def model_info(http: httpx.AsyncClient, url: str, retry: RetryPolicy) -> dict:
@@ -108,32 +138,78 @@ async def settle_flush(
         )
 
 
+def _loaded(path: str, version: int) -> Served:
+    """Whether a server's ``/model_info`` says it serves the weights at ``path`` as ``version``: a
+    successful disk load moves both ``model_path`` and ``weight_version`` (0.5.23,
+    ``TokenizerManager._update_model_path_info``). Checkpoint paths name their run and version, so
+    a version number alone, which every run counts again from 0, is not taken as proof."""
+    return lambda info: info.get("model_path") == path and str(info.get("weight_version")) == str(version)
+
+
+def _held(info: dict) -> int | None:
+    tag = str(info.get("weight_version"))
+    return int(tag) if tag.isdigit() else None
+
+
+async def load_each(
+    http: httpx.AsyncClient,
+    urls: list[str],
+    path: str,
+    version: int,
+    retry: RetryPolicy,
+    reload: Reload,
+    guard: Guard = unguarded,
+    served: Served | None = None,
+) -> None:
+    """``reload(url, path, version)`` on each server that does not serve it yet (``served`` of its
+    ``/model_info``; by default, that it loaded ``path`` as ``version``), checked and loaded under
+    ``guard(url)``. Every rollout replica (and every scorer replica) hears of each version, and
+    replicas share their servers: without the check N replicas would pause and load each server N
+    times a version, one after another. A server that does not answer is loaded: the load reports it."""
+    served = served or _loaded(path, version)
+    for url in urls:
+        async with guard(url):
+            try:
+                info = await model_info(http, url, retry)
+            except UpstreamError:
+                info = {}
+            if served(info):
+                log.info("sglang %s already serves version %s (%s)", url, info.get("weight_version"), path)
+                continue
+            await reload(url, path, version)
+
+
 async def follow_broadcast(
     http: httpx.AsyncClient,
     urls: list[str],
     version: int,
     copy: tuple[str, int],
     retry: RetryPolicy,
-    reload: Callable[[str, str, int], Awaitable[None]],
+    reload: Reload,
+    guard: Guard = unguarded,
 ) -> int | None:
     """After the trainer broadcast ``version``: ``reload(url, path, disk_version)`` the disk copy
     (``copy``: path, version) on every server that serves neither that version nor anything as new
     as the copy (it restarted, or was left out of the weight group); the oldest version served then
     (None: no server answers). A server that does not answer is left alone: the trainer brings it
-    back into the group once it is up again."""
+    back into the group once it is up again. The disk copy is loaded as :func:`load_each` loads it."""
     path, disk_version = copy
+    copied = _loaded(path, disk_version)
+
+    def current(info: dict) -> bool:  # checked again under the guard: another replica may have loaded it
+        held = _held(info)
+        return copied(info) or (held is not None and held >= min(version, disk_version + 1))
+
     behind, served = [], []
     for url in urls:
         try:
-            tag = str((await model_info(http, url, retry)).get("weight_version"))
+            info = await model_info(http, url, retry)
         except UpstreamError as exc:
             log.warning("sglang %s does not answer (%s)", url, exc)
             continue
-        held = int(tag) if tag.isdigit() else None
-        if held is not None and held >= min(version, disk_version + 1):
-            served.append(held)
+        if current(info):
+            served.append(_held(info) or 0)
         else:
             behind.append(url)
-    for url in behind:
-        await reload(url, path, disk_version)
+    await load_each(http, behind, path, disk_version, retry, reload, guard, current)
     return min([*served, *([disk_version] if behind else [])], default=None)

@@ -99,6 +99,7 @@ def make_sglang(
     app.state.named = None  # the version /model_info names while it lags the scheduler's
     app.state.stuck = False  # the cache cannot be flushed
     app.state.paused = False
+    app.state.model_path = "/models/fake"
     queue = deque(script or [])
 
     @app.post("/generate")
@@ -171,7 +172,7 @@ def make_sglang(
 
     def model_info():
         return {
-            "model_path": "/models/fake",
+            "model_path": app.state.model_path,  # moved by a disk load that succeeded, as SGLang's
             "tokenizer_path": "/models/fake",
             "is_generation": True,
             "weight_version": str(app.state.version if app.state.named is None else app.state.named),
@@ -237,6 +238,7 @@ def make_sglang(
                 },
                 status_code=400,
             )
+        app.state.model_path = body["model_path"]
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     return app

@@ -16,6 +16,7 @@ from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, redis_client
 from services.bus.groups import ConsumerGroups
+from services.bus.lock import Exclusive
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ class Bus(ConsumerGroups):
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+    def exclusive(self, name: str, *, ttl_s: float = 900.0) -> Exclusive:
+        """A lock named ``name`` shared by every process on this bus (:class:`Exclusive`)."""
+        return Exclusive(self.redis, f"{self.prefix}:lock:{name}", ttl_s=ttl_s)
 
     # -- publishing -----------------------------------------------------------------
     async def publish(self, stream: StreamDef[M], message: M) -> str:

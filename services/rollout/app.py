@@ -16,12 +16,14 @@ from services.policy_worker import worker_app
 from services.rollout.engine import Engine
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
+from services.sglang_control import Guard, shared_guard, unguarded
 from services.telemetry import setup_logging
 from services.tools.client import GatewayClient
 from services.weights.receiver import WeightReceiver, add_weight_routes
 
 
-def build_engine(settings: RolloutSettings) -> Engine:
+def build_engine(settings: RolloutSettings, guard: Guard = unguarded) -> Engine:
+    """``guard``: held while a server is checked and loaded (replicas share servers)."""
     if settings.engine == "sglang":
         from services.rollout.sglang import SglangEngine
 
@@ -30,6 +32,7 @@ def build_engine(settings: RolloutSettings) -> Engine:
             settings.sglang_urls,
             layers=config.get("num_hidden_layers"),
             top_k=config.get("num_experts_per_tok"),
+            guard=guard,
         )
     from services.model.checkpoint import load_model
     from services.rollout.inprocess import InProcessEngine
@@ -45,7 +48,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
         bus = Bus.from_url(
             settings.redis_url, prefix=settings.stream_prefix, patience_s=settings.redis_patience_s
         )
-        engine = build_engine(settings)
+        engine = build_engine(settings, shared_guard(bus.exclusive))
         tools = GatewayClient(settings.tools_url)
         worker = RolloutWorker(
             bus,

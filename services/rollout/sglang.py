@@ -43,11 +43,14 @@ import numpy as np
 
 from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
 from services.sglang_control import (
+    Guard,
     WeightsRefused,
     follow_broadcast,
+    load_each,
     load_weights_from_disk,
     model_info,
     settle_flush,
+    unguarded,
 )
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
@@ -68,6 +71,7 @@ class SglangEngine:
         layers: int | None = None,
         top_k: int | None = None,
         pause_mode: str = "retract",
+        guard: Guard = unguarded,
     ) -> None:
         if not urls:
             raise ValueError("at least one SGLang URL is needed")
@@ -77,6 +81,7 @@ class SglangEngine:
         self.retry = retry or RetryPolicy(max_attempts=3, base_delay_s=1.0)
         self.cooldown_s = cooldown_s
         self.pause_mode = pause_mode
+        self.guard = guard  # one replica at a time pauses and loads a server (sglang_control.load_each)
         # the shape of the routed experts: SGLang's /model_info does not report it, so give one
         self.layers, self.top_k = layers, top_k
         self.weight_version = 0
@@ -184,10 +189,9 @@ class SglangEngine:
         return flat.reshape(positions, per // top_k, top_k)
 
     async def update_weights(self, path: str, version: int) -> None:
-        """Pause every server, load the checkpoint, flush caches, continue."""
+        """Pause each server that does not serve the checkpoint yet, load it, flush caches, continue."""
         async with self._update_lock:
-            for url in self.urls:
-                await self._reload(url, path, version)
+            await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
             self.weight_version = version
 
     async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
@@ -195,7 +199,7 @@ class SglangEngine:
         it load the disk copy (``path``, ``disk_version``). The engine's version is the oldest served."""
         async with self._update_lock:
             oldest = await follow_broadcast(
-                self.http, self.urls, version, (path, disk_version), self.retry, self._reload
+                self.http, self.urls, version, (path, disk_version), self.retry, self._reload, self.guard
             )
             if oldest is not None:
                 self.weight_version = oldest

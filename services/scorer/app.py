@@ -14,17 +14,19 @@ from services.bus import Bus
 from services.policy_worker import worker_app
 from services.scorer.settings import ScorerSettings
 from services.scorer.worker import ScorerWorker
+from services.sglang_control import Guard, shared_guard, unguarded
 from services.telemetry import setup_logging
 from services.weights.receiver import WeightReceiver, add_weight_routes
 
 log = logging.getLogger(__name__)
 
 
-def build_scorer(settings: ScorerSettings):
+def build_scorer(settings: ScorerSettings, guard: Guard = unguarded):
+    """``guard``: held while a server is checked and loaded (replicas share servers)."""
     if settings.backend == "sglang":
         from services.scorer.backends import SglangScorer
 
-        return SglangScorer(settings.sglang_urls)
+        return SglangScorer(settings.sglang_urls, guard=guard)
     from transformers import AutoModelForCausalLM
 
     from services.model.checkpoint import DTYPES
@@ -57,7 +59,7 @@ def create_app(settings: ScorerSettings | None = None) -> FastAPI:
         )
         worker = ScorerWorker(
             bus,
-            build_scorer(settings),
+            build_scorer(settings, shared_guard(bus.exclusive)),
             ChatTokenizer.from_pretrained(settings.model),
             name=settings.worker_name,
             concurrency=settings.concurrency,

@@ -21,7 +21,15 @@ from services.model.checkpoint import load_weights_into
 from services.model.lm_head import HeadPath
 from services.scorer.logprobs import kernel_path, sequence_logprobs
 from services.scorer.replay import RoutedRequest, replayed_logprobs
-from services.sglang_control import WeightsRefused, follow_broadcast, load_weights_from_disk, settle_flush
+from services.sglang_control import (
+    Guard,
+    WeightsRefused,
+    follow_broadcast,
+    load_each,
+    load_weights_from_disk,
+    settle_flush,
+    unguarded,
+)
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 from services.weights.receiver import TORN
 
@@ -139,8 +147,10 @@ class SglangScorer:
         http: httpx.AsyncClient | None = None,
         retry: RetryPolicy | None = None,
         version: int = 0,
+        guard: Guard = unguarded,
     ) -> None:
         self.urls = [u.rstrip("/") for u in urls]
+        self.guard = guard  # one replica at a time loads a server (sglang_control.load_each)
         self.http = http or httpx.AsyncClient(timeout=3600)
         self.retry = retry or RetryPolicy(max_attempts=3, base_delay_s=1.0)
         self.semaphore = asyncio.Semaphore(concurrency)
@@ -216,14 +226,13 @@ class SglangScorer:
         return out
 
     async def update_weights(self, path: str, version: int) -> None:
-        for url in self.urls:
-            await self._reload(url, path, version)
+        await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
         self.version = version
 
     async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
         """As :meth:`SglangEngine.follow_broadcast`: servers that missed ``version`` load the disk copy."""
         oldest = await follow_broadcast(
-            self.http, self.urls, version, (path, disk_version), self.retry, self._reload
+            self.http, self.urls, version, (path, disk_version), self.retry, self._reload, self.guard
         )
         if oldest is not None:
             self.version = oldest
