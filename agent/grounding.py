@@ -77,7 +77,7 @@ def judge(
     on the trajectory's boxed answer (None without one). ``turns`` as in :meth:`Grounding.add`."""
     seen, links, results, verdicts = words(question), set(), [], []
     for text, result in turns:
-        call = parse_tool_call(text).call
+        call = parse_tool_call(text).call  # a message that makes several calls is judged by its first
         verdict = None
         if call is not None:
             query, url = call.arguments.get("q"), call.arguments.get("url")

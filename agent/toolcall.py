@@ -10,9 +10,10 @@ A call is the block (regex with DOTALL, as MiroFlow parses it)::
     </arguments>
     </use_mcp_tool>
 
-The system prompt allows one tool per message; if a message holds several blocks,
-the first is executed and the rest are ignored (``Parsed.count`` says how many there
-were). Arguments that are not valid JSON are repaired with ``json_repair`` when the
+The system prompt allows one tool per message, but a model may write several blocks: every
+one is run, in order, and their results are joined with a newline into the one user message
+that answers the turn, as MiroFlow's orchestrator runs them (``parse_tool_calls``; the agent
+caps how many). Arguments that are not valid JSON are repaired with ``json_repair`` when the
 damage is recoverable (a missing quote or brace); a block whose closing tags are
 missing at the very end of the message (generation stopped early) is recovered too.
 Everything else is reported back to the agent as a failed tool call.
@@ -34,6 +35,7 @@ __all__ = [
     "format_tool_failure",
     "format_tool_result",
     "parse_tool_call",
+    "parse_tool_calls",
 ]
 
 TOOL_CALL_RE = re.compile(
@@ -90,30 +92,39 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
     return {k: v for k, v in value.items() if v is not None}, repaired, None
 
 
-def parse_tool_call(text: str) -> Parsed:
-    """The tool call of an assistant message, if it makes one."""
-    matches = list(TOOL_CALL_RE.finditer(text))
-    truncated = False
-    if not matches:
-        if "<use_mcp_tool>" not in text:
-            return Parsed(None)
-        m = _TRUNCATED_RE.search(text)
-        if m is None:
-            return Parsed(
-                None,
-                "the <use_mcp_tool> block is malformed: it needs <server_name>, <tool_name> and <arguments>",
-            )
-        matches, truncated = [m], True
-    m = matches[0]
+def _one(m: re.Match, count: int, truncated: bool) -> Parsed:
     server, tool = m.group(1).strip(), m.group(2).strip()
     if not server or not tool:
-        return Parsed(None, "server_name and tool_name must not be empty", len(matches))
+        return Parsed(None, "server_name and tool_name must not be empty", count)
     args, repaired, error = _arguments(m.group(3))
     if error:
-        return Parsed(None, error, len(matches), (server, tool))
-    return Parsed(
-        ToolCallRequest(server, tool, args, repaired or truncated), None, 0 if truncated else len(matches)
-    )
+        return Parsed(None, error, count, (server, tool))
+    return Parsed(ToolCallRequest(server, tool, args, repaired or truncated), None, 0 if truncated else count)
+
+
+def parse_tool_calls(text: str) -> tuple[Parsed, ...]:
+    """Every tool call of an assistant message, in order; () when it makes none. Each is a call, or
+    the error that makes it unusable (reported back to the agent as that call's failure)."""
+    matches = list(TOOL_CALL_RE.finditer(text))
+    if matches:
+        return tuple(_one(m, len(matches), False) for m in matches)
+    if "<use_mcp_tool>" not in text:
+        return ()
+    m = _TRUNCATED_RE.search(text)
+    if m is None:
+        return (
+            Parsed(
+                None,
+                "the <use_mcp_tool> block is malformed: it needs <server_name>, <tool_name> and <arguments>",
+            ),
+        )
+    return (_one(m, 1, True),)
+
+
+def parse_tool_call(text: str) -> Parsed:
+    """The first tool call of an assistant message, if it makes one (``count``: how many it makes)."""
+    calls = parse_tool_calls(text)
+    return calls[0] if calls else Parsed(None)
 
 
 def format_tool_call(server_name: str, tool_name: str, arguments: dict[str, Any]) -> str:

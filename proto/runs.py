@@ -146,6 +146,11 @@ class RolloutSpec(_Spec):
     max_turns: Annotated[int, Field(gt=0, le=100_000)] = 300
     max_tokens_per_turn: Annotated[int, Field(gt=0, le=2**20)] = 16_384
     max_context: Annotated[int, Field(gt=0, le=2**24)] = 65_536
+    max_calls_per_turn: Annotated[int, Field(gt=0, le=1024)] = Field(
+        default=8,
+        description="tool calls one assistant message may make; all run in order (as MiroFlow runs them), "
+        "those past this fail unrun and say so",
+    )
     max_staleness: Annotated[int, Field(ge=0, le=64)] = Field(
         default=1,
         description="how many policy versions rollouts may run ahead of the trainer (0 = strictly on-policy)",

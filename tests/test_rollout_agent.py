@@ -171,6 +171,33 @@ async def test_malformed_and_repaired_calls(tok):
     )
 
 
+async def test_every_call_of_a_message_runs_and_one_message_answers_them(tok):
+    """MiroFlow runs every call a message makes, in order, and joins their results with a newline
+    into the next user message; calls past the agent's cap fail unrun, and say so."""
+    two = format_tool_call(*SEARCH, {"q": "Vienna river"}) + "\n" + format_tool_call(*SEARCH, {"q": "Danube"})
+    three = "\n".join(format_tool_call(*SEARCH, {"q": q}) for q in ("a", "b", "c"))
+    turns = ["Two searches.\n\n" + two, three, "\\boxed{Danube}"]
+    tools = FixedTools({"Vienna river": "RESULT-ONE", "Danube": "RESULT-TWO", "a": "A", "b": "B"})
+    with serve(make_sglang(scripted(tok, turns))) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, tools, tok, limits=AgentLimits(max_calls_per_turn=2))
+        await engine.aclose()
+    assert t.finish_reason == "answer" and t.reward == 1.0
+    assert [c[2]["q"] for c in tools.calls] == ["Vienna river", "Danube", "a", "b"]  # "c" never ran
+    assert [(c.turn, c.arguments["q"], c.ok) for c in t.tool_calls] == [
+        (0, "Vienna river", True),
+        (0, "Danube", True),
+        (1, "a", True),
+        (1, "b", True),
+        (1, "c", False),
+    ]
+    assert "at most 2 tool calls" in t.tool_calls[-1].error
+    text = tok.decode(t.completion_ids)
+    assert "RESULT-ONE\nRESULT-TWO" in text  # one user message answers both calls
+    assert "A\nB\nTool call to google_search on search_and_scrape_webpage failed. Error: one message" in text
+    assert len(t.turn_spans) == 3
+
+
 @pytest.mark.parametrize(
     ("limits", "close", "finish"),
     [

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent.chat import ChatTokenizer
-from agent.toolcall import format_tool_failure, parse_tool_call
+from agent.toolcall import Parsed, format_tool_failure, parse_tool_calls
 from pbsd.verifier import extract_boxed, verify
 from proto.messages import ToolCall, Trajectory
 from services.rollout import metrics
@@ -41,6 +41,7 @@ class AgentLimits:
     temperature: float = 1.0
     top_p: float = 1.0
     return_routed_experts: bool = False
+    max_calls_per_turn: int = 8  # of a message's tool calls, the ones past this fail unrun
 
 
 @dataclass
@@ -68,6 +69,28 @@ class _Builder:
         self.completion += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+
+
+async def _run_call(
+    one: Parsed, k: int, turn: int, limits: AgentLimits, tools: Tools, trajectory_id: str
+) -> tuple[ToolCall, str | None]:
+    """The ``k``-th call of a turn's message: its record, and the text that answers it (None: the
+    gateway is unreachable, which fails the trajectory)."""
+    server, tool = (
+        (one.call.server_name, one.call.tool_name) if one.call else one.names or ("unknown", "unknown")
+    )
+    args = one.call.arguments if one.call else {}
+    named = {"turn": turn, "server_name": server, "tool_name": tool, "arguments": args}
+    why = one.error
+    if k >= limits.max_calls_per_turn:
+        why = f"one message may make at most {limits.max_calls_per_turn} tool calls; this one was not run"
+    if why is not None or one.call is None:
+        return ToolCall(**named, ok=False, error=why), format_tool_failure(server, tool, why or "")
+    reply = await tools.call(server, tool, args, trajectory_id=trajectory_id)
+    if reply.unreachable:
+        return ToolCall(**named, ok=False, error=f"tool gateway unreachable: {reply.text}"), None
+    error = None if reply.ok else reply.text
+    return ToolCall(**named, ok=reply.ok, error=error, latency_s=reply.latency_s), reply.text
 
 
 async def run_trajectory(
@@ -133,51 +156,25 @@ async def run_trajectory(
             finish = "max_tokens" if budget == limits.max_tokens_per_turn else "max_context"
             break
 
-        parsed = parse_tool_call(last_text)
-        if (parsed.call is None and parsed.error is None) or tokenizer.ends_text(result.output_ids):
+        parsed = parse_tool_calls(last_text)
+        if not parsed or tokenizer.ends_text(result.output_ids):
             # no tool call, or the model ended its text (no format's glue follows that): the agent
             # is done (a \boxed{} answer, or none at all)
             finish = "answer"
             break
         if turn == limits.max_turns - 1:
             break  # no turn left to read the tool's answer
-        if parsed.call is None:
-            server, tool = parsed.names or ("unknown", "unknown")
-            reply_text, ok, call_error, latency = (
-                format_tool_failure(server, tool, parsed.error),
-                False,
-                parsed.error,
-                0.0,
-            )
-            args = {}
-        else:
-            server, tool, args = parsed.call.server_name, parsed.call.tool_name, parsed.call.arguments
-            reply = await tools.call(server, tool, args, trajectory_id=trajectory_id)
-            if reply.unreachable:
-                finish, error = "error", f"tool gateway unreachable: {reply.text}"
-                calls.append(
-                    ToolCall(
-                        turn=turn, server_name=server, tool_name=tool, arguments=args, ok=False, error=error
-                    )
-                )
+        replies = []
+        for k, one in enumerate(parsed):
+            call, reply_text = await _run_call(one, k, turn, limits, tools, trajectory_id)
+            calls.append(call)
+            if reply_text is None:
+                finish, error = "error", call.error
                 break
-            reply_text, ok, call_error, latency = (
-                reply.text,
-                reply.ok,
-                None if reply.ok else reply.text,
-                reply.latency_s,
-            )
-        calls.append(
-            ToolCall(
-                turn=turn,
-                server_name=server,
-                tool_name=tool,
-                arguments=args,
-                ok=ok,
-                error=call_error,
-                latency_s=latency,
-            )
-        )
+            replies.append(reply_text)
+        if error is not None:
+            break
+        reply_text = "\n".join(replies)  # as MiroFlow joins the results of one message's calls
         glue = tokenizer.glue_ids(reply_text, closed=result.output_ids[-1] == tokenizer.end_id)
         if b.length + len(glue) >= limits.max_context:
             finish = "max_context"

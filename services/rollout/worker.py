@@ -131,6 +131,7 @@ class RolloutWorker(PolicyWorker):
             max_turns=r.max_turns,
             max_tokens_per_turn=r.max_tokens_per_turn,
             max_context=r.max_context,
+            max_calls_per_turn=r.max_calls_per_turn,
             temperature=r.temperature,
             top_p=r.top_p,
             return_routed_experts=r.return_routed_experts,
