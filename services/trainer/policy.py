@@ -15,7 +15,9 @@ scorer's). One optimiser step per batch of groups::
 Ratios are against the rollout log-probs (on-policy). With ``tis_cap`` the ratio is
 taken against the current policy instead and each token's term is weighted by the
 truncated importance ratio min(pi_theta / pi_rollout, C) (truncated importance
-sampling for the rollout-trainer mismatch). With ``kl_coef`` > 0 each token also pays
+sampling for the rollout-trainer mismatch and the staleness lag); with one optimiser step a
+batch that ratio is 1, so the clip range never binds and the truncated weight is the only
+correction. With ``kl_coef`` > 0 each token also pays
 kl_coef * KL(pi_theta || pi_ref) (the spec's estimator, :func:`pbsd.losses.kl_penalty`)
 against a frozen reference policy, the run's initial weights, loaded beside the policy (a
 full copy on every rank, also under ZeRO-3); zero-advantage trajectories then still train,
