@@ -15,7 +15,7 @@ from agent.toolcall import format_tool_call
 from agent.transcript import turn_texts
 from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.sglang import SglangEngine
-from services.tools.client import GatewayClient
+from services.tools.client import GatewayClient, LocalTools
 from tests.servers import serve
 from tests.sglang_fake import LAYERS, TOP_K, make_sglang, routes_for
 
@@ -90,7 +90,8 @@ async def test_token_exact_conversation_masks_and_spans(tok, tiny_checkpoint):
         t = await _run(engine, tools, tok)
         await engine.aclose()
     assert t.finish_reason == "answer" and t.reward == 1.0 and t.final_answer == "Danube" and t.error is None
-    assert t.num_turns == 2 and tools.calls == [(*SEARCH, {"q": "Vienna river"}, "t/0")]
+    assert t.num_turns == 2 and [c[:3] for c in tools.calls] == [(*SEARCH, {"q": "Vienna river"})]
+    assert tools.calls[0][3].startswith("t/0#")  # the budget's id: the trajectory's, and this attempt's
 
     # the viewer and the evaluation read it back as text, turn by turn
     assert turn_texts(t.completion_ids, t.turn_spans, tok) == [
@@ -196,6 +197,25 @@ async def test_every_call_of_a_message_runs_and_one_message_answers_them(tok):
     assert "RESULT-ONE\nRESULT-TWO" in text  # one user message answers both calls
     assert "A\nB\nTool call to google_search on search_and_scrape_webpage failed. Error: one message" in text
     assert len(t.turn_spans) == 3
+
+
+async def test_each_attempt_of_a_trajectory_gets_a_whole_call_budget(tok, tiny_world):
+    """Trajectory ids repeat (a prompt delivered again after a worker died, two evaluations of the
+    same questions), and the gateway counts calls by the id the agent sends: each attempt sends its
+    own, so a second attempt is not refused calls the first one spent."""
+    tools = LocalTools.offline(tiny_world / "corpus.jsonl")
+    tools.gateway.call_budget = 2
+    turns = [
+        format_tool_call(*SEARCH, {"q": "city"}),
+        format_tool_call(*SEARCH, {"q": "river"}),
+        "\\boxed{Danube}",
+    ]
+    with serve(make_sglang(scripted(tok, turns))) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        first, second = [await _run(engine, tools, tok, trajectory_id="run:7/0") for _ in range(2)]
+        await engine.aclose()
+    for t in (first, second):
+        assert [c.ok for c in t.tool_calls] == [True, True] and t.reward == 1.0
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ them; nothing is re-tokenised. The reward is the verifier's on the last message.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -72,10 +73,10 @@ class _Builder:
 
 
 async def _run_call(
-    one: Parsed, k: int, turn: int, limits: AgentLimits, tools: Tools, trajectory_id: str
+    one: Parsed, k: int, turn: int, limits: AgentLimits, tools: Tools, attempt: str
 ) -> tuple[ToolCall, str | None]:
     """The ``k``-th call of a turn's message: its record, and the text that answers it (None: the
-    gateway is unreachable, which fails the trajectory)."""
+    gateway is unreachable, which fails the trajectory). ``attempt`` names this attempt's budget."""
     server, tool = (
         (one.call.server_name, one.call.tool_name) if one.call else one.names or ("unknown", "unknown")
     )
@@ -86,7 +87,7 @@ async def _run_call(
         why = f"one message may make at most {limits.max_calls_per_turn} tool calls; this one was not run"
     if why is not None or one.call is None:
         return ToolCall(**named, ok=False, error=why), format_tool_failure(server, tool, why or "")
-    reply = await tools.call(server, tool, args, trajectory_id=trajectory_id)
+    reply = await tools.call(server, tool, args, trajectory_id=attempt)
     if reply.unreachable:
         return ToolCall(**named, ok=False, error=f"tool gateway unreachable: {reply.text}"), None
     error = None if reply.ok else reply.text
@@ -113,6 +114,10 @@ async def run_trajectory(
     versions: list[int] = []
     finish, error, last_text = "max_turns", None, ""
     stop_ids = tuple(tokenizer.stop_ids)
+    # the gateway counts a trajectory's calls against its budget by this id. Trajectory ids repeat:
+    # a prompt delivered again after a worker died, one published again, and every `pbsd eval`
+    # of the same questions sample under the same ids, and each attempt gets a whole budget
+    attempt = f"{trajectory_id}#{secrets.token_hex(6)}"
 
     for turn in range(limits.max_turns):
         budget = min(limits.max_tokens_per_turn, limits.max_context - b.length)
@@ -166,7 +171,7 @@ async def run_trajectory(
             break  # no turn left to read the tool's answer
         replies = []
         for k, one in enumerate(parsed):
-            call, reply_text = await _run_call(one, k, turn, limits, tools, trajectory_id)
+            call, reply_text = await _run_call(one, k, turn, limits, tools, attempt)
             calls.append(call)
             if reply_text is None:
                 finish, error = "error", call.error
