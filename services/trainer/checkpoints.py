@@ -5,12 +5,22 @@ schedule state (``state.pt``), and ``trainer.json``: the :class:`TrainState` (wi
 weights timeline it was written in), the data position, the ids of every trajectory trained
 so far, and whether it was taken as the
 trainer shut down (``interrupted``: nothing happened after it, so a resume from it has
-nothing to redo). ``checkpoints/latest`` names the newest complete one.
+nothing to redo; the opening that resumes from it clears the mark, since things happen after
+it from then on). ``checkpoints/latest`` names the newest complete one.
+
+Nothing a checkpoint or its pointer holds is ever rewritten in place. A checkpoint is written
+whole into a fresh folder, flushed to disk and renamed into place; ``latest`` is replaced by a
+rename too. A trainer killed at any moment (a rolling restart's grace period runs out during a
+multi-GB write) leaves the last whole checkpoint and a pointer to it, or to the new one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +28,12 @@ from typing import Any
 from proto.base import encode
 from proto.messages import ScoredGroup
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "TrainState",
     "latest_checkpoint",
+    "mark_resumed",
     "prompt_index",
     "read_checkpoint",
     "save_groups",
@@ -58,12 +71,28 @@ def prompt_index(task_or_trajectory_id: str) -> int | None:
     return index if index >= 0 else None  # a negative one would be read as a place in the data
 
 
+def _whole(path: Path) -> bool:
+    """A checkpoint is whole once its ``trainer.json`` is in: it is written last."""
+    return (path / "trainer.json").is_file() and (path / "state.pt").exists() and (path / "model").is_dir()
+
+
 def latest_checkpoint(out: Path) -> Path | None:
-    pointer = out / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    path = out / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "state.pt").exists() else None
+    """The checkpoint ``latest`` names; where the pointer is missing or names no whole checkpoint
+    (a kill between the rename of a checkpoint and of its pointer, or a checkpoint an older pbsd
+    was writing in place), the newest whole one, so that a run never quietly starts over from its
+    base model while a checkpoint of it is on disk. None: there is no whole checkpoint."""
+    folder = out / "checkpoints"
+    pointer = folder / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    if named and _whole(folder / named):
+        return folder / named
+    whole = sorted(p for p in folder.glob("step-*") if _whole(p))  # zero-padded: by step
+    if whole:
+        log.warning(
+            "checkpoints/latest names %r, not a whole checkpoint: resuming from %s", named, whole[-1].name
+        )
+        return whole[-1]
+    return None
 
 
 def read_checkpoint(path: Path) -> tuple[TrainState, dict[str, Any]]:
@@ -73,18 +102,85 @@ def read_checkpoint(path: Path) -> tuple[TrainState, dict[str, Any]]:
 
 
 def write_checkpoint(
-    path: Path, state: TrainState, *, next_index: int, trained_ids: list[str], interrupted: bool
-) -> None:
-    """``trainer.json`` beside the model and ``state.pt`` the caller saved, then ``latest`` to it:
-    the pointer moves only once the checkpoint is whole."""
+    path: Path,
+    state: TrainState,
+    *,
+    next_index: int,
+    trained_ids: list[str],
+    interrupted: bool,
+    save: Callable[[Path], None] | None,
+) -> Path:
+    """Checkpoint ``path`` (``checkpoints/step-<n>``), then ``latest`` to it. ``save(folder)``
+    writes the model and ``state.pt`` into a fresh folder; ``trainer.json`` goes in last, the
+    whole is flushed to disk and renamed to ``path`` (a folder of that name, from weights a crash
+    discarded, is replaced). ``save`` None: ``path`` holds these very weights and optimiser state
+    already (this opening wrote or loaded it, and took no step since), and only its
+    ``trainer.json`` is replaced."""
     saved = {
         **asdict(state),
         "interrupted": interrupted,
         "next_index": next_index,
         "trained_ids": trained_ids,
     }
-    (path / "trainer.json").write_text(json.dumps(saved))
-    (path.parent / "latest").write_text(path.name)
+    if save is None:
+        _replace(path / "trainer.json", json.dumps(saved))
+    else:
+        fresh = path.with_name(f".{path.name}.partial")
+        shutil.rmtree(fresh, ignore_errors=True)  # what a kill left of an earlier try
+        fresh.mkdir(parents=True)
+        save(fresh)
+        (fresh / "trainer.json").write_text(json.dumps(saved))
+        _sync(fresh)
+        if path.exists():  # latest never names it: this opening neither wrote nor loaded it
+            stale = path.with_name(f".{path.name}.stale")
+            shutil.rmtree(stale, ignore_errors=True)
+            path.rename(stale)
+            fresh.rename(path)
+            shutil.rmtree(stale)
+        else:
+            fresh.rename(path)
+    _replace(path.parent / "latest", path.name)
+    return path
+
+
+def mark_resumed(path: Path) -> None:
+    """Clear a clean shutdown's mark on the checkpoint a run resumes from: a crash after this
+    opening must find steps it may have lost, not a checkpoint that nothing happened after."""
+    saved = json.loads((path / "trainer.json").read_text())
+    if saved.get("interrupted"):
+        _replace(path / "trainer.json", json.dumps({**saved, "interrupted": False}))
+
+
+def _replace(path: Path, text: str) -> None:
+    """``path`` now holds ``text``, or still what it held: a new file flushed, then renamed over it."""
+    fresh = path.with_name(f".{path.name}.new")
+    with fresh.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(fresh, path)
+    _sync_dir(path.parent)
+
+
+def _sync(folder: Path) -> None:
+    """Flush every file under ``folder``, and the folders, to disk before the rename publishes them."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(Path(root))
+    _sync_dir(folder.parent)
+
+
+def _sync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def truncate_lines(path: Path, keep: int) -> None:

@@ -296,15 +296,24 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         return Path(path)
 
     def save_state(self, path: Path) -> None:
+        """DeepSpeed's checkpoint in a folder beside ``path``, which names it relative to itself: the
+        trainer writes a checkpoint in a fresh folder and renames it into place. Every rank writes its
+        own partition; all have finished when any returns."""
         directory = Path(path).with_suffix("")
         self.engine.save_checkpoint(str(directory), tag="state", client_state={"step": self.step})
+        if dist.is_initialized():
+            dist.barrier()
         if self.rank == 0:
-            Path(path).write_text(json.dumps({"deepspeed": str(directory), "step": self.step}))
+            Path(path).write_text(json.dumps({"deepspeed": directory.name, "step": self.step}))
 
     def load_state_file(self, path: Path) -> None:
-        """Every rank loads its own optimiser partition and schedule (rank 0 announces it)."""
+        """Every rank loads its own optimiser partition and schedule (rank 0 announces it). A load
+        that finds no checkpoint is an error: DeepSpeed would go on with a fresh optimiser."""
         pointer = json.loads(Path(path).read_text())
-        _, client = self.engine.load_checkpoint(pointer["deepspeed"], tag="state")
+        directory = Path(path).parent / pointer["deepspeed"]  # an absolute path (older pbsd) stays so
+        loaded, client = self.engine.load_checkpoint(str(directory), tag="state")
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint to resume from in {directory}")
         self.step = int((client or {}).get("step", pointer["step"]))
 
 

@@ -269,8 +269,6 @@ class RunExecutor:
         await self.bus.commit(held)
         if self.save_groups:
             save_groups(run.out, state.step, groups)
-        if state.step % spec.trainer.checkpoint_every == 0:
-            await self._checkpoint(run)
         # off the event loop: at scale, reading a batch back as text (grounding) takes seconds
         batch = await asyncio.to_thread(batch_metrics, groups, state.version - 1, run.chat)
         now = time.perf_counter()
@@ -283,7 +281,11 @@ class RunExecutor:
             **{f"dropped_{k}": float(v) for k, v in state.drops.items()},
         }
         run.last_step_end = now
+        # recorded before the checkpoint: a resume keeps its checkpoint's first `step` records, so
+        # every checkpointed step must have its record in (a crash between the two loses neither)
         await self._record(run.id, run.out, state, record)
+        if state.step % spec.trainer.checkpoint_every == 0:
+            await self._checkpoint(run)
         await run.controller.top_up(state.step, state.dropped)
 
     # -- closing a run ----------------------------------------------------------------------
@@ -313,17 +315,27 @@ class RunExecutor:
         """``interrupted``: taken as the trainer shuts down, so nothing happened after it (a resume
         from any other checkpoint may have lost steps, and publishes the prompts out again)."""
         path = run.out / "checkpoints" / f"step-{run.state.step:06d}"
-        await asyncio.to_thread(run.trainer.save_weights, path / "model", tokenizer=run.tokenizer)
-        # what a consumer that missed a broadcast loads
-        run.publisher.saved(path / "model", run.state.version)
-        await asyncio.to_thread(run.trainer.save_state, path / "state.pt")
-        write_checkpoint(
+
+        def save(folder: Path) -> None:
+            run.trainer.save_weights(folder / "model", tokenizer=run.tokenizer)
+            run.trainer.save_state(folder / "state.pt")
+
+        # the folder of a checkpoint this opening wrote or loaded at this step holds these weights
+        same = run.checkpointed == path.name
+        trained_ids = await self.store.trained_ids(run.id)
+        await asyncio.to_thread(
+            write_checkpoint,
             path,
             run.state,
             next_index=run.controller.next_index,
-            trained_ids=await self.store.trained_ids(run.id),
+            trained_ids=trained_ids,
             interrupted=interrupted,
+            save=None if same else save,
         )
+        run.checkpointed = path.name
+        run.publisher.saved(
+            path / "model", run.state.version
+        )  # what a consumer that missed a broadcast loads
 
     async def _dead_lettered(self, run: Run, index: int, letter: DeadLetter) -> None:
         """Prompt ``index``'s message was dead-lettered: its group will never come. Count it as a

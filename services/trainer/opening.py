@@ -36,6 +36,7 @@ from services.trainer.admission import outstanding
 from services.trainer.checkpoints import (
     TrainState,
     latest_checkpoint,
+    mark_resumed,
     prompt_index,
     read_checkpoint,
     truncate_lines,
@@ -71,6 +72,7 @@ class Run:
     options: ConsumerOptions
     published: int = 0  # the newest version announced
     last_step_end: float = 0.0
+    checkpointed: str | None = None  # the checkpoint folder that holds the weights as they are now
     # set when a prompt's group is known lost for good (dead-lettered): a batch waiting for the
     # data's last groups checks again whether any can still come
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -138,6 +140,7 @@ async def open_run(
         await asyncio.to_thread(trainer.load_state_file, latest / "state.pt")
         state, saved = read_checkpoint(latest)
         crashed = not saved.get("interrupted", False)
+        await asyncio.to_thread(mark_resumed, latest)
         initial_weights = str(latest / "model")
         log.info("run %s resumes from %s at step %d", run_id, latest.name, state.step)
     timeline = new_id()[:8]
@@ -222,6 +225,7 @@ async def open_run(
         evaluator=evaluator,
         options=options,
         published=state.version,
+        checkpointed=latest.name if latest else None,
     )
 
 

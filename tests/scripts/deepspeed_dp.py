@@ -68,10 +68,11 @@ def main() -> None:
     history += [trainer.train_step(batch, counts, ALGORITHM) for _ in range(2)]
     history.append(trainer.train_step([], counts, ALGORITHM))  # nothing trainable: no update at all
     trainer.save_weights(out / "weights")
-    trainer.save_state(out / "state.pt")
+    trainer.save_state(out / "written" / "state.pt")  # in a fresh folder, as the trainer writes checkpoints
     trainer.train_step(batch, counts, ALGORITHM)
     trainer.save_weights(out / "resumed-a")
-    trainer.load_state_file(out / "state.pt")
+    (out / "written").rename(out / "placed")  # then renamed into place: the state must still load
+    trainer.load_state_file(out / "placed" / "state.pt")
     trainer.train_step(batch, counts, ALGORITHM)
     trainer.save_weights(out / "resumed-b")
     if hasattr(trainer, "stop"):

@@ -1,0 +1,140 @@
+"""Checkpoints a trainer can be killed in the middle of: written whole or not at all, never in place,
+the pointer replaced by a rename, and a clean shutdown's mark good for one resume only."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from proto.runs import RunSpec
+from services.trainer.checkpoints import (
+    TrainState,
+    latest_checkpoint,
+    mark_resumed,
+    prompt_index,
+    read_checkpoint,
+    write_checkpoint,
+)
+from tests.test_trainer_resilience import _finished, _Pipeline
+from tests.test_trainer_service import _spec
+
+
+def _save(weights: str):
+    def save(folder):
+        (folder / "model").mkdir()
+        (folder / "model" / "weights").write_text(weights)
+        (folder / "state.pt").write_text("optimiser of " + weights)
+
+    return save
+
+
+def _write(out, step: int, weights: str, *, interrupted: bool = False, save=True):
+    return write_checkpoint(
+        out / "checkpoints" / f"step-{step:06d}",
+        TrainState(step=step, version=step),
+        next_index=2 * step,
+        trained_ids=[f"run:{i}/0" for i in range(step)],
+        interrupted=interrupted,
+        save=_save(weights) if save else None,
+    )
+
+
+def test_a_checkpoint_is_renamed_into_place_whole_and_latest_follows(tmp_path):
+    one = _write(tmp_path, 1, "w1")
+    assert latest_checkpoint(tmp_path) == one and (one / "model" / "weights").read_text() == "w1"
+    two = _write(tmp_path, 2, "w2")
+    assert latest_checkpoint(tmp_path) == two
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step-000001",
+        "step-000002",
+    ]
+
+
+def test_a_kill_mid_write_leaves_the_last_whole_checkpoint(tmp_path):
+    one = _write(tmp_path, 1, "w1")
+
+    def dies(folder):  # the grace period ran out half-way through the model
+        (folder / "model").mkdir()
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(
+            tmp_path / "checkpoints" / "step-000002",
+            TrainState(step=2),
+            next_index=4,
+            trained_ids=[],
+            interrupted=False,
+            save=dies,
+        )
+    assert latest_checkpoint(tmp_path) == one and read_checkpoint(one)[0].step == 1
+    assert not (tmp_path / "checkpoints" / "step-000002").exists()
+    assert _write(tmp_path, 2, "w2") == latest_checkpoint(tmp_path)  # the next try clears the remains
+
+
+def test_the_same_step_again_replaces_only_its_record(tmp_path):
+    """A clean shutdown right after a step's checkpoint (or right after a resume) has the same
+    weights in the same folder: its record is replaced by a rename, the model is not touched."""
+    one = _write(tmp_path, 1, "w1")
+    model = (one / "model" / "weights").stat()
+    _write(tmp_path, 1, "unused", interrupted=True, save=False)
+    assert read_checkpoint(one)[1]["interrupted"] is True
+    assert (one / "model" / "weights").stat() == model
+    mark_resumed(one)
+    assert read_checkpoint(one)[1]["interrupted"] is False
+
+
+def test_a_folder_of_discarded_weights_is_replaced(tmp_path):
+    _write(tmp_path, 1, "w1")
+    _write(tmp_path, 2, "lost")  # then a crash, a resume from step 1 (which latest names again)
+    (tmp_path / "checkpoints" / "latest").write_text("step-000001")
+    again = _write(tmp_path, 2, "w2")
+    assert (again / "model" / "weights").read_text() == "w2"
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("pointer", ["", "step-000003", None])
+def test_a_broken_pointer_falls_back_to_the_newest_whole_checkpoint(tmp_path, caplog, pointer):
+    """A pointer cut short, naming a folder an older pbsd left half-written, or lost: the run resumes
+    from its newest whole checkpoint, never quietly from its base model."""
+    _write(tmp_path, 1, "w1")
+    two = _write(tmp_path, 2, "w2")
+    (tmp_path / "checkpoints" / "step-000003" / "model").mkdir(parents=True)  # no trainer.json
+    latest = tmp_path / "checkpoints" / "latest"
+    if pointer is None:
+        latest.unlink()
+    else:
+        latest.write_text(pointer)
+    with caplog.at_level(logging.WARNING, logger="services.trainer.checkpoints"):
+        assert latest_checkpoint(tmp_path) == two
+    assert "resuming from step-000002" in caplog.text
+    assert latest_checkpoint(tmp_path / "elsewhere") is None
+
+
+async def test_a_crash_after_resuming_from_a_clean_stop_loses_no_prompt(
+    redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """A clean shutdown's checkpoint says nothing happened after it; once a run resumes from it,
+    things do. A crash before the next checkpoint must be resumed as a crash: the prompts the lost
+    steps consumed are published again, under new ids. (Before, the run waited forever.)"""
+    p = _Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path)
+    try:
+        spec = _spec(tiny_world, tiny_checkpoint, max_steps=100, checkpoint_every=100)
+        spec["data"]["max_questions"] = 16  # 8 steps of 2 prompts, then the data is out
+        record = await p.store.create(RunSpec.model_validate(spec))
+        p.serve()
+        await p.until(record.id, lambda r: r.step >= 1)
+        await p.shutdown()  # SIGTERM: the interrupted checkpoint
+        stopped = (await p.store.get(record.id)).step
+        p.serve()
+        await p.until(record.id, lambda r: r.step >= stopped + 2)
+        await p.crash()  # no checkpoint since the clean stop's
+        p.serve()
+        done = await p.until(record.id, _finished, timeout=60)
+        assert done.state == "completed", done.error
+        trained = {prompt_index(t) for t in await p.store.trained_ids(record.id)}
+        # every prompt trained, or its group dropped (sampled with weights the crash discarded)
+        assert trained | await p.store.dropped(record.id) == set(range(16))
+    finally:
+        await p.close()
