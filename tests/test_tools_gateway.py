@@ -227,6 +227,31 @@ async def test_cache_expiry_and_truncation(world):
         gw.validate(*SEARCH, ["not", "a", "dict"])
 
 
+async def test_answers_cached_under_another_configuration_are_not_served(world, tmp_path):
+    """The cache keys carry what shapes an answer besides its arguments. A restart with a host added
+    to the blocked list, or on a rebuilt corpus, must not serve what the old configuration cached
+    (the shared cache outlives the gateway: Redis keeps it on disk)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text((world / "corpus.jsonl").read_text())
+    base = ToolsSettings(corpus=corpus, use_redis=False)
+    tags = {
+        "base": base.answers_tag(),
+        "same": ToolsSettings(corpus=corpus, use_redis=False, port=9, call_budget=5).answers_tag(),
+        "blocked": ToolsSettings(corpus=corpus, blocked_result_hosts=["example.org"]).answers_tag(),
+    }
+    corpus.write_text(corpus.read_text() + "\n")  # rebuilt: another size
+    tags["rebuilt"] = base.answers_tag()
+    assert tags["same"] == tags["base"] and len(set(tags.values())) == 3
+
+    store = MemoryStore()  # one cache, two gateways in turn
+    backend = OfflineBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl"))
+    before = ToolGateway(backend, store, answers_tag=tags["base"])
+    assert not (await before.call(*SEARCH, {"q": "river"})).cached
+    assert (await ToolGateway(backend, store, answers_tag=tags["same"]).call(*SEARCH, {"q": "river"})).cached
+    after = ToolGateway(backend, store, answers_tag=tags["blocked"])
+    assert not (await after.call(*SEARCH, {"q": "river"})).cached
+
+
 def test_settings_fail_fast():
     with pytest.raises(ValueError, match="SERPER_API_KEY"):
         ToolsSettings(backend="web")

@@ -172,6 +172,7 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
             max_result_chars=settings.max_result_chars,
             call_budget=settings.call_budget,
             deadline_s=settings.call_deadline_s,
+            answers_tag=settings.answers_tag(),
         )
         try:
             yield

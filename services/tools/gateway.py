@@ -80,8 +80,12 @@ class ToolGateway:
         call_budget: int = 300,
         budget_ttl_s: int = 6 * 3600,
         deadline_s: float = 240.0,
+        answers_tag: str = "",
     ) -> None:
         self.backend = backend
+        # in every cache key: answers cached under another configuration are not this one's
+        # (ToolsSettings.answers_tag)
+        self.answers_tag = answers_tag
         # one call's limit, retries and fallbacks included, inside the rollout client's 300 s: past
         # it the agent gets a failed call and goes on, instead of its client timing out and the
         # whole trajectory ending as an error
@@ -142,11 +146,11 @@ class ToolGateway:
         elapsed = time.perf_counter() - started
         metrics.child(metrics.CALL_SECONDS, spec.name, self.backend.name).observe(elapsed)
         metrics.child(metrics.CALLS, spec.name, self.backend.name, "ok" if outcome.ok else "error").inc()
-        text = format_tool_result(outcome.text, self.max_result_chars)
-        return CallOutcome(outcome.ok, text, outcome.cached, outcome.merged, elapsed, outcome.error)
+        return CallOutcome(outcome.ok, outcome.text, outcome.cached, outcome.merged, elapsed, outcome.error)
 
     async def _call(self, spec: ToolSpec, args: BaseModel, trajectory_id: str | None) -> CallOutcome:
-        key = f"cache:{self.backend.name}:{spec.name}:{hashlib.sha256(_canonical(spec, args).encode()).hexdigest()}"
+        digest = hashlib.sha256(_canonical(spec, args).encode()).hexdigest()
+        key = f"cache:{self.backend.name}:{self.answers_tag}:{spec.name}:{digest}"
         if trajectory_id is None:
             hit = await self.store.get(key)
         else:  # one round trip: the budget's count and the cache lookup
@@ -191,7 +195,8 @@ class ToolGateway:
             log.exception("%s failed unexpectedly", spec.name)
             error = f"internal error in the tool gateway ({type(exc).__name__})"
         else:
-            text = render(result)
+            # cut before it is cached: the cache holds what the agent is shown, not a 5 MB page
+            text = format_tool_result(render(result), self.max_result_chars)
             if spec is SEARCH or result.get("success"):  # failed reads may be transient: never cached
                 await self.store.set(key, text, self.ttl[spec.name])
             return True, text, None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -122,3 +124,35 @@ class ToolsSettings(CommonSettings):
             for s in (self.serper_api_key, self.jina_api_key, self.summariser_api_key)
             if s
         ]
+
+    def answers_tag(self) -> str:
+        """A short hash of what shapes a tool's answer besides its arguments: the backend, its corpus
+        (path, size and modification time), where answers are cut, the hosts that are dropped from
+        results and never read, the reader and the summariser. The cache keys carry it, so an answer cached before a change
+        of these (a host added to the blocked list, a corpus rebuilt) is not served after it."""
+        shaping = self.model_dump(
+            mode="json",
+            include={
+                "backend",
+                "max_result_chars",
+                "blocked_result_hosts",
+                "allow_hosts",
+                "fetch_max_bytes",
+                *(() if self.backend == "offline" else ("use_jina", "jina_url")),
+                *(
+                    (
+                        "summariser_base_url",
+                        "summariser_model",
+                        "summariser_max_content_chars",
+                        "summariser_temperature",
+                        "summariser_omit_temperature",
+                    )
+                    if self.summariser_base_url
+                    else ()
+                ),
+            },
+        )
+        if self.backend == "offline" and self.corpus is not None:
+            stat = Path(self.corpus).stat()
+            shaping["corpus"] = [str(Path(self.corpus).resolve()), stat.st_size, stat.st_mtime_ns]
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
