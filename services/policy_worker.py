@@ -297,7 +297,9 @@ def worker_app(
 
     app = FastAPI(title=title, version="0.1.0", lifespan=lifespan)
     add_metrics_route(app)
-    app.add_middleware(BodyLimit, max_bytes=64 * 1024)  # its routes take no body: none is held
+    # its routes take no body but the weight receiver's, whose largest (a bucket's tensor names,
+    # dtypes and shapes) the sender keeps under this (weights.sender.MAX_BUCKET_TENSORS)
+    app.add_middleware(BodyLimit, max_bytes=64 * 1024)
 
     def stopped() -> dict | None:
         task = app.state.task

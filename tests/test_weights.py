@@ -24,7 +24,7 @@ from services.trainer.checkpoints import TrainState
 from services.trainer.publishing import WeightPublisher
 from services.weights import layout as layout_module
 from services.weights.layout import HubLayout, Piece, digest
-from services.weights.sender import WeightBroadcaster, buckets
+from services.weights.sender import MAX_BUCKET_TENSORS, WeightBroadcaster, buckets
 from tests.servers import wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +98,21 @@ def test_buckets_keep_order_and_size():
     pieces = [Piece(f"t{i}", "p", (n,), torch.float32) for i, n in enumerate([10, 10, 30, 5, 5])]
     sizes = [[p.name for p in b] for b in buckets(pieces, 80)]
     assert sizes == [["t0", "t1"], ["t2"], ["t3", "t4"]]  # 40 + 40 bytes, 120 alone, 20 + 20
+    names = [f"model.layers.{i // 128}.mlp.experts.{i % 128}.down_proj.weight" for i in range(600)]
+    many = [Piece(name, "p", (2048, 768), torch.bfloat16) for name in names]
+    counts = [len(b) for b in buckets(many, 8 << 30)]  # 8 GB buckets of 3 MiB experts: capped by count
+    assert counts == [MAX_BUCKET_TENSORS, MAX_BUCKET_TENSORS, 600 - 2 * MAX_BUCKET_TENSORS]
+    body = json.dumps(
+        {
+            "names": [p.name for p in many[:MAX_BUCKET_TENSORS]],
+            "dtypes": ["bfloat16"] * MAX_BUCKET_TENSORS,
+            "shapes": [[2048, 768]] * MAX_BUCKET_TENSORS,
+            "group_name": "weight_update_group",
+            "flush_cache": False,
+            "weight_version": "123456",
+        }
+    )
+    assert len(body) < 64 * 1024  # what the workers' receivers accept
 
 
 # -- a broadcast to real receivers -----------------------------------------------------------------

@@ -61,12 +61,19 @@ class BroadcastFailed(Exception):
     """A version did not reach every member of the group; the group is down."""
 
 
+# tensors a bucket names at most: an update request lists each one's name, dtype and shape (about
+# 80 bytes), and the workers' receivers take request bodies of 64 KiB. A MoE's 3 MiB expert
+# tensors would otherwise pass that from a bucket of about 2.6 GB
+MAX_BUCKET_TENSORS = 256
+
+
 def buckets(pieces: list[Piece], bucket_bytes: int) -> Iterator[list[Piece]]:
-    """Consecutive pieces of about ``bucket_bytes`` (a larger piece is a bucket of its own)."""
+    """Consecutive pieces of about ``bucket_bytes`` (a larger piece is a bucket of its own), at most
+    ``MAX_BUCKET_TENSORS`` of them."""
     bucket: list[Piece] = []
     size = 0
     for piece in pieces:
-        if bucket and size + piece.nbytes > bucket_bytes:
+        if bucket and (size + piece.nbytes > bucket_bytes or len(bucket) == MAX_BUCKET_TENSORS):
             yield bucket
             bucket, size = [], 0
         bucket.append(piece)
