@@ -348,6 +348,15 @@ async def test_reads_of_internal_addresses_and_benchmark_leaks_never_reach_jina(
     assert jina_app.state.requests == []
 
 
+async def test_a_short_link_that_lands_on_a_benchmark_page_is_not_read():
+    with serve(make_jina(["landed:https://huggingface.co/datasets/openai/browsecomp"])) as jina:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina)
+            out = await backend.read(ScrapeArgs(url="https://example.org/s/x1", info_to_extract="answers"))
+    assert not out["success"] and "leak benchmark answers" in out["error"]
+    assert "Danube" not in json.dumps(out)
+
+
 def test_render_is_the_agent_text():
     assert json.loads(render({"organic": []})) == {"organic": []}
 

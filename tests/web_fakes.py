@@ -146,7 +146,11 @@ def make_jina(script: list[Any] | None = None) -> FastAPI:
         if item == "target-404":  # the Reader answers 200 with the site's error page and a warning
             content, warning = "# 404 Not Found", "Target URL returned error 404: Not Found"
         if "application/json" in request.headers.get("accept", ""):
-            data = {"title": "Danube", "description": "river", "url": target, "content": content}
+            # "landed:<url>": the target redirected there (the Reader reports where it landed)
+            landed = (
+                item[len("landed:") :] if isinstance(item, str) and item.startswith("landed:") else target
+            )
+            data = {"title": "Danube", "description": "river", "url": landed, "content": content}
             if warning:
                 data["warning"] = warning
             return JSONResponse({"code": 200, "status": 20000, "data": {**data, "usage": {"tokens": 42}}})

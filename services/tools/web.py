@@ -286,6 +286,8 @@ class WebBackend:
         page = await self._page(args.url)
         if isinstance(page, str):
             return read_result(args.url, error=page)
+        if self.searcher.blocked(page.url):  # a short link or a redirect that ends on such a page
+            return read_result(args.url, error=f"refused to read {args.url}: it would leak benchmark answers")
         if self.summariser is not None:
             evidence, summary = await self.summariser.summarise(page, args.info_to_extract)
         else:
