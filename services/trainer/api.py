@@ -186,7 +186,10 @@ async def cancel(run_id: RunId, request: Request) -> RunSummary:
             status.HTTP_409_CONFLICT,
             {"msg": f"run {run_id} is already {before}: nothing to cancel", "state": before},
         )
-    return await store.summary(run_id)  # read, like a listing, without the spec
+    summary = await store.summary(run_id)  # read, like a listing, without the spec
+    if summary is None:  # it finished and was deleted since
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return summary
 
 
 @router.delete("/runs/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
