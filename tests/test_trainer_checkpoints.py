@@ -3,6 +3,7 @@ the pointer replaced by a rename, and a clean shutdown's mark good for one resum
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -136,5 +137,35 @@ async def test_a_crash_after_resuming_from_a_clean_stop_loses_no_prompt(
         trained = {prompt_index(t) for t in await p.store.trained_ids(record.id)}
         # every prompt trained, or its group dropped (sampled with weights the crash discarded)
         assert trained | await p.store.dropped(record.id) == set(range(16))
+    finally:
+        await p.close()
+
+
+async def test_a_crash_resume_keeps_one_validation_round_a_step(
+    redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """The validation rounds of steps a crash lost scored discarded weights: they go with the steps'
+    records, and the resumed run evaluates those steps again. (Before, step 3 had two rounds.)"""
+    # on-policy, so that the fake meets round s before the prompts of step s + 1: it answers the
+    # rounds of versions 0-3 and the prompts of steps 1-3, then holds
+    p = _Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path, hold_after=1 + 3 * (2 + 1))
+    try:
+        spec = _spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=2, eval_every=1)
+        spec["rollout"].update(max_staleness=0, eval_samples=1)
+        spec["data"].update(
+            validation=str(tiny_world / "questions" / "validation.jsonl"), max_validation_questions=1
+        )
+        record = await p.store.create(RunSpec.model_validate(spec))
+        p.serve()
+        await p.until(record.id, lambda r: r.step >= 3 and (r.latest_eval or {}).get("step") == 3)
+        await p.crash()  # steps 3's weights are lost: the last checkpoint is step 2's
+        p.fake.release.set()
+        p.serve()
+        done = await p.until(record.id, _finished)
+        assert done.state == "completed", done.error
+        evals = await p.store.metrics(record.id, series="evals")
+        assert [e["step"] for e in evals] == [0, 1, 2, 3, 4]
+        lines = (p.settings.runs_dir / record.id / "evals.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3, 4]
     finally:
         await p.close()

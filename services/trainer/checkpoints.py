@@ -32,12 +32,12 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "TrainState",
+    "keep_steps",
     "latest_checkpoint",
     "mark_resumed",
     "prompt_index",
     "read_checkpoint",
     "save_groups",
-    "truncate_lines",
     "write_checkpoint",
 ]
 
@@ -183,12 +183,14 @@ def _sync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def truncate_lines(path: Path, keep: int) -> None:
-    """Keep the first ``keep`` lines of a JSONL file (the step records a resume keeps)."""
+def keep_steps(path: Path, step: int) -> None:
+    """Keep the records of a JSONL series (``metrics.jsonl``, ``evals.jsonl``) whose ``step`` is at
+    most ``step``: a resume from that step's checkpoint records the steps after it again."""
     if path.exists():
         lines = path.read_text().splitlines(keepends=True)
-        if len(lines) > keep:
-            path.write_text("".join(lines[:keep]))
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        if len(kept) < len(lines):
+            path.write_text("".join(kept))
 
 
 def save_groups(out: Path, step: int, groups: list[ScoredGroup]) -> None:

@@ -35,11 +35,11 @@ from services.model.checkpoint import load_model
 from services.trainer.admission import outstanding
 from services.trainer.checkpoints import (
     TrainState,
+    keep_steps,
     latest_checkpoint,
     mark_resumed,
     prompt_index,
     read_checkpoint,
-    truncate_lines,
 )
 from services.trainer.controller import PromptController
 from services.trainer.distributed import make_trainer
@@ -149,7 +149,9 @@ async def open_run(
         if crashed:
             again = await _consumed_since(store, run_id, state, saved.get("trained_ids", []))
         await store.truncate_metrics(run_id, state.step)  # the steps lost with a crash
-        truncate_lines(out / "metrics.jsonl", state.step)
+        await store.truncate_evals(run_id, state.step)  # and the rounds of their weights
+        for series in ("metrics.jsonl", "evals.jsonl"):
+            keep_steps(out / series, state.step)
     # "cancelling" (asked for before a restart) stays; "cancelled" means it came while loading
     found = await store.start(run_id, output_dir=str(out), step=state.step, policy_version=state.version)
     if found not in ACTIVE:
@@ -206,8 +208,11 @@ async def open_run(
             out,
             nonce=new_id()[:8],
         )
+        evaluator.recorded = await store.metrics(run_id, series="evals")  # the rounds of the weights kept
         evaluator.start(options)
-        if state.step == 0:
+        # the round of the step the run opens at: before the first step, or one a stop or a crash
+        # cut short (start_round passes over a version already recorded)
+        if state.step == 0 or evaluator.due(state.step):
             await evaluator.start_round(state.version, state.step)
     await controller.top_up(state.step, state.dropped)
     if resume:

@@ -189,6 +189,17 @@ class RunStore:
         else:
             await self.redis.delete(key)
 
+    async def truncate_evals(self, run_id: str, step: int) -> None:
+        """Keep the validation rounds of steps up to ``step``: those after it scored weights a
+        crash discarded, and the resumed run evaluates the steps again."""
+        key = self._key(run_id, ":evals")
+        keep = [x for x in await self.redis.lrange(key, 0, -1) if json.loads(x)["step"] <= step]
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            if keep:
+                pipe.rpush(key, *keep)
+            await pipe.execute()
+
     async def metrics(self, run_id: str, since: int = 0, *, series: str = "metrics") -> list[dict[str, Any]]:
         return [json.loads(x) for x in await self.redis.lrange(self._key(run_id, f":{series}"), since, -1)]
 
