@@ -8,12 +8,27 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["REDIS_DOWN", "as_text", "redis_client"]
+__all__ = ["REDIS_DOWN", "as_text", "redis_client", "refusing"]
 
 # what Redis being out of reach raises (a refused or broken connection, a timeout)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+# the words of a reachable Redis that refuses writes for now, where redis-py has no class for them:
+# a failed snapshot (MISCONF, a full disk), a script running past its limit (BUSY), a replica that
+# lost its master or misses its min-replicas (MASTERDOWN, NOREPLICAS)
+_REFUSING_WORDS = ("MISCONF", "BUSY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN")
+
+
+def refusing(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing for now what it will take later: out of memory (OOM, at
+    maxmemory with noeviction), a replica after a failover (READONLY), or the refusals above. A
+    consumer waits these out as it waits out an outage, instead of dying of them."""
+    if isinstance(exc, (OutOfMemoryError, ReadOnlyError)):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith(_REFUSING_WORDS)
 
 
 def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:

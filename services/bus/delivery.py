@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 from proto.base import Message
 from proto.streams import StreamDef
 from services.bus import metrics
-from services.bus.connection import REDIS_DOWN
+from services.bus.connection import REDIS_DOWN, refusing
 from services.tasks import within
 
 if TYPE_CHECKING:
@@ -98,8 +98,10 @@ class Held(Generic[M]):
 class Outage:
     """Riding out a Redis outage in a consumer's loop instead of dying of it: wait with backoff
     (0.5 s doubling to 10 s) and try again; an entry being handled when it struck stays pending
-    and comes back (at-least-once). A Redis restarted without persistence has lost the consumer
-    group (NOGROUP): it is created again. Any other error is raised."""
+    and comes back (at-least-once). So is a Redis that refuses writes for now (out of memory, a
+    read-only replica after a failover, a failed snapshot: ``connection.refusing``). A Redis
+    restarted without persistence has lost the consumer group (NOGROUP): it is created again. Any
+    other error is raised."""
 
     def __init__(self, bus: Bus, stream: StreamDef, group: str) -> None:
         self.bus, self.stream, self.group = bus, stream, group
@@ -109,7 +111,15 @@ class Outage:
         self.delay = 0.5
 
     async def wait(self, exc: Exception, stop: asyncio.Event | None) -> None:
-        if isinstance(exc, ResponseError):
+        if refusing(exc):
+            log.warning(
+                "Redis refuses %s's commands for now (%s: %s); trying again in %.1f s",
+                self.stream.name,
+                type(exc).__name__,
+                exc,
+                self.delay,
+            )
+        elif isinstance(exc, ResponseError):
             if "NOGROUP" not in str(exc):
                 raise exc
             log.warning(

@@ -20,7 +20,7 @@ from proto.base import Message, decode, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
-from services.bus.connection import REDIS_DOWN, as_text
+from services.bus.connection import REDIS_DOWN, as_text, refusing
 from services.bus.delivery import ConsumerOptions, Cursor, Delivery, Handler, Held, Outage
 from services.tasks import cancel_and_wait
 
@@ -71,7 +71,9 @@ class ConsumerGroups:
         try:
             await self.redis.xgroup_create(self.key(stream), group, id="0", mkstream=True)
         except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
+            if refusing(exc):  # full, or read-only for now: reading finds out (NOGROUP, or it refuses too)
+                log.warning("Redis refuses to make the group %s of %s for now: %s", group, stream.name, exc)
+            elif "BUSYGROUP" not in str(exc):
                 raise
 
     async def consume(
