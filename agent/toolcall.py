@@ -102,23 +102,24 @@ def _one(m: re.Match, count: int, truncated: bool) -> Parsed:
     return Parsed(ToolCallRequest(server, tool, args, repaired or truncated), None, 0 if truncated else count)
 
 
+MALFORMED = "the <use_mcp_tool> block is malformed: it needs <server_name>, <tool_name> and <arguments>"
+
+
 def parse_tool_calls(text: str) -> tuple[Parsed, ...]:
-    """Every tool call of an assistant message, in order; () when it makes none. Each is a call, or
+    """Every tool call of an assistant message: the complete blocks in order, then a block cut off
+    at the end of the message (recovered where its names and arguments can be read), then one error
+    for each other ``<use_mcp_tool>`` that forms no block; () when it makes none. Each is a call, or
     the error that makes it unusable (reported back to the agent as that call's failure)."""
     matches = list(TOOL_CALL_RE.finditer(text))
-    if matches:
-        return tuple(_one(m, len(matches), False) for m in matches)
-    if "<use_mcp_tool>" not in text:
-        return ()
-    m = _TRUNCATED_RE.search(text)
-    if m is None:
-        return (
-            Parsed(
-                None,
-                "the <use_mcp_tool> block is malformed: it needs <server_name>, <tool_name> and <arguments>",
-            ),
-        )
-    return (_one(m, 1, True),)
+    calls = [_one(m, len(matches), False) for m in matches]
+    unread = text.count("<use_mcp_tool>") - len(matches)
+    if unread > 0:
+        cut = _TRUNCATED_RE.search(text, matches[-1].end() if matches else 0)
+        if cut is not None:
+            calls.append(_one(cut, 1, True))
+            unread -= 1
+        calls += [Parsed(None, MALFORMED, len(matches))] * unread
+    return tuple(calls)
 
 
 def parse_tool_call(text: str) -> Parsed:

@@ -6,7 +6,13 @@ import pytest
 
 from agent.catalogue import catalogue
 from agent.prompt import system_prompt
-from agent.toolcall import format_tool_call, format_tool_failure, format_tool_result, parse_tool_call
+from agent.toolcall import (
+    format_tool_call,
+    format_tool_failure,
+    format_tool_result,
+    parse_tool_call,
+    parse_tool_calls,
+)
 
 CALL = """I should search.
 
@@ -86,7 +92,21 @@ def test_no_call_and_several_calls():
     assert parse_tool_call(r"The answer is \boxed{x}").call is None
     assert parse_tool_call(r"The answer is \boxed{x}").error is None
     p = parse_tool_call(CALL + "\n" + CALL.replace("google_search", "other"))
-    assert p.count == 2 and p.call.tool_name == "google_search"  # the first one runs
+    assert p.count == 2 and p.call.tool_name == "google_search"  # the first one; the agent runs both
+
+
+def test_no_block_of_a_message_is_dropped_in_silence():
+    """A complete call, a malformed block and one cut off at the end: two calls and an error."""
+    broken = "<use_mcp_tool><tool_name>x</tool_name></use_mcp_tool>"
+    cut = CALL.replace("google_search", "other").removesuffix("\n</arguments>\n</use_mcp_tool>")
+    calls = parse_tool_calls(CALL + "\n" + broken + "\n" + cut)
+    assert [c.call.tool_name if c.call else c.error for c in calls] == [
+        "google_search",
+        "other",
+        "the <use_mcp_tool> block is malformed: it needs <server_name>, <tool_name> and <arguments>",
+    ]
+    assert calls[1].call.repaired  # recovered from its cut
+    assert parse_tool_calls("no call here") == ()
 
 
 def test_results_and_failures():

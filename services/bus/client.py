@@ -47,8 +47,9 @@ class Bus(ConsumerGroups):
     async def close(self) -> None:
         await self.redis.aclose()
 
-    def exclusive(self, name: str, *, ttl_s: float = 900.0) -> Exclusive:
-        """A lock named ``name`` shared by every process on this bus (:class:`Exclusive`)."""
+    def exclusive(self, name: str, *, ttl_s: float = 60.0) -> Exclusive:
+        """A lock named ``name`` shared by every process on this bus (:class:`Exclusive`): renewed
+        while held, so ``ttl_s`` is how long a holder that died keeps the others waiting."""
         return Exclusive(self.redis, f"{self.prefix}:lock:{name}", ttl_s=ttl_s)
 
     # -- publishing -----------------------------------------------------------------

@@ -201,4 +201,5 @@ class ToolGateway:
                 await self.store.set(key, text, self.ttl[spec.name])
             return True, text, None
         log.warning("%s failed: %s", spec.name, error)
-        return False, format_tool_failure(spec.server_name, spec.name, error), error
+        failure = format_tool_failure(spec.server_name, spec.name, error)
+        return False, format_tool_result(failure, self.max_result_chars), error

@@ -18,6 +18,10 @@ from services.settings import CommonSettings
 JINA_RATE_KEYED = 8.0
 JINA_RATE_KEYLESS = 0.3
 
+# the version of what the tools answer for the same arguments and settings: a change of the code that
+# changes an answer (a read refused that was served) bumps it, so the cache stops serving the old ones
+ANSWERS_FORMAT = 2
+
 
 class ToolsSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="PBSD_TOOLS_", extra="ignore")
@@ -126,8 +130,8 @@ class ToolsSettings(CommonSettings):
         ]
 
     def answers_tag(self) -> str:
-        """A short hash of what shapes a tool's answer besides its arguments: the backend, its corpus
-        (path, size and modification time), where answers are cut, the hosts that are dropped from
+        """A short hash of what shapes a tool's answer besides its arguments: the code's answer format
+        (``ANSWERS_FORMAT``), the backend, its corpus (its content), where answers are cut, the hosts that are dropped from
         results and never read, the reader and the summariser. The cache keys carry it, so an answer cached before a change
         of these (a host added to the blocked list, a corpus rebuilt) is not served after it."""
         shaping = self.model_dump(
@@ -152,7 +156,11 @@ class ToolsSettings(CommonSettings):
                 ),
             },
         )
+        shaping["format"] = ANSWERS_FORMAT
         if self.backend == "offline" and self.corpus is not None:
-            stat = Path(self.corpus).stat()
-            shaping["corpus"] = [str(Path(self.corpus).resolve()), stat.st_size, stat.st_mtime_ns]
+            digest = hashlib.sha256()
+            with Path(self.corpus).open("rb") as f:  # its content: replicas' copies agree wherever they lie
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+            shaping["corpus"] = digest.hexdigest()
         return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]

@@ -125,21 +125,20 @@ def write_checkpoint(
     if save is None:
         _replace(path / "trainer.json", json.dumps(saved))
     else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for left in [*path.parent.glob(".*.partial"), *path.parent.glob(".*.stale")]:
+            shutil.rmtree(left, ignore_errors=True)  # what a kill left of an earlier write
         fresh = path.with_name(f".{path.name}.partial")
-        shutil.rmtree(fresh, ignore_errors=True)  # what a kill left of an earlier try
-        fresh.mkdir(parents=True)
+        fresh.mkdir()
         save(fresh)
         (fresh / "trainer.json").write_text(json.dumps(saved))
         _sync(fresh)
         if path.exists():  # latest never names it: this opening neither wrote nor loaded it
-            stale = path.with_name(f".{path.name}.stale")
-            shutil.rmtree(stale, ignore_errors=True)
-            path.rename(stale)
-            fresh.rename(path)
-            shutil.rmtree(stale)
-        else:
-            fresh.rename(path)
+            path.rename(path.with_name(f".{path.name}.stale"))
+        fresh.rename(path)
     _replace(path.parent / "latest", path.name)
+    for stale in path.parent.glob(".*.stale"):  # only once latest names the new one
+        shutil.rmtree(stale, ignore_errors=True)
     return path
 
 

@@ -1,6 +1,6 @@
 """Publishing policy versions: the trainer's weights handed to the consumers and announced on the bus.
 
-Disk (the default): version ``v`` is written to ``runs/<id>/weights/v<v>/`` and announced with a
+Disk (the default): version ``v`` is written to ``runs/<id>/weights/v<v>-<timeline>/`` and announced with a
 ``WeightsPublished`` event; rollout workers and the scorer load it from there. Only the newest
 ``keep`` versions stay on disk (a consumer that falls further behind reads a newer one when it
 catches up).
@@ -120,7 +120,11 @@ class WeightPublisher:
     async def _write(self, trainer, tokenizer, state: TrainState) -> Path:
         path = await asyncio.to_thread(
             trainer.save_weights,
-            self.out / "weights" / f"v{state.version:06d}",
+            # the timeline in the name: a resume numbers its versions again from the checkpoint's,
+            # and a server is passed over when it already serves a checkpoint's path and version
+            self.out
+            / "weights"
+            / (f"v{state.version:06d}" + (f"-{state.timeline}" if state.timeline else "")),
             tokenizer=tokenizer,
             meta={"run_id": self.run_id, "version": state.version, "step": state.step},
         )
@@ -143,7 +147,7 @@ class WeightPublisher:
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` written versions, and always the copy the announcements point at."""
-        versions = sorted((self.out / "weights").glob("v*"))
+        versions = sorted((self.out / "weights").glob("v*"), key=lambda p: p.stat().st_mtime_ns)  # by age
         for old in versions[: -self.keep]:
             if self.disk is None or Path(self.disk[0]) != old:
                 shutil.rmtree(old, ignore_errors=True)
