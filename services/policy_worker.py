@@ -14,14 +14,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator
 
 from fastapi import FastAPI, Response
 
 from proto.messages import RunEnded, WeightsPublished
 from proto.streams import RUN_ENDS, WEIGHTS, StreamDef
-from services.bus import Bus, ConsumerOptions, Delivery
+from services.bus import REDIS_DOWN, Bus, ConsumerOptions, Delivery
 from services.http_guard import BodyLimit
 from services.tasks import cancel_and_wait
 from services.telemetry import add_metrics_route
@@ -36,7 +38,11 @@ class PolicyWorker(abc.ABC):
     messages of ``stream`` carry a ``run_id``."""
 
     stream: StreamDef
-    load_retry_delays_s: tuple[float, ...] = (2.0, 4.0)  # a failed load is tried again after these
+    # a failed load is tried again after these, then every load_retry_max_s, until it loads or a
+    # newer version is published: a worker that gave up would hold its prompts until the next
+    # publication, which a trainer waiting for their groups never makes
+    load_retry_delays_s: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 32.0)
+    load_retry_max_s: float = 60.0
     remembered_ends: int = 10_000  # the newest run ends read at start (older runs left nothing behind)
 
     def __init__(
@@ -170,8 +176,8 @@ class PolicyWorker(abc.ABC):
 
     async def _see(self, entry_id: str, event: WeightsPublished) -> None:
         """Bring the model to ``event`` if it is another version, run or timeline (a broadcast one:
-        see :meth:`follow_broadcast`); a failed load is logged and retried a few times, and never
-        ends the following (the next publication is taken as usual)."""
+        see :meth:`follow_broadcast`); a failed load is logged and tried again until it loads or a
+        newer version is published (:meth:`_load`), and never ends the following."""
         self.newest = (entry_id, event)
         if event.transport == "broadcast":
             await self.follow_broadcast(event)
@@ -180,27 +186,47 @@ class PolicyWorker(abc.ABC):
             self.loaded_run,
             self.loaded_timeline,
         ):
-            await self._load(event)
+            await self._load(event, entry_id)
         self.version_seen(self.version)
         async with self.weights_changed:
             self.weights_changed.notify_all()
 
-    async def _load(self, event: WeightsPublished) -> None:
-        attempts = 1 + len(self.load_retry_delays_s)
-        for attempt, delay in enumerate((*self.load_retry_delays_s, None), start=1):
+    async def _load(self, event: WeightsPublished, entry_id: str | None = None) -> None:
+        """Load ``event``'s weights, trying again after each failure (``load_retry_delays_s``, then
+        every ``load_retry_max_s``) until they load or a newer weights event (after ``entry_id``, or
+        the newest one seen when None) supersedes them."""
+        entry_id = entry_id or (self.newest[0] if self.newest else None)
+        delays = iter(self.load_retry_delays_s)
+        for attempt in itertools.count(1):
             try:
                 await self.apply_weights(event)
                 return
             except Exception:
                 log.exception(
-                    "%s could not load policy version %d (attempt %d of %d)",
+                    "%s could not load policy version %d (attempt %d); trying again until it loads or a "
+                    "newer one is published",
                     self.name,
                     event.version,
                     attempt,
-                    attempts,
                 )
-                if delay is not None:
-                    await asyncio.sleep(delay)
+            if await self._superseded(entry_id, next(delays, self.load_retry_max_s)):
+                log.warning(
+                    "%s passes over policy version %d: a newer one is published", self.name, event.version
+                )
+                return
+
+    async def _superseded(self, entry_id: str | None, wait_s: float) -> bool:
+        """Whether a weights event newer than ``entry_id`` is published, asked at once and then every
+        second for up to ``wait_s``: a version that fails to load gives way to the next at once."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with contextlib.suppress(*REDIS_DOWN):
+                if entry_id is not None and _stream_id(await self.bus.head(WEIGHTS)) > _stream_id(entry_id):
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(1.0, left))
 
     async def _end(self, entry_id: str, event: RunEnded) -> None:
         self.ended.add(event.run_id)

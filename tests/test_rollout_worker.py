@@ -55,6 +55,16 @@ async def _start(bus, engine, tok, tools=None):
     return worker, stop, task
 
 
+async def _at_version_then_stop(engine, version, stop, task):
+    """Wait (bounded) until the engine serves ``version``, then stop the worker and close the engine."""
+    async with asyncio.timeout(30):
+        while engine.weight_version != version:
+            await asyncio.sleep(0.05)
+    stop.set()
+    await task
+    await engine.aclose()
+
+
 async def _groups(bus, n, timeout=20.0):
     async with asyncio.timeout(timeout):
         while True:
@@ -152,13 +162,31 @@ async def test_a_failed_weight_load_does_not_end_the_following(bus, tok):
         worker.load_retry_delays_s = (0.05,)
         await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=1, step=1, path="/ckpt/missing/v1"))
         await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=2, step=2, path="/ckpt/v2"))
-        async with asyncio.timeout(30):
-            while engine.weight_version != 2:
-                await asyncio.sleep(0.1)
-        stop.set()
-        await task
-        await engine.aclose()
+        await _at_version_then_stop(engine, 2, stop, task)
     assert worker.loaded_run == "r"
+
+
+async def test_a_load_that_keeps_failing_is_tried_until_it_loads(bus, tok):
+    """A slow shared filesystem fails the load five times running. A worker that gave up (it did
+    after three tries) would hold every prompt until the next publication, which the trainer, waiting
+    for their groups, never makes."""
+    app = make_sglang(scripted(tok, ["\\boxed{Danube}"]), version=0)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K, retry=RetryPolicy(max_attempts=1))
+        worker, stop, task = await _start(bus, engine, tok)
+        worker.load_retry_delays_s, worker.load_retry_max_s = (0.05,), 0.1
+        real, failures = worker.apply_weights, []
+
+        async def flaky(event):
+            if len(failures) < 5:
+                failures.append(event.version)
+                raise OSError("the checkpoint's folder is not readable yet")
+            await real(event)
+
+        worker.apply_weights = flaky
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=1, step=1, path="/ckpt/v1"))
+        await _at_version_then_stop(engine, 1, stop, task)
+    assert failures == [1] * 5 and worker.loaded_run == "r"
 
 
 def test_pass_at_k_by_hand():
