@@ -88,6 +88,10 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
         repaired = True
     if not isinstance(value, dict):
         return None, repaired, "arguments must be a JSON object"
+    try:  # JSON may spell a lone UTF-16 surrogate ("\ud800"), which no message can carry on
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return None, repaired, "arguments hold a lone UTF-16 surrogate, which is not text"
     # a null is an argument not given (as MiroFlow drops them), so the tool's default applies
     return {k: v for k, v in value.items() if v is not None}, repaired, None
 

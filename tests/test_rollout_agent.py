@@ -218,6 +218,19 @@ async def test_each_attempt_of_a_trajectory_gets_a_whole_call_budget(tok, tiny_w
         assert [c.ok for c in t.tool_calls] == [True, True] and t.reward == 1.0
 
 
+async def test_a_tool_result_with_a_lone_surrogate_is_carried_as_text(tok):
+    """A page's JSON may spell a lone surrogate; the tokenizer and the bus take only text."""
+    from proto.base import encode
+
+    turns = [format_tool_call(*SEARCH, {"q": "x"}), "\\boxed{Danube}"]
+    with serve(make_sglang(scripted(tok, turns))) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, FixedTools({"x": "before \ud800 after"}), tok)
+        await engine.aclose()
+    assert t.error is None and t.reward == 1.0
+    assert "before \ufffd" in tok.decode(t.completion_ids) and encode(t)
+
+
 @pytest.mark.parametrize(
     ("limits", "close", "finish"),
     [

@@ -177,6 +177,17 @@ async def test_identity_template_gives_zero_evidence_and_unit_weights(tok, model
     assert scored.diagnostics.filtered_frac == 1.0 and scored.diagnostics.teacher_higher_frac == 0.0
 
 
+async def test_token_ids_outside_the_vocabulary_are_refused_before_any_forward(model):
+    """On a GPU the embedding's gather would fail with a device-side assert, which poisons the
+    process: every later group would fail too. The scorer refuses the group's ids first."""
+    vocab = model.get_input_embeddings().num_embeddings
+    scorer = LocalScorer(model)
+    for bad in ([1, 2, vocab], [1, -1, 2]):
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            await scorer([(bad, np.array([1, 2]))])
+    assert (await scorer([([1, 2, 3], np.array([1, 2]))]))[0].shape == (2,)
+
+
 def test_packed_equals_unpacked(tok, model):
     rng = np.random.default_rng(0)
     requests = [(rng.integers(0, 900, n).tolist(), np.arange(1, n)) for n in (300, 37, 150, 90, 5)]

@@ -82,6 +82,17 @@ def test_unrecoverable_calls_are_errors(text, error):
     assert p.names == (("s", "t") if error == "JSON object" else None)
 
 
+def test_a_lone_surrogate_in_the_arguments_is_an_unusable_call():
+    """It would pass the parser and fail every later encode (the published group, the bus): the whole
+    group would be sampled again and again, then dead-lettered."""
+    p = parse_tool_call(CALL.replace('"num": 5', '"num": 5, "gl": "\\ud800"'))
+    assert (
+        p.call is None
+        and "surrogate" in p.error
+        and p.names == ("search_and_scrape_webpage", "google_search")
+    )
+
+
 def test_a_null_argument_is_an_argument_not_given():
     """As MiroFlow drops them, so the tool's default applies ({"num": null} would fail the schema)."""
     p = parse_tool_call(CALL.replace('"num": 5', '"num": null'))

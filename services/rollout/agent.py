@@ -179,7 +179,9 @@ async def run_trajectory(
             replies.append(reply_text)
         if error is not None:
             break
-        reply_text = "\n".join(replies)  # as MiroFlow joins the results of one message's calls
+        # as MiroFlow joins the results of one message's calls; a lone surrogate a page's JSON spelled
+        # cannot be tokenised or published, so it becomes U+FFFD
+        reply_text = "\n".join(replies).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
         glue = tokenizer.glue_ids(reply_text, closed=result.output_ids[-1] == tokenizer.end_id)
         if b.length + len(glue) >= limits.max_context:
             finish = "max_context"

@@ -66,6 +66,7 @@ class LocalScorer:
     async def __call__(
         self, requests: Sequence[tuple[Sequence[int], np.ndarray]], pairs: Sequence[int] | None = None
     ) -> list[np.ndarray]:
+        self._check_ids(ids for ids, _ in requests)
         await self._whole.wait()
         async with self._lock:
             try:
@@ -84,6 +85,18 @@ class LocalScorer:
                 )
                 return await asyncio.to_thread(self._score, requests)
 
+    def _check_ids(self, sequences) -> None:
+        """A token id outside the model's embedding is refused before any forward: on a GPU the
+        embedding's gather would fail with a device-side assert, which poisons the process for good,
+        so one bad group would fail every group after it."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for ids in sequences:
+            arr = np.asarray(ids)
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+                raise ValueError(
+                    f"token ids outside the model's vocabulary of {vocab}: {arr.min()}..{arr.max()}"
+                )
+
     def _score(self, requests: Sequence[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
         return sequence_logprobs(
             self.model,
@@ -96,6 +109,7 @@ class LocalScorer:
 
     async def replayed(self, requests: Sequence[RoutedRequest]) -> list[np.ndarray]:
         """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
+        self._check_ids(r[0] for r in requests)
         await self._whole.wait()
         async with self._lock:
             return await asyncio.to_thread(
