@@ -168,3 +168,32 @@ def test_the_deployed_world_is_the_demos_world(rendered):
             f"{questions['out']}/rl.jsonl",
             f"{questions['out']}/eval.jsonl",
         )
+
+
+def _grace(env: dict, service: str) -> float:
+    """A service's own shutdown grace: its setting where the deployment sets it, else the default."""
+    from services.rollout.settings import RolloutSettings
+    from services.scorer.settings import ScorerSettings
+    from services.trainer.settings import TrainerSettings
+
+    settings = {"rollout": RolloutSettings, "scorer": ScorerSettings, "trainer": TrainerSettings}[service]
+    set_to = env.get(f"PBSD_{service.upper()}_SHUTDOWN_GRACE_S")
+    return float(set_to) if set_to is not None else settings.model_fields["shutdown_grace_s"].default
+
+
+def test_every_service_finishes_its_shutdown_inside_the_orchestrators_grace(rendered):
+    """A worker that cuts its work off long before it is killed throws work away (its group is
+    sampled or scored again elsewhere); one that is killed first never acknowledges what it did."""
+    for overlay, docs in rendered.items():
+        config = _find(docs, "ConfigMap", "pbsd-config")["data"]
+        for kind, name in (("Deployment", "rollout"), ("Deployment", "scorer"), ("StatefulSet", "trainer")):
+            killed_at = _find(docs, kind, name)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            grace = _grace(config, name)
+            assert killed_at * 0.75 <= grace < killed_at - 10, (overlay, name, grace, killed_at)
+    for name, service in compose()["services"].items():
+        kind = next((k for k in ("rollout", "scorer", "trainer") if name.startswith(k)), None)
+        if kind is None:
+            continue
+        killed_at = {"2m": 120, "10m": 600}[service["stop_grace_period"]]
+        grace = _grace(service.get("environment") or {}, kind)
+        assert killed_at * 0.75 <= grace < killed_at - 10, (name, grace, killed_at)
