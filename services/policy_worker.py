@@ -186,7 +186,10 @@ class PolicyWorker(abc.ABC):
             self.loaded_run,
             self.loaded_timeline,
         ):
-            await self._load(event, entry_id)
+            if await self._superseded(entry_id, 0.0):  # a worker whose loads lag takes the newest only
+                log.info("%s passes over policy version %d: a newer one is published", self.name, event.version)
+            else:
+                await self._load(event, entry_id)
         self.version_seen(self.version)
         async with self.weights_changed:
             self.weights_changed.notify_all()

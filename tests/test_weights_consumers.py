@@ -27,8 +27,8 @@ class Worker(PolicyWorker):
 
     stream = None
 
-    def __init__(self, version: int, run: str | None) -> None:
-        super().__init__(None, name="w")
+    def __init__(self, version: int, run: str | None, bus=None) -> None:
+        super().__init__(bus, name="w")
         self._version, self.loaded_run, self.loads = version, run, []
         self.loaded_timeline = ""  # what a publisher that names no timeline announces
 
@@ -67,12 +67,27 @@ def broadcast(version: int, path_version: int, run: str = "r") -> WeightsPublish
         (1, "r", WeightsPublished(run_id="r", version=2, step=2, path="/w/2"), [("/w/2", 2)]),
     ],
 )
-async def test_a_worker_takes_the_disk_copy_only_when_it_missed_the_version(held, run, event, loads):
-    worker = Worker(held, run)
+async def test_a_worker_takes_the_disk_copy_only_when_it_missed_the_version(held, run, event, loads, bus):
+    worker = Worker(held, run, bus)  # the bus answers whether a newer version is published: none is
     await worker._see("1-0", event)
     assert worker.loads == loads
     assert worker.loaded_run == event.run_id
     assert worker.seen == worker.version  # the gauge follows a version the group brought too
+
+
+async def test_a_worker_whose_loads_lag_loads_only_the_newest_version(bus):
+    """Versions 1 and 2 were published while it loaded version 0: loading 1 as well would only
+    delay 2, which every prompt waiting for 1 accepts too."""
+    from proto.streams import WEIGHTS
+
+    worker = Worker(0, "r", bus)
+    entries = [
+        await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=v, step=v, path=f"/w/{v}"))
+        for v in (1, 2)
+    ]
+    for entry_id, (_, event) in zip(entries, await bus.read_all(WEIGHTS), strict=True):
+        await worker._see(entry_id, event)
+    assert worker.loads == [("/w/2", 2)] and worker.version == 2
 
 
 @pytest.mark.parametrize("service", ["rollout", "scorer"])
