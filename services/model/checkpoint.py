@@ -130,11 +130,12 @@ def load_weights_into(model: PreTrainedModel, path: str | Path) -> None:
         raise ValueError(
             f"checkpoint {path} does not fit the model: {sorted(set(target) ^ set(incoming))[:5]} differ"
         )
+    for name, tensor in target.items():  # every shape first: a refusal half-way would leave a mix
+        if tensor.shape != incoming[name].shape:
+            raise ValueError(
+                f"checkpoint {path}: {name} has shape {tuple(incoming[name].shape)}, "
+                f"the model {tuple(tensor.shape)}"
+            )
     with torch.no_grad():
         for name, tensor in target.items():
-            if tensor.shape != incoming[name].shape:
-                raise ValueError(
-                    f"checkpoint {path}: {name} has shape {tuple(incoming[name].shape)}, "
-                    f"the model {tuple(tensor.shape)}"
-                )
             tensor.copy_(incoming[name])
