@@ -357,6 +357,29 @@ async def test_a_short_link_that_lands_on_a_benchmark_page_is_not_read():
     assert "Danube" not in json.dumps(out)
 
 
+@pytest.mark.parametrize("form", ["json", "text"])
+async def test_a_huge_reader_reply_is_read_only_up_to_the_cap(form):
+    """The plain fetcher caps what it reads of a page; the Reader's reply is capped the same way. A
+    JSON reply cut short is a failed read (the plain fetch then runs, capped as well)."""
+    accept = {"json": "application/json", "text": "text/plain"}[form]
+    with serve(make_jina(["huge"])) as base:
+        async with httpx.AsyncClient() as http:
+            reader = JinaReader(
+                http,
+                Upstream("jina", UpstreamLimits(retry=FAST)),
+                base_url=base,
+                api_key=None,
+                max_bytes=100_000,
+            )
+            if form == "json":
+                with pytest.raises(UpstreamError, match="malformed reader response"):
+                    await reader.read("https://example.org/big")
+            else:
+                reply = await reader._get(f"{base}/https://example.org/big", {"Accept": accept})
+                page = _parse_jina("https://example.org/big", reply)
+                assert len(reply.content) == 100_000 and page.content.startswith("# Page about")
+
+
 def test_render_is_the_agent_text():
     assert json.loads(render({"organic": []})) == {"organic": []}
 

@@ -142,6 +142,8 @@ def make_jina(script: list[Any] | None = None) -> FastAPI:
         if isinstance(item, int):
             return JSONResponse({"code": item, "message": "error"}, status_code=item)
         content = f"# Page about {target}\n\nThe Danube flows through Vienna. It is 2,850 km long."
+        if item == "huge":  # a page of 3 MB
+            content += " The Danube." * 250_000
         warning = None
         if item == "target-404":  # the Reader answers 200 with the site's error page and a warning
             content, warning = "# 404 Not Found", "Target URL returned error 404: Not Found"

@@ -120,6 +120,7 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient, cpu: CpuPool
             ),
             base_url=settings.jina_url,
             api_key=settings.jina_api_key,
+            max_bytes=settings.fetch_max_bytes,
         )
     summariser = None
     if settings.summariser_base_url:

@@ -121,11 +121,13 @@ class JinaReader:
         *,
         base_url: str,
         api_key: SecretStr | None,
+        max_bytes: int = 5_000_000,
     ) -> None:
         self.http = http
         self.upstream = upstream
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.max_bytes = max_bytes  # of the reply read, as the plain fetcher caps a page
 
     async def read(self, url: str) -> Page:
         # The Reader's defaults, as MiroThinker and Tongyi use it: no X-Return-Format (its default,
@@ -135,8 +137,24 @@ class JinaReader:
         headers = {"Accept": "application/json"}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
-        response = await self.upstream.call(lambda: self.http.get(f"{self.base_url}/{url}", headers=headers))
+        response = await self.upstream.call(lambda: self._get(f"{self.base_url}/{url}", headers))
         return _parse_jina(url, response)
+
+    async def _get(self, url: str, headers: dict[str, str]) -> httpx.Response:
+        """The reply with at most ``max_bytes`` of its body read: a page of hundreds of MB (a hostile
+        one) costs the gateway no more memory than the plain fetcher's cap. A JSON reply cut short
+        no longer parses, and the read falls back to the plain fetch, capped as well."""
+        async with self.http.stream("GET", url, headers=headers) as response:
+            body = bytearray()
+            async for chunk in response.aiter_bytes():  # decompressed: the cap is on what is held
+                body += chunk
+                if len(body) > self.max_bytes:
+                    del body[self.max_bytes :]
+                    break
+            kept = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "retry-after")}
+            return httpx.Response(
+                response.status_code, headers=kept, content=bytes(body), request=response.request
+            )
 
 
 def _parse_jina(url: str, response: httpx.Response) -> Page:
