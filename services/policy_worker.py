@@ -187,7 +187,9 @@ class PolicyWorker(abc.ABC):
             self.loaded_timeline,
         ):
             if await self._superseded(entry_id, 0.0):  # a worker whose loads lag takes the newest only
-                log.info("%s passes over policy version %d: a newer one is published", self.name, event.version)
+                log.info(
+                    "%s passes over policy version %d: a newer one is published", self.name, event.version
+                )
             else:
                 await self._load(event, entry_id)
         self.version_seen(self.version)
@@ -223,8 +225,13 @@ class PolicyWorker(abc.ABC):
         second for up to ``wait_s``: a version that fails to load gives way to the next at once."""
         deadline = time.monotonic() + wait_s
         while True:
-            with contextlib.suppress(*REDIS_DOWN):
-                if entry_id is not None and _stream_id(await self.bus.head(WEIGHTS)) > _stream_id(entry_id):
+            with contextlib.suppress(*REDIS_DOWN):  # an entry that does not decode supersedes nothing
+                newest = await self.bus.latest(WEIGHTS, scan=8)
+                if (
+                    entry_id is not None
+                    and newest is not None
+                    and _stream_id(newest[0]) > _stream_id(entry_id)
+                ):
                     return True
             left = deadline - time.monotonic()
             if left <= 0:

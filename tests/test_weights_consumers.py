@@ -317,3 +317,23 @@ async def test_a_worker_that_starts_under_undecodable_entries_follows_from_the_t
     finally:
         stop.set()
         await asyncio.wait_for(running, 10)
+
+
+async def test_an_undecodable_entry_on_top_supersedes_no_version(bus):
+    """A starting worker loads the newest version it can read, though an entry it cannot read lies
+    above it: passing over version 1 for that entry would leave it with no weights at all."""
+    from proto.streams import PROMPTS, WEIGHTS
+
+    class Idle(Worker):
+        stream = PROMPTS
+
+    await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=1, step=1, path="/w/1"))
+    await bus.redis.xadd(bus.key(WEIGHTS), {"data": b"\xc1 not msgpack"})
+    worker, stop = Idle(0, None, bus), asyncio.Event()
+    running = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 10)
+        assert worker.loads == [("/w/1", 1)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)
