@@ -154,9 +154,11 @@ def _sanity_rows(summary: dict[str, Any]) -> str:
 CAPTIONS = {
     "accuracy": "Held-out mean@k of each variant over its seeds, with the paired-bootstrap 95% interval "
     "(questions and seeds resampled); x marks each seed's run, the dashed line the warm policy before training.",
-    "difference": "Each variant minus the baseline on the same questions and seeds, with its 95% interval: "
-    "an interval that contains 0 means the comparison cannot tell the two apart.",
-    "curve_accuracy": "Training accuracy per step (the fraction of the step's trajectories with a correct answer), "
+    "difference": "Each variant minus the baseline on the same questions (and the same seeds, where the two were "
+    "run with the same seed list), with its 95% interval: an interval that contains 0 means the comparison "
+    "cannot tell the two apart.",
+    "curve_accuracy": "Training accuracy per step (of the step's trajectories that did not fail, the fraction "
+    "with a correct answer), "
     "the mean over seeds with a min-max band.",
     "curve_answer_free": "Mean evidence s on turns that do not contain the answer, per step; an informative teacher "
     "keeps it inside the grey deadband.",
@@ -207,7 +209,8 @@ each resample draws the questions with replacement (the same draw for every vari
 replacement (the same draw for every variant run with the same seeds: seed s of each variant starts from the same sampling
 seeds), so an interval counts run-to-run variance as well as which questions were drawn; the 2.5th and 97.5th percentiles
 (pbsd/comparison.py, docs/compare.md). The share of resamples in which a difference is above 0 describes the bootstrap
-distribution; it is not a p-value. With few seeds the run level is drawn from few values: read the intervals as approximate.</p>
+distribution; it is not a p-value. With few seeds the run level is drawn from few values: read the intervals as approximate
+(docs/compare.md, "Limits"); with one seed an interval covers only which questions were drawn.</p>
 {"<h2>Does the teacher read x*?</h2><table><tr><th>variant</th><th>answer-free turns</th><th>their mean s</th><th>correct final answers</th><th>with s &gt; eps+</th><th>wrong final answers</th><th>with s &lt; -eps-</th><th>grounded minus made-up mean s (least over actions)</th><th>noise floor (per-token std)</th><th>null turns outside the deadband</th><th>scored turns within the floor</th></tr>" + sanity + f"</table><p>Every scored turn of every run of the variant (its own deadband). Targets: answer-free mean s inside the deadband, at least {MIN_FRACTION:.0%} of correct final answers favoured and of wrong ones disfavoured, grounded above made up (docs/credit-signal.md).</p>" if sanity else ""}
 <h2>Runs</h2>
 <table><tr><th>variant</th><th>seed</th><th>run</th><th>steps</th><th>mean@{k}</th><th>change from the warm policy [95% CI, questions]</th>

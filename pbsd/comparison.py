@@ -110,7 +110,7 @@ def compare_variants(
             raise ValueError(f"{name}: {a.shape[0]} runs need as many distinct seeds, got {run_seeds[name]}")
     if baseline is not None and baseline not in matrices:
         raise ValueError(f"baseline {baseline!r} is not among the variants {sorted(matrices)}")
-    # counts, divided after the sums: a 0/1 accuracy's resampled means are then exact fractions
+    # counts, divided once after the sums: two resamples whose totals are equal have equal means
     question_counts = resample_counts(np.random.default_rng(seed).integers(0, q, (resamples, q)), q)
 
     def paired(samples: np.ndarray, reference: np.ndarray, point: float) -> dict[str, Any]:
@@ -130,8 +130,10 @@ def compare_variants(
         runs = a.shape[0]
         rng = np.random.default_rng([seed, zlib.crc32(repr(run_seeds[name]).encode())])
         run_counts = resample_counts(rng.integers(0, runs, (resamples, runs)), runs)
-        per_run_b = question_counts @ a.T / q  # (resamples, runs): each run on the resampled questions
-        samples[name] = (per_run_b * run_counts).sum(axis=1) / runs
+        totals = question_counts @ a.T  # (resamples, runs): each run's sum over the resampled questions
+        per_run_b = totals / q
+        # one division after every sum: equal totals give equal means, so a tie is not counted above 0
+        samples[name] = (totals * run_counts).sum(axis=1) / (q * runs)
         out["variants"][name] = {
             "runs": runs,
             "seeds": run_seeds[name],

@@ -135,6 +135,8 @@ def describe(summary: dict) -> str:
             if "difference" in f:
                 d = f["difference"]
                 line += f"; minus {d['against']} {d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+                if not d.get("paired_by_seed", True):
+                    line += " (paired by question only: other seeds)"
             lines.append(line)
     if summary["pending"]:
         lines.append(f"  pending: {', '.join(summary['pending'])} (run the same command again)")
