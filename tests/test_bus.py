@@ -79,6 +79,20 @@ async def test_a_consumer_rides_out_a_redis_restart():
         server.__exit__(None, None, None)
 
 
+def test_what_counts_as_redis_refusing_for_now():
+    from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+
+    from services.bus.connection import refusing
+
+    assert refusing(OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
+    assert refusing(ReadOnlyError("You can't write against a read only replica."))
+    assert refusing(ResponseError("MISCONF Redis is configured to save RDB snapshots, but ..."))
+    assert refusing(ResponseError("BUSY Redis is busy running a script."))
+    assert not refusing(ResponseError("BUSYGROUP Consumer Group name already exists"))  # not BUSY
+    assert not refusing(ResponseError("NOGROUP No such key or consumer group"))
+    assert not refusing(ResponseError("ERR wrong number of arguments"))
+
+
 async def test_a_consumer_waits_out_a_redis_that_refuses_writes():
     """A Redis at maxmemory (noeviction) answers OOM to every write, the handler's commit included;
     a replica after a failover answers READONLY. The consumer waits, the entry stays pending, and

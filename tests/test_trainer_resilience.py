@@ -50,8 +50,15 @@ class _Pipeline:
         self.serving = asyncio.create_task(RunExecutor(self.bus, self.store, self.settings).serve(self.stop))
 
     async def crash(self) -> None:
-        """The trainer process dies (see ``kill``)."""
+        """The trainer process dies (see ``kill``), and every task it ran beside the run with it.
+        Cancelling the executor can cut its clean-up short (``kill`` cancels again and again), and a
+        validation consumer left running would take the next execution's groups for an earlier
+        one's and drop them: the resumed run's round would never complete."""
         await kill(self.serving)
+        for task in asyncio.all_tasks():
+            code = getattr(task.get_coro(), "cr_code", None)
+            if task is not asyncio.current_task() and code and "/services/trainer/" in code.co_filename:
+                await kill(task)
 
     async def shutdown(self) -> None:
         """SIGTERM: the run in progress stops cleanly and stays resumable."""

@@ -28,7 +28,8 @@ def refusing(exc: BaseException) -> bool:
     consumer waits these out as it waits out an outage, instead of dying of them."""
     if isinstance(exc, (OutOfMemoryError, ReadOnlyError)):
         return True
-    return isinstance(exc, ResponseError) and str(exc).startswith(_REFUSING_WORDS)
+    # the error's first word: BUSYGROUP (a group that exists) is not BUSY
+    return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in _REFUSING_WORDS
 
 
 def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:
