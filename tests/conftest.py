@@ -108,3 +108,19 @@ def trainer_settings(redis_url, key_prefix, tmp_path, tmp_path_factory):
         data_roots=roots,
         model_roots=roots,
     )
+
+
+@pytest.fixture
+async def pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path):
+    """Makes trainer pipelines (tests/trainer_pipeline.py) on this test's Redis prefix; closes them."""
+    from tests.trainer_pipeline import Pipeline
+
+    pipelines = []
+
+    def make(**kwargs):
+        pipelines.append(Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path, **kwargs))
+        return pipelines[-1]
+
+    yield make
+    for p in pipelines:
+        await p.close()

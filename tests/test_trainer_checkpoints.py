@@ -17,8 +17,8 @@ from services.trainer.checkpoints import (
     read_checkpoint,
     write_checkpoint,
 )
-from tests.test_trainer_resilience import _finished, _Pipeline
 from tests.test_trainer_service import _spec
+from tests.trainer_pipeline import Pipeline, finished
 
 
 def _save(weights: str):
@@ -82,7 +82,7 @@ def test_the_same_step_again_replaces_only_its_record(tmp_path):
     _write(tmp_path, 1, "unused", interrupted=True, save=False)
     assert read_checkpoint(one)[1]["interrupted"] is True
     assert (one / "model" / "weights").stat() == model
-    mark_resumed(one)
+    mark_resumed(one, read_checkpoint(one)[1])
     assert read_checkpoint(one)[1]["interrupted"] is False
 
 
@@ -119,7 +119,7 @@ async def test_a_crash_after_resuming_from_a_clean_stop_loses_no_prompt(
     """A clean shutdown's checkpoint says nothing happened after it; once a run resumes from it,
     things do. A crash before the next checkpoint must be resumed as a crash: the prompts the lost
     steps consumed are published again, under new ids. (Before, the run waited forever.)"""
-    p = _Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path)
+    p = Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path)
     try:
         spec = _spec(tiny_world, tiny_checkpoint, max_steps=100, checkpoint_every=100)
         spec["data"]["max_questions"] = 16  # 8 steps of 2 prompts, then the data is out
@@ -132,7 +132,7 @@ async def test_a_crash_after_resuming_from_a_clean_stop_loses_no_prompt(
         await p.until(record.id, lambda r: r.step >= stopped + 2)
         await p.crash()  # no checkpoint since the clean stop's
         p.serve()
-        done = await p.until(record.id, _finished, timeout=60)
+        done = await p.until(record.id, finished, timeout=60)
         assert done.state == "completed", done.error
         trained = {prompt_index(t) for t in await p.store.trained_ids(record.id)}
         # every prompt trained, or its group dropped (sampled with weights the crash discarded)
@@ -148,7 +148,7 @@ async def test_a_crash_resume_keeps_one_validation_round_a_step(
     records, and the resumed run evaluates those steps again. (Before, step 3 had two rounds.)"""
     # on-policy, so that the fake meets round s before the prompts of step s + 1: it answers the
     # rounds of versions 0-3 and the prompts of steps 1-3, then holds
-    p = _Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path, hold_after=1 + 3 * (2 + 1))
+    p = Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path, hold_after=1 + 3 * (2 + 1))
     try:
         spec = _spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=2, eval_every=1)
         spec["rollout"].update(max_staleness=0, eval_samples=1)
@@ -161,7 +161,7 @@ async def test_a_crash_resume_keeps_one_validation_round_a_step(
         await p.crash()  # steps 3's weights are lost: the last checkpoint is step 2's
         p.fake.release.set()
         p.serve()
-        done = await p.until(record.id, _finished)
+        done = await p.until(record.id, finished)
         assert done.state == "completed", done.error
         evals = await p.store.metrics(record.id, series="evals")
         assert [e["step"] for e in evals] == [0, 1, 2, 3, 4]

@@ -7,8 +7,6 @@ scorer."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sys
 import time
 from collections import Counter
 
@@ -17,104 +15,13 @@ import pytest
 from agent.chat import ChatTokenizer
 from proto.runs import RunSpec
 from proto.streams import RUN_ENDS, SCORED, WEIGHTS
-from services.bus import REDIS_DOWN, Bus
 from services.local_redis import LocalRedis, free_port
 from services.trainer import opening as opening_module
 from services.trainer.executor import RunExecutor
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
 from tests.test_trainer_service import FakePipeline, _spec, kill
-
-
-class _Pipeline:
-    """The executor (serving in a task) and the fake rollout/scorer, on one Redis."""
-
-    def __init__(self, url, prefix, tiny_checkpoint, tmp_path, *, patience_s=30.0, **fake) -> None:
-        self.bus = Bus.from_url(url, prefix=prefix, patience_s=patience_s)
-        self.fake_bus = Bus.from_url(url, prefix=prefix, patience_s=30.0)
-        self.store = RunStore(self.bus.redis, prefix)
-        self.settings = TrainerSettings(
-            local_mode=True,
-            redis_url=url,
-            stream_prefix=prefix,
-            runs_dir=tmp_path / "runs",
-            heartbeat_s=0.2,
-        )
-        self.fake = FakePipeline(self.fake_bus, ChatTokenizer.from_pretrained(tiny_checkpoint), **fake)
-        self.fake_stop, self.stop = asyncio.Event(), asyncio.Event()
-        self.fake_task = asyncio.create_task(self.fake.run(self.fake_stop))
-        self.serving: asyncio.Task | None = None
-
-    def serve(self) -> None:
-        self.stop = asyncio.Event()
-        self.serving = asyncio.create_task(RunExecutor(self.bus, self.store, self.settings).serve(self.stop))
-
-    async def crash(self) -> None:
-        """The trainer process dies (see ``kill``), and every task it ran beside the run with it.
-        Cancelling the executor can cut its clean-up short (``kill`` cancels again and again), and a
-        validation consumer left running would take the next execution's groups for an earlier
-        one's and drop them: the resumed run's round would never complete."""
-        await kill(self.serving)
-        for task in asyncio.all_tasks():
-            code = getattr(task.get_coro(), "cr_code", None)
-            if task is not asyncio.current_task() and code and "/services/trainer/" in code.co_filename:
-                await kill(task)
-
-    async def shutdown(self) -> None:
-        """SIGTERM: the run in progress stops cleanly and stays resumable."""
-        self.stop.set()
-        await asyncio.wait_for(self.serving, 60)
-
-    async def until(self, run_id, done, timeout=90.0):
-        async with asyncio.timeout(timeout):
-            while True:
-                with contextlib.suppress(*REDIS_DOWN):
-                    record = await self.store.get(run_id)
-                    if done(record):
-                        return record
-                assert not self.serving.done() or self.serving.cancelled(), self.serving.exception()
-                await asyncio.sleep(0.05)
-
-    async def close(self) -> None:
-        if self.serving is not None and not self.serving.done():
-            await self.crash()
-        self.fake_stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.fake_task, 15)
-        await _bounded("closing the bus", self.bus.close())
-        await _bounded("closing the fake's bus", self.fake_bus.close())
-
-
-async def _bounded(what: str, awaitable) -> None:
-    """Await with a bound: what hangs prints where every task is, and fails."""
-    try:
-        await asyncio.wait_for(awaitable, 20)
-    except TimeoutError:
-        print(f"{what} hangs; the tasks:", file=sys.stderr)
-        for task in asyncio.all_tasks():
-            task.print_stack(file=sys.stderr)
-        raise
-
-
-@pytest.fixture
-async def pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path):
-    pipelines = []
-
-    def make(**kwargs):
-        pipelines.append(_Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path, **kwargs))
-        return pipelines[-1]
-
-    yield make
-    for p in pipelines:
-        await p.close()
-
-
-def _finished(record):
-    return record.state in ("completed", "cancelled", "failed")
-
-
-async def _steps_recorded(store: RunStore, run_id: str) -> list[int]:
-    return [int(r["step"]) for r in await store.metrics(run_id)]
+from tests.trainer_pipeline import Pipeline, finished, steps_recorded
 
 
 async def test_a_crash_before_the_first_checkpoint_starts_the_run_again(
@@ -130,9 +37,9 @@ async def test_a_crash_before_the_first_checkpoint_starts_the_run_again(
     await p.until(record.id, lambda r: r.step >= 2)
     await p.crash()
     p.serve()
-    done = await p.until(record.id, _finished)
+    done = await p.until(record.id, finished)
     assert (done.state, done.step) == ("completed", 4), done.error
-    assert await _steps_recorded(p.store, record.id) == [1, 2, 3, 4]  # the lost steps' records are gone
+    assert await steps_recorded(p.store, record.id) == [1, 2, 3, 4]  # the lost steps' records are gone
     lines = (p.settings.runs_dir / record.id / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4
 
@@ -146,9 +53,9 @@ async def test_a_crash_resume_records_each_step_once(pipeline, tiny_world, tiny_
     await p.crash()  # step 3 is lost with the crash: the last checkpoint is step 2's
     p.fake.release.set()
     p.serve()
-    done = await p.until(record.id, _finished)
+    done = await p.until(record.id, finished)
     assert done.state == "completed", done.error
-    assert await _steps_recorded(p.store, record.id) == [1, 2, 3, 4]  # was [1, 2, 3, 3, 4]
+    assert await steps_recorded(p.store, record.id) == [1, 2, 3, 4]  # was [1, 2, 3, 3, 4]
 
 
 async def test_a_cancel_survives_a_restart(pipeline, tiny_world, tiny_checkpoint):
@@ -166,7 +73,7 @@ async def test_a_cancel_survives_a_restart(pipeline, tiny_world, tiny_checkpoint
     assert (await p.store.get(record.id)).state == "cancelling"
     p.fake.release.set()
     p.serve()
-    done = await p.until(record.id, _finished)
+    done = await p.until(record.id, finished)
     assert done.state == "cancelled" and done.step < 4
     # the workers are told: they drop the run's prompts still on the bus on sight (issue 25, item 3);
     # the store says "cancelled" a moment before the announcement reaches the bus
@@ -192,7 +99,7 @@ async def test_a_run_lost_between_the_queue_and_running_is_queued_again(
     assert await p.store.redis.llen(f"{p.store.prefix}:runs:queue") == 0  # off the queue, never started
     monkeypatch.setattr(opening_module, "load_model", load)
     p.serve()
-    done = await p.until(record.id, _finished)
+    done = await p.until(record.id, finished)
     assert (done.state, done.step) == ("completed", 2), done.error
 
 
@@ -239,27 +146,27 @@ async def test_a_run_rides_out_a_redis_outage(
     """A Redis outage must not leave the run "running" for good with the executor dead (or
     "failed" after its last step), nor /health at 503 until someone restarts the trainer."""
     url, outage = own_redis
-    p = _Pipeline(url, "outage", tiny_checkpoint, tmp_path, patience_s=patience_s)
+    p = Pipeline(url, "outage", tiny_checkpoint, tmp_path, patience_s=patience_s)
     try:
         spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=6, checkpoint_every=2))
         record = await p.store.create(spec)
         p.serve()
         await p.until(record.id, lambda r: r.step >= 2)
         await outage(down_s)
-        done = await p.until(record.id, _finished, timeout=120)
+        done = await p.until(record.id, finished, timeout=120)
         assert (done.state, done.step) == ("completed", 6), done.error
         assert not p.serving.done()  # still serving: a run submitted now starts
         assert (p.settings.runs_dir / record.id / "final" / "config.json").exists()
-        assert await _steps_recorded(p.store, record.id) == [1, 2, 3, 4, 5, 6]
+        assert await steps_recorded(p.store, record.id) == [1, 2, 3, 4, 5, 6]
         second = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=1)))
-        assert (await p.until(second.id, _finished)).state == "completed"
+        assert (await p.until(second.id, finished)).state == "completed"
     finally:
         await p.close()
 
 
 async def test_an_idle_trainer_rides_out_a_redis_outage(own_redis, tiny_world, tiny_checkpoint, tmp_path):
     url, outage = own_redis
-    p = _Pipeline(url, "idle", tiny_checkpoint, tmp_path, patience_s=0.5)
+    p = Pipeline(url, "idle", tiny_checkpoint, tmp_path, patience_s=0.5)
     try:
         p.serve()
         await asyncio.sleep(0.5)
@@ -267,7 +174,7 @@ async def test_an_idle_trainer_rides_out_a_redis_outage(own_redis, tiny_world, t
         await asyncio.sleep(1.0)
         assert not p.serving.done()  # the first failed LPOP must not kill it
         record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=1)))
-        assert (await p.until(record.id, _finished)).state == "completed"
+        assert (await p.until(record.id, finished)).state == "completed"
     finally:
         await p.close()
 
@@ -307,7 +214,7 @@ async def test_a_slow_checkpoint_does_not_stall_the_event_loop(
 
     prober = asyncio.create_task(probe())
     p.serve()
-    done = await p.until(record.id, _finished)
+    done = await p.until(record.id, finished)
     prober.cancel()
     assert done.state == "completed", done.error
     assert max(gaps) < 1.0, f"the loop was held for {max(gaps):.1f} s"
@@ -339,7 +246,7 @@ async def test_a_failed_run_releases_its_trainer(pipeline, tiny_world, tiny_chec
         RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, checkpoint_every=1))
     )
     p.serve()
-    done = await p.until(record.id, _finished)
+    done = await p.until(record.id, finished)
     assert done.state == "failed" and "No space left" in done.error
     assert trainers and trainers[0].stopped
 
