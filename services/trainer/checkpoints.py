@@ -142,10 +142,10 @@ def write_checkpoint(
     return path
 
 
-def mark_resumed(path: Path) -> None:
-    """Clear a clean shutdown's mark on the checkpoint a run resumes from: a crash after this
-    opening must find steps it may have lost, not a checkpoint that nothing happened after."""
-    saved = json.loads((path / "trainer.json").read_text())
+def mark_resumed(path: Path, saved: dict[str, Any]) -> None:
+    """Clear a clean shutdown's mark on the checkpoint a run resumes from (``saved``: its record, as
+    :func:`read_checkpoint` read it): a crash after this opening must find steps it may have lost,
+    not a checkpoint that nothing happened after."""
     if saved.get("interrupted"):
         _replace(path / "trainer.json", json.dumps({**saved, "interrupted": False}))
 

@@ -140,7 +140,7 @@ async def open_run(
         await asyncio.to_thread(trainer.load_state_file, latest / "state.pt")
         state, saved = read_checkpoint(latest)
         crashed = not saved.get("interrupted", False)
-        await asyncio.to_thread(mark_resumed, latest)
+        await asyncio.to_thread(mark_resumed, latest, saved)
         initial_weights = str(latest / "model")
         log.info("run %s resumes from %s at step %d", run_id, latest.name, state.step)
     timeline = new_id()[:8]
