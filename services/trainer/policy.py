@@ -48,6 +48,7 @@ from services.model.checkpoint import dtype_name, load_model, save_checkpoint
 from services.model.lm_head import chunk_logprobs
 from services.model.routing import replay_routes
 from services.trainer.batch import BatchCounts, TrainSample, micro_batches
+from services.trainer.precision import MasterWeights
 
 __all__ = ["PolicyTrainer", "lr_factor", "warmup_factor"]
 
@@ -72,9 +73,12 @@ def lr_factor(step: int, spec: TrainerSpec) -> float:
     return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only: norms and biases are not decayed."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def param_groups(
+    model: nn.Module, weight_decay: float, masters: MasterWeights | None = None
+) -> list[dict[str, Any]]:
+    """Weight decay on matrices only: norms and biases are not decayed. With ``masters`` the groups
+    hold the float32 copies of the low-precision parameters."""
+    params = [masters.optimised(p) if masters else p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -82,6 +86,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 class PolicyTrainer:
+    masters: MasterWeights | None = None  # the float32 copies the optimiser steps on, if any
+
     def __init__(
         self,
         model: nn.Module,
@@ -110,8 +116,10 @@ class PolicyTrainer:
             self.reference.requires_grad_(False).eval()
 
     def _build_optimizer(self, model: nn.Module) -> None:
+        # empty for a float32 model (every CPU trainer), so nothing changes there
+        self.masters = MasterWeights(model) if self.spec.master_weights else None
         self.optimizer = torch.optim.AdamW(
-            param_groups(model, self.spec.weight_decay), lr=self.spec.lr, betas=self.spec.betas
+            param_groups(model, self.spec.weight_decay, self.masters), lr=self.spec.lr, betas=self.spec.betas
         )
         spec = self.spec
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, spec))
@@ -254,7 +262,7 @@ class PolicyTrainer:
 
     def apply(self) -> dict[str, float]:
         """Clip the accumulated gradient, take the AdamW step, advance the schedule."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = (
             float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip or math.inf)) if params else 0.0
         )
@@ -267,6 +275,8 @@ class PolicyTrainer:
             self._schedule_without_update()
         else:
             self.optimizer.step()
+            if self.masters:
+                self.masters.write_back()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
@@ -286,6 +296,7 @@ class PolicyTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
+            "master_weights": self.masters.state() if self.masters else None,
             "rng": {
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
@@ -297,6 +308,14 @@ class PolicyTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        if self.masters:
+            # a state saved without copies (a float32 run, the setting off) resumes from the model's
+            # values, which is what those copies would have been rounded to
+            saved = state.get("master_weights")
+            if saved is None:
+                self.masters.reset()
+            else:
+                self.masters.load_state(saved)
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
