@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.bus import ConsumerOptions
+from services.bus import MAX_MESSAGE_BYTES, Bus, ConsumerOptions
 
 
 class CommonSettings(BaseSettings):
@@ -42,6 +42,24 @@ class CommonSettings(BaseSettings):
         "it fails; the bus's consumers then keep waiting on their own, and a run resumes from its "
         "last checkpoint once Redis is back",
     )
+
+    bus_max_message_bytes: int = Field(
+        default=MAX_MESSAGE_BYTES,
+        gt=0,
+        validation_alias=AliasChoices("PBSD_BUS_MAX_MESSAGE_BYTES"),
+        description="the largest message the bus publishes (512 MiB, Redis's default proto-max-bulk-len, "
+        "above which Redis drops the connection); a group past it is dead-lettered at once "
+        "(reason too_large) and its prompt replaced. Raise it only with proto-max-bulk-len",
+    )
+
+    def bus(self) -> Bus:
+        """The bus these settings describe, its commands waiting out an outage for the patience."""
+        return Bus.from_url(
+            self.redis_url,
+            prefix=self.stream_prefix,
+            patience_s=self.redis_patience_s,
+            max_message_bytes=self.bus_max_message_bytes,
+        )
 
     def __repr_args__(self):  # never print credentials embedded in the Redis URL
         for key, value in super().__repr_args__():

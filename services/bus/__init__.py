@@ -11,7 +11,8 @@ Delivery is at-least-once with idempotent consumers:
   any consumer of the group, whatever its name, and a restarted consumer of the same
   name takes back its own at once; both are logged;
 * payloads that fail validation, and entries delivered more than ``max_deliveries``
-  times, go to the dead-letter stream with the cause;
+  times, go to the dead-letter stream with the cause; so does, at once, an entry whose
+  handler made a message past ``max_message_bytes`` (Redis would drop the connection);
 * a redelivered message whose id was already processed is acknowledged without
   running the handler again;
 * acknowledged history is trimmed (XTRIM MINID below the oldest entry any group
@@ -20,6 +21,15 @@ Delivery is at-least-once with idempotent consumers:
 
 from services.bus.client import Bus
 from services.bus.connection import REDIS_DOWN, redis_client
-from services.bus.delivery import ConsumerOptions, Delivery, Held
+from services.bus.delivery import MAX_MESSAGE_BYTES, ConsumerOptions, Delivery, Held, MessageTooLarge
 
-__all__ = ["REDIS_DOWN", "Bus", "ConsumerOptions", "Delivery", "Held", "redis_client"]
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "REDIS_DOWN",
+    "Bus",
+    "ConsumerOptions",
+    "Delivery",
+    "Held",
+    "MessageTooLarge",
+    "redis_client",
+]

@@ -15,6 +15,7 @@ from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, redis_client
+from services.bus.delivery import MAX_MESSAGE_BYTES, MessageTooLarge
 from services.bus.groups import ConsumerGroups
 from services.bus.lock import Exclusive
 
@@ -33,10 +34,18 @@ def _check_type(stream: StreamDef, message: Message) -> None:
 class Bus(ConsumerGroups):
     """One Redis connection pool, shared by every stream a service touches."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str = "pbsd", maxlen: int = 100_000) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str = "pbsd",
+        maxlen: int = 100_000,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
         self.redis = client
         self.prefix = prefix
         self.maxlen = maxlen
+        self.max_message_bytes = max_message_bytes
         self._last_trim: dict[str, float] = {}
 
     @classmethod
@@ -60,7 +69,7 @@ class Bus(ConsumerGroups):
         lose work without a trace; its consumers trim what every group has acknowledged
         (:meth:`trim_acked`), and a Redis that runs out of memory refuses the XADD, loudly."""
         _check_type(stream, message)
-        payload = encode(message)
+        payload = self._encode(stream, message)
         entry_id = await self.redis.xadd(
             self.key(stream),
             {b"type": stream.model.__name__, b"mid": message.message_id, b"data": payload},
@@ -70,6 +79,13 @@ class Bus(ConsumerGroups):
         metrics.PUBLISHED.labels(stream.name).inc()
         metrics.PUBLISHED_BYTES.labels(stream.name).inc(len(payload))
         return as_text(entry_id)
+
+    def _encode(self, stream: StreamDef, message: Message) -> bytes:
+        payload = encode(message)
+        if len(payload) > self.max_message_bytes:
+            metrics.TOO_LARGE.labels(stream.name).inc()
+            raise MessageTooLarge(stream.name, len(payload), self.max_message_bytes)
+        return payload
 
     # Entries the group has not been delivered yet are after its last-delivered-id: they are taken
     # off, the new messages added, and they are added back behind them, unchanged and in their order.
@@ -99,7 +115,7 @@ class Bus(ConsumerGroups):
         for message in messages:
             _check_type(stream, message)
         await self.ensure_group(stream)
-        payloads = [encode(m) for m in messages]
+        payloads = [self._encode(stream, m) for m in messages]
         args = [x for m, p in zip(messages, payloads, strict=True) for x in (m.message_id, p)]
         moved = await self.redis.eval(
             self._AHEAD, 1, self.key(stream), stream.group, stream.model.__name__, *args

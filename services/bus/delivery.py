@@ -23,7 +23,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MISSED_BEATS", "ConsumerOptions", "Delivery", "Handler", "Held"]
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MISSED_BEATS",
+    "ConsumerOptions",
+    "Delivery",
+    "Handler",
+    "Held",
+    "MessageTooLarge",
+]
 
 M = TypeVar("M", bound=Message)
 
@@ -31,6 +39,26 @@ M = TypeVar("M", bound=Message)
 # loaded event loop or a short network blip never hands live work to another consumer, few
 # enough that a dead consumer's work moves on within a minute at the default heartbeat.
 MISSED_BEATS = 10
+
+# Redis refuses a bulk string longer than its proto-max-bulk-len (512 MB unless raised), and does
+# it by dropping the connection mid-write: redis-py sees a broken pipe, which looks like an outage,
+# and resends the whole payload for as long as it waits outages out.
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+
+
+class MessageTooLarge(ValueError):
+    """A message whose encoding is past the bus's limit: refused before anything is sent. Sending it
+    again would be refused again, so a consumer whose handler raises it dead-letters what it was
+    handling at once instead of retrying it (``reason="too_large"``)."""
+
+    def __init__(self, stream: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"a {stream} message of {size / 2**20:,.1f} MiB is past the bus's limit of "
+            f"{limit / 2**20:,.1f} MiB (PBSD_BUS_MAX_MESSAGE_BYTES, at most Redis's proto-max-bulk-len); "
+            "shorter trajectories (rollout.max_context), a smaller rollout.group_size or no routes "
+            "(rollout.return_routed_experts) make it smaller"
+        )
+        self.size, self.limit = size, limit
 
 
 @dataclass(frozen=True)

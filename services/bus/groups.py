@@ -21,7 +21,7 @@ from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, refusing
-from services.bus.delivery import ConsumerOptions, Cursor, Delivery, Handler, Held, Outage
+from services.bus.delivery import ConsumerOptions, Cursor, Delivery, Handler, Held, MessageTooLarge, Outage
 from services.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -297,6 +297,11 @@ class ConsumerGroups:
             await handler(message, delivery)
         except asyncio.CancelledError:
             raise
+        except MessageTooLarge as exc:  # what it made cannot be sent, this time or the next
+            await self._dead_letter(
+                stream, group, entry_id, encode(message), str(exc), deliveries, "too_large"
+            )
+            return
         except Exception as exc:  # the handler's failure is data: record it and let the entry be retried
             metrics.HANDLER_ERRORS.labels(stream.name, group).inc()
             log.exception("handler failed on %s entry %s (delivery %d)", stream.name, entry_id, deliveries)

@@ -4,6 +4,9 @@ from prometheus_client import Counter, Histogram
 
 PUBLISHED = Counter("pbsd_bus_published_total", "Messages published", ["stream"])
 PUBLISHED_BYTES = Counter("pbsd_bus_published_bytes_total", "Payload bytes published", ["stream"])
+TOO_LARGE = Counter(
+    "pbsd_bus_too_large_total", "Messages refused before publishing: past the bus's size limit", ["stream"]
+)
 CONSUMED = Counter("pbsd_bus_processed_total", "Messages handled and acknowledged", ["stream", "group"])
 DUPLICATES = Counter(
     "pbsd_bus_duplicates_total",
@@ -33,7 +36,7 @@ OUTAGES = Counter(
     ["stream"],
 )
 
-DEAD_LETTER_REASONS = ("invalid", "max_deliveries", "trimmed")
+DEAD_LETTER_REASONS = ("invalid", "max_deliveries", "trimmed", "too_large")
 
 
 def consumer_series(stream: str, group: str) -> None:

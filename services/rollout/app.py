@@ -11,7 +11,6 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from agent.chat import ChatTokenizer
-from services.bus import Bus
 from services.policy_worker import worker_app
 from services.rollout.engine import Engine
 from services.rollout.settings import RolloutSettings
@@ -45,9 +44,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
 
     async def start():
         setup_logging(settings.log_level)
-        bus = Bus.from_url(
-            settings.redis_url, prefix=settings.stream_prefix, patience_s=settings.redis_patience_s
-        )
+        bus = settings.bus()
         engine = build_engine(settings, shared_guard(bus.exclusive))
         tools = GatewayClient(settings.tools_url)
         worker = RolloutWorker(

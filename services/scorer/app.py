@@ -10,7 +10,6 @@ import logging
 from fastapi import FastAPI
 
 from agent.chat import ChatTokenizer
-from services.bus import Bus
 from services.policy_worker import worker_app
 from services.scorer.settings import ScorerSettings
 from services.scorer.worker import ScorerWorker
@@ -54,9 +53,7 @@ def create_app(settings: ScorerSettings | None = None) -> FastAPI:
 
     async def start():
         setup_logging(settings.log_level)
-        bus = Bus.from_url(
-            settings.redis_url, prefix=settings.stream_prefix, patience_s=settings.redis_patience_s
-        )
+        bus = settings.bus()
         worker = ScorerWorker(
             bus,
             build_scorer(settings, shared_guard(bus.exclusive)),

@@ -32,7 +32,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         # the executor's commands wait out an outage; the API's answer 503 after a short one
         client = redis_client(settings.redis_url, patience_s=settings.redis_patience_s)
         api_client = redis_client(settings.redis_url, patience_s=min(2.0, settings.redis_patience_s))
-        bus = Bus(client, prefix=settings.stream_prefix)
+        bus = Bus(client, prefix=settings.stream_prefix, max_message_bytes=settings.bus_max_message_bytes)
         executor = RunExecutor(
             bus, RunStore(client, settings.stream_prefix), settings, save_groups=settings.save_groups
         )
