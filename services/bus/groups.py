@@ -1,8 +1,8 @@
 """The bus's consumer groups: at-least-once delivery over XREADGROUP (the package docstring says
 what is guaranteed). :class:`ConsumerGroups` is the half of :class:`services.bus.Bus` that reads
 for a group: one message at a time (``consume``) or a batch held until committed (``collect``),
-with heartbeats, the takeover of a dead consumer's entries, dead letters, and the trimming of
-what every group has acknowledged."""
+with heartbeats, the takeover of a dead consumer's entries and dead letters; the trimming of
+what every group has acknowledged is :mod:`services.bus.trimming`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, refusing
 from services.bus.delivery import ConsumerOptions, Cursor, Delivery, Handler, Held, MessageTooLarge, Outage
+from services.bus.trimming import Trimming
 from services.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -34,33 +35,19 @@ _MAX_CAUSE = 4000
 DEFAULT_OPTIONS = ConsumerOptions()
 
 
-def _id_tuple(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _next_id(entry_id: str) -> str:
-    ms, seq = _id_tuple(entry_id)
-    return f"{ms}-{seq + 1}"
-
-
 def _ids(entries: list[tuple]) -> str:
     """The entry ids of a batch, for a log line (the first few, and how many more)."""
     shown = ", ".join(e[0] for e in entries[:5])
     return shown + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
 
 
-class ConsumerGroups:
+class ConsumerGroups(Trimming):
     """Reading streams for consumer groups. Mixed into :class:`services.bus.Bus`, whose ``redis``,
     ``prefix`` and ``maxlen`` it uses."""
 
     redis: aioredis.Redis
     prefix: str
     maxlen: int
-    _last_trim: dict[str, float]
-
-    def key(self, stream: StreamDef) -> str:
-        return stream.key(self.prefix)
 
     # -- consumer groups -------------------------------------------------------------
     async def ensure_group(self, stream: StreamDef, group: str | None = None) -> None:
@@ -396,34 +383,3 @@ class ConsumerGroups:
             pipe.hdel(self._errors_key(stream, group), entry_id)
             await pipe.execute()
         metrics.DEAD_LETTERED.labels(stream.name, group, reason).inc()
-
-    # -- trimming -------------------------------------------------------------------
-    async def _maybe_trim(self, stream: StreamDef, options: ConsumerOptions) -> None:
-        now = time.monotonic()
-        if now - self._last_trim.get(stream.name, 0.0) >= options.trim_interval_s:
-            self._last_trim[stream.name] = now
-            await self.trim_acked(stream)
-
-    async def trim_acked(self, stream: StreamDef, *, approximate: bool = False) -> int:
-        """Delete entries every consumer group has delivered and acknowledged; returns how many."""
-        key = self.key(stream)
-        try:
-            groups = await self.redis.xinfo_groups(key)
-        except ResponseError:  # no such stream yet
-            return 0
-        if not groups:
-            return 0
-        floor: str | None = None
-        for info in groups:
-            name = as_text(info["name"])
-            summary = await self.redis.xpending(key, name)
-            candidate = (
-                as_text(summary["min"])
-                if summary["pending"]
-                else _next_id(as_text(info["last-delivered-id"]))
-            )
-            if floor is None or _id_tuple(candidate) < _id_tuple(floor):
-                floor = candidate
-        if floor is None or floor == "0-1":
-            return 0
-        return int(await self.redis.xtrim(key, minid=floor, approximate=approximate))
