@@ -228,3 +228,37 @@ async def test_a_killed_consumer_with_default_settings_is_replaced_within_a_minu
         bus, PROMPTS, handler, lambda: got, consumer="rollout-pod-b-0", options=options, timeout=90
     )
     assert got[0] <= (options.claim_idle_ms + options.heartbeat_ms) / 1000 + 5
+
+
+async def test_consumers_long_gone_are_forgotten_and_none_that_holds_an_entry(bus: Bus, monkeypatch):
+    """Workers are named after their hosts, and every pod Kubernetes starts is a new host: Redis
+    would keep each name in the group for good. A consumer that holds nothing and has not read for
+    ``forget_idle_s`` is deleted; one that holds an entry is not, however long idle, since deleting it
+    would drop the entry from the pending list."""
+    from services.bus import trimming
+
+    monkeypatch.setattr(trimming, "FORGET_INTERVAL_S", 0.0)
+    for i in range(3):
+        await bus.publish(PROMPTS, ex.example_task(i))
+    key = bus.key(PROMPTS)
+
+    async def names() -> set[str]:
+        return {c["name"].decode() for c in await bus.redis.xinfo_consumers(key, "rollout")}
+
+    held = await bus.collect(PROMPTS, "holder", 1, _yes, options=FAST)  # holds one, idle from now on
+    held.stop_heartbeat()
+    old = await bus.collect(PROMPTS, "old-pod", 1, _yes, options=FAST)  # handles one and goes away
+    await bus.commit(old)
+    assert await names() == {"holder", "old-pod"}
+    await asyncio.sleep(0.3)
+    # (a heartbeat of 1 s: the holder's entry is not yet taken over as a dead consumer's)
+    options = ConsumerOptions(block_ms=50, heartbeat_ms=1000, trim_interval_s=0.0, forget_idle_s=0.2)
+    seen = []
+
+    async def handler(message, delivery):
+        seen.append(message.index)
+
+    await _run_until(bus, PROMPTS, handler, lambda: seen, consumer="new-pod", options=options)
+    assert await names() == {"holder", "new-pod"}  # old-pod is gone; the holder keeps its entry
+    assert (await bus.redis.xpending(key, "rollout"))["pending"] == 1
+    await bus.commit(held)

@@ -47,6 +47,7 @@ class Bus(ConsumerGroups):
         self.maxlen = maxlen
         self.max_message_bytes = max_message_bytes
         self._last_trim: dict[str, float] = {}
+        self._last_forget: dict[tuple[str, str], float] = {}
 
     @classmethod
     def from_url(cls, url: str, *, patience_s: float = 0.0, **kwargs: Any) -> Bus:

@@ -69,6 +69,7 @@ class ConsumerOptions:
     max_deliveries: int = 5  # beyond this the entry is dead-lettered
     done_ttl_s: int = 7 * 24 * 3600  # how long processed message ids are remembered
     trim_interval_s: float = 1.0  # at most one acknowledged-history trim per interval
+    forget_idle_s: float = 3600.0  # a consumer holding nothing that has not read for this long is deleted
 
     @property
     def claim_idle_ms(self) -> int:

@@ -87,7 +87,7 @@ class ConsumerGroups(Trimming):
                     if admitted is not None:
                         await self._handle(stream, group, consumer, entry_id, admitted, handler, options)
                 if batch:
-                    await self._maybe_trim(stream, options)
+                    await self._maybe_trim(stream, group, options)
                 outage.over()
             except (*REDIS_DOWN, ResponseError) as exc:
                 await outage.wait(exc, stop)
@@ -142,7 +142,7 @@ class ConsumerGroups(Trimming):
         if held.items:
             await self._commit(held.stream, held.group, held.items, held.options)
             metrics.CONSUMED.labels(held.stream.name, held.group).inc(len(held.items))
-            await self._maybe_trim(held.stream, held.options)
+            await self._maybe_trim(held.stream, held.group, held.options)
         held.items = []
 
     # -- the steps every consumer shares ------------------------------------------------

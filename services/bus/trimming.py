@@ -1,8 +1,15 @@
-"""Trimming a work stream below what every consumer group has acknowledged, so Redis memory follows
-what is in flight, not what has passed (MAXLEN would remove entries a group has not read yet)."""
+"""Trimming what has passed: a work stream's entries below what every consumer group has
+acknowledged, so Redis memory follows what is in flight (MAXLEN would remove entries a group has
+not read yet), and the consumers of a group that are long gone.
+
+Redis keeps a consumer in its group until it is deleted, and the workers' names are their host
+names, which change with every pod Kubernetes starts: without this a group would list every
+worker that ever ran.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import redis.asyncio as aioredis
@@ -12,7 +19,11 @@ from proto.streams import StreamDef
 from services.bus.connection import as_text
 from services.bus.delivery import ConsumerOptions
 
-__all__ = ["Trimming"]
+__all__ = ["FORGET_INTERVAL_S", "Trimming"]
+
+log = logging.getLogger(__name__)
+
+FORGET_INTERVAL_S = 60.0  # how often a consumer looks for gone consumers of its group
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:
@@ -31,15 +42,53 @@ class Trimming:
     redis: aioredis.Redis
     prefix: str
     _last_trim: dict[str, float]
+    _last_forget: dict[tuple[str, str], float]
 
     def key(self, stream: StreamDef) -> str:
         return stream.key(self.prefix)
 
-    async def _maybe_trim(self, stream: StreamDef, options: ConsumerOptions) -> None:
+    async def _maybe_trim(self, stream: StreamDef, group: str, options: ConsumerOptions) -> None:
         now = time.monotonic()
         if now - self._last_trim.get(stream.name, 0.0) >= options.trim_interval_s:
             self._last_trim[stream.name] = now
             await self.trim_acked(stream)
+        if now - self._last_forget.get((stream.name, group), 0.0) >= FORGET_INTERVAL_S:
+            self._last_forget[(stream.name, group)] = now
+            if gone := await self.forget_idle_consumers(stream, group, options.forget_idle_s):
+                log.info(
+                    "forgot %d consumers of %s/%s idle for %.0f s: %s",
+                    len(gone),
+                    stream.name,
+                    group,
+                    options.forget_idle_s,
+                    ", ".join(gone[:10]),
+                )
+
+    # One script, so a consumer cannot take an entry between the check and the deletion: XGROUP
+    # DELCONSUMER drops what a consumer holds from the pending list, which would lose it. A live
+    # consumer that is deleted (one that read nothing for that long) is made again by its next read.
+    _FORGET = """
+    local gone = {}
+    for _, info in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+        local f = {}
+        for i = 1, #info, 2 do f[info[i]] = info[i + 1] end
+        if f['pending'] == 0 and f['idle'] >= tonumber(ARGV[2]) then
+            redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], f['name'])
+            gone[#gone + 1] = f['name']
+        end
+    end
+    return gone
+    """
+
+    async def forget_idle_consumers(self, stream: StreamDef, group: str, idle_s: float) -> list[str]:
+        """Delete the consumers of ``group`` that hold nothing and have not read for ``idle_s``."""
+        try:
+            gone = await self.redis.eval(self._FORGET, 1, self.key(stream), group, round(idle_s * 1000))
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc) or "no such key" in str(exc):
+                return []
+            raise
+        return [as_text(name) for name in gone]
 
     async def trim_acked(self, stream: StreamDef, *, approximate: bool = False) -> int:
         """Delete entries every consumer group has delivered and acknowledged; returns how many."""
