@@ -185,6 +185,40 @@ async def test_a_pause_without_a_continue_runs_out():
     assert len(target.calls) == 2
 
 
+async def test_a_group_name_is_taken_while_its_members_are_still_joining(monkeypatch):
+    """Opening a group waits for every rank, outside the control lock; a second init of the same
+    name meanwhile is refused, not sent into the same rendezvous under the same rank."""
+    import threading
+
+    from services.weights import receiver as module
+
+    joined, opened = threading.Event(), []
+
+    def open_group(**kwargs):
+        opened.append(kwargs["name"])
+        joined.wait(5)  # the other ranks take their time
+        return object()
+
+    monkeypatch.setattr(module, "open_group", open_group)
+    receiver = WeightReceiver(lambda: Held())
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+    }
+    first = asyncio.create_task(receiver.init_group(body))
+    while not opened:
+        await asyncio.sleep(0.01)
+    assert await receiver.init_group(body) == (False, "group weight_update_group already exists")
+    joined.set()
+    assert (await first)[0] and opened == ["weight_update_group"]
+    assert not (await receiver.init_group(body))[0]  # and once it is open
+    monkeypatch.setattr(module, "close_group", lambda group: None)
+    assert (await receiver.destroy_group({}))[0] and (await receiver.init_group(body))[0]
+
+
 async def test_the_receiver_keeps_sglangs_weight_update_session():
     """As SGLang 0.5.23: an update outside a begin/end session is refused before anything is
     received or held; a second begin, and an end without a begin, are refused."""

@@ -69,6 +69,7 @@ class WeightReceiver:
         self.target = target  # resolved at each call: the worker that owns the model starts after the app
         self.lease_s = lease_s
         self.groups: dict[str, tuple[torch.distributed.ProcessGroup, str]] = {}
+        self._opening: set[str] = set()  # groups whose members are still joining
         self._layout: tuple[int, HubLayout] | None = None
         self._held = False
         # in this hold: the version that came in whole (None: none); whether a bucket failed; whether a
@@ -88,8 +89,18 @@ class WeightReceiver:
     # -- the group ---------------------------------------------------------------------------
     async def init_group(self, body: dict) -> tuple[bool, str]:
         name = body.get("group_name", "weight_update_group")
-        if name in self.groups:
+        # the name is taken from the check on: opening waits for every rank to join (outside the
+        # control lock, or it would hold the others), and a second call meanwhile would join the
+        # same rendezvous again under the same rank
+        if name in self.groups or name in self._opening:
             return False, f"group {name} already exists"
+        self._opening.add(name)
+        try:
+            return await self._open(name, body)
+        finally:
+            self._opening.discard(name)
+
+    async def _open(self, name: str, body: dict) -> tuple[bool, str]:
         backend = body.get("backend", "nccl")
         try:
             device = next(self.target().model.parameters()).device if backend == "nccl" else None
