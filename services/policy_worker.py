@@ -25,7 +25,7 @@ from proto.messages import RunEnded, WeightsPublished
 from proto.streams import RUN_ENDS, WEIGHTS, StreamDef
 from services.bus import REDIS_DOWN, Bus, ConsumerOptions, Delivery
 from services.http_guard import BodyLimit
-from services.tasks import cancel_and_wait
+from services.tasks import cancel_and_wait, main_task, stopped
 from services.telemetry import add_metrics_route
 
 log = logging.getLogger(__name__)
@@ -309,14 +309,14 @@ def worker_app(
     is cancelled and awaited, so its resources are closed only once nothing uses them.
 
     ``/health`` is 200 with the policy version once the worker consumes (and ``healthy`` agrees),
-    503 while it starts, and 503 with the error if it stopped.
+    503 while it starts, and 503 with the type of the error if it stopped (its message is logged).
     """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         worker, closers = await start()
         stop = asyncio.Event()
-        task = asyncio.create_task(worker.run(stop))
+        task = main_task(worker.run(stop), title)
         app.state.worker, app.state.task = worker, task
         try:
             yield
@@ -337,24 +337,18 @@ def worker_app(
     # dtypes and shapes) the sender keeps under this (weights.sender.MAX_BUCKET_TENSORS)
     app.add_middleware(BodyLimit, max_bytes=64 * 1024)
 
-    def stopped() -> dict | None:
-        task = app.state.task
-        if not task.done():
-            return None
-        return {"status": "stopped", "error": repr(task.exception()) if not task.cancelled() else None}
-
     @app.get("/livez")
     async def live(response: Response) -> dict:
         """Alive while the worker runs, whatever the engine's health: a liveness probe that asked
         /health would restart a worker whenever its SGLang server is slow or restarting."""
-        if (gone := stopped()) is not None:
+        if (gone := stopped(app.state.task)) is not None:
             response.status_code = 503
             return gone
         return {"status": "alive"}
 
     @app.get("/health")
     async def health(response: Response) -> dict:
-        if (gone := stopped()) is not None:
+        if (gone := stopped(app.state.task)) is not None:
             response.status_code = 503
             return gone
         worker = app.state.worker

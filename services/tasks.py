@@ -1,10 +1,36 @@
-"""Ending asyncio tasks a service started beside its main work (heartbeats, followers, watchers)."""
+"""Ending asyncio tasks a service started beside its main work (heartbeats, followers, watchers), and
+saying how a service's main task ended."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
-__all__ = ["cancel_and_wait", "within"]
+__all__ = ["cancel_and_wait", "main_task", "stopped", "within"]
+
+log = logging.getLogger(__name__)
+
+
+def main_task(work, what: str) -> asyncio.Task:
+    """Start a service's main work; should it end with an exception, the traceback is logged."""
+    task = asyncio.create_task(work)
+
+    def done(t: asyncio.Task) -> None:
+        if not t.cancelled() and (exc := t.exception()) is not None:
+            log.error("%s stopped: %s", what, exc, exc_info=exc)
+
+    task.add_done_callback(done)
+    return task
+
+
+def stopped(task: asyncio.Task) -> dict | None:
+    """What ``/health`` answers once the service's main task has ended (None while it runs). The route
+    needs no token, so it names the exception's type only; its message, which can hold addresses
+    and request details, is in the log (:func:`main_task`)."""
+    if not task.done():
+        return None
+    exc = None if task.cancelled() else task.exception()
+    return {"status": "stopped", "error": type(exc).__name__ if exc is not None else None}
 
 
 async def within(seconds: float, awaitable) -> bool:

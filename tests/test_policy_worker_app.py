@@ -98,3 +98,31 @@ async def test_liveness_asks_only_whether_the_worker_runs():
                 await app.state.task
             assert (await http.get("/livez")).status_code == 503
             assert (await http.get("/health")).status_code == 503
+
+
+async def test_a_worker_that_failed_says_how_by_type_only_and_logs_the_rest(caplog):
+    """/health needs no token: a failure's message (addresses, request details) stays in the log."""
+    import httpx
+
+    class Failing(FakeWorker):
+        async def run(self, stop: asyncio.Event) -> None:
+            self.ready.set()
+            raise ConnectionError("Error 111 connecting to redis.internal:6379 as pbsd:hunter2")
+
+    worker = Failing(stubborn=False)
+
+    async def start():
+        return worker, []
+
+    app = worker_app("pbsd test", start, grace_s=0.5)
+    # (the shutdown raises what the worker failed with, as it always has)
+    with caplog.at_level("ERROR", logger="services.tasks"), pytest.raises(ConnectionError):
+        async with app.router.lifespan_context(app):
+            await asyncio.wait({app.state.task}, timeout=5)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
+                for route in ("/health", "/livez"):
+                    answer = await http.get(route)
+                    assert answer.status_code == 503
+                    assert answer.json() == {"status": "stopped", "error": "ConnectionError"}
+    assert "pbsd test stopped: Error 111 connecting to redis.internal:6379" in caplog.text

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from services.bus import REDIS_DOWN, Bus, redis_client
 from services.bus.lag import StreamLagMonitor
 from services.http_guard import BodyLimit, install_validation_handler
+from services.tasks import main_task, stopped
 from services.telemetry import add_metrics_route, setup_logging
 from services.trainer.api import AuthenticateFirst, ViewerPages, router
 from services.trainer.executor import RunExecutor
@@ -38,7 +39,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         )
         store = RunStore(api_client, settings.stream_prefix)
         stop = asyncio.Event()
-        task = asyncio.create_task(executor.serve(stop))
+        task = main_task(executor.serve(stop), "the trainer's run executor")
         # the trainer is the single replica, so the stream lag series are exported exactly once
         lag = StreamLagMonitor(client, settings.stream_prefix, interval_s=settings.lag_interval_s)
         lag_task = asyncio.create_task(lag.run(stop))
@@ -84,10 +85,9 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health(response: Response) -> dict:
-        task = app.state.task
-        if task.done():
+        if (gone := stopped(app.state.task)) is not None:
             response.status_code = 503
-            return {"status": "stopped", "error": repr(task.exception()) if not task.cancelled() else None}
+            return gone
         return {"status": "ok", "current_run": app.state.executor.current}
 
     return app
