@@ -33,7 +33,9 @@ learning rate, betas and weight decay, gradient clipping, one micro-batch
 per backward (the trainer accumulates over its own token budget and marks the
 accumulation boundary itself). The warm-up is the plain-torch trainer's own schedule
 (:func:`services.trainer.policy.lr_factor`), so both paths follow the same learning rates.
-Ranks load the model in rank 0's dtype; mixed precision is the config's ``bf16`` section.
+Ranks load the model in rank 0's dtype; mixed precision is the config's ``bf16`` section, which
+the trainer adds where a bfloat16 model would otherwise lose its updates (stage 0), and refuses a
+float16 model without an ``fp16`` section (:func:`_half_precision`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
+def deepspeed_config(spec: TrainerSpec, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The run's DeepSpeed config, completed from the run and made safe for a model of ``dtype``."""
     config = spec.deepspeed_config or {}
     if isinstance(config, str):
         config = json.loads(Path(config).read_text())
@@ -118,6 +121,7 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
     if spec.grad_clip is not None:
         config.setdefault("gradient_clipping", spec.grad_clip)
     config.setdefault("zero_optimization", {"stage": 1})
+    _half_precision(config, dtype)
     bf16 = config.get("bf16", config.get("bfloat16"))  # the second, DeepSpeed's older name for it
     if isinstance(bf16, dict) and bf16.get("enabled") and _knows_bf16_overflow_check():
         # ZeRO skips an update whose gradient is not finite in fp16 and fp32; in bf16 only with
@@ -125,6 +129,35 @@ def deepspeed_config(spec: TrainerSpec) -> dict[str, Any]:
         # Without it a NaN gradient is written into every weight and AdamW moment for good.
         bf16.setdefault("check_grad_overflow", True)
     return config
+
+
+def _enabled(config: dict[str, Any], *names: str) -> bool:
+    return any(isinstance(config.get(n), dict) and config[n].get("enabled") for n in names)
+
+
+def _zero_stage_of(config: dict[str, Any]) -> int:
+    return int((config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def _half_precision(config: dict[str, Any], dtype: torch.dtype) -> None:
+    """A 16-bit model needs the config to say so where DeepSpeed would otherwise train it wrongly.
+
+    * float16 without an ``fp16`` section has no loss scaling: most of an RL batch's gradients
+      (each token's share of the loss is about 1/tokens) fall below float16's smallest number.
+    * bfloat16 without a ``bf16`` section at stage 0 steps AdamW on the bfloat16 weights themselves,
+      which loses the updates below 2^-9 of a weight (:mod:`services.trainer.precision`); with the
+      section DeepSpeed's wrapper keeps float32 copies. ZeRO (stages 1 to 3) keeps float32
+      partitions either way, and without the section sums the gradients in float32, so there the
+      config is left as written (the trainer turns on its overflow check instead, in
+      :class:`DeepSpeedPolicyTrainer`)."""
+    mixed = _enabled(config, "bf16", "bfloat16", "fp16")
+    if dtype == torch.float16 and not _enabled(config, "fp16"):
+        raise ValueError(
+            "a float16 policy needs DeepSpeed's fp16 section (its dynamic loss scale): without it most "
+            "gradients underflow. Use model.dtype bfloat16, or add fp16: {enabled: true}"
+        )
+    if dtype == torch.bfloat16 and not mixed and _zero_stage_of(config) == 0:
+        config["bf16"] = {"enabled": True}
 
 
 def _weight_decay(config: dict[str, Any], default: float) -> float:
@@ -162,7 +195,8 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
     def _build_optimizer(self, model: nn.Module) -> None:
         import deepspeed
 
-        config = deepspeed_config(self.spec)
+        dtype = next(model.parameters()).dtype
+        config = deepspeed_config(self.spec, dtype)
         schedule = None
         if "scheduler" not in config:
             spec = self.spec
@@ -182,6 +216,11 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage = _zero_stage(self.engine)
+        if dtype == torch.bfloat16 and not _enabled(config, "bf16", "bfloat16") and 0 < self.stage < 3:
+            # ZeRO-1/2 take an update whose gradient is not finite unless this is on, and they turn
+            # it on only from a bf16 section: a bfloat16 model without one had NaN written into
+            # every weight, the step reported as taken (measured, DeepSpeed 0.19.8 on CPU)
+            self.engine.optimizer.check_grad_overflow = True
         # ZeRO and DeepSpeed's fp16 and bf16 wrappers check the gradient before they step (their
         # "overflow"), and torch autocast's fp16 scaler does; without ZeRO in fp32 DeepSpeed steps
         # the plain optimiser, which never skips.

@@ -16,7 +16,10 @@ Adding each sequence's gradient into float32 as soon as it exists keeps a step's
 sequences from summing in bfloat16 too, and frees the low-precision gradient at once. The cost
 is 4 bytes a parameter for the copy, and AdamW's two moments in float32 instead of the model's
 dtype (``trainer.master_weights: false`` gives that memory back, and the updates with it).
-Under DeepSpeed its ZeRO optimiser keeps the float32 copy, and this class is not used.
+Under DeepSpeed this class is not used: ZeRO keeps float32 partitions, and at stage 0 the trainer
+turns on DeepSpeed's bf16 section, whose optimiser wrapper keeps float32 copies
+(``services.trainer.distributed``). A float16 model needs loss scaling as well, which only
+DeepSpeed's fp16 section gives: the plain trainer refuses one.
 """
 
 from __future__ import annotations
