@@ -41,6 +41,7 @@ from services.tasks import within
 from services.trainer import metrics as m
 from services.trainer.controller import question_task
 from services.trainer.dead_letters import follow_dead_letters, lost_task
+from services.trainer.run_groups import evals_group
 from services.trainer.runs import RunStore
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class Evaluator:
 
     async def _collect(self, options: ConsumerOptions) -> None:
         consume = self.bus.consume(
-            EVALS, f"trainer-{self.run_id}-evals", self._handle, options=options, stop=self.stop
+            EVALS, evals_group(self.run_id), self._handle, options=options, stop=self.stop
         )
         pick = functools.partial(lost_question, prefix=self.prefix)
         await asyncio.gather(consume, follow_dead_letters(self.bus, pick, self._lost, self.stop))

@@ -51,6 +51,7 @@ from services.trainer.checkpoints import (
 from services.trainer.dead_letters import follow_dead_letters, lost_prompt
 from services.trainer.dynamics import batch_metrics
 from services.trainer.opening import Run, open_run
+from services.trainer.run_groups import forget_ended_runs, forget_run, scored_group
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
 
@@ -91,6 +92,7 @@ class RunExecutor:
         while not stop.is_set():
             try:
                 if not resumed:
+                    await forget_ended_runs(self.bus, self.store)
                     await self.store.requeue_orphans()
                     for run_id in await self.store.in_state("running", "cancelling"):
                         await self.execute(run_id, resume=True, stop=stop)
@@ -222,7 +224,7 @@ class RunExecutor:
         losses = asyncio.create_task(on_lost())
         try:
             held = await self.bus.collect(
-                SCORED, f"trainer-{run.id}", want, keep, options=run.options, stop=halt
+                SCORED, scored_group(run.id), want, keep, options=run.options, stop=halt
             )
         finally:
             mirror.cancel()
@@ -306,6 +308,7 @@ class RunExecutor:
         """Tell the workers the run is over: its prompts and groups still on the bus are dropped on sight."""
         ended = RunEnded(message_id=derived_id(run_id, "ended"), run_id=run_id, state=state, step=step)
         await self.bus.publish(RUN_ENDS, ended)
+        await forget_run(self.bus, run_id)
 
     async def _publish(self, run: Run) -> None:
         await run.publisher.publish(run.trainer, run.tokenizer, run.state)

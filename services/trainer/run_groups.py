@@ -1,0 +1,56 @@
+"""The consumer groups a run reads through on the bus, and their removal once the run is over.
+
+Each run reads the scored groups, and its validation groups, through consumer groups of its own:
+a new run's group starts at the stream's beginning, so it can tell what is its own whatever a run
+before it left behind. Redis keeps a group until it is destroyed, and a stream is trimmed only
+below the slowest group's position (:mod:`services.bus.trimming`): an ended run's group would keep
+every later entry of ``scored`` and ``evals`` in Redis for good, and with routing replay's routes
+a scored group is up to hundreds of MB. So a run's groups are destroyed when it ends, and the
+trainer, as it starts, destroys those of runs that ended while it could not (a crash between the
+end and the destruction, a run deleted, a deployment from before this module).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from proto.streams import EVALS, SCORED
+from services.bus import Bus
+from services.trainer.runs import FINISHED, RunStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["evals_group", "forget_ended_runs", "forget_run", "scored_group"]
+
+_PREFIX, _EVALS_SUFFIX = "trainer-", "-evals"
+
+
+def scored_group(run_id: str) -> str:
+    return f"{_PREFIX}{run_id}"
+
+
+def evals_group(run_id: str) -> str:
+    return f"{_PREFIX}{run_id}{_EVALS_SUFFIX}"
+
+
+async def forget_run(bus: Bus, run_id: str) -> None:
+    """Destroy the run's consumer groups (what they held pending is dropped with them)."""
+    await bus.destroy_group(SCORED, scored_group(run_id))
+    await bus.destroy_group(EVALS, evals_group(run_id))
+
+
+async def forget_ended_runs(bus: Bus, store: RunStore) -> list[str]:
+    """Destroy the groups of every run that has ended or no longer exists; returns their names."""
+    gone = []
+    for stream, suffix in ((SCORED, ""), (EVALS, _EVALS_SUFFIX)):
+        for group in await bus.group_names(stream):
+            if not (group.startswith(_PREFIX) and group.endswith(suffix)):
+                continue
+            run_id = group[len(_PREFIX) : len(group) - len(suffix)]
+            record = await store.get(run_id)
+            if record is None or record.state in FINISHED:
+                await bus.destroy_group(stream, group)
+                gone.append(group)
+    if gone:
+        log.info("destroyed %d consumer groups of runs that have ended: %s", len(gone), ", ".join(gone[:10]))
+    return gone

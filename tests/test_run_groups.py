@@ -1,0 +1,72 @@
+"""A run's consumer groups go when the run ends, so the scored and evals streams are trimmed past it
+(services/trainer/run_groups.py)."""
+
+from __future__ import annotations
+
+from proto import examples as ex
+from proto.streams import EVALS, SCORED
+from services.bus import ConsumerOptions
+from services.trainer.run_groups import evals_group, forget_ended_runs, forget_run, scored_group
+from services.trainer.runs import RunStore
+from tests.test_trainer_drops import _short_run
+
+FAST = ConsumerOptions(block_ms=50, heartbeat_ms=30, trim_interval_s=0.0)
+
+
+async def _yes(message) -> bool:
+    return True
+
+
+async def _read_all(bus, group: str, n: int) -> None:
+    held = await bus.collect(SCORED, "trainer", n, _yes, group=group, options=FAST)
+    await bus.commit(held)
+
+
+async def test_an_ended_runs_group_no_longer_holds_back_the_trim(bus):
+    """Run a took three scored groups and ended; run b took the next three. A stream is trimmed only
+    below its slowest group: a's group, left in place, kept b's three in Redis for good."""
+    for i in range(3):
+        await bus.publish(SCORED, ex.example_scored(ex.example_group(2, seed=i)))
+    await _read_all(bus, scored_group("a"), 3)  # and trims them: a's is the only group yet
+    for i in range(3, 6):
+        await bus.publish(SCORED, ex.example_scored(ex.example_group(2, seed=i)))
+    await _read_all(bus, scored_group("b"), 3)
+    await bus.trim_acked(SCORED)
+    assert await bus.redis.xlen(bus.key(SCORED)) == 3  # what a's group had not been delivered
+    await forget_run(bus, "a")
+    await bus.trim_acked(SCORED)
+    assert await bus.redis.xlen(bus.key(SCORED)) == 0
+    assert await bus.group_names(SCORED) == [scored_group("b")]
+    await forget_run(bus, "never-read")  # a run with no groups, and a stream (evals) with none: no error
+
+
+async def test_the_trainer_destroys_the_groups_of_runs_that_ended_while_it_could_not(bus, key_prefix):
+    """A crash between a run's end and the destruction, a deleted run, groups from before: the
+    trainer's start removes them, and leaves a running run's groups (it resumes through them)."""
+    from proto.runs import RunSpec
+
+    store = RunStore(bus.redis, key_prefix)
+    spec = RunSpec.model_validate(ex.example_run().model_dump())
+    ended, running = await store.create(spec), await store.create(spec)
+    await store.update(ended.id, state="completed")
+    await store.update(running.id, state="running")
+    for run_id in (ended.id, running.id, "deleted"):
+        await bus.ensure_group(SCORED, scored_group(run_id))
+        await bus.ensure_group(EVALS, evals_group(run_id))
+    await bus.ensure_group(SCORED, "someone-else")  # not a run's: left alone
+    gone = await forget_ended_runs(bus, store)
+    assert sorted(gone) == sorted(
+        [scored_group(ended.id), scored_group("deleted"), evals_group(ended.id), evals_group("deleted")]
+    )
+    assert sorted(await bus.group_names(SCORED)) == sorted([scored_group(running.id), "someone-else"])
+    assert await bus.group_names(EVALS) == [evals_group(running.id)]
+
+
+async def test_a_completed_run_leaves_no_group_behind(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    store, record, _ = await _short_run(
+        bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, 2, 1
+    )
+    assert (await store.get(record.id)).state == "completed"
+    assert scored_group(record.id) not in await bus.group_names(SCORED)
