@@ -83,6 +83,7 @@ def make_sglang(
     logprob: float = -0.5,
     version: int = 0,
     legacy: bool = False,
+    context_len: int = 1 << 20,
 ) -> FastAPI:
     """``script`` items are used one per /generate call first: an int status, "abort", "updated"
     (the weights were updated mid-turn: the first half of the output came from the version
@@ -119,6 +120,19 @@ def make_sglang(
                 {"error": {"message": f"unknown sampling_params {sorted(unknown)}"}}, status_code=400
             )
         max_new = sp.get("max_new_tokens", 128)
+        # SGLang 0.5.23 (TokenizerManager._validate_one_request, no speculative decoding): a
+        # ValueError the HTTP server answers with 400 and its message
+        if len(ids) >= context_len:
+            message = f"The input ({len(ids)} tokens) is longer than the model's context length ({context_len} tokens)."
+            return JSONResponse({"error": {"message": message}}, status_code=400)
+        if len(ids) + max_new > context_len:
+            message = (
+                f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+                f"You requested a total of {len(ids) + max_new} tokens: {len(ids)} tokens from the input "
+                f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in "
+                "the input messages or the completion to fit within the limit."
+            )
+            return JSONResponse({"error": {"message": message}}, status_code=400)
         stops = set(sp.get("stop_token_ids") or [])
         wanted = policy(ids)
         out, finish = [], {"type": "length", "length": max_new}

@@ -257,6 +257,51 @@ async def test_limits_stop_the_loop(tok, limits, close, finish):
         assert t.num_turns == 1 and t.turn_spans[0][1] - t.turn_spans[0][0] == 5
 
 
+async def test_a_server_whose_context_is_shorter_than_the_runs_ends_the_trajectory_as_full(tok, caplog):
+    """SGLang refuses (400) a request whose input plus max_new_tokens is past its context length,
+    which is the model config's unless the server was started with --context-length. A run whose
+    max_context is longer: each long trajectory failed as an error, and errors are left out of
+    training, so every long trajectory was. It ends as at the run's own limit now, trained on, and
+    says why."""
+    from services.rollout import metrics
+
+    turn = "Searching again.\n" + format_tool_call(*SEARCH, {"q": "x"})
+    prompt = len(tok.prompt_ids(SYSTEM, user_prompt("Which river flows through Vienna?")))
+    before = metrics.CONTEXT_FULL._value.get()
+    app = make_sglang(scripted(tok, [turn]), context_len=prompt + 300)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        t = await _run(engine, FixedTools(), tok, limits=AgentLimits(max_context=prompt + 5000))
+        await engine.aclose()
+    assert t.finish_reason == "max_context" and t.error is None and t.reward == 0.0
+    assert t.num_turns >= 1 and t.num_tokens <= prompt + 300
+    assert metrics.CONTEXT_FULL._value.get() == before + 1
+    assert (
+        f"the engine's context ({prompt + 300} tokens) is shorter than the run's max_context" in caplog.text
+    )
+
+
+async def test_the_fake_refuses_a_request_past_its_context_as_sglang_does(tok):
+    """Either refusal of SGLang 0.5.23 reads as the context being full; any other 400 is an error."""
+    from services.rollout.engine import ContextFull, EngineError, GenerationRequest
+
+    app = make_sglang(scripted(tok, ["x"]), context_len=100, script=["ok", "ok", "ok", 400])
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        for n, new in ((60, 41), (100, 1)):  # input + new past it; the input alone at it
+            with pytest.raises(ContextFull) as refused:
+                await engine.generate(GenerationRequest(input_ids=[5] * n, max_new_tokens=new))
+            assert refused.value.limit == 100
+        result = await engine.generate(
+            GenerationRequest(input_ids=[5] * 60, max_new_tokens=40)
+        )  # exactly fits
+        assert result.output_ids
+        with pytest.raises(EngineError) as other:
+            await engine.generate(GenerationRequest(input_ids=[5], max_new_tokens=1))  # another 400
+        await engine.aclose()
+    assert not isinstance(other.value, ContextFull)
+
+
 async def test_no_tool_call_without_answer_ends_with_zero_reward(tok):
     app = make_sglang(scripted(tok, ["I give up."]))
     with serve(app) as url:

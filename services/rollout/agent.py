@@ -14,9 +14,11 @@ them; nothing is re-tokenised. The reward is the verifier's on the last message.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,12 +28,40 @@ from agent.toolcall import Parsed, format_tool_failure, parse_tool_calls
 from pbsd.verifier import extract_boxed, verify
 from proto.messages import ToolCall, Trajectory
 from services.rollout import metrics
-from services.rollout.engine import Engine, EngineError, GenerationRequest
+from services.rollout.engine import ContextFull, Engine, EngineError, GenerationRequest
 from services.tools.client import Tools
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AgentLimits", "run_trajectory"]
+
+
+# What a server's refusal said its context length is, where it is shorter than a run's max_context
+# (SGLang's is the model config's unless it was started with --context-length): later turns of every
+# trajectory on that engine ask for no more than fits, instead of being refused again.
+_ENGINE_CONTEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def _generate_within(engine: Engine, request: GenerationRequest, length: int, max_context: int):
+    """``engine.generate``; refused for the server's own context length, asked once more for what
+    fits, so the trajectory has all the context the server gives. ContextFull when nothing fits."""
+    try:
+        return await engine.generate(request)
+    except ContextFull as exc:
+        if exc.limit is None:
+            raise
+        if _ENGINE_CONTEXT.get(engine) != exc.limit:
+            _ENGINE_CONTEXT[engine] = exc.limit
+            log.error(
+                "the engine's context (%d tokens) is shorter than the run's max_context (%d): "
+                "trajectories end at it. Start SGLang with --context-length >= max_context",
+                exc.limit,
+                max_context,
+            )
+        room = exc.limit - length
+        if not 0 < room < request.max_new_tokens:
+            raise
+        return await engine.generate(dataclasses.replace(request, max_new_tokens=room))
 
 
 @dataclass(frozen=True)
@@ -120,7 +150,8 @@ async def run_trajectory(
     attempt = f"{trajectory_id}#{secrets.token_hex(6)}"
 
     for turn in range(limits.max_turns):
-        budget = min(limits.max_tokens_per_turn, limits.max_context - b.length)
+        context = min(limits.max_context, _ENGINE_CONTEXT.get(engine, limits.max_context))
+        budget = min(limits.max_tokens_per_turn, context - b.length)
         if budget <= 0:
             finish = "max_context"
             break
@@ -136,7 +167,13 @@ async def run_trajectory(
             session=trajectory_id,
         )
         try:
-            result = await engine.generate(request)
+            result = await _generate_within(engine, request, b.length, limits.max_context)
+        except ContextFull:
+            # the engine's context (shorter than the run's max_context) is full: ended as at the
+            # run's own limit and trained on as such; as an error it was left out, and with it
+            # every long trajectory
+            finish = "max_context"
+            break
         except Exception as exc:  # EngineError, or what an engine let through (a torch error)
             if not isinstance(exc, EngineError):
                 log.exception("engine raised on %s", trajectory_id)
@@ -198,6 +235,8 @@ async def run_trajectory(
             b.completion, b.mask, b.logprobs = b.completion[:keep], b.mask[:keep], b.logprobs[:keep]
         small = routes.min(initial=0) >= 0 and routes.max(initial=0) < 256  # a -1 would become 255
         routes = routes.astype(np.uint8 if small else np.int16)
+    if finish == "max_context" and _ENGINE_CONTEXT.get(engine, limits.max_context) < limits.max_context:
+        metrics.CONTEXT_FULL.inc()  # it ended at the engine's context, not at the run's
     final = extract_boxed(last_text) if finish == "answer" else None
     reward = verify(last_text, answer, aliases).reward if finish == "answer" else 0.0
     return Trajectory(

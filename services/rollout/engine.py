@@ -13,11 +13,21 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-__all__ = ["Engine", "EngineError", "GenerationRequest", "GenerationResult"]
+__all__ = ["ContextFull", "Engine", "EngineError", "GenerationRequest", "GenerationResult"]
 
 
 class EngineError(Exception):
     """Generation failed for good (after retries and failover)."""
+
+
+class ContextFull(EngineError):
+    """The server refused a request for its own context length, smaller than the run's
+    ``max_context``: the trajectory has reached the context the policy can have, as it would at the
+    run's own limit. ``limit`` is the server's context length where it said."""
+
+    def __init__(self, message: str, limit: int | None) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclass(frozen=True)

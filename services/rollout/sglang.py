@@ -36,12 +36,13 @@ import asyncio
 import base64
 import hashlib
 import logging
+import re
 import time
 
 import httpx
 import numpy as np
 
-from services.rollout.engine import EngineError, GenerationRequest, GenerationResult
+from services.rollout.engine import ContextFull, EngineError, GenerationRequest, GenerationResult
 from services.sglang_control import (
     Guard,
     WeightsRefused,
@@ -55,6 +56,12 @@ from services.sglang_control import (
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
 
 log = logging.getLogger(__name__)
+
+# SGLang 0.5.23's refusals of a request for its context length (TokenizerManager._validate_one_request):
+# input plus max_new_tokens past it, or the input alone at it
+_CONTEXT_FULL = re.compile(
+    r"exceeds the model's maximum context length of (\d+) tokens|is longer than the model's context length \((\d+) tokens\)"
+)
 
 __all__ = ["SglangEngine"]
 
@@ -134,6 +141,8 @@ class SglangEngine:
             except (UpstreamError, ValueError, KeyError, TypeError) as exc:
                 errors.append(str(exc))
                 if isinstance(exc, UpstreamError) and exc.status is not None and 400 <= exc.status < 500:
+                    if full := _CONTEXT_FULL.search(str(exc)):
+                        raise ContextFull(str(exc), int(full.group(1) or full.group(2))) from None
                     raise EngineError(str(exc)) from None  # a bad request fails the same everywhere
                 self._down_until[url] = time.monotonic() + self.cooldown_s
                 log.warning("sglang %s failed (%s); trying the next server", url, exc)
