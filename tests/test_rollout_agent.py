@@ -420,3 +420,13 @@ async def test_a_turn_that_ends_the_text_ends_the_trajectory(tok, tmp_path):
     assert app.state.requests[0]["sampling_params"]["stop_token_ids"] == qwen_like.stop_ids
     assert t.finish_reason == "answer" and len(t.turn_spans) == 1 and tools.calls == [] and t.reward == 0.0
     assert t.completion_ids[-1] == 0  # the end of text, as sampled, with nothing glued after it
+
+
+def test_routes_are_held_in_the_smallest_type_as_each_turn_comes_in():
+    """SGLang sends int32; a worker holds the routes of every trajectory it runs until each ends."""
+    from services.rollout.agent import _narrow
+
+    sent = np.arange(2 * 48 * 8, dtype=np.int32).reshape(2, 48, 8) % 128
+    assert _narrow(sent).dtype == np.uint8 and np.array_equal(_narrow(sent), sent)
+    assert _narrow(sent + 200).dtype == np.int16  # more than 256 experts
+    assert _narrow(sent - 1).dtype == np.int16  # a -1 (no expert) is kept, not wrapped to 255
