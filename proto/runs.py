@@ -309,6 +309,12 @@ class TrainerSpec(_Spec):
         "workers would wait for a version that is never published",
     )
     checkpoint_every: PositiveInt = 10
+    keep_checkpoints: PositiveInt | None = Field(
+        default=None,
+        description="keep only the newest N checkpoints (None: every one). A checkpoint holds the "
+        "weights and the optimiser state, about 16 bytes a parameter with float32 copies and AdamW: "
+        "about 500 GB for a 30B model",
+    )
     eval_every: Annotated[int, Field(ge=0)] = Field(
         default=0,
         description="with data.validation: also evaluate every N steps (0: only before the first "

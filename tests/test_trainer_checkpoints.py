@@ -30,7 +30,7 @@ def _save(weights: str):
     return save
 
 
-def _write(out, step: int, weights: str, *, interrupted: bool = False, save=True):
+def _write(out, step: int, weights: str, *, interrupted: bool = False, save=True, keep=None):
     return write_checkpoint(
         out / "checkpoints" / f"step-{step:06d}",
         TrainState(step=step, version=step),
@@ -38,7 +38,25 @@ def _write(out, step: int, weights: str, *, interrupted: bool = False, save=True
         trained_ids=[f"run:{i}/0" for i in range(step)],
         interrupted=interrupted,
         save=_save(weights) if save else None,
+        keep=keep,
     )
+
+
+def test_only_the_newest_checkpoints_are_kept_when_the_run_says_so(tmp_path):
+    """A 30B model's checkpoint is about 500 GB: every tenth step of a 200-step run kept is 10 TB."""
+    for step in (10, 20, 30):
+        _write(tmp_path, step, f"w{step}", keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step-000020", "step-000030"]
+    assert latest_checkpoint(tmp_path).name == "step-000030"
+    _write(tmp_path, 30, "w30", save=False, keep=1)  # a record rewritten: the folder it names stays
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000030"]
+    _write(tmp_path, 40, "w40")  # keep None: every one
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step-000030",
+        "step-000040",
+    ]
 
 
 def test_a_checkpoint_is_renamed_into_place_whole_and_latest_follows(tmp_path):

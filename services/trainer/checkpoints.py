@@ -109,13 +109,15 @@ def write_checkpoint(
     trained_ids: list[str],
     interrupted: bool,
     save: Callable[[Path], None] | None,
+    keep: int | None = None,
 ) -> Path:
     """Checkpoint ``path`` (``checkpoints/step-<n>``), then ``latest`` to it. ``save(folder)``
     writes the model and ``state.pt`` into a fresh folder; ``trainer.json`` goes in last, the
     whole is flushed to disk and renamed to ``path`` (a folder of that name, from weights a crash
     discarded, is replaced). ``save`` None: ``path`` holds these very weights and optimiser state
     already (this opening wrote or loaded it, and took no step since), and only its
-    ``trainer.json`` is replaced."""
+    ``trainer.json`` is replaced. ``keep``: then only the newest ``keep`` checkpoints stay (None:
+    every one); older ones go only once ``latest`` names the new one."""
     saved = {
         **asdict(state),
         "interrupted": interrupted,
@@ -139,6 +141,10 @@ def write_checkpoint(
     _replace(path.parent / "latest", path.name)
     for stale in path.parent.glob(".*.stale"):  # only once latest names the new one
         shutil.rmtree(stale, ignore_errors=True)
+    if keep is not None:
+        for old in sorted(path.parent.glob("step-*"))[:-keep]:  # zero-padded: by step
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
     return path
 
 

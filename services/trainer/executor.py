@@ -334,6 +334,7 @@ class RunExecutor:
             trained_ids=trained_ids,
             interrupted=interrupted,
             save=None if same else save,
+            keep=run.spec.trainer.keep_checkpoints,
         )
         run.checkpointed = path.name
         run.publisher.saved(
