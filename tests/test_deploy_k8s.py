@@ -116,7 +116,7 @@ def test_k8s_workloads_have_probes_resources_and_wiring(rendered):
         assert containers(_find(gpu, kind, name))[-1]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert (
         _find(gpu, "HorizontalPodAutoscaler", "rollout")["spec"]["metrics"][0]["external"]["metric"]["name"]
-        == "pbsd_stream_lag"
+        == "pbsd_stream_outstanding"
     )
     assert (
         _find(rendered["cpu"], "HorizontalPodAutoscaler", "rollout")["spec"]["metrics"][0]["type"]

@@ -32,6 +32,7 @@ async def test_gauges_follow_what_waits_at_each_stage(bus: Bus):
     assert _value("pbsd_stream_length", stream="prompts") == 5
     assert _value("pbsd_stream_lag", stream="prompts", group="rollout") == 3
     assert _value("pbsd_stream_pending", stream="prompts", group="rollout") == 2
+    assert _value("pbsd_stream_outstanding", stream="prompts", group="rollout") == 5  # what the HPA reads
     assert _value("pbsd_stream_consumers", stream="prompts", group="rollout") == 1
     assert _value("pbsd_stream_oldest_pending_seconds", stream="prompts", group="rollout") >= 0.04
     # a stream nobody has written to yet: length 0, no group series invented
@@ -49,6 +50,7 @@ async def test_gauges_follow_what_waits_at_each_stage(bus: Bus):
     await monitor.sample()
     assert _value("pbsd_stream_lag", stream="prompts", group="rollout") == 0
     assert _value("pbsd_stream_pending", stream="prompts", group="rollout") == 0
+    assert _value("pbsd_stream_outstanding", stream="prompts", group="rollout") == 0
     assert _value("pbsd_stream_oldest_pending_seconds", stream="prompts", group="rollout") == 0
 
 

@@ -42,6 +42,13 @@ PENDING = Gauge(
 )
 LAG = Gauge("pbsd_stream_lag", "Entries not yet delivered to the consumer group", ["stream", "group"])
 CONSUMERS = Gauge("pbsd_stream_consumers", "Consumers registered in the group", ["stream", "group"])
+# what an autoscaler of the group's workers scales on: the lag alone drops to 0 as soon as workers
+# take the entries, and a scale-down then kills the workers in the middle of them
+OUTSTANDING = Gauge(
+    "pbsd_stream_outstanding",
+    "Entries the group has not finished: not yet delivered (lag) plus delivered and unacknowledged (pending)",
+    ["stream", "group"],
+)
 OLDEST_PENDING = Gauge(
     "pbsd_stream_oldest_pending_seconds",
     "Age of the oldest unacknowledged entry (0 when none)",
@@ -83,6 +90,7 @@ class StreamLagMonitor:
                 lag = info.get("lag")
                 PENDING.labels(stream.name, group).set(pending)
                 LAG.labels(stream.name, group).set(math.nan if lag is None else int(lag))
+                OUTSTANDING.labels(stream.name, group).set(math.nan if lag is None else int(lag) + pending)
                 CONSUMERS.labels(stream.name, group).set(int(info["consumers"]))
                 age = 0.0
                 if pending:
