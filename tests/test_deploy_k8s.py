@@ -115,6 +115,9 @@ def test_k8s_workloads_have_probes_resources_and_wiring(rendered):
     for kind, name in (("Deployment", "scorer"), ("StatefulSet", "trainer"), ("StatefulSet", "sglang")):
         assert containers(_find(gpu, kind, name))[-1]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert (
+        _find(gpu, "Service", "sglang")["spec"]["publishNotReadyAddresses"] is True
+    )  # names resolve mid-load
+    assert (
         _find(gpu, "HorizontalPodAutoscaler", "rollout")["spec"]["metrics"][0]["external"]["metric"]["name"]
         == "pbsd_stream_outstanding"
     )
