@@ -167,6 +167,32 @@ async def test_the_client_reads_what_is_not_the_gateways_answer_as_a_failure():
             assert not reply.ok and reply.unreachable is unreachable and says in reply.text, reply
 
 
+async def test_a_call_waiting_for_a_connection_is_not_timed_out_for_it():
+    """More calls in flight than connections, each answered within the timeout: every one is answered.
+    With the timeout over the whole call (the wait for a connection included), the last ones were
+    reported as an unreachable gateway, which fails a trajectory."""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    slow = FastAPI()
+
+    @slow.post("/call")
+    async def call():
+        await asyncio.sleep(0.6)
+        return {"ok": True, "text": "found", "cached": False, "latency_s": 0.6}
+
+    with serve(slow) as base:
+        client = GatewayClient(base, timeout_s=1.0, connections=1)  # three calls queue on one connection
+        replies = await asyncio.gather(*(client.call(*SEARCH, {"q": str(i)}) for i in range(3)))
+        await client.aclose()
+        stuck = GatewayClient(base, timeout_s=0.3)  # an answer slower than the timeout still times out
+        late = await stuck.call(*SEARCH, {"q": "x"})
+        await stuck.aclose()
+    assert [r.ok for r in replies] == [True] * 3
+    assert not late.ok and late.unreachable and "TimeoutError" in late.text
+
+
 async def test_metrics_are_exported(gateway_url):
     client = GatewayClient(gateway_url)
     await client.call(*SEARCH, {"q": "river"})

@@ -51,9 +51,15 @@ class GatewayClient:
     """The gateway over HTTP/1.1: one session, its keep-alive connections reused by every call.
 
     The session is opened on the first request, in the event loop that makes it (aiohttp binds a
-    session to its loop), so a client can be built outside one."""
+    session to its loop), so a client can be built outside one.
 
-    def __init__(self, base_url: str, *, timeout_s: float = 300.0, connections: int = 100) -> None:
+    ``timeout_s`` bounds each wait for the gateway's answer (a socket read), not the call as a
+    whole: aiohttp's total timeout also counts the wait for a free connection, so with more calls
+    in flight than ``connections`` (a worker runs up to concurrency x G trajectories) a call queued
+    behind slow ones timed out before it was sent, was reported as an unreachable gateway, and
+    failed its trajectory. The gateway bounds every call itself (its deadline)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 300.0, connections: int = 256) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.connections = connections
@@ -64,7 +70,7 @@ class GatewayClient:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.connections),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=self.timeout_s),
             )
         return self._session
 
