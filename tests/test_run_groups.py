@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from proto import examples as ex
 from proto.streams import EVALS, SCORED
 from services.bus import ConsumerOptions
@@ -60,6 +62,34 @@ async def test_the_trainer_destroys_the_groups_of_runs_that_ended_while_it_could
     )
     assert sorted(await bus.group_names(SCORED)) == sorted([scored_group(running.id), "someone-else"])
     assert await bus.group_names(EVALS) == [evals_group(running.id)]
+
+
+async def test_a_run_an_older_pbsd_stored_does_not_stop_the_trainers_start(bus, key_prefix):
+    """Its spec may not validate any more; its state is all the sweep needs."""
+    import json
+
+    from proto.runs import RunSpec
+
+    store = RunStore(bus.redis, key_prefix)
+    old = await store.create(RunSpec.model_validate(ex.example_run().model_dump()))
+    await store.update(old.id, state="completed")
+    spec = json.loads((await bus.redis.hget(store._key(old.id), "spec")).decode())
+    await bus.redis.hset(store._key(old.id), "spec", json.dumps({**spec, "a_field_long_gone": 1}))
+    await bus.ensure_group(SCORED, scored_group(old.id))
+    assert await forget_ended_runs(bus, store) == [scored_group(old.id)]
+
+
+async def test_a_heartbeat_whose_group_was_destroyed_stops(bus):
+    """A run that fails mid-step leaves a batch held; its group goes with the run, and the batch's
+    heartbeat, finding no group, stops instead of warning every few seconds for good."""
+    await bus.publish(SCORED, ex.example_scored())
+    held = await bus.collect(SCORED, "trainer", 1, _yes, group=scored_group("failed"), options=FAST)
+    await forget_run(bus, "failed")
+    for _ in range(100):
+        if held._beat.done():
+            break
+        await asyncio.sleep(0.02)
+    assert held._beat.done() and not held._beat.cancelled()
 
 
 async def test_a_completed_run_leaves_no_group_behind(

@@ -63,22 +63,6 @@ class ConsumerGroups(Trimming):
             elif "BUSYGROUP" not in str(exc):
                 raise
 
-    async def destroy_group(self, stream: StreamDef, group: str) -> bool:
-        """Remove ``group`` and what it holds pending from ``stream``; False if there was none."""
-        try:
-            return bool(await self.redis.xgroup_destroy(self.key(stream), group))
-        except ResponseError as exc:  # no such stream
-            if "no such key" in str(exc).lower() or "requires the key to exist" in str(exc).lower():
-                return False
-            raise
-
-    async def group_names(self, stream: StreamDef) -> list[str]:
-        """The names of the stream's consumer groups (none if the stream does not exist)."""
-        try:
-            return [as_text(g["name"]) for g in await self.redis.xinfo_groups(self.key(stream))]
-        except ResponseError:  # no such stream
-            return []
-
     async def consume(
         self,
         stream: StreamDef[M],
@@ -363,6 +347,13 @@ class ConsumerGroups(Trimming):
             held = list(entry_ids)  # the list changes as entries are added and acknowledged
             try:
                 owned = await self.renew(key, group, consumer, held)
+            except ResponseError as exc:
+                if "NOGROUP" in str(
+                    exc
+                ):  # the group is gone (its run ended, or Redis lost it): nothing to keep
+                    return
+                log.warning("heartbeat for %s failed", key, exc_info=True)
+                continue
             except Exception:  # a missed beat only risks a duplicate, which idempotency absorbs
                 log.warning("heartbeat for %s failed", key, exc_info=True)
                 continue

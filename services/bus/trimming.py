@@ -1,6 +1,7 @@
 """Trimming what has passed: a work stream's entries below what every consumer group has
 acknowledged, so Redis memory follows what is in flight (MAXLEN would remove entries a group has
-not read yet), and the consumers of a group that are long gone.
+not read yet), the consumers of a group that are long gone, and whole groups whose reader is done
+(:func:`services.trainer.run_groups.forget_run`).
 
 Redis keeps a consumer in its group until it is deleted, and the workers' names are their host
 names, which change with every pod Kubernetes starts: without this a group would list every
@@ -46,6 +47,22 @@ class Trimming:
 
     def key(self, stream: StreamDef) -> str:
         return stream.key(self.prefix)
+
+    async def destroy_group(self, stream: StreamDef, group: str) -> bool:
+        """Remove ``group`` and what it holds pending from ``stream``; False if there was none."""
+        try:
+            return bool(await self.redis.xgroup_destroy(self.key(stream), group))
+        except ResponseError as exc:  # no such stream
+            if "no such key" in str(exc).lower() or "requires the key to exist" in str(exc).lower():
+                return False
+            raise
+
+    async def group_names(self, stream: StreamDef) -> list[str]:
+        """The names of the stream's consumer groups (none if the stream does not exist)."""
+        try:
+            return [as_text(g["name"]) for g in await self.redis.xinfo_groups(self.key(stream))]
+        except ResponseError:  # no such stream
+            return []
 
     async def _maybe_trim(self, stream: StreamDef, group: str, options: ConsumerOptions) -> None:
         now = time.monotonic()

@@ -165,7 +165,11 @@ class RunExecutor:
                     break
                 held = await self._collect(run, cancel, stop)
                 if held is not None:
-                    await self._step(run, held)
+                    try:
+                        await self._step(run, held)
+                    except BaseException:
+                        held.stop_heartbeat()  # the run fails, and its groups go with it
+                        raise
             if run.evaluator is not None and finished == "completed":  # the last round, then done
                 if run.published != state.version:  # the data ran out between two publications
                     await self._publish(run)

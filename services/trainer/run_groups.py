@@ -7,7 +7,7 @@ below the slowest group's position (:mod:`services.bus.trimming`): an ended run'
 every later entry of ``scored`` and ``evals`` in Redis for good, and with routing replay's routes
 a scored group is up to hundreds of MB. So a run's groups are destroyed when it ends, and the
 trainer, as it starts, destroys those of runs that ended while it could not (a crash between the
-end and the destruction, a run deleted, a deployment from before this module).
+end and the destruction, a run deleted, groups an older pbsd left).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ async def forget_ended_runs(bus: Bus, store: RunStore) -> list[str]:
             if not (group.startswith(_PREFIX) and group.endswith(suffix)):
                 continue
             run_id = group[len(_PREFIX) : len(group) - len(suffix)]
-            record = await store.get(run_id)
+            # the summary, not the record: a spec an older pbsd stored may not validate any more
+            record = await store.summary(run_id)
             if record is None or record.state in FINISHED:
                 await bus.destroy_group(stream, group)
                 gone.append(group)
