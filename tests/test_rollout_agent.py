@@ -276,30 +276,36 @@ async def test_a_server_whose_context_is_shorter_than_the_runs_ends_the_trajecto
     assert t.finish_reason == "max_context" and t.error is None and t.reward == 0.0
     assert t.num_turns >= 1 and t.num_tokens <= prompt + 300
     assert metrics.CONTEXT_FULL._value.get() == before + 1
-    assert (
-        f"the engine's context ({prompt + 300} tokens) is shorter than the run's max_context" in caplog.text
-    )
+    assert f"its context is {prompt + 300} tokens, shorter than the run's requests need" in caplog.text
 
 
-async def test_the_fake_refuses_a_request_past_its_context_as_sglang_does(tok):
-    """Either refusal of SGLang 0.5.23 reads as the context being full; any other 400 is an error."""
+async def test_a_server_that_says_its_context_is_asked_for_what_fits(tok):
+    """Either refusal of SGLang 0.5.23 names the server's context length: the engine asks that server
+    again for what fits, asks it for no more afterwards, and says so on the result; a request whose
+    input fills it is ContextFull; any other 400 is an error. A weight update forgets what it learnt
+    (a server restarted with a longer --context-length gets the whole budget again)."""
     from services.rollout.engine import ContextFull, EngineError, GenerationRequest
 
-    app = make_sglang(scripted(tok, ["x"]), context_len=100, script=["ok", "ok", "ok", 400])
+    app = make_sglang(scripted(tok, ["x"]), context_len=100, script=["ok"] * 4 + [400])
     with serve(app) as url:
         engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
-        for n, new in ((60, 41), (100, 1)):  # input + new past it; the input alone at it
-            with pytest.raises(ContextFull) as refused:
-                await engine.generate(GenerationRequest(input_ids=[5] * n, max_new_tokens=new))
-            assert refused.value.limit == 100
-        result = await engine.generate(
-            GenerationRequest(input_ids=[5] * 60, max_new_tokens=40)
-        )  # exactly fits
-        assert result.output_ids
-        with pytest.raises(EngineError) as other:
-            await engine.generate(GenerationRequest(input_ids=[5], max_new_tokens=1))  # another 400
+        first = await engine.generate(GenerationRequest(input_ids=[5] * 60, max_new_tokens=41))
+        assert first.context_limited and first.output_ids
+        fits = await engine.generate(GenerationRequest(input_ids=[5] * 60, max_new_tokens=40))
+        assert not fits.context_limited
+        with pytest.raises(ContextFull) as full:  # asked for nothing: the input fills the context
+            await engine.generate(GenerationRequest(input_ids=[5] * 100, max_new_tokens=1))
+        assert full.value.limit == 100
+        asked = [r["sampling_params"]["max_new_tokens"] for r in app.state.requests]
+        assert asked == [41, 40, 40]  # refused once, then within the context
+        other = GenerationRequest(input_ids=[5] * 10, max_new_tokens=1)
+        await engine.generate(other)
+        with pytest.raises(EngineError) as refused:
+            await engine.generate(other)  # the scripted 400, which is not about the context
+        assert not isinstance(refused.value, ContextFull)
+        await engine.update_weights("/models/v1", 1)
+        assert engine._context == {}
         await engine.aclose()
-    assert not isinstance(other.value, ContextFull)
 
 
 async def test_no_tool_call_without_answer_ends_with_zero_reward(tok):
@@ -422,7 +428,7 @@ async def test_a_turn_that_ends_the_text_ends_the_trajectory(tok, tmp_path):
     assert t.completion_ids[-1] == 0  # the end of text, as sampled, with nothing glued after it
 
 
-def test_routes_are_held_in_the_smallest_type_as_each_turn_comes_in():
+def test_routes_are_narrowed_to_the_smallest_type_that_holds_them():
     """SGLang sends int32; a worker holds the routes of every trajectory it runs until each ends."""
     from services.rollout.agent import _narrow
 

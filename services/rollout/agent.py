@@ -14,11 +14,9 @@ them; nothing is re-tokenised. The reward is the verifier's on the last message.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,34 +32,6 @@ from services.tools.client import Tools
 log = logging.getLogger(__name__)
 
 __all__ = ["AgentLimits", "run_trajectory"]
-
-
-# What a server's refusal said its context length is, where it is shorter than a run's max_context
-# (SGLang's is the model config's unless it was started with --context-length): later turns of every
-# trajectory on that engine ask for no more than fits, instead of being refused again.
-_ENGINE_CONTEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-async def _generate_within(engine: Engine, request: GenerationRequest, length: int, max_context: int):
-    """``engine.generate``; refused for the server's own context length, asked once more for what
-    fits, so the trajectory has all the context the server gives. ContextFull when nothing fits."""
-    try:
-        return await engine.generate(request)
-    except ContextFull as exc:
-        if exc.limit is None:
-            raise
-        if _ENGINE_CONTEXT.get(engine) != exc.limit:
-            _ENGINE_CONTEXT[engine] = exc.limit
-            log.error(
-                "the engine's context (%d tokens) is shorter than the run's max_context (%d): "
-                "trajectories end at it. Start SGLang with --context-length >= max_context",
-                exc.limit,
-                max_context,
-            )
-        room = exc.limit - length
-        if not 0 < room < request.max_new_tokens:
-            raise
-        return await engine.generate(dataclasses.replace(request, max_new_tokens=room))
 
 
 def _narrow(routes: np.ndarray) -> np.ndarray:
@@ -151,6 +121,7 @@ async def run_trajectory(
     calls: list[ToolCall] = []
     versions: list[int] = []
     finish, error, last_text = "max_turns", None, ""
+    engine_full = False  # it ended at its engine's context, shorter than max_context
     stop_ids = tuple(tokenizer.stop_ids)
     # the gateway counts a trajectory's calls against its budget by this id. Trajectory ids repeat:
     # a prompt delivered again after a worker died, one published again, and every `pbsd eval`
@@ -158,8 +129,7 @@ async def run_trajectory(
     attempt = f"{trajectory_id}#{secrets.token_hex(6)}"
 
     for turn in range(limits.max_turns):
-        context = min(limits.max_context, _ENGINE_CONTEXT.get(engine, limits.max_context))
-        budget = min(limits.max_tokens_per_turn, context - b.length)
+        budget = min(limits.max_tokens_per_turn, limits.max_context - b.length)
         if budget <= 0:
             finish = "max_context"
             break
@@ -175,12 +145,11 @@ async def run_trajectory(
             session=trajectory_id,
         )
         try:
-            result = await _generate_within(engine, request, b.length, limits.max_context)
+            result = await engine.generate(request)
         except ContextFull:
-            # the engine's context (shorter than the run's max_context) is full: ended as at the
-            # run's own limit and trained on as such; as an error it was left out, and with it
-            # every long trajectory
-            finish = "max_context"
+            # the engine's context (shorter than the run's max_context) is full: the trajectory ends
+            # as at the run's own limit and is trained on as such, not left out as an error
+            finish, engine_full = "max_context", True
             break
         except Exception as exc:  # EngineError, or what an engine let through (a torch error)
             if not isinstance(exc, EngineError):
@@ -203,7 +172,9 @@ async def run_trajectory(
             b.routed += result.routed_experts.shape[0]
         last_text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
         if result.finish == "length":
-            finish = "max_tokens" if budget == limits.max_tokens_per_turn else "max_context"
+            engine_full = result.context_limited
+            full = budget < limits.max_tokens_per_turn or engine_full
+            finish = "max_context" if full else "max_tokens"
             break
 
         parsed = parse_tool_calls(last_text)
@@ -242,7 +213,7 @@ async def run_trajectory(
         if keep < len(b.completion):
             b.completion, b.mask, b.logprobs = b.completion[:keep], b.mask[:keep], b.logprobs[:keep]
         routes = _narrow(routes)
-    if finish == "max_context" and _ENGINE_CONTEXT.get(engine, limits.max_context) < limits.max_context:
+    if engine_full:
         metrics.CONTEXT_FULL.inc()  # it ended at the engine's context, not at the run's
     final = extract_boxed(last_text) if finish == "answer" else None
     reward = verify(last_text, answer, aliases).reward if finish == "answer" else 0.0

@@ -56,6 +56,9 @@ class GenerationResult:
     message: str = ""  # abort reason
     latency_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    # the engine asked for fewer new tokens than the request did, to fit its server's context (shorter
+    # than the run's max_context): a "length" finish is then the context's, not the turn's limit
+    context_limited: bool = False
 
 
 class Engine(Protocol):

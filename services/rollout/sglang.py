@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import logging
 import re
@@ -94,6 +95,10 @@ class SglangEngine:
         self.weight_version = 0
         self._down_until: dict[str, float] = {}
         self._update_lock = asyncio.Lock()
+        # what a server's refusal said its context length is (shorter than a request needed): later
+        # requests to it ask for no more than fits. Forgotten at each weight update, so a server
+        # restarted with a longer --context-length is asked for the whole budget again.
+        self._context: dict[str, int] = {}
 
     async def aclose(self) -> None:
         if self._own:
@@ -126,29 +131,58 @@ class SglangEngine:
             payload["routed_experts_start_len"] = request.routed_experts_start_len
         errors = []
         for url in self._order(request.session):
-            started = time.perf_counter()
             try:
-                response = await send_with_retries(
-                    f"sglang {url}", lambda u=url: self.http.post(f"{u}/generate", json=payload), self.retry
-                )
-                if response.status_code >= 400:
-                    raise UpstreamError(
-                        f"sglang {url}",
-                        f"HTTP {response.status_code}: {response.text[:300]}",
-                        status=response.status_code,
-                    )
-                result = self._parse(response.json(), request, time.perf_counter() - started)
+                result = await self._generate_on(url, payload, request)
             except (UpstreamError, ValueError, KeyError, TypeError) as exc:
                 errors.append(str(exc))
                 if isinstance(exc, UpstreamError) and exc.status is not None and 400 <= exc.status < 500:
-                    if full := _CONTEXT_FULL.search(str(exc)):
-                        raise ContextFull(str(exc), int(full.group(1) or full.group(2))) from None
                     raise EngineError(str(exc)) from None  # a bad request fails the same everywhere
                 self._down_until[url] = time.monotonic() + self.cooldown_s
                 log.warning("sglang %s failed (%s); trying the next server", url, exc)
                 continue
             return result
         raise EngineError("every SGLang server failed: " + " | ".join(errors))
+
+    async def _generate_on(self, url: str, payload: dict, request: GenerationRequest) -> GenerationResult:
+        """One server's answer, asking for no more new tokens than fit the context it has said it has.
+        Refused for its context length, it is asked once more for what fits; :class:`ContextFull`
+        when nothing does."""
+        started = time.perf_counter()
+        for _ in range(2):
+            limit = self._context.get(url)
+            new = request.max_new_tokens
+            if limit is not None:
+                new = min(new, limit - len(request.input_ids))
+                if new <= 0:
+                    raise ContextFull(f"sglang {url}: the input fills its {limit}-token context", limit)
+            body = {**payload, "sampling_params": {**payload["sampling_params"], "max_new_tokens": new}}
+            response = await send_with_retries(
+                f"sglang {url}", lambda b=body: self.http.post(f"{url}/generate", json=b), self.retry
+            )
+            if response.status_code == 400 and (full := _CONTEXT_FULL.search(response.text)):
+                self._learn_context(url, int(full.group(1) or full.group(2)))
+                continue
+            if response.status_code >= 400:
+                raise UpstreamError(
+                    f"sglang {url}",
+                    f"HTTP {response.status_code}: {response.text[:300]}",
+                    status=response.status_code,
+                )
+            result = self._parse(response.json(), request, time.perf_counter() - started)
+            return dataclasses.replace(result, context_limited=new < request.max_new_tokens)
+        raise ContextFull(
+            f"sglang {url} refused what its context length leaves room for", self._context.get(url)
+        )
+
+    def _learn_context(self, url: str, limit: int) -> None:
+        if self._context.get(url) != limit:
+            log.error(
+                "sglang %s: its context is %d tokens, shorter than the run's requests need: trajectories "
+                "end at it (as max_context). Start it with --context-length >= rollout.max_context",
+                url,
+                limit,
+            )
+        self._context[url] = limit
 
     def _parse(self, data: dict, request: GenerationRequest, latency: float) -> GenerationResult:
         meta = data["meta_info"]
@@ -202,6 +236,7 @@ class SglangEngine:
         async with self._update_lock:
             await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
             self.weight_version = version
+            self._context.clear()
 
     async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
         """The trainer broadcast ``version`` to the servers in its weight group; the ones that missed
