@@ -309,11 +309,12 @@ class TrainerSpec(_Spec):
         "workers would wait for a version that is never published",
     )
     checkpoint_every: PositiveInt = 10
-    keep_checkpoints: PositiveInt | None = Field(
+    keep_checkpoints: Annotated[int, Field(ge=2)] | None = Field(
         default=None,
         description="keep only the newest N checkpoints (None: every one). A checkpoint holds the "
         "weights and the optimiser state, about 16 bytes a parameter with float32 copies and AdamW: "
-        "about 500 GB for a 30B model",
+        "about 500 GB for a 30B model. At least 2: a version published just before a checkpoint "
+        "names the one before it as the copy a worker that missed the broadcast loads",
     )
     eval_every: Annotated[int, Field(ge=0)] = Field(
         default=0,

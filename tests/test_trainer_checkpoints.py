@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from proto.runs import RunSpec
+from proto.runs import RunSpec, TrainerSpec
 from services.trainer.checkpoints import (
     TrainState,
     latest_checkpoint,
@@ -57,6 +57,19 @@ def test_only_the_newest_checkpoints_are_kept_when_the_run_says_so(tmp_path):
         "step-000030",
         "step-000040",
     ]
+    # a resume from step 30 (latest pointed there when a kill came): step 40's folder is newer than
+    # what is written, and is neither counted nor removed; this run writes step 40 again
+    (tmp_path / "checkpoints" / "latest").write_text("step-000030")
+    _write(tmp_path, 35, "w35", keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step-000030",
+        "step-000035",
+        "step-000040",
+    ]
+    assert not list((tmp_path / "checkpoints").glob(".*"))  # nothing half-removed left behind
+    with pytest.raises(ValueError, match="greater than or equal to 2"):
+        TrainerSpec(keep_checkpoints=1)  # the one before the newest may be what a lagging worker loads
 
 
 def test_a_checkpoint_is_renamed_into_place_whole_and_latest_follows(tmp_path):

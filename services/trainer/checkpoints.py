@@ -142,9 +142,13 @@ def write_checkpoint(
     for stale in path.parent.glob(".*.stale"):  # only once latest names the new one
         shutil.rmtree(stale, ignore_errors=True)
     if keep is not None:
-        for old in sorted(path.parent.glob("step-*"))[:-keep]:  # zero-padded: by step
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
+        # zero-padded: by step. One newer than this (a kill left it before latest named it) is
+        # neither counted nor removed: this run writes that step again
+        older = [p for p in sorted(path.parent.glob("step-*")) if p.name <= path.name]
+        for old in older[:-keep]:
+            gone = old.with_name(f".{old.name}.stale")  # out of latest_checkpoint's sight first
+            old.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
     return path
 
 
