@@ -35,7 +35,7 @@ SETTINGS = {
     "PBSD_TRAINER_": TrainerSettings,
 }
 # read by something other than a settings class: the bus URL and prefix (CommonSettings'
-# aliases), the CLI's trainer URL, torch's thread count, Redis' own password
+# aliases), the CLI's trainer URL, torch's thread count, Redis' own password and memory cap
 OTHER_VARIABLES = {
     "REDIS_URL",
     "PBSD_STREAM_PREFIX",
@@ -43,6 +43,7 @@ OTHER_VARIABLES = {
     "PBSD_TRAINER_URL",
     "OMP_NUM_THREADS",
     "REDIS_PASSWORD",
+    "REDIS_MAXMEMORY",  # Redis' own maxmemory, read by its start command (k8s)
     "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",  # SGLang's own (sglang/srt/environ.py)
 }
 SERVICE_ALIASES = ("tools", "rollout", "scorer", "trainer")

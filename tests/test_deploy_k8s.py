@@ -114,9 +114,16 @@ def test_k8s_workloads_have_probes_resources_and_wiring(rendered):
     gpu = rendered["gpu"]
     for kind, name in (("Deployment", "scorer"), ("StatefulSet", "trainer"), ("StatefulSet", "sglang")):
         assert containers(_find(gpu, kind, name))[-1]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert (
-        _find(gpu, "Service", "sglang")["spec"]["publishNotReadyAddresses"] is True
-    )  # names resolve mid-load
+    # the SGLang pods' names resolve while they load a version (not ready then)
+    assert _find(gpu, "Service", "sglang")["spec"]["publishNotReadyAddresses"] is True
+    # Redis refuses writes (waited out) before the kernel kills it: its cap under its limit, both overlays
+    for overlay, cap in (("cpu", 6), ("gpu", 36)):
+        redis = _find(rendered[overlay], "StatefulSet", "redis")
+        assert '--maxmemory "${REDIS_MAXMEMORY:-6gb}"' in containers(redis)[0]["command"][-1]
+        config = _find(rendered[overlay], "ConfigMap", "pbsd-config")["data"]
+        assert config.get("REDIS_MAXMEMORY", "6gb") == f"{cap}gb"
+        limit = containers(redis)[0]["resources"]["limits"]["memory"]
+        assert int(limit.removesuffix("Gi")) >= cap * 1.25, (overlay, limit)
     assert (
         _find(gpu, "HorizontalPodAutoscaler", "rollout")["spec"]["metrics"][0]["external"]["metric"]["name"]
         == "pbsd_stream_outstanding"
