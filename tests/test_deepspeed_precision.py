@@ -16,7 +16,7 @@ import torch
 
 from proto.runs import GrpoSpec, TrainerSpec
 from services.model.checkpoint import load_model
-from services.trainer import distributed
+from services.trainer import deepspeed_config
 from services.trainer.policy import PolicyTrainer
 
 pytestmark = pytest.mark.slow
@@ -78,8 +78,10 @@ def test_a_float16_policy_without_loss_scaling_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="float16 policy needs loss scaling"):
         PolicyTrainer(load_model(tiny_checkpoint, dtype="float16"), TrainerSpec())
     with pytest.raises(ValueError, match="needs DeepSpeed's fp16 section"):
-        distributed.deepspeed_config(TrainerSpec(deepspeed_config={"bf16": {"enabled": True}}), torch.float16)
-    config = distributed.deepspeed_config(
+        deepspeed_config.deepspeed_config(
+            TrainerSpec(deepspeed_config={"bf16": {"enabled": True}}), torch.float16
+        )
+    config = deepspeed_config.deepspeed_config(
         TrainerSpec(deepspeed_config={"fp16": {"enabled": True}}), torch.float16
     )
     assert config["fp16"] == {"enabled": True}  # with its loss scale, as written
@@ -87,10 +89,10 @@ def test_a_float16_policy_without_loss_scaling_is_refused(tiny_checkpoint):
 
 def test_only_stage_0_gets_a_bf16_section_added():
     for stage, added in ((0, True), (1, False), (2, False), (3, False)):
-        config = distributed.deepspeed_config(
+        config = deepspeed_config.deepspeed_config(
             TrainerSpec(deepspeed_config={"zero_optimization": {"stage": stage}}), torch.bfloat16
         )
         assert ("bf16" in config) == added, stage
-    assert "bf16" not in distributed.deepspeed_config(
+    assert "bf16" not in deepspeed_config.deepspeed_config(
         TrainerSpec(deepspeed_config={"zero_optimization": {"stage": 0}})
     )

@@ -119,16 +119,20 @@ def test_a_deepspeed_config_as_users_write_it_is_taken():
     """DeepSpeed asserts train_batch_size = micro batch x accumulation x world when all are set; the
     trainer sets the other two, so a user's train_batch_size is dropped rather than failing the start.
     The config's optimizer's weight decay wins over the spec's, as the spec promises."""
-    from services.trainer import distributed
+    from services.trainer import deepspeed_config
 
     spec = TrainerSpec(weight_decay=0.1, deepspeed_config={"train_batch_size": 32})
-    config = distributed.deepspeed_config(spec)
+    config = deepspeed_config.deepspeed_config(spec)
     assert "train_batch_size" not in config and config["gradient_accumulation_steps"] == 1
-    assert distributed._weight_decay(config, spec.weight_decay) == 0.1  # the default optimizer: the spec's
+    assert (
+        deepspeed_config.weight_decay_of(config, spec.weight_decay) == 0.1
+    )  # the default optimizer: the spec's
     mine = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
-    config = distributed.deepspeed_config(TrainerSpec(weight_decay=0.1, deepspeed_config=mine))
-    assert distributed._weight_decay(config, 0.1) == 0.0
-    assert distributed._weight_decay({"optimizer": {"type": "Adam"}}, 0.1) == 0.1  # says none: the spec's
+    config = deepspeed_config.deepspeed_config(TrainerSpec(weight_decay=0.1, deepspeed_config=mine))
+    assert deepspeed_config.weight_decay_of(config, 0.1) == 0.0
+    assert (
+        deepspeed_config.weight_decay_of({"optimizer": {"type": "Adam"}}, 0.1) == 0.1
+    )  # says none: the spec's
 
 
 @pytest.mark.parametrize("knows", [True, False])
@@ -137,24 +141,24 @@ def test_a_bf16_deepspeed_config_checks_for_gradients_that_are_not_finite(monkey
     which was off by default before mid-2026: a NaN gradient then reached every weight (measured on
     the CPU accelerator, ZeRO-2, DeepSpeed 0.19.8 with the check off). The update skipped, with its
     schedule, is `tests/test_deepspeed.py`'s (slow)."""
-    from services.trainer import distributed
+    from services.trainer import deepspeed_config
 
-    monkeypatch.setattr(distributed, "_knows_bf16_overflow_check", lambda: knows)
+    monkeypatch.setattr(deepspeed_config, "_knows_bf16_overflow_check", lambda: knows)
     spec = TrainerSpec(deepspeed_config={"bf16": {"enabled": True}})
-    assert distributed.deepspeed_config(spec)["bf16"] == {
+    assert deepspeed_config.deepspeed_config(spec)["bf16"] == {
         "enabled": True,
         **({"check_grad_overflow": True} if knows else {}),
     }
     assert spec.deepspeed_config == {"bf16": {"enabled": True}}  # the spec keeps what it was given
     off = TrainerSpec(deepspeed_config={"bf16": {"enabled": True, "check_grad_overflow": False}})
-    assert distributed.deepspeed_config(off)["bf16"]["check_grad_overflow"] is False  # asked for
-    assert "bf16" not in distributed.deepspeed_config(TrainerSpec(deepspeed_config={}))
-    legacy = distributed.deepspeed_config(TrainerSpec(deepspeed_config={"bfloat16": {"enabled": True}}))
+    assert deepspeed_config.deepspeed_config(off)["bf16"]["check_grad_overflow"] is False  # asked for
+    assert "bf16" not in deepspeed_config.deepspeed_config(TrainerSpec(deepspeed_config={}))
+    legacy = deepspeed_config.deepspeed_config(TrainerSpec(deepspeed_config={"bfloat16": {"enabled": True}}))
     assert legacy["bfloat16"].get("check_grad_overflow") is (True if knows else None)
     # the trainer marks the boundary itself, so the gradient is reduced before the step (stage 0's
     # check of it, in `tests/test_deepspeed.py`, reads it there)
     unmanaged = TrainerSpec(deepspeed_config={"managed_gradient_accumulation": False})
-    assert "managed_gradient_accumulation" not in distributed.deepspeed_config(unmanaged)
+    assert "managed_gradient_accumulation" not in deepspeed_config.deepspeed_config(unmanaged)
 
 
 def test_pbsd_weights_reach_the_loss_token_by_token(tok, tiny_checkpoint):

@@ -113,3 +113,14 @@ def test_a_resume_restores_the_float32_copies_not_their_rounding(tiny_checkpoint
         assert torch.equal(x, y)
     for (n, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         assert torch.equal(x, y), n
+
+
+def test_a_model_gets_one_set_of_copies(tiny_checkpoint):
+    """The copies' hooks take each gradient: a second trainer on the same bfloat16 model would train
+    on none, silently. A float32 model has no copies, and any number of trainers."""
+    model = load_model(tiny_checkpoint, dtype="bfloat16")
+    PolicyTrainer(model, TrainerSpec())
+    with pytest.raises(ValueError, match="already has master weights"):
+        PolicyTrainer(model, TrainerSpec())
+    plain = load_model(tiny_checkpoint)
+    PolicyTrainer(plain, TrainerSpec()), PolicyTrainer(plain, TrainerSpec())

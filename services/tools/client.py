@@ -54,10 +54,10 @@ class GatewayClient:
     session to its loop), so a client can be built outside one.
 
     ``timeout_s`` bounds each wait for the gateway's answer (a socket read), not the call as a
-    whole: aiohttp's total timeout also counts the wait for a free connection, so with more calls
+    whole: aiohttp's total timeout also counts the wait for a free connection, and with more calls
     in flight than ``connections`` (a worker runs up to concurrency x G trajectories) a call queued
-    behind slow ones timed out before it was sent, was reported as an unreachable gateway, and
-    failed its trajectory. The gateway bounds every call itself (its deadline)."""
+    behind slow ones would time out before it is sent, read as an unreachable gateway, and fail its
+    trajectory. The gateway bounds every call itself (its deadline)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 300.0, connections: int = 256) -> None:
         self.base_url = base_url.rstrip("/")

@@ -35,7 +35,7 @@ accumulation boundary itself). The warm-up is the plain-torch trainer's own sche
 (:func:`services.trainer.policy.lr_factor`), so both paths follow the same learning rates.
 Ranks load the model in rank 0's dtype; mixed precision is the config's ``bf16`` section, which
 the trainer adds where a bfloat16 model would otherwise lose its updates (stage 0), and refuses a
-float16 model without an ``fp16`` section (:func:`_half_precision`).
+float16 model without an ``fp16`` section (:mod:`services.trainer.deepspeed_config`).
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ from torch import nn
 from proto.runs import AlgorithmSpec, TrainerSpec
 from services.model.checkpoint import dtype_name, save_checkpoint
 from services.trainer.batch import BatchCounts, TrainSample
+from services.trainer.deepspeed_config import deepspeed_config, enabled, weight_decay_of
 from services.trainer.policy import PolicyTrainer, lr_factor, param_groups
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeepSpeedPolicyTrainer", "deepspeed_config", "follow_rank0", "make_trainer"]
+__all__ = ["DeepSpeedPolicyTrainer", "follow_rank0", "make_trainer"]
 
 
 def make_trainer(
@@ -90,88 +91,6 @@ def _single_process_group() -> None:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def deepspeed_config(spec: TrainerSpec, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The run's DeepSpeed config, completed from the run and made safe for a model of ``dtype``."""
-    config = spec.deepspeed_config or {}
-    if isinstance(config, str):
-        config = json.loads(Path(config).read_text())
-    config = json.loads(json.dumps(config))  # a copy: the defaults below must not reach the spec
-    config.setdefault("train_micro_batch_size_per_gpu", 1)
-    config["gradient_accumulation_steps"] = 1
-    # DeepSpeed asserts train_batch_size = micro batch x accumulation x world when all three are
-    # set; the trainer's batch is the step's groups, not a sample count, so it is left to DeepSpeed
-    config.pop("train_batch_size", None)
-    # The trainer marks the accumulation boundary itself (set_gradient_accumulation_boundary), so
-    # every stage reduces in the boundary's backward and the gradient is whole before the step.
-    config.pop("managed_gradient_accumulation", None)
-    config.setdefault(
-        "optimizer",
-        {
-            "type": "AdamW",
-            "params": {
-                "lr": spec.lr,
-                "betas": list(spec.betas),
-                "weight_decay": spec.weight_decay,
-                "torch_adam": True,
-            },
-        },
-    )
-    if spec.grad_clip is not None:
-        config.setdefault("gradient_clipping", spec.grad_clip)
-    config.setdefault("zero_optimization", {"stage": 1})
-    _half_precision(config, dtype)
-    bf16 = config.get("bf16", config.get("bfloat16"))  # the second, DeepSpeed's older name for it
-    if isinstance(bf16, dict) and bf16.get("enabled") and _knows_bf16_overflow_check():
-        # ZeRO skips an update whose gradient is not finite in fp16 and fp32; in bf16 only with
-        # this check, off by default in DeepSpeed before mid-2026 (deepspeedai/DeepSpeed#8035).
-        # Without it a NaN gradient is written into every weight and AdamW moment for good.
-        bf16.setdefault("check_grad_overflow", True)
-    return config
-
-
-def _enabled(config: dict[str, Any], *names: str) -> bool:
-    return any(isinstance(config.get(n), dict) and config[n].get("enabled") for n in names)
-
-
-def _zero_stage_of(config: dict[str, Any]) -> int:
-    return int((config.get("zero_optimization") or {}).get("stage", 0))
-
-
-def _half_precision(config: dict[str, Any], dtype: torch.dtype) -> None:
-    """A 16-bit model needs the config to say so where DeepSpeed would otherwise train it wrongly.
-
-    * float16 without an ``fp16`` section has no loss scaling: most of an RL batch's gradients
-      (each token's share of the loss is about 1/tokens) fall below float16's smallest number.
-    * bfloat16 without a ``bf16`` section at stage 0 steps AdamW on the bfloat16 weights themselves,
-      which loses the updates below 2^-9 of a weight (:mod:`services.trainer.precision`); with the
-      section DeepSpeed's wrapper keeps float32 copies. ZeRO (stages 1 to 3) keeps float32
-      partitions either way, and without the section sums the gradients in float32, so there the
-      config is left as written (the trainer turns on its overflow check instead, in
-      :class:`DeepSpeedPolicyTrainer`)."""
-    mixed = _enabled(config, "bf16", "bfloat16", "fp16")
-    if dtype == torch.float16 and not _enabled(config, "fp16"):
-        raise ValueError(
-            "a float16 policy needs DeepSpeed's fp16 section (its dynamic loss scale): without it most "
-            "gradients underflow. Use model.dtype bfloat16, or add fp16: {enabled: true}"
-        )
-    if dtype == torch.bfloat16 and not mixed and _zero_stage_of(config) == 0:
-        config["bf16"] = {"enabled": True}
-
-
-def _weight_decay(config: dict[str, Any], default: float) -> float:
-    """The decay of the matrices: the config's optimizer's, where it sets one (it wins over the spec)."""
-    params = (config.get("optimizer") or {}).get("params") or {}
-    return float(params.get("weight_decay", default))
-
-
-def _knows_bf16_overflow_check() -> bool:
-    try:
-        from deepspeed.runtime.precision_config import DeepSpeedBF16Config
-    except ImportError:
-        return False
-    return "check_grad_overflow" in DeepSpeedBF16Config.model_fields
 
 
 class _PolicyForward(nn.Module):
@@ -208,7 +127,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=_PolicyForward(model, self._logprobs),
             # a group's own weight_decay overrides the optimizer's: the config's, when it sets one
-            model_parameters=param_groups(model, _weight_decay(config, self.spec.weight_decay)),
+            model_parameters=param_groups(model, weight_decay_of(config, self.spec.weight_decay)),
             config=config,
             lr_scheduler=schedule,
         )
@@ -216,10 +135,10 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage = _zero_stage(self.engine)
-        if dtype == torch.bfloat16 and not _enabled(config, "bf16", "bfloat16") and 0 < self.stage < 3:
+        if dtype == torch.bfloat16 and not enabled(config, "bf16", "bfloat16") and 0 < self.stage < 3:
             # ZeRO-1/2 take an update whose gradient is not finite unless this is on, and they turn
-            # it on only from a bf16 section: a bfloat16 model without one had NaN written into
-            # every weight, the step reported as taken (measured, DeepSpeed 0.19.8 on CPU)
+            # it on only from a bf16 section: without one, a bfloat16 model's NaN gradient reaches
+            # every weight and the step reads as taken (DeepSpeed 0.19.8, tests/test_deepspeed_precision.py)
             self.engine.optimizer.check_grad_overflow = True
         # ZeRO and DeepSpeed's fp16 and bf16 wrappers check the gradient before they step (their
         # "overflow"), and torch autocast's fp16 scaler does; without ZeRO in fp32 DeepSpeed steps

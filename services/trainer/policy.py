@@ -201,7 +201,8 @@ class PolicyTrainer:
         *,
         replay: bool = False,
     ) -> dict[str, float]:
-        """Forward and backward over every micro-batch; gradients are left in ``.grad``."""
+        """Forward and backward over every micro-batch; gradients are left in ``.grad`` (of the
+        float32 copies, where the model has them: :mod:`services.trainer.precision`)."""
         self.model.train()
         sums: dict[str, float] = {
             "loss": 0.0,

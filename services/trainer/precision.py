@@ -3,8 +3,9 @@
 AdamW stepping on bfloat16 weights rounds every update onto the weight's own grid. bfloat16
 keeps 8 significant bits, so an update smaller than half a unit in the last place, about
 2^-9 of the weight, is lost: at the paper's lr of 3e-6 a weight of 0.02 (a unit of 1.2e-4)
-never moves, and after ten such steps 96% of a layer's weights are where they started
-(``tests/test_trainer_precision.py``). Mixed-precision trainers keep a float32 copy for the
+never moves (ten AdamW steps at 3e-6 on 4,096 bfloat16 weights of scale 0.02 left 96% of them
+unchanged; ``tests/test_trainer_precision.py`` shows the tiny policy's run at 1e-5 agreeing with
+a float32 run on 39% of its weights without copies, 81% with). Mixed-precision trainers keep a float32 copy for the
 optimiser (Megatron's main params, DeepSpeed's ZeRO partitions, FSDP's sharded params); so does
 this one::
 
@@ -38,9 +39,14 @@ class MasterWeights:
     def __init__(self, model: nn.Module) -> None:
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._master_of: dict[int, nn.Parameter] = {}
-        for p in model.parameters():
-            if not p.requires_grad or p.dtype == torch.float32:
-                continue
+        low = [p for p in model.parameters() if p.requires_grad and p.dtype != torch.float32]
+        if not low:
+            return
+        # the hooks below take each gradient for one set of copies: a second set would get none
+        if getattr(model, "_pbsd_master_weights", False):
+            raise ValueError("this model already has master weights: one trainer per model")
+        model._pbsd_master_weights = True
+        for p in low:
             master = nn.Parameter(p.detach().to(torch.float32), requires_grad=False)
             p.register_post_accumulate_grad_hook(self._move_grad(master))
             self.pairs.append((p, master))
@@ -49,8 +55,6 @@ class MasterWeights:
     @staticmethod
     def _move_grad(master: nn.Parameter):
         def hook(p: torch.Tensor) -> None:
-            if p.grad is None:  # taken by another trainer's hook on the same model
-                return
             if master.grad is None:
                 master.grad = p.grad.to(torch.float32)
             else:
