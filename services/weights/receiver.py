@@ -121,7 +121,10 @@ class WeightReceiver:
         return True, "Succeeded to initialize custom process group."
 
     async def destroy_group(self, body: dict) -> tuple[bool, str]:
-        entry = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        name = body.get("group_name", "weight_update_group")
+        if name in self._opening:  # it would be registered once its members have joined, destroyed or not
+            return False, f"group {name} is still waiting for its members; destroy it once it is open"
+        entry = self.groups.pop(name, None)
         if entry is None:
             return False, "The group to be destroyed does not exist."
         await asyncio.to_thread(close_group, entry[0])
