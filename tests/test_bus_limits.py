@@ -11,12 +11,12 @@ import redis.asyncio as aioredis
 from proto import examples as ex
 from proto.base import encode
 from proto.streams import PROMPTS, TRAJECTORIES
-from services.bus import Bus, ConsumerOptions, MessageTooLarge
+from services.bus import Bus, MessageTooLarge
 from services.bus import metrics as bus_metrics
 from services.local_redis import LocalRedis, free_port
 from services.settings import CommonSettings
+from tests.test_bus import FAST
 
-FAST = ConsumerOptions(block_ms=50, heartbeat_ms=30, max_deliveries=3, trim_interval_s=0.0)
 LIMIT = 1024 * 1024  # the least proto-max-bulk-len Redis takes
 
 

@@ -7,16 +7,10 @@ import asyncio
 
 from proto import examples as ex
 from proto.streams import EVALS, SCORED
-from services.bus import ConsumerOptions
 from services.trainer.run_groups import evals_group, forget_ended_runs, forget_run, scored_group
 from services.trainer.runs import RunStore
+from tests.test_bus import FAST, _yes
 from tests.test_trainer_drops import _short_run
-
-FAST = ConsumerOptions(block_ms=50, heartbeat_ms=30, trim_interval_s=0.0)
-
-
-async def _yes(message) -> bool:
-    return True
 
 
 async def _read_all(bus, group: str, n: int) -> None:

@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["REDIS_DOWN", "as_text", "redis_client", "refusing"]
+__all__ = ["REDIS_DOWN", "as_text", "missing", "redis_client", "refusing"]
 
 # what Redis being out of reach raises (a refused or broken connection, a timeout)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
@@ -30,6 +30,15 @@ def refusing(exc: BaseException) -> bool:
         return True
     # the error's first word: BUSYGROUP (a group that exists) is not BUSY
     return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in _REFUSING_WORDS
+
+
+def missing(exc: BaseException) -> bool:
+    """Whether ``exc`` says the stream, or the consumer group, is not there: NOGROUP, or a stream
+    that does not exist (XINFO's "no such key", XGROUP's "requires the key to exist")."""
+    text = str(exc)
+    return isinstance(exc, ResponseError) and any(
+        words in text for words in ("NOGROUP", "no such key", "requires the key to exist")
+    )
 
 
 def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:

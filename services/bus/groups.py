@@ -20,7 +20,7 @@ from proto.base import Message, decode, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
-from services.bus.connection import REDIS_DOWN, as_text, refusing
+from services.bus.connection import REDIS_DOWN, as_text, missing, refusing
 from services.bus.delivery import ConsumerOptions, Cursor, Delivery, Handler, Held, MessageTooLarge, Outage
 from services.bus.trimming import Trimming
 from services.tasks import cancel_and_wait
@@ -347,14 +347,9 @@ class ConsumerGroups(Trimming):
             held = list(entry_ids)  # the list changes as entries are added and acknowledged
             try:
                 owned = await self.renew(key, group, consumer, held)
-            except ResponseError as exc:
-                if "NOGROUP" in str(
-                    exc
-                ):  # the group is gone (its run ended, or Redis lost it): nothing to keep
+            except Exception as exc:  # a missed beat only risks a duplicate, which idempotency absorbs
+                if missing(exc):  # the group is gone (its run ended, or Redis lost it): nothing to keep
                     return
-                log.warning("heartbeat for %s failed", key, exc_info=True)
-                continue
-            except Exception:  # a missed beat only risks a duplicate, which idempotency absorbs
                 log.warning("heartbeat for %s failed", key, exc_info=True)
                 continue
             if lost := set(held) - set(owned):

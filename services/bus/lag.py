@@ -89,8 +89,9 @@ class StreamLagMonitor:
                 pending = int(info["pending"])
                 lag = info.get("lag")
                 PENDING.labels(stream.name, group).set(pending)
-                LAG.labels(stream.name, group).set(math.nan if lag is None else int(lag))
-                OUTSTANDING.labels(stream.name, group).set(math.nan if lag is None else int(lag) + pending)
+                lag = math.nan if lag is None else int(lag)  # NaN: Redis cannot count it
+                LAG.labels(stream.name, group).set(lag)
+                OUTSTANDING.labels(stream.name, group).set(lag + pending)
                 CONSUMERS.labels(stream.name, group).set(int(info["consumers"]))
                 age = 0.0
                 if pending:

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from proto.streams import StreamDef
-from services.bus.connection import as_text
+from services.bus.connection import as_text, missing
 from services.bus.delivery import ConsumerOptions
 
 __all__ = ["FORGET_INTERVAL_S", "Trimming"]
@@ -52,8 +52,8 @@ class Trimming:
         """Remove ``group`` and what it holds pending from ``stream``; False if there was none."""
         try:
             return bool(await self.redis.xgroup_destroy(self.key(stream), group))
-        except ResponseError as exc:  # no such stream
-            if "no such key" in str(exc).lower() or "requires the key to exist" in str(exc).lower():
+        except ResponseError as exc:
+            if missing(exc):
                 return False
             raise
 
@@ -102,7 +102,7 @@ class Trimming:
         try:
             gone = await self.redis.eval(self._FORGET, 1, self.key(stream), group, round(idle_s * 1000))
         except ResponseError as exc:
-            if "NOGROUP" in str(exc) or "no such key" in str(exc):
+            if missing(exc):
                 return []
             raise
         return [as_text(name) for name in gone]
