@@ -212,7 +212,6 @@ async def run_trajectory(
         )  # trailing glue whose routes were never computed is dropped
         if keep < len(b.completion):
             b.completion, b.mask, b.logprobs = b.completion[:keep], b.mask[:keep], b.logprobs[:keep]
-        routes = _narrow(routes)
     if engine_full:
         metrics.CONTEXT_FULL.inc()  # it ended at the engine's context, not at the run's
     final = extract_boxed(last_text) if finish == "answer" else None

@@ -115,7 +115,6 @@ class SglangEngine:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         sampling = {
-            "max_new_tokens": request.max_new_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
             "skip_special_tokens": False,

@@ -139,16 +139,15 @@ def write_checkpoint(
             path.rename(path.with_name(f".{path.name}.stale"))
         fresh.rename(path)
     _replace(path.parent / "latest", path.name)
-    for stale in path.parent.glob(".*.stale"):  # only once latest names the new one
-        shutil.rmtree(stale, ignore_errors=True)
     if keep is not None:
         # zero-padded: by step. One newer than this (a kill left it before latest named it) is
-        # neither counted nor removed: this run writes that step again
+        # neither counted nor removed: this run writes that step again. Renamed stale first, out of
+        # latest_checkpoint's sight, then removed with the others
         older = [p for p in sorted(path.parent.glob("step-*")) if p.name <= path.name]
         for old in older[:-keep]:
-            gone = old.with_name(f".{old.name}.stale")  # out of latest_checkpoint's sight first
-            old.rename(gone)
-            shutil.rmtree(gone, ignore_errors=True)
+            old.rename(old.with_name(f".{old.name}.stale"))
+    for stale in path.parent.glob(".*.stale"):  # only once latest names the new one
+        shutil.rmtree(stale, ignore_errors=True)
     return path
 
 

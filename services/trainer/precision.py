@@ -5,9 +5,9 @@ keeps 8 significant bits, so an update smaller than half a unit in the last plac
 2^-9 of the weight, is lost: at the paper's lr of 3e-6 a weight of 0.02 (a unit of 1.2e-4)
 never moves (ten AdamW steps at 3e-6 on 4,096 bfloat16 weights of scale 0.02 left 96% of them
 unchanged; ``tests/test_trainer_precision.py`` shows the tiny policy's run at 1e-5 agreeing with
-a float32 run on 39% of its weights without copies, 81% with). Mixed-precision trainers keep a float32 copy for the
-optimiser (Megatron's main params, DeepSpeed's ZeRO partitions, FSDP's sharded params); so does
-this one::
+a float32 run on 39% of its weights without copies, 81% with). Mixed-precision trainers keep a
+float32 copy for the optimiser (Megatron's main params, DeepSpeed's ZeRO partitions, FSDP's
+sharded params); so does this one::
 
     forward and backward in the model's dtype
     each parameter's gradient, as the backward produces it:  master.grad += float32(p.grad)
