@@ -40,9 +40,9 @@ M = TypeVar("M", bound=Message)
 # enough that a dead consumer's work moves on within a minute at the default heartbeat.
 MISSED_BEATS = 10
 
-# Redis refuses a bulk string longer than its proto-max-bulk-len (512 MB unless raised), and does
-# it by dropping the connection mid-write: redis-py sees a broken pipe, which looks like an outage,
-# and resends the whole payload for as long as it waits outages out.
+# Redis refuses a bulk string longer than its proto-max-bulk-len (512 MB unless raised) with a
+# protocol error and closes the connection, usually mid-write: redis-py then sees a broken pipe,
+# which looks like an outage, and resends the whole payload for as long as it waits outages out.
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 
 
