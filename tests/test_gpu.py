@@ -76,6 +76,22 @@ def test_fused_head_on_cuda_matches_torch():
     torch.testing.assert_close(fused, chunked, rtol=0, atol=1e-4)
 
 
+def test_the_bfloat16_head_on_cuda_gives_float32_logits_at_float32_precision():
+    """torch.mm's out_dtype: bf16 rows and weight, float32 accumulation and output. The realised
+    log-probs match a float64 computation on the same bf16 values, on both reductions."""
+    torch.manual_seed(1)
+    vocab, width = 151_936, 256
+    head = torch.nn.Linear(width, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        head.weight.normal_(0, 1.5)
+    hidden = torch.randn(1000, width, device="cuda", dtype=torch.bfloat16)
+    targets = torch.randint(0, vocab, (1000,), device="cuda")
+    exact = torch.log_softmax(hidden.double() @ head.weight.double().T, -1).gather(1, targets[:, None])[:, 0]
+    for path in ("chunked", "fused"):
+        got = realised_logprobs(hidden, head, targets, 256, path)
+        torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-3)
+
+
 def test_the_gpu_scorer_packs_with_flex_and_fuses_the_head(tiny_checkpoint):
     """What a scorer started on CUDA runs, in bf16, against the unpacked chunked path in bf16. On an H100
     with torch 2.11 Inductor built no flex kernel for these 16-wide bf16 heads; the scorer then scores

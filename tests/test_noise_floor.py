@@ -139,20 +139,28 @@ async def test_the_viewer_says_when_the_null_share_has_no_deadband_to_fall_in(to
         assert ("(no deadband)" in summary) is label
 
 
-def test_the_log_softmax_is_float32_in_a_bfloat16_model(tok, tiny_checkpoint):
-    """bfloat16 logits, float32 log-softmax: a log-softmax in bfloat16 would put every log-prob on
-    bfloat16's grid (8 bits of mantissa) and be off by up to a percent."""
+def test_a_bfloat16_models_log_probs_are_exact_past_its_last_hidden_state(tok, tiny_checkpoint):
+    """The LM head's product and the log-softmax in float32: from the model's own bfloat16 hidden
+    states and head, the scorer's log-probs are the exact ones to float32's precision. Through
+    bfloat16 logits (transformers' route) they would be off by up to a grid step of the logit, and
+    a log-softmax in bfloat16 would put every log-prob on bfloat16's grid."""
     model = load_model(tiny_checkpoint, dtype="bfloat16")
     ids = tok.encode("The Danube flows through Vienna, the capital of Austria, and on to the Black Sea.")
     positions = np.arange(1, len(ids))
     (got,) = sequence_logprobs(model, [(ids, positions)])
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    hidden, logits = out.hidden_states[-1][0, :-1], out.logits[0, :-1]
     targets = torch.tensor(ids[1:])[:, None]
-    in_float32 = torch.log_softmax(logits.float(), -1).gather(1, targets)[:, 0].numpy()
+    with torch.no_grad():
+        exact = torch.log_softmax(hidden.double() @ model.lm_head.weight.double().T, -1)
+    exact = exact.gather(1, targets)[:, 0].numpy()
+    through_bf16_logits = torch.log_softmax(logits.float(), -1).gather(1, targets)[:, 0].numpy()
     in_bfloat16 = torch.log_softmax(logits, -1).gather(1, targets)[:, 0].float().numpy()
     assert got.dtype == np.float32
-    np.testing.assert_allclose(got, in_float32, atol=1e-5)
-    assert np.abs(in_bfloat16 - in_float32).max() > 1e-3
+    np.testing.assert_allclose(got, exact, atol=2e-5, rtol=0)
+    # the tiny policy's logits are small (|z| < 2), so their grid step is too: 4e-4 here
+    assert np.abs(through_bf16_logits - exact).max() > 20 * np.abs(got - exact).max()
+    assert np.abs(in_bfloat16 - exact).max() > 1e-3
     on_grid = torch.tensor(got).to(torch.bfloat16).float().numpy() == got
     assert not on_grid.all()  # not bfloat16 values

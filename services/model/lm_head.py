@@ -12,13 +12,14 @@ Full-vocabulary float32 logits for every row would cost rows x vocabulary x 4 by
 * ``chunked``: the logits upcast to float32, then a gather and ``torch.logsumexp``
   (pure torch, any device, differentiable: the trainer's path);
 * ``fused`` (CUDA with Triton, no gradients: the scorer's): one Triton kernel reads each
-  row of the head's own-dtype logits once and returns z_y and logsumexp(z) in float32
-  (:mod:`services.model.lse_kernel`). No float32 copy of the logits is written and read
-  back, which is what separates the chunked scorer from its bound (the logits alone) on a
-  large vocabulary. Both reductions see the same logits and accumulate in float32; they
-  differ only in summation order.
+  row of logits once and returns z_y and logsumexp(z) in float32
+  (:mod:`services.model.lse_kernel`), instead of a gather, a max and a sum of exponentials
+  that each read the chunk again. Both reductions see the same logits and accumulate in
+  float32; they differ only in summation order.
 
-The head is always called as a module (not through its weight) so that ZeRO-3 gathers it.
+The scorer's logits are float32 straight out of the matrix product (:func:`float32_logits`),
+never rounded to a half-precision model's dtype. The trainer calls the head as a module, in
+the model's dtype, so that ZeRO-3 gathers it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,42 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["HeadPath", "chunk_logprobs", "fused_head_available", "logprob_rows", "realised_logprobs"]
+__all__ = [
+    "HeadPath",
+    "chunk_logprobs",
+    "float32_logits",
+    "fused_head_available",
+    "logprob_rows",
+    "realised_logprobs",
+]
 
 HeadPath = Literal["chunked", "fused"]
+
+# Devices where torch.mm takes out_dtype (aten::mm.dtype): half-precision inputs on tensor
+# cores, float32 accumulation and output. "meta" has the kernel too, which lets a CPU test
+# check the call's shapes and types.
+_MM_OUT_DTYPE_DEVICES = ("cuda", "meta")
+
+
+def float32_logits(head: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """head(rows) as float32 logits that were never rounded to the model's dtype.
+
+    A bfloat16 logit between 16 and 32 lies on a grid of 0.125, so the realised token's
+    log-prob is off by up to 0.06 nats. Worse for the evidence: a student and a teacher pass
+    whose hidden states differ by a kernel's rounding land on the same grid point or on
+    neighbouring ones, which turns a difference of 0.001 into one of 0 or 0.125. So the head's
+    product is accumulated and kept in float32: on CUDA by torch.mm's ``out_dtype`` (what
+    SGLang's ``--enable-fp32-lm-head`` does, at half-precision matmul speed), elsewhere by an
+    upcast of rows and weight. A head that is not a plain linear layer is called as it is."""
+    if not isinstance(head, nn.Linear):
+        return head(rows).float()
+    weight, bias = head.weight, head.bias
+    half = rows.dtype == weight.dtype and rows.dtype in (torch.bfloat16, torch.float16)
+    if half and rows.device.type in _MM_OUT_DTYPE_DEVICES:
+        logits = torch.mm(rows, weight.T, out_dtype=torch.float32)
+    else:
+        logits = torch.mm(rows.float(), weight.float().T)
+    return logits if bias is None else logits + bias.float()
 
 
 def chunk_logprobs(
@@ -40,6 +74,10 @@ def chunk_logprobs(
     logits = head(rows).float()
     if temperature != 1.0:  # as the rollout engine sampled: softmax(logits / T)
         logits = logits / temperature
+    return _log_softmax_at(logits, targets)
+
+
+def _log_softmax_at(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
@@ -69,15 +107,17 @@ def realised_logprobs(
     chunk_size: int,
     path: HeadPath = "chunked",
 ) -> torch.Tensor:
-    """log softmax(head(hidden))[targets] for every row, ``chunk_size`` rows of logits alive at once."""
+    """log softmax(head(hidden))[targets] for every row, ``chunk_size`` rows of logits alive at
+    once, the logits in float32 (:func:`float32_logits`)."""
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     if path == "fused":
         from services.model.lse_kernel import logit_and_logsumexp
     for start in range(0, hidden.shape[0], chunk_size):
         rows, chosen = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        logits = float32_logits(head, rows)
         if path == "fused":
-            z_y, lse = logit_and_logsumexp(head(rows), chosen)
+            z_y, lse = logit_and_logsumexp(logits, chosen)
             out[start : start + chunk_size] = z_y - lse
         else:
-            out[start : start + chunk_size] = chunk_logprobs(head, rows, chosen)
+            out[start : start + chunk_size] = _log_softmax_at(logits, chosen)
     return out

@@ -1,6 +1,6 @@
 """One pass over a row of logits: the realised token's logit and the row's logsumexp, in float32.
 
-For logits z (rows x vocabulary, the LM head's own dtype, bf16 on GPUs) and targets y::
+For logits z (rows x vocabulary: float32 from the scorer, any float dtype) and targets y::
 
     chosen[r] = float32(z[r, y[r]])
     lse[r]    = log sum_v exp(float32(z[r, v]))
@@ -8,8 +8,8 @@ For logits z (rows x vocabulary, the LM head's own dtype, bf16 on GPUs) and targ
 The Triton kernel gives each row one program that streams the row in ``BLOCK``-wide
 tiles and keeps the running maximum m and the running sum s of exp(z - m) (the online
 logsumexp: when a tile raises the maximum to m', s becomes s * exp(m - m') + the tile's
-sum). The row is read once, in its own dtype; torch's float32 route writes an upcast
-copy twice the size and reads it twice (max, then sum of exponentials).
+sum). The row is read once; torch's route reads it for the gather, again for the maximum
+and again for the sum of exponentials (and, for half-precision logits, writes an upcast copy).
 
 :func:`reference_logit_and_logsumexp` is the same quantity in plain torch; tests compare
 the two (on CUDA, and on CPU under Triton's interpreter, ``TRITON_INTERPRET=1``).

@@ -29,7 +29,9 @@ How it stays fast and small:
   chunk's logits are reduced to the realised token's logit and ``logsumexp`` at once
   (a fused Triton kernel on CUDA), so full-vocabulary float32 logits never exist for
   more than one chunk, and on the fused path not at all.
-* ``torch.no_grad`` and the model's own dtype throughout; the reduction in float32.
+* ``torch.no_grad`` and the model's own dtype throughout, except the LM head's product,
+  accumulated and kept in float32 (:func:`services.model.lm_head.float32_logits`), and the
+  reduction, in float32.
 * MoE routing is computed fresh: any routing replay installed on the model's routers
   is lifted for the duration (:func:`fresh_routing`).
 """
