@@ -16,7 +16,7 @@ import torch
 
 from proto.runs import TrainerSpec
 from services.model.checkpoint import load_model
-from services.model.lm_head import fused_head_available, realised_logprobs
+from services.model.lm_head import float32_output, fused_head_available, realised_logprobs
 from services.model.lse_kernel import logit_and_logsumexp, reference_logit_and_logsumexp
 from services.scorer.backends import LocalScorer
 from services.scorer.logprobs import kernel_path, scoring_attention, sequence_logprobs
@@ -90,6 +90,33 @@ def test_the_bfloat16_head_on_cuda_gives_float32_logits_at_float32_precision():
     for path in ("chunked", "fused"):
         got = realised_logprobs(hidden, head, targets, 256, path)
         torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-3)
+
+
+def test_the_trainers_bfloat16_head_on_cuda_gives_float32_logits_and_bfloat16_gradients():
+    """float32_output on CUDA: torch.mm's out_dtype forward, the custom backward equal to autograd's
+    for head(rows).float()."""
+    torch.manual_seed(2)
+    head = torch.nn.Linear(256, 151_936, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        head.weight.normal_(0, 1.5)
+    rows = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    upstream = torch.randn(512, 151_936, device="cuda")
+
+    def run():
+        x = rows.clone().requires_grad_(True)
+        head.weight.grad = None
+        logits = head(x)
+        (logits.float() * upstream).sum().backward()
+        return logits, x.grad, head.weight.grad
+
+    plain = run()
+    float32_output(head)
+    logits, rows_grad, weight_grad = run()
+    assert logits.dtype == torch.float32
+    exact = rows.double() @ head.weight.detach().double().T
+    torch.testing.assert_close(logits.double(), exact, rtol=0, atol=1e-3)
+    torch.testing.assert_close(rows_grad, plain[1], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(weight_grad, plain[2], rtol=1e-2, atol=1e-2)
 
 
 def test_the_gpu_scorer_packs_with_flex_and_fuses_the_head(tiny_checkpoint):

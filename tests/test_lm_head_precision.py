@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.model.lm_head import float32_logits, realised_logprobs
+from services.model.lm_head import float32_logits, float32_output, realised_logprobs
 
 VOCAB, WIDTH, ROWS = 512, 64, 256
 
@@ -82,3 +82,35 @@ def test_a_head_with_a_bias_or_not_linear_gives_float32_logits():
     np.testing.assert_allclose(got.numpy(), exact.numpy(), atol=1e-4, rtol=0)
     wrapped = nn.Sequential(head)  # called as it is, then upcast
     assert float32_logits(wrapped, rows).dtype == torch.float32
+
+
+def test_the_trainers_head_gives_float32_logits_and_the_gradients_bfloat16_gave():
+    """float32_output: the forward is the scorer's exact product; the backward is the one autograd
+    runs for head(rows).float() (the logits' gradient rounded to bfloat16, then the products), so
+    a training step changes only by the logits it sees."""
+    head, rows = _head_and_rows(seed=4)
+    head.requires_grad_(True)
+    upstream = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(6))
+
+    def run(module):
+        x = rows.clone().requires_grad_(True)
+        module.weight.grad = None
+        logits = module(x)
+        (logits.float() * upstream).sum().backward()
+        return logits, x.grad, module.weight.grad
+
+    plain_logits, plain_rows_grad, plain_weight_grad = run(head)
+    float32_output(head)
+    logits, rows_grad, weight_grad = run(head)
+    assert plain_logits.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    exact = rows.double() @ head.weight.detach().double().T
+    np.testing.assert_allclose(logits.detach().numpy(), exact.numpy(), atol=1e-4, rtol=0)
+    assert (plain_logits.float() - exact).abs().max() > 0.05
+    torch.testing.assert_close(rows_grad, plain_rows_grad, rtol=0, atol=0)
+    torch.testing.assert_close(weight_grad, plain_weight_grad, rtol=0, atol=0)
+
+
+def test_a_float32_head_is_left_as_it_is():
+    head = nn.Linear(WIDTH, VOCAB)
+    float32_output(head)
+    assert "forward" not in head.__dict__

@@ -124,3 +124,20 @@ def test_a_model_gets_one_set_of_copies(tiny_checkpoint):
         PolicyTrainer(model, TrainerSpec())
     plain = load_model(tiny_checkpoint)
     PolicyTrainer(plain, TrainerSpec()), PolicyTrainer(plain, TrainerSpec())
+
+
+def test_a_bfloat16_trainers_log_probs_are_the_scorers(tiny_checkpoint, batch):
+    """The trainer's LM head returns float32 logits as the scorer's does, so both compute the same
+    log-probs of the same tokens from a bfloat16 model: the ratio to another engine's log-probs
+    (SGLang's, with --enable-fp32-lm-head) carries no rounding of the logits."""
+    from services.scorer.logprobs import sequence_logprobs
+
+    trainer = PolicyTrainer(load_model(tiny_checkpoint, dtype="bfloat16"), TrainerSpec())
+    samples, _ = batch
+    scorer_model = load_model(tiny_checkpoint, dtype="bfloat16")
+    for sample in samples[:2]:
+        with torch.no_grad():
+            ours = trainer.sample_logprobs(sample, replay=False).numpy()
+        ids = np.append(sample.input_ids, sample.targets[-1])
+        (theirs,) = sequence_logprobs(scorer_model, [(ids.tolist(), sample.positions + 1)])
+        np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=0)

@@ -17,9 +17,10 @@ Full-vocabulary float32 logits for every row would cost rows x vocabulary x 4 by
   that each read the chunk again. Both reductions see the same logits and accumulate in
   float32; they differ only in summation order.
 
-The scorer's logits are float32 straight out of the matrix product (:func:`float32_logits`),
-never rounded to a half-precision model's dtype. The trainer calls the head as a module, in
-the model's dtype, so that ZeRO-3 gathers it.
+The logits are float32 straight out of the matrix product (:func:`float32_logits`), never
+rounded to a half-precision model's dtype: the scorer calls it on the head's weight, and the
+trainer's head, made to do the same by :func:`float32_output`, is still called as a module so
+that ZeRO-3 gathers it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "HeadPath",
     "chunk_logprobs",
     "float32_logits",
+    "float32_output",
     "fused_head_available",
     "logprob_rows",
     "realised_logprobs",
@@ -58,13 +60,57 @@ def float32_logits(head: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     upcast of rows and weight. A head that is not a plain linear layer is called as it is."""
     if not isinstance(head, nn.Linear):
         return head(rows).float()
-    weight, bias = head.weight, head.bias
+    return _float32_product(rows, head.weight, head.bias)
+
+
+def _float32_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     half = rows.dtype == weight.dtype and rows.dtype in (torch.bfloat16, torch.float16)
     if half and rows.device.type in _MM_OUT_DTYPE_DEVICES:
-        logits = torch.mm(rows, weight.T, out_dtype=torch.float32)
+        logits = torch.mm(rows.reshape(-1, rows.shape[-1]), weight.T, out_dtype=torch.float32)
+        logits = logits.reshape(*rows.shape[:-1], weight.shape[0])
     else:
-        logits = torch.mm(rows.float(), weight.float().T)
+        logits = rows.float() @ weight.float().T
     return logits if bias is None else logits + bias.float()
+
+
+class _Float32Logits(torch.autograd.Function):
+    """rows @ weight.T (+ bias) kept in float32; the backward as the model's dtype runs it (the
+    float32 gradient of the logits rounded to that dtype, then the two products), which is what
+    autograd does for ``head(rows).float()``. torch.mm's ``out_dtype`` has no derivative."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias):
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        return _float32_product(rows, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        grad = grad.to(rows.dtype)
+        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+        flat_grad, flat_rows = grad.reshape(-1, grad.shape[-1]), rows.reshape(-1, rows.shape[-1])
+        grad_weight = flat_grad.T @ flat_rows if ctx.needs_input_grad[1] else None
+        grad_bias = flat_grad.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_rows, grad_weight, grad_bias
+
+
+def _float32_forward(self: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+    if rows.dtype != self.weight.dtype or rows.dtype not in (torch.bfloat16, torch.float16):
+        return nn.functional.linear(rows, self.weight, self.bias)
+    return _Float32Logits.apply(rows, self.weight, self.bias)
+
+
+def float32_output(head: nn.Module) -> nn.Module:
+    """Make a half-precision linear head return float32 logits when called as a module: the
+    trainer's log-probs then carry no bfloat16 rounding of the logits, as the scorer's do not
+    and as SGLang's do not with ``--enable-fp32-lm-head``, so that the ratio to the rollout's
+    log-probs measures the policy's change and not two roundings. The module call stays, so
+    ZeRO-3's hooks gather the weight for the forward and the backward. A float32 head (every
+    CPU run) and a head that is not a plain linear layer are left as they are."""
+    if isinstance(head, nn.Linear) and head.weight.dtype in (torch.bfloat16, torch.float16):
+        head.forward = _float32_forward.__get__(head)
+    return head
 
 
 def chunk_logprobs(

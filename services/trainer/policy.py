@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from pbsd.losses import clipped_policy_loss
 from proto.runs import AlgorithmSpec, TrainerSpec
 from services.model.checkpoint import dtype_name, load_model, save_checkpoint
-from services.model.lm_head import chunk_logprobs
+from services.model.lm_head import chunk_logprobs, float32_output
 from services.model.routing import replay_routes
 from services.trainer.batch import BatchCounts, TrainSample, micro_batches
 from services.trainer.precision import MasterWeights
@@ -71,6 +71,12 @@ def lr_factor(step: int, spec: TrainerSpec) -> float:
     span = max(1, spec.max_steps - spec.warmup_steps)
     progress = min(1.0, (step - spec.warmup_steps) / span)
     return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _float32_logits(model: nn.Module) -> nn.Module:
+    """The model with its LM head made to return float32 logits (services.model.lm_head.float32_output)."""
+    float32_output(model.get_output_embeddings())
+    return model
 
 
 def param_groups(
@@ -106,14 +112,14 @@ class PolicyTrainer:
                 model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = model
+        self.model = _float32_logits(model)
         self.step = 0
         self._build_optimizer(model)
         self.device = next(self.model.parameters()).device
         self.reference: nn.Module | None = None
         if reference_path is not None:  # frozen: no gradients, no optimiser state, never saved
             self.reference = load_model(reference_path, dtype=dtype_name(self.model), device=str(self.device))
-            self.reference.requires_grad_(False).eval()
+            _float32_logits(self.reference).requires_grad_(False).eval()
 
     def _build_optimizer(self, model: nn.Module) -> None:
         if any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad):
