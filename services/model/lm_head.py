@@ -58,8 +58,8 @@ def float32_logits(head: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     product is accumulated and kept in float32: on CUDA by torch.mm's ``out_dtype`` (what
     SGLang's ``--enable-fp32-lm-head`` does, at half-precision matmul speed), elsewhere by an
     upcast of rows and weight. A head that is not a plain linear layer is called as it is."""
-    if not isinstance(head, nn.Linear):
-        return head(rows).float()
+    if not isinstance(head, nn.Linear) or (rows.dtype == head.weight.dtype == torch.float32):
+        return head(rows).float()  # float32 already: the head's own call, as before
     return _float32_product(rows, head.weight, head.bias)
 
 
