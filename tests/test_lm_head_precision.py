@@ -3,11 +3,14 @@ the hidden state moves a log-prob by what it changes, not by a grid step of bflo
 
 from __future__ import annotations
 
+import copy
+import io
+
 import numpy as np
 import torch
 from torch import nn
 
-from services.model.lm_head import float32_logits, float32_output, realised_logprobs
+from services.model.lm_head import Float32Head, float32_logits, float32_output, realised_logprobs
 
 VOCAB, WIDTH, ROWS = 512, 64, 256
 
@@ -110,7 +113,34 @@ def test_the_trainers_head_gives_float32_logits_and_the_gradients_bfloat16_gave(
     torch.testing.assert_close(weight_grad, plain_weight_grad, rtol=0, atol=0)
 
 
-def test_a_float32_head_is_left_as_it_is():
-    head = nn.Linear(WIDTH, VOCAB)
+def test_a_float32_head_is_left_as_it_is_and_a_float32_head_pickles_and_copies():
+    assert type(float32_output(nn.Linear(WIDTH, VOCAB))) is nn.Linear
+    head, rows = _head_and_rows()
     float32_output(head)
-    assert "forward" not in head.__dict__
+    assert isinstance(head, Float32Head) and isinstance(head, nn.Linear)
+    buffer = io.BytesIO()
+    torch.save(head, buffer)
+    buffer.seek(0)
+    for again in (torch.load(buffer, weights_only=False), copy.deepcopy(head)):
+        assert type(again) is Float32Head
+        torch.testing.assert_close(again(rows), head(rows), rtol=0, atol=0)
+    assert float32_output(head) is head and type(head) is Float32Head  # twice: the same
+
+
+def test_the_in_process_engines_bfloat16_head_gives_float32_logits_in_both_modes(tiny_checkpoint):
+    """The rollout's log-probs (pi_old in the ratio) come from float32 logits too, whether a forward
+    decodes batch-invariantly or not, so the trainer's ratio compares float32 with float32."""
+    from services.model.checkpoint import load_model
+    from services.rollout import rowwise
+
+    model = load_model(tiny_checkpoint, dtype="bfloat16")
+    rowwise.install(model)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        with rowwise.batch_invariant():
+            blocked = model(input_ids=ids).logits
+    exact = out.hidden_states[-1].double() @ model.lm_head.weight.detach().double().T
+    for logits in (out.logits, blocked):
+        assert logits.dtype == torch.float32
+        np.testing.assert_allclose(logits.double().numpy(), exact.numpy(), atol=1e-4, rtol=0)

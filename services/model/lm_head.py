@@ -9,7 +9,7 @@ Full-vocabulary float32 logits for every row would cost rows x vocabulary x 4 by
 (40 GB for 64K rows of Qwen3's 151,936 tokens), so rows go through the head
 ``chunk_size`` at a time. Two reductions of a chunk's logits exist:
 
-* ``chunked``: the logits upcast to float32, then a gather and ``torch.logsumexp``
+* ``chunked``: the float32 logits' gather and ``torch.logsumexp``
   (pure torch, any device, differentiable: the trainer's path);
 * ``fused`` (CUDA with Triton, no gradients: the scorer's): one Triton kernel reads each
   row of logits once and returns z_y and logsumexp(z) in float32
@@ -31,10 +31,12 @@ import torch
 from torch import nn
 
 __all__ = [
+    "Float32Head",
     "HeadPath",
     "chunk_logprobs",
     "float32_logits",
     "float32_output",
+    "float32_product",
     "fused_head_available",
     "logprob_rows",
     "realised_logprobs",
@@ -42,10 +44,10 @@ __all__ = [
 
 HeadPath = Literal["chunked", "fused"]
 
-# Devices where torch.mm takes out_dtype (aten::mm.dtype): half-precision inputs on tensor
-# cores, float32 accumulation and output. "meta" has the kernel too, which lets a CPU test
-# check the call's shapes and types.
-_MM_OUT_DTYPE_DEVICES = ("cuda", "meta")
+# Devices where torch.mm takes out_dtype (aten::mm.dtype, torch >= 2.8): half-precision inputs
+# on tensor cores, float32 accumulation and output. "meta" has the kernel too, which lets a CPU
+# test check the call's shapes and types.
+_MM_OUT_DTYPE_DEVICES = ("cuda", "meta") if "dtype" in torch.ops.aten.mm.overloads() else ()
 
 
 def float32_logits(head: nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -60,10 +62,10 @@ def float32_logits(head: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     upcast of rows and weight. A head that is not a plain linear layer is called as it is."""
     if not isinstance(head, nn.Linear) or (rows.dtype == head.weight.dtype == torch.float32):
         return head(rows).float()  # float32 already: the head's own call, as before
-    return _float32_product(rows, head.weight, head.bias)
+    return float32_product(rows, head.weight, head.bias)
 
 
-def _float32_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def float32_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     half = rows.dtype == weight.dtype and rows.dtype in (torch.bfloat16, torch.float16)
     if half and rows.device.type in _MM_OUT_DTYPE_DEVICES:
         logits = torch.mm(rows.reshape(-1, rows.shape[-1]), weight.T, out_dtype=torch.float32)
@@ -82,7 +84,7 @@ class _Float32Logits(torch.autograd.Function):
     def forward(ctx, rows, weight, bias):
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
-        return _float32_product(rows, weight, bias)
+        return float32_product(rows, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -95,21 +97,26 @@ class _Float32Logits(torch.autograd.Function):
         return grad_rows, grad_weight, grad_bias
 
 
-def _float32_forward(self: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
-    if rows.dtype != self.weight.dtype or rows.dtype not in (torch.bfloat16, torch.float16):
-        return nn.functional.linear(rows, self.weight, self.bias)
-    return _Float32Logits.apply(rows, self.weight, self.bias)
+class Float32Head(nn.Linear):
+    """A linear head whose half-precision product comes out in float32 (:func:`float32_output`)."""
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dtype != self.weight.dtype or rows.dtype not in (torch.bfloat16, torch.float16):
+            return super().forward(rows)
+        return _Float32Logits.apply(rows, self.weight, self.bias)
 
 
 def float32_output(head: nn.Module) -> nn.Module:
     """Make a half-precision linear head return float32 logits when called as a module: the
     trainer's log-probs then carry no bfloat16 rounding of the logits, as the scorer's do not
     and as SGLang's do not with ``--enable-fp32-lm-head``, so that the ratio to the rollout's
-    log-probs measures the policy's change and not two roundings. The module call stays, so
-    ZeRO-3's hooks gather the weight for the forward and the backward. A float32 head (every
-    CPU run) and a head that is not a plain linear layer are left as they are."""
-    if isinstance(head, nn.Linear) and head.weight.dtype in (torch.bfloat16, torch.float16):
-        head.forward = _float32_forward.__get__(head)
+    log-probs measures the policy's change and not two roundings. The head becomes a
+    :class:`Float32Head` (its class changes, its parameters and hooks stay), so it is still
+    called as a module and ZeRO-3's hooks gather its weight for the forward and the backward;
+    it pickles and copies as a module does. A float32 head (every CPU run) and a head that is
+    not a plain linear layer are left as they are."""
+    if type(head) is nn.Linear and head.weight.dtype in (torch.bfloat16, torch.float16):
+        head.__class__ = Float32Head
     return head
 
 

@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from services.model.lm_head import float32_product
+
 __all__ = ["NO_MASK", "ROW_BLOCK", "RowsCache", "SequenceKV", "batch_invariant", "install"]
 
 ROW_BLOCK = 8  # rows per matrix product in batch-invariant mode
@@ -200,9 +202,10 @@ def install(model: nn.Module) -> None:
     AttentionInterface.register(name, _attention_for(model, previous))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[previous])
     model.set_attn_implementation(name)
+    head = model.get_output_embeddings()
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            module.forward = _invariant_linear(module)
+            module.forward = _invariant_linear(module, logits=module is head)
         elif not isinstance(module, nn.Embedding) and any(
             p.dim() >= 2 for p in module.parameters(recurse=False)
         ):
@@ -224,11 +227,18 @@ def _active() -> bool:
     return getattr(_state, "on", False)
 
 
-def _invariant_linear(module: nn.Linear):
-    plain = module.forward
+def _invariant_linear(module: nn.Linear, *, logits: bool = False):
+    plain, product = module.forward, F.linear
+    if logits and module.weight.dtype in (torch.bfloat16, torch.float16):
+        # float32 logits, as the trainer's and the scorer's (services.model.lm_head): the rollout's
+        # log-probs, pi_old in the ratio, then carry no bfloat16 rounding of them
+        product = float32_product
+
+        def plain(x: torch.Tensor) -> torch.Tensor:
+            return float32_product(x, module.weight, module.bias)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return _blocked_linear(x, module.weight, module.bias) if _active() else plain(x)
+        return _blocked_linear(x, module.weight, module.bias, product) if _active() else plain(x)
 
     return forward
 
@@ -255,9 +265,11 @@ class _BlockedProducts(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _blocked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, product=F.linear
+) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    out = _blocked(flat, lambda rows: F.linear(rows, weight, bias))
+    out = _blocked(flat, lambda rows: product(rows, weight, bias))
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -26,9 +26,9 @@ How it stays fast and small:
   padding is a sequence of its own that no real token sees.
 * Only the hidden states that predict a requested token are kept, and they go through
   the LM head ``chunk_size`` rows at a time (:mod:`services.model.lm_head`): each
-  chunk's logits are reduced to the realised token's logit and ``logsumexp`` at once
-  (a fused Triton kernel on CUDA), so full-vocabulary float32 logits never exist for
-  more than one chunk, and on the fused path not at all.
+  chunk's float32 logits are reduced to the realised token's logit and ``logsumexp`` at
+  once (a fused Triton kernel on CUDA), so full-vocabulary logits never exist for more
+  than one chunk.
 * ``torch.no_grad`` and the model's own dtype throughout, except the LM head's product,
   accumulated and kept in float32 (:func:`services.model.lm_head.float32_logits`), and the
   reduction, in float32.
