@@ -193,6 +193,60 @@ async def test_a_call_waiting_for_a_connection_is_not_timed_out_for_it():
     assert not late.ok and late.unreachable and "TimeoutError" in late.text
 
 
+async def _closing_gateway(answered: list[int]):
+    """A gateway that answers the first request on each connection and keeps it alive, then
+    closes it when the next request arrives, unanswered: what a client meets when it sends on an
+    idle connection at the moment the other side closes it."""
+    reply = json.dumps({"ok": True, "text": "found", "cached": False, "latency_s": 0.0}).encode()
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for request in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(
+                next(
+                    line.split(b":")[1]
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+            )
+            await reader.readexactly(length)
+            if request:
+                break
+            answered.append(1)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(reply), reply)
+            )
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(connection, "127.0.0.1", 0)
+
+
+async def test_a_connection_found_closed_is_tried_once_more_not_reported_unreachable():
+    """A call sent on a kept-alive connection that the gateway closes is sent again on a fresh one:
+    an "unreachable" reply fails the whole trajectory (it happened in a run, between two calls
+    8 s apart, with aiohttp keeping connections 15 s and uvicorn 5 s)."""
+    answered: list[int] = []
+    server = await _closing_gateway(answered)
+    port = server.sockets[0].getsockname()[1]
+    client = GatewayClient(f"http://127.0.0.1:{port}", connections=1)
+    try:
+        replies = [await client.call(*SEARCH, {"q": str(i)}) for i in range(3)]
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+    assert [(r.ok, r.unreachable) for r in replies] == [(True, False)] * 3
+    assert len(answered) == 3  # each call answered once, the second and third on a fresh connection
+
+
+def test_the_gateway_keeps_idle_connections_longer_than_its_clients():
+    from services.tools.client import KEEP_ALIVE_S
+
+    assert ToolsSettings.model_fields["keep_alive_s"].default > KEEP_ALIVE_S
+
+
 async def test_metrics_are_exported(gateway_url):
     client = GatewayClient(gateway_url)
     await client.call(*SEARCH, {"q": "river"})

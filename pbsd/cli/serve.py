@@ -34,6 +34,7 @@ def serve_tools(
         port=port or settings.port,
         log_level="warning",
         access_log=False,
+        timeout_keep_alive=settings.keep_alive_s,
     )
 
 

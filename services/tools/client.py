@@ -27,6 +27,16 @@ __all__ = ["GatewayClient", "LocalTools", "ToolReply", "Tools"]
 
 _JSON = {"Content-Type": "application/json"}
 
+# How long the client keeps an idle connection for reuse. The gateway keeps one for longer
+# (ToolsSettings.keep_alive_s, 75 s), so the client always drops an idle connection first and
+# never sends on one the gateway is closing: with aiohttp's 15 s against uvicorn's 5 s, a call
+# made 5 to 15 s after the last one on that connection could meet the gateway's close and fail
+# as "unreachable", failing its trajectory, which happened in a test run between two tool calls
+# 8 s apart.
+KEEP_ALIVE_S = 30.0
+# What a send on a connection the other side had closed raises.
+_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
 
 @dataclass(frozen=True)
 class ToolReply:
@@ -69,7 +79,7 @@ class GatewayClient:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.connections),
+                connector=aiohttp.TCPConnector(limit=self.connections, keepalive_timeout=KEEP_ALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=self.timeout_s),
             )
         return self._session
@@ -97,8 +107,7 @@ class GatewayClient:
             }
         ).encode()
         try:
-            async with self.session.post(f"{self.base_url}/call", data=body, headers=_JSON) as response:
-                status, raw = response.status, await response.read()
+            status, raw = await self._post(body)
         except (TimeoutError, aiohttp.ClientError) as exc:
             reason = f"tool gateway unreachable ({type(exc).__name__})"
             return ToolReply(False, format_tool_failure(server_name, tool_name, reason), unreachable=True)
@@ -116,6 +125,19 @@ class GatewayClient:
         except (ValueError, KeyError, TypeError) as exc:  # not the gateway's answer (a proxy's page)
             reason = f"tool gateway answered HTTP {status} with an unreadable body ({type(exc).__name__})"
             return ToolReply(False, format_tool_failure(server_name, tool_name, reason), unreachable=True)
+
+
+    async def _post(self, body: bytes, *, again: bool = True) -> tuple[int, bytes]:
+        """POST /call, sent once more on a fresh connection if the connection was found closed (a
+        proxy's idle connection, a restarted gateway's). A call the gateway had begun then runs
+        twice; every tool call is a read, and the gateway caches its results."""
+        try:
+            async with self.session.post(f"{self.base_url}/call", data=body, headers=_JSON) as response:
+                return response.status, await response.read()
+        except _STALE_CONNECTION:
+            if not again:
+                raise
+        return await self._post(body, again=False)
 
 
 def _validation_errors(raw: bytes) -> str:

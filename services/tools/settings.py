@@ -64,6 +64,12 @@ class ToolsSettings(CommonSettings):
         description="one tool call's limit, retries and fallbacks included; keep it under the rollout "
         "client's 300 s so a slow read is a failed call, not a failed trajectory",
     )
+    keep_alive_s: int = Field(
+        default=75,
+        ge=1,
+        description="how long the gateway keeps an idle HTTP connection open: longer than its clients "
+        "keep one (30 s), so that a client never sends on a connection the gateway is closing",
+    )
     call_budget: int = Field(
         default=300, description="tool calls one trajectory may make (the paper's turn limit)"
     )
