@@ -126,7 +126,6 @@ class GatewayClient:
             reason = f"tool gateway answered HTTP {status} with an unreadable body ({type(exc).__name__})"
             return ToolReply(False, format_tool_failure(server_name, tool_name, reason), unreachable=True)
 
-
     async def _post(self, body: bytes, *, again: bool = True) -> tuple[int, bytes]:
         """POST /call, sent once more on a fresh connection if the connection was found closed (a
         proxy's idle connection, a restarted gateway's). A call the gateway had begun then runs
