@@ -113,7 +113,7 @@ def test_the_trainers_head_gives_float32_logits_and_the_gradients_bfloat16_gave(
     torch.testing.assert_close(weight_grad, plain_weight_grad, rtol=0, atol=0)
 
 
-def test_a_float32_head_is_left_as_it_is_and_a_float32_head_pickles_and_copies():
+def test_a_float32_head_is_left_as_it_is_and_a_float32head_pickles_and_copies():
     assert type(float32_output(nn.Linear(WIDTH, VOCAB))) is nn.Linear
     head, rows = _head_and_rows()
     float32_output(head)

@@ -57,22 +57,26 @@ def float32_logits(head: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     log-prob is off by up to 0.06 nats. Worse for the evidence: a student and a teacher pass
     whose hidden states differ by a kernel's rounding land on the same grid point or on
     neighbouring ones, which turns a difference of 0.001 into one of 0 or 0.125. So the head's
-    product is accumulated and kept in float32: on CUDA by torch.mm's ``out_dtype`` (what
-    SGLang's ``--enable-fp32-lm-head`` does, at half-precision matmul speed), elsewhere by an
-    upcast of rows and weight. A head that is not a plain linear layer is called as it is."""
-    if not isinstance(head, nn.Linear) or (rows.dtype == head.weight.dtype == torch.float32):
-        return head(rows).float()  # float32 already: the head's own call, as before
+    product is accumulated and kept in float32 (:func:`float32_product`). A head that is not a
+    plain linear layer is called as it is."""
+    if not isinstance(head, nn.Linear):
+        return head(rows).float()
     return float32_product(rows, head.weight, head.bias)
 
 
 def float32_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    half = rows.dtype == weight.dtype and rows.dtype in (torch.bfloat16, torch.float16)
-    if half and rows.device.type in _MM_OUT_DTYPE_DEVICES:
+    """F.linear(rows, weight, bias) in float32: on CUDA by torch.mm's ``out_dtype`` for
+    half-precision operands (what SGLang's ``--enable-fp32-lm-head`` does, at half-precision
+    matmul speed), elsewhere on float32 operands (a float32 model's own call, unchanged)."""
+    if _half(rows, weight) and rows.device.type in _MM_OUT_DTYPE_DEVICES:
         logits = torch.mm(rows.reshape(-1, rows.shape[-1]), weight.T, out_dtype=torch.float32)
         logits = logits.reshape(*rows.shape[:-1], weight.shape[0])
-    else:
-        logits = rows.float() @ weight.float().T
-    return logits if bias is None else logits + bias.float()
+        return logits if bias is None else logits + bias.float()
+    return nn.functional.linear(rows.float(), weight.float(), None if bias is None else bias.float())
+
+
+def _half(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    return rows.dtype == weight.dtype and rows.dtype in (torch.bfloat16, torch.float16)
 
 
 class _Float32Logits(torch.autograd.Function):
@@ -101,7 +105,7 @@ class Float32Head(nn.Linear):
     """A linear head whose half-precision product comes out in float32 (:func:`float32_output`)."""
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.dtype != self.weight.dtype or rows.dtype not in (torch.bfloat16, torch.float16):
+        if not _half(rows, self.weight):
             return super().forward(rows)
         return _Float32Logits.apply(rows, self.weight, self.bias)
 

@@ -228,17 +228,14 @@ def _active() -> bool:
 
 
 def _invariant_linear(module: nn.Linear, *, logits: bool = False):
-    plain, product = module.forward, F.linear
-    if logits and module.weight.dtype in (torch.bfloat16, torch.float16):
-        # float32 logits, as the trainer's and the scorer's (services.model.lm_head): the rollout's
-        # log-probs, pi_old in the ratio, then carry no bfloat16 rounding of them
-        product = float32_product
-
-        def plain(x: torch.Tensor) -> torch.Tensor:
-            return float32_product(x, module.weight, module.bias)
+    # the head's logits in float32, as the trainer's and the scorer's (services.model.lm_head): the
+    # rollout's log-probs, pi_old in the ratio, then carry no bfloat16 rounding of them
+    product = float32_product if logits else F.linear
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return _blocked_linear(x, module.weight, module.bias, product) if _active() else plain(x)
+        if _active():
+            return _blocked_linear(x, module.weight, module.bias, product)
+        return product(x, module.weight, module.bias)
 
     return forward
 
