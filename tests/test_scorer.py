@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -266,12 +268,26 @@ async def test_sglang_scorer_keeps_a_trajectorys_passes_on_one_server_and_one_we
     }
     for (r_ids, r_pos), values in zip(requests, got, strict=True):
         np.testing.assert_allclose(values, [prompt_logprob(r_ids[p], p) for p in r_pos], rtol=1e-6)
+    assert got.version == 0  # a's pairs named 0 and b's 1: the call's version is the older
     always = make_sglang(lambda ids: [], script=["ok", "reload"] * SglangScorer.PAIR_ATTEMPTS)
     with serve(always) as url:
         scorer = SglangScorer([url])
         with pytest.raises(UpstreamError, match="weights changed between a trajectory's passes"):
             await scorer(requests[:2], [0, 0])
         await scorer.http.aclose()
+
+
+async def test_a_group_names_the_weights_that_scored_it_not_those_held_when_it_came(tok, model):
+    """The scorer's version was read when a group arrived: a group that waited for a weight load
+    to finish was scored by the new weights and labelled with the old version."""
+    scorer = LocalScorer(model, version=3)
+    await scorer.hold()  # a broadcast is writing version 4
+    waiting = asyncio.create_task(score_group(_group(tok, PbsdSpec(teacher_template=TEMPLATE)), tok, scorer))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await scorer.release(4)
+    scored = await waiting
+    assert scored.scored and scored.scorer_policy_version == 4
 
 
 async def test_sglang_scorer_reads_prompt_logprobs(tok):

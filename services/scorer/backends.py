@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from services.model.checkpoint import load_weights_into
 from services.model.lm_head import HeadPath
+from services.scorer.evidence import LogProbs
 from services.scorer.logprobs import kernel_path, sequence_logprobs
 from services.scorer.replay import RoutedRequest, replayed_logprobs
 from services.sglang_control import (
@@ -65,12 +66,12 @@ class LocalScorer:
 
     async def __call__(
         self, requests: Sequence[tuple[Sequence[int], np.ndarray]], pairs: Sequence[int] | None = None
-    ) -> list[np.ndarray]:
+    ) -> LogProbs:
         self._check_ids(ids for ids, _ in requests)
         await self._whole.wait()
-        async with self._lock:
+        async with self._lock:  # the version is the one these passes ran with
             try:
-                return await asyncio.to_thread(self._score, requests)
+                return LogProbs(await asyncio.to_thread(self._score, requests), self.version)
             except BackendCompilerFailed as exc:
                 if self.path.attention != "flex_attention":
                     raise
@@ -83,7 +84,7 @@ class LocalScorer:
                 log.warning(
                     "flex attention failed to compile (%s); scoring kernel path now %s", exc, self.path
                 )
-                return await asyncio.to_thread(self._score, requests)
+                return LogProbs(await asyncio.to_thread(self._score, requests), self.version)
 
     def _check_ids(self, sequences) -> None:
         """A token id outside the model's embedding is refused before any forward: on a GPU the
@@ -107,14 +108,15 @@ class LocalScorer:
             head=self.path.head,
         )
 
-    async def replayed(self, requests: Sequence[RoutedRequest]) -> list[np.ndarray]:
+    async def replayed(self, requests: Sequence[RoutedRequest]) -> LogProbs:
         """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
         self._check_ids(r[0] for r in requests)
         await self._whole.wait()
         async with self._lock:
-            return await asyncio.to_thread(
+            values = await asyncio.to_thread(
                 replayed_logprobs, self.model, requests, chunk_size=self.chunk_size, head=self.path.head
             )
+            return LogProbs(values, self.version)
 
     async def update_weights(self, path: str, version: int) -> None:
         async with self._lock:
@@ -201,12 +203,15 @@ class SglangScorer:
         version = None if tag is None else str(tag)
         return values[np.asarray(positions) - start].astype(np.float32), version
 
-    async def _pair(self, url: str, requests: list[tuple[Sequence[int], np.ndarray]]) -> list[np.ndarray]:
+    async def _pair(
+        self, url: str, requests: list[tuple[Sequence[int], np.ndarray]]
+    ) -> tuple[list[np.ndarray], str | None]:
+        """The pair's log-probs, and the one weight version its answers named (None: none named)."""
         for _ in range(self.PAIR_ATTEMPTS):
             answers = await asyncio.gather(*(self._one(url, ids, pos) for ids, pos in requests))
             versions = {v for _, v in answers if v is not None}
             if len(versions) <= 1:
-                return [values for values, _ in answers]
+                return [values for values, _ in answers], next(iter(versions), None)
             log.warning(
                 "sglang %s: one trajectory's passes scored by weights %s; scoring them again",
                 url,
@@ -218,7 +223,10 @@ class SglangScorer:
 
     async def __call__(
         self, requests: Sequence[tuple[Sequence[int], np.ndarray]], pairs: Sequence[int] | None = None
-    ) -> list[np.ndarray]:
+    ) -> LogProbs:
+        """The version is the oldest any server named: servers load one after another, so a call's
+        pairs may meet two versions. Where no answer names one, the version held when the call began."""
+        held = self.version
         pairs = range(len(requests)) if pairs is None else pairs
         if len(pairs) != len(requests):
             raise ValueError(f"{len(pairs)} pair numbers for {len(requests)} requests")
@@ -234,10 +242,11 @@ class SglangScorer:
             )
         )
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(requests)
-        for ks, values in zip(members.values(), answers, strict=True):
+        for ks, (values, _) in zip(members.values(), answers, strict=True):
             for k, v in zip(ks, values, strict=True):
                 out[k] = v
-        return out
+        named = [int(v) for _, v in answers if v is not None and v.lstrip("-").isdigit()]
+        return LogProbs(out, min(named, default=held))
 
     async def update_weights(self, path: str, version: int) -> None:
         await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)

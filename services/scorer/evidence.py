@@ -45,9 +45,19 @@ from services.scorer.noise import null_floor, null_picks, null_request
 from services.scorer.replay import RoutedRequest, context_routes, routes_at
 from services.scorer.sanity import tally_sanity, turn_kinds
 
-__all__ = ["LogprobFn", "ReplayFn", "Request", "group_advantages", "score_group"]
+__all__ = ["LogProbs", "LogprobFn", "ReplayFn", "Request", "group_advantages", "score_group"]
 
 Request = tuple[Sequence[int], np.ndarray]  # token ids, and the positions whose log-probs are wanted
+
+
+class LogProbs(list):
+    """A backend's answer: one array of log-probs a request, and the policy version of the weights
+    that computed them (None: not known). The version is read where the passes ran, under the
+    backend's lock or from the servers' answers, since weights may change while a call waits."""
+
+    def __init__(self, values=(), version: int | None = None) -> None:
+        super().__init__(values)
+        self.version = version
 
 
 class LogprobFn(Protocol):
@@ -58,7 +68,7 @@ class LogprobFn(Protocol):
 
     async def __call__(
         self, requests: Sequence[Request], pairs: Sequence[int] | None = None
-    ) -> list[np.ndarray]: ...
+    ) -> list[np.ndarray]: ...  # a LogProbs where the backend knows its weights' version
 
 
 # the same with each request's MoE routes forced (services.scorer.replay)
@@ -80,7 +90,6 @@ async def score_group(
     logprobs: LogprobFn | None,
     *,
     replayed: ReplayFn | None = None,
-    scorer_version: int | None = None,
     message_id: str | None = None,
 ) -> ScoredGroup:
     started = time.perf_counter()
@@ -167,7 +176,7 @@ async def score_group(
         turn_evidence=tuple(evidence),
         turn_weights=tuple(weights),
         scored=True,
-        scorer_policy_version=scorer_version,
+        scorer_policy_version=getattr(answers, "version", None),
         diagnostics=diagnostics,
         scoring_s=time.perf_counter() - started,
         **extra,

@@ -73,7 +73,6 @@ class ScorerWorker(PolicyWorker):
             self.scorer,
             # only the local backend can force routes (the replay ablation); SGLang's groups fail with the cause
             replayed=getattr(self.scorer, "replayed", None),
-            scorer_version=self.scorer.version,
             message_id=derived_id(group.message_id, "scored"),
         )
         observe(scored)
