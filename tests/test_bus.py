@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from redis.exceptions import ResponseError
 
 from proto import examples as ex
 from proto.streams import DEAD_LETTERS, PROMPTS, TRAJECTORIES, WEIGHTS
@@ -251,6 +252,16 @@ async def test_trimming_keeps_only_unacknowledged_history(bus: Bus):
     await bus.redis.xreadgroup("rollout", "holder", {bus.key(PROMPTS): ">"}, count=2)
     removed = await bus.trim_acked(PROMPTS)
     assert removed == 0 and await bus.stream_length(PROMPTS) == 5
+
+
+async def test_housekeeping_passes_over_a_missing_stream_and_reports_a_key_of_another_type(bus: Bus):
+    """Any ResponseError used to read as "no such stream": a stream key holding a string (another
+    deployment's key under the same prefix) was trimmed as an empty stream, silently, for good."""
+    assert await bus.trim_acked(PROMPTS) == 0 and await bus.group_names(PROMPTS) == []
+    await bus.redis.set(bus.key(PROMPTS), "not a stream")
+    for housekeeping in (bus.trim_acked, bus.group_names):
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await housekeeping(PROMPTS)
 
 
 async def test_maxlen_bounds_a_stream_without_consumers(redis_url, key_prefix):

@@ -30,6 +30,7 @@ from prometheus_client import Gauge
 from redis.exceptions import RedisError, ResponseError
 
 from proto.streams import ALL_STREAMS, StreamDef
+from services.bus.connection import missing
 from services.tasks import within
 
 __all__ = ["StreamLagMonitor"]
@@ -82,7 +83,9 @@ class StreamLagMonitor:
             LENGTH.labels(stream.name).set(await self.redis.xlen(key))
             try:
                 groups = await self.redis.xinfo_groups(key)
-            except ResponseError:  # the stream does not exist yet
+            except ResponseError as exc:
+                if not missing(exc):  # the stream does not exist yet, or the key holds something else
+                    log.warning("cannot read the groups of %s: %s", key, exc)
                 continue
             for info in groups:
                 group = _text(info["name"])

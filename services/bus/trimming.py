@@ -61,8 +61,10 @@ class Trimming:
         """The names of the stream's consumer groups (none if the stream does not exist)."""
         try:
             return [as_text(g["name"]) for g in await self.redis.xinfo_groups(self.key(stream))]
-        except ResponseError:  # no such stream
-            return []
+        except ResponseError as exc:
+            if missing(exc):  # no such stream
+                return []
+            raise
 
     async def _maybe_trim(self, stream: StreamDef, group: str, options: ConsumerOptions) -> None:
         now = time.monotonic()
@@ -112,8 +114,10 @@ class Trimming:
         key = self.key(stream)
         try:
             groups = await self.redis.xinfo_groups(key)
-        except ResponseError:  # no such stream yet
-            return 0
+        except ResponseError as exc:
+            if missing(exc):  # no such stream yet
+                return 0
+            raise
         if not groups:
             return 0
         floor: str | None = None
