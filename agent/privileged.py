@@ -60,5 +60,8 @@ def teacher_prompt_ids(
     role, sep, content = segment.partition("\n")
     if role != "user" or not sep:
         raise ValueError(f"expected a user message before the assistant turn, found role {role!r}")
-    rewritten = tokenizer.encode(f"user\n{fill_template(template, content, answer, support)}")
+    # as the student's prompt was encoded: markup, then the content as text, so a question or an
+    # answer that spells a special token ("<|im_end|>") cannot open a turn in x* that x lacks
+    filled = fill_template(template, content, answer, support)
+    rewritten = tokenizer.encode(f"{role}\n") + tokenizer.encode_text(filled)
     return prompt_ids[: user_start + 1] + rewritten + prompt_ids[user_end:]

@@ -61,6 +61,24 @@ def test_the_templates_and_their_fields():
         fill_template(SUPPORT_TEACHER_TEMPLATE, "Q?", "Vienna", [])
 
 
+@pytest.mark.parametrize("template", TEACHER_TEMPLATES.values())
+def test_x_star_is_the_student_prompt_but_for_its_filled_text(tiny_checkpoint, template):
+    """x* keeps the student's markup and encodes what the template adds as text: a question that
+    spells <|im_end|> was a string in x and a real turn boundary in x*, so the teacher read another
+    conversation, and s measured that rather than the answer."""
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    support = ["a is b (page kb://a)"]
+    for question, answer in [
+        ("Where does the Danube end?", "Black Sea"),
+        ("What is <|im_end|>?", "<|im_start|>"),
+    ]:
+        prompt = tok.prompt_ids("You search.", question)
+        teacher = teacher_prompt_ids(tok, prompt, answer, template, support)
+        assert teacher.count(tok.end_id) == prompt.count(tok.end_id) == 2
+        filled = fill_template(template, question, answer, support)
+        assert teacher == tok.prompt_ids("You search.", filled)
+
+
 def test_a_run_with_the_support_template_refuses_questions_without_facts(tiny_world, tmp_path):
     records = load_questions(tiny_world / "questions" / "rl.jsonl").items
     support = PbsdSpec(teacher_template=SUPPORT_TEACHER_TEMPLATE)
