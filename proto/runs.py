@@ -208,8 +208,12 @@ class PbsdSpec(_PolicyGradientSpec):
         min_length=1,
         description="x*'s template, or the name of one of TEACHER_TEMPLATES (answer, answer-first, support, support-first)",
     )
-    teacher_max_length: PositiveInt = Field(
-        default=65_536, description="tokens beyond this in x* have no phi and are left out"
+    teacher_max_length: PositiveInt | None = Field(
+        default=None,
+        description="tokens beyond this in x* have no phi and are left out; None: no cut, so every loss "
+        "token has a teacher position, as the paper's s_{i,t} assumes. x* is longer than x by the note, "
+        "so a cut at rollout.max_context drops the end of every trajectory that fills its context; set "
+        "it where the scorer's own context is shorter (an SGLang scorer's --context-length)",
     )
     noise_floor_samples: Annotated[int, Field(ge=0)] = Field(
         default=1,

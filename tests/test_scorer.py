@@ -17,7 +17,7 @@ from proto.runs import GrpoSpec, PbsdSpec
 from services.model.checkpoint import load_model
 from services.model.routing import moe_routers, replay_routes
 from services.scorer.backends import LocalScorer, SglangScorer
-from services.scorer.contexts import build_contexts
+from services.scorer.contexts import build_contexts, group_contexts
 from services.scorer.evidence import score_group
 from services.scorer.logprobs import sequence_logprobs
 from services.upstream import UpstreamError
@@ -101,7 +101,7 @@ def group_of(trajectories, algorithm) -> TrajectoryGroup:
     )
 
 
-def contexts_of(tok, t: Trajectory, template: str = TEMPLATE, teacher_max_length: int = 65_536):
+def contexts_of(tok, t: Trajectory, template: str = TEMPLATE, teacher_max_length: int | None = None):
     """The student and teacher contexts the scorer builds for ``t`` of the Vienna question."""
     return build_contexts(
         tok,
@@ -130,7 +130,7 @@ def test_teacher_prompt_rewrites_only_the_user_message(tok):
 
 def test_phi_by_hand_and_truncation(tok):
     t = _trajectory(tok, ["a", "b c"])
-    c = contexts_of(tok, t, teacher_max_length=10**6)
+    c = contexts_of(tok, t)
     shift = len(teacher_prompt_ids(tok, t.prompt_ids.tolist(), "Danube", TEMPLATE)) - len(t.prompt_ids)
     assert shift > 0 and len(c.teacher) - len(c.student) == shift
     np.testing.assert_array_equal(c.loss_positions, np.flatnonzero(t.loss_mask) + len(t.prompt_ids))
@@ -143,6 +143,22 @@ def test_phi_by_hand_and_truncation(tok):
     c2 = contexts_of(tok, t, teacher_max_length=cut)
     assert len(c2.teacher) == cut
     assert (c2.phi >= 0).sum() == (c.phi < cut).sum() and np.all(c2.phi[c.phi >= cut] == -1)
+
+
+def test_a_trajectory_that_fills_its_context_keeps_a_teacher_position_for_every_token(tok):
+    """The cut defaulted to 65,536, the rollout's max_context, and x* is longer than x by the note:
+    every trajectory that filled its context lost the note's length of its last turn's tokens."""
+    group = _group(tok, PbsdSpec(teacher_template=TEMPLATE))
+    t = group.trajectories[0]
+    spec = PbsdSpec(teacher_template=TEMPLATE)
+    assert spec.teacher_max_length is None
+    (c, *_) = group_contexts(group.model_copy(update={"algorithm": spec}), tok)
+    assert len(c.teacher) == t.prompt_ids.size + t.completion_ids.size + (c.phi[0] - c.loss_positions[0])
+    assert np.all(c.phi >= 0) and np.array_equal(
+        np.asarray(c.student)[c.loss_positions], np.asarray(c.teacher)[c.phi]
+    )
+    at_rollout_limit = contexts_of(tok, t, teacher_max_length=len(c.student))  # the old default's cut
+    assert (at_rollout_limit.phi < 0).sum() == (c.phi >= len(c.student)).sum() > 0
 
 
 def _direct(model, ids: list[int], positions) -> np.ndarray:

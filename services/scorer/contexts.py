@@ -11,7 +11,8 @@ message is rewritten (``template.format(question=<the user message>, answer=y*)`
 trajectory's completion is then appended unchanged, so every completion token k has
 its teacher position ``phi(k) = k + len(teacher prompt) - len(student prompt)``.
 
-A teacher context longer than ``teacher_max_length`` is cut there; loss tokens whose
+By default x* is not cut, so every loss token has its phi. A run whose scorer has a shorter
+context (an SGLang server's) sets ``teacher_max_length``: x* is cut there, and loss tokens whose
 phi falls beyond the cut have no privileged position and are left out of the evidence
 (Algorithm 1: I_{j,k} = {i in T_{j,k} : phi(i) exists}).
 """
@@ -51,7 +52,7 @@ def build_contexts(
     *,
     answer: str,
     template: str,
-    teacher_max_length: int,
+    teacher_max_length: int | None,
     support: Sequence[str] = (),
 ) -> Contexts:
     teacher_prompt = teacher_prompt_ids(tokenizer, prompt_ids, answer, template, support)
@@ -59,10 +60,11 @@ def build_contexts(
     completion_loss = np.flatnonzero(np.asarray(loss_mask) == 1)
     loss_positions = completion_loss + len(prompt_ids)
     phi = loss_positions + shift
-    phi = np.where(phi < teacher_max_length, phi, -1)
+    if teacher_max_length is not None:
+        phi = np.where(phi < teacher_max_length, phi, -1)
     lengths = [end - start for start, end in turn_spans]
     token_turns = np.repeat(np.arange(len(lengths)), lengths)
-    teacher = (teacher_prompt + list(completion_ids))[:teacher_max_length]
+    teacher = (teacher_prompt + list(completion_ids))[:teacher_max_length]  # [:None]: all of it
     return Contexts(list(prompt_ids) + list(completion_ids), teacher, loss_positions, phi, token_turns)
 
 

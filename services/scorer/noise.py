@@ -8,7 +8,7 @@ time, laid out as the teacher context is::
 
     null context = student + teacher[len(student):]     (the teacher's length; the tail is the
                                                          completion's last tokens)
-                 = student[:len(teacher)]               (x* cut at teacher_max_length)
+                 = student[:len(teacher)]               (x* cut at a teacher_max_length)
     d_k          = log p_null(z_k) - log p_student(z_k)   for the loss tokens inside it
 
 Attention is causal, so tokens appended after the student context cannot change what any student
