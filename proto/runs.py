@@ -124,7 +124,7 @@ class DataSpec(_Spec):
 
 
 # The upper bounds below are far past any real run (the paper: G = 8, 300 turns, 16K tokens a turn,
-# 64K context, staleness 1): they keep one spec from asking a worker for 10**9 concurrent samples or
+# 64K context, on-policy): they keep one spec from asking a worker for 10**9 concurrent samples or
 # the controller for 10**9 prompts at once, which are accepted and then exhaust memory.
 class RolloutSpec(_Spec):
     group_size: Annotated[int, Field(gt=0, le=1024)] = Field(
