@@ -4,6 +4,7 @@ is a server on loopback that the test starts itself."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -16,9 +17,10 @@ from services.http_guard import MAX_ERRORS
 from services.tools.app import create_app
 from services.tools.fetch import FetchError, PlainFetcher
 from services.tools.html_text import html_to_text
-from services.tools.resilience import Upstream
+from services.tools.resilience import BreakerState, Upstream, UpstreamLimits
 from services.tools.settings import ToolsSettings
 from services.tools.web import SerperSearch, WebBackend
+from services.upstream import RetryPolicy, UpstreamError
 from tests.servers import serve
 from tests.web_fakes import make_site
 from worldgen.build import build_world
@@ -134,6 +136,44 @@ async def test_any_exception_in_the_fetcher_is_a_fetch_error_with_its_cause(site
             await fetcher.fetch(f"{site}/page")
     finally:
         await fetcher.aclose()
+
+
+async def test_a_trial_call_that_ends_without_a_verdict_does_not_hold_the_breaker_open():
+    """The half-open breaker let one trial through and waited for its verdict. A trial cut off
+    by the gateway's deadline (Serper's four 60 s attempts outlast its 240 s) or refused by httpx
+    before it went out gave none, and the breaker refused every call after it, for good."""
+    now = [0.0]
+    healthy = [False]
+    transport = httpx.MockTransport(
+        lambda r: httpx.Response(200, json={"organic": []}) if healthy[0] else httpx.Response(503)
+    )
+    limits = UpstreamLimits(failure_threshold=1, reset_after_s=30, retry=RetryPolicy(max_attempts=1))
+    async with httpx.AsyncClient(transport=transport) as http:
+        upstream = Upstream("serper", limits, clock=lambda: now[0])
+
+        async def hangs() -> httpx.Response:
+            await asyncio.sleep(3600)
+            raise AssertionError("cut off before")
+
+        async def refused() -> httpx.Response:
+            return await http.get("https://serper.test/a\x01b")
+
+        with pytest.raises(UpstreamError, match="HTTP 503"):
+            await upstream.call(lambda: http.get("https://serper.test/"))
+        healthy[0] = True
+        for trial, ends in ((hangs, TimeoutError), (refused, httpx.InvalidURL)):
+            now[0] += 31  # half-open: the next call is the trial
+            with pytest.raises(ends):
+                async with asyncio.timeout(0.05):
+                    await upstream.call(trial)
+            assert upstream.breaker.state is BreakerState.HALF_OPEN
+        assert (await upstream.call(lambda: http.get("https://serper.test/"))).status_code == 200
+        assert upstream.breaker.state is BreakerState.CLOSED
+
+
+async def test_a_url_the_client_cannot_send_is_refused_as_malformed(site):
+    got = await _reader(site).read(ScrapeArgs(url="https://example.com/a\x01b", info_to_extract="x"))
+    assert not got["success"] and "malformed URL" in got["error"]
 
 
 async def test_refused_encodings_are_counted_apart_from_ssrf_refusals(site):

@@ -81,6 +81,12 @@ class CircuitBreaker:
         self._trial_running = False
         self._publish()
 
+    def no_verdict(self) -> None:
+        """A call ended without telling the upstream's health (cancelled, cut off by the gateway's
+        deadline, or refused by the client before it went out): a half-open trial's slot is given
+        back, so the next call is the trial. Held, the breaker would refuse every call for good."""
+        self._trial_running = False
+
     def failure(self) -> None:
         self.failures += 1
         self._trial_running = False
@@ -180,6 +186,9 @@ class Upstream:
                 self.breaker.failure()
             else:
                 self.breaker.success()
+            raise
+        except BaseException:
+            self.breaker.no_verdict()
             raise
         self.breaker.success()
         return response

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import httpcore
+import httpx
 
 __all__ = ["BlockedAddress", "GuardedNetworkBackend", "address_problem", "check_url"]
 
@@ -91,7 +92,8 @@ def check_url(url: str) -> tuple[str, str, int]:
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as exc:
+        httpx.URL(url)  # what the client would refuse to send (a control character) is refused here
+    except (ValueError, httpx.InvalidURL) as exc:
         raise BlockedAddress(f"malformed URL: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
