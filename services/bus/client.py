@@ -104,6 +104,17 @@ class Bus(ConsumerGroups):
         redis.call('XADD', KEYS[1], '*', 'type', ARGV[2], 'mid', ARGV[i], 'data', ARGV[i + 1])
     end
     for _, entry in ipairs(queued) do redis.call('XADD', KEYS[1], '*', unpack(entry[2])) end
+    -- Redis counts a group's lag as entries added minus entries read; the moved entries, deleted and
+    -- added again, would count twice for good (pbsd_stream_outstanding, which the rollout autoscaler
+    -- follows). The group has read every entry but the ones queued now. Redis 7's ENTRIESREAD: an
+    -- older Redis reports no lag at all, so its refusal is passed over.
+    local stream = redis.call('XINFO', 'STREAM', KEYS[1])
+    for i = 1, #stream, 2 do
+        if stream[i] == 'entries-added' then
+            local unread = (#ARGV - 2) / 2 + #queued
+            pcall(redis.call, 'XGROUP', 'SETID', KEYS[1], ARGV[1], last, 'ENTRIESREAD', stream[i + 1] - unread)
+        end
+    end
     return #queued
     """
 
