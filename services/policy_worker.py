@@ -23,7 +23,7 @@ from fastapi import FastAPI, Response
 
 from proto.messages import RunEnded, WeightsPublished
 from proto.streams import RUN_ENDS, WEIGHTS, StreamDef
-from services.bus import REDIS_DOWN, Bus, ConsumerOptions, Delivery
+from services.bus import REDIS_DOWN, Bus, ConsumerOptions, Delivery, entry_order
 from services.http_guard import BodyLimit
 from services.tasks import cancel_and_wait, main_task, stopped
 from services.telemetry import add_metrics_route
@@ -132,7 +132,7 @@ class PolicyWorker(abc.ABC):
             return True
         if self.newest is None or self.newest[1].run_id == run_id:
             return False
-        return _stream_id(self.newest[0]) > _stream_id(published_at)
+        return entry_order(self.newest[0]) > entry_order(published_at)
 
     @property
     def server(self):
@@ -230,7 +230,7 @@ class PolicyWorker(abc.ABC):
                 if (
                     entry_id is not None
                     and newest is not None
-                    and _stream_id(newest[0]) > _stream_id(entry_id)
+                    and entry_order(newest[0]) > entry_order(entry_id)
                 ):
                     return True
             left = deadline - time.monotonic()
@@ -290,11 +290,6 @@ class PolicyWorker(abc.ABC):
 def _see_weights(held: dict[str, int], timeline: str, version: int) -> None:
     if timeline:
         held[timeline] = max(held.get(timeline, version), version)
-
-
-def _stream_id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def worker_app(

@@ -208,3 +208,61 @@ async def test_a_group_that_cannot_be_trained_on_is_dropped_and_replaced(
     assert await accept(store, "r1", spec, state, routed(255), batch_ids={"x"}, vocab=vocab)
     assert await accept(store, "r1", spec, state, good, batch_ids=batch, vocab=vocab)
     assert prompt_index("r1:-1") is None and prompt_index("r1:-1/0") is None and prompt_index("r1:7/2") == 7
+
+
+async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_through_a_crash_resume(
+    bus, key_prefix
+):
+    """After the checkpoint (step 1, prompts 0-7 out, 0-3 trained) prompt 5 was dead-lettered,
+    counted and replaced by 8; then the trainer died. The resume publishes 5 again, as consumed
+    since the checkpoint, and reads the dead letters from the stream's start: the old letter counted
+    5 dropped a second time and published a second replacement, so the run reckoned one group fewer
+    in flight than there was and could end before its last group came."""
+    from types import SimpleNamespace
+
+    from proto.messages import DeadLetter
+    from services.trainer.admission import outstanding
+    from services.trainer.checkpoints import TrainState
+    from services.trainer.opening import _consumed_since
+
+    store, run_id = RunStore(bus.redis, key_prefix), "r1"
+    trained = [f"{run_id}:{i}/0" for i in range(4)]
+    old = DeadLetter(
+        stream="prompts",
+        group="rollout",
+        entry_id=f"{await bus.clock_ms() - 5000}-0",
+        cause="max deliveries",
+        deliveries=3,
+        payload=b"",
+    )
+    await store.reset_consumed(run_id, trained, [])
+    await store.mark_dropped(run_id, 5)
+    await store.set_published(run_id, 9)
+    state = TrainState(step=1, version=1, next_index=8, trained_prompts=4)
+    republished, next_index = await _consumed_since(store, run_id, state, trained)
+    assert (republished, next_index) == ([5], 9)  # 5 goes out again; 4, 6, 7 and 8 are in flight
+    await store.reset_consumed(run_id, trained, state.dropped_indices)
+    topped_up = []
+
+    async def top_up(step: int, dropped: int) -> None:
+        topped_up.append(dropped)
+
+    controller = SimpleNamespace(
+        next_index=9, top_up=top_up, spec=SimpleNamespace(trainer=SimpleNamespace(prompts_per_step=4))
+    )
+    run = SimpleNamespace(
+        id=run_id,
+        state=state,
+        controller=controller,
+        lost=asyncio.Event(),
+        republished=frozenset(republished),
+        republished_ms=await bus.clock_ms(),
+    )
+    executor = RunExecutor.__new__(RunExecutor)
+    executor.store = store
+    await executor._dead_lettered(run, 5, old)
+    assert state.dropped == 0 and not topped_up and outstanding(controller, state) == 5  # 4-8
+    # the copy published again is lost too: that letter is newer, and counts
+    await asyncio.sleep(0.002)
+    await executor._dead_lettered(run, 5, old.model_copy(update={"entry_id": f"{await bus.clock_ms()}-0"}))
+    assert state.dropped == 1 and state.dropped_indices == [5] and topped_up == [1]

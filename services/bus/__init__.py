@@ -20,7 +20,7 @@ Delivery is at-least-once with idempotent consumers:
 """
 
 from services.bus.client import Bus
-from services.bus.connection import REDIS_DOWN, redis_client
+from services.bus.connection import REDIS_DOWN, entry_order, redis_client
 from services.bus.delivery import MAX_MESSAGE_BYTES, ConsumerOptions, Delivery, Held, MessageTooLarge
 
 __all__ = [
@@ -31,5 +31,6 @@ __all__ = [
     "Delivery",
     "Held",
     "MessageTooLarge",
+    "entry_order",
     "redis_client",
 ]

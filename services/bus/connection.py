@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["REDIS_DOWN", "as_text", "missing", "redis_client", "refusing"]
+__all__ = ["REDIS_DOWN", "as_text", "entry_order", "missing", "redis_client", "refusing"]
 
 # what Redis being out of reach raises (a refused or broken connection, a timeout)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
@@ -64,3 +64,10 @@ def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:
 def as_text(value: Any) -> str:
     """A reply of a client without ``decode_responses`` (bytes) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as (milliseconds of the Redis server's clock, sequence): ids of every
+    stream compare by it in the order Redis added them."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -38,7 +38,7 @@ from typing import Any
 from proto.base import derived_id
 from proto.messages import DeadLetter, RunEnded, ScoredGroup
 from proto.streams import RUN_ENDS, SCORED
-from services.bus import REDIS_DOWN, Bus, Held
+from services.bus import REDIS_DOWN, Bus, Held, entry_order
 from services.tasks import cancel_and_wait, within
 from services.trainer import metrics as m
 from services.trainer.admission import accept, count_drop
@@ -350,6 +350,10 @@ class RunExecutor:
         dropped group and publish a replacement, unless it was counted or trained already."""
         state = run.state
         if index in state.dropped_indices or index >= run.controller.next_index:
+            return
+        if index in run.republished and entry_order(letter.entry_id)[0] < run.republished_ms:
+            # the letters are read from the stream's start at each opening: this one lost the copy
+            # a crash resume published again, whose new copy is in flight and counted so
             return
         if any(await self.store.trained(run.id, [f"{run.id}:{index}/0"])):
             return  # a copy of it was trained before a later delivery was given up on

@@ -76,6 +76,10 @@ class Run:
     # set when a prompt's group is known lost for good (dead-lettered): a batch waiting for the
     # data's last groups checks again whether any can still come
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # the prompts a crash resume published again, and the Redis clock (ms) just before: a dead letter
+    # about an entry older than that lost the copy the resume replaced, not the copy in flight
+    republished: frozenset[int] = frozenset()
+    republished_ms: int = 0
 
     def outstanding(self) -> int:
         return outstanding(self.controller, self.state)
@@ -177,23 +181,26 @@ async def open_run(
         timeline=timeline if crashed else "",
         on_published=functools.partial(store.set_published, run_id),
     )
+    republished, republished_ms = [], 0
     if again is not None:
-        consumed, controller.next_index = again
-        await controller.republish(consumed, state.step)
+        republished, controller.next_index = again
+        republished_ms = await bus.clock_ms()
+        await controller.republish(republished, state.step)
         log.info(
             "run %s: %d prompts whose groups the lost steps consumed published again, ahead of the "
             "queue (%s); the others of the %d published are in flight",
             run_id,
-            len(consumed),
-            consumed[:20],
+            len(republished),
+            republished[:20],
             controller.next_index,
         )
     elif crashed and latest:  # the store does not say what is in flight: everything out again
         trained = {prompt_index(t) for t in saved.get("trained_ids", [])}
         done = trained | set(state.dropped_indices)
-        out_at_checkpoint = [i for i in range(controller.next_index) if i not in done]
-        await controller.republish(out_at_checkpoint, state.step)
-        log.info("run %s: %d prompts out at the checkpoint published again", run_id, len(out_at_checkpoint))
+        republished = [i for i in range(controller.next_index) if i not in done]
+        republished_ms = await bus.clock_ms()
+        await controller.republish(republished, state.step)
+        log.info("run %s: %d prompts out at the checkpoint published again", run_id, len(republished))
     if resume:  # only now: a crash before the prompts went out again must find the same sets
         await store.reset_consumed(run_id, saved.get("trained_ids", []), state.dropped_indices)
     options = settings.consumer_options(block_ms=500)
@@ -231,6 +238,8 @@ async def open_run(
         options=options,
         published=state.version,
         checkpointed=latest.name if latest else None,
+        republished=frozenset(republished),
+        republished_ms=republished_ms,
     )
 
 
