@@ -2,13 +2,15 @@
 
     prompts       trainer (run controller) -> rollout workers      group "rollout"
     trajectories  rollout workers -> evidence scorers              group "scorer"
-    scored        evidence scorers -> trainer                      group "trainer"
-    evals         rollout workers -> trainer (validation groups)   group "trainer"
+    scored        evidence scorers -> trainer                      group "trainer-<run id>"
+    evals         rollout workers -> trainer (validation groups)   group "trainer-<run id>-evals"
     weights       trainer -> every rollout worker and scorer       broadcast (no group)
     run-ends      trainer -> every rollout worker and scorer       broadcast (no group)
     dead-letters  any consumer -> operators                        read by hand / dashboards
 
-Keys are ``{prefix}:{name}`` so that several deployments can share one Redis.
+Keys are ``{prefix}:{name}`` so that several deployments can share one Redis. The trainer reads
+``scored`` and ``evals`` through groups of each run's own (``services.trainer.run_groups``); the
+group named here is the one runs shared before, which the trainer's start destroys.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import REGISTRY
+
 from proto import examples as ex
 from proto.streams import EVALS, SCORED
 from services.trainer.run_groups import evals_group, forget_ended_runs, forget_run, scored_group
@@ -50,9 +52,11 @@ async def test_the_trainer_destroys_the_groups_of_runs_that_ended_while_it_could
         await bus.ensure_group(SCORED, scored_group(run_id))
         await bus.ensure_group(EVALS, evals_group(run_id))
     await bus.ensure_group(SCORED, "someone-else")  # not a run's: left alone
+    await bus.ensure_group(SCORED)  # "trainer", which every run read through before runs had their own
     gone = await forget_ended_runs(bus, store)
     assert sorted(gone) == sorted(
         [scored_group(ended.id), scored_group("deleted"), evals_group(ended.id), evals_group("deleted")]
+        + [SCORED.group]
     )
     assert sorted(await bus.group_names(SCORED)) == sorted([scored_group(running.id), "someone-else"])
     assert await bus.group_names(EVALS) == [evals_group(running.id)]
@@ -93,4 +97,10 @@ async def test_a_completed_run_leaves_no_group_behind(
         bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, 2, 1
     )
     assert (await store.get(record.id)).state == "completed"
-    assert scored_group(record.id) not in await bus.group_names(SCORED)
+    # the run read through a group of its own, then destroyed it: the executor once named its
+    # group as the consumer, so every run read through one shared group and this held vacuously
+    read = REGISTRY.get_sample_value(
+        "pbsd_bus_processed_total", {"stream": "scored", "group": scored_group(record.id)}
+    )
+    assert read is not None
+    assert await bus.group_names(SCORED) == []

@@ -54,6 +54,29 @@ async def test_gauges_follow_what_waits_at_each_stage(bus: Bus):
     assert _value("pbsd_stream_oldest_pending_seconds", stream="prompts", group="rollout") == 0
 
 
+async def test_a_destroyed_group_leaves_no_series_behind(bus: Bus):
+    """Each run reads scored groups through a group of its own, destroyed when it ends: its last
+    pending count and age stayed exported for good, and the stuck-entry alert fired on them."""
+    await bus.publish(SCORED, ex.example_scored())
+    await bus.collect(SCORED, "trainer", 1, _yes, group="trainer-ended-run")  # held, never committed
+    monitor = StreamLagMonitor(bus.redis, bus.prefix, streams=(SCORED,))
+    await monitor.sample()
+    assert _value("pbsd_stream_pending", stream="scored", group="trainer-ended-run") == 1
+    await bus.destroy_group(SCORED, "trainer-ended-run")
+    await monitor.sample()
+    for gauge in ("pending", "lag", "outstanding", "consumers", "oldest_pending_seconds"):
+        assert (
+            REGISTRY.get_sample_value(
+                f"pbsd_stream_{gauge}", {"stream": "scored", "group": "trainer-ended-run"}
+            )
+            is None
+        )
+
+
+async def _yes(message) -> bool:
+    return True
+
+
 async def test_lag_is_nan_when_redis_cannot_count_it(bus: Bus):
     await bus.ensure_group(TRAJECTORIES)
     ids = [await bus.publish(TRAJECTORIES, ex.example_group(2, seed=i)) for i in range(3)]

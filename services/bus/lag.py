@@ -21,6 +21,7 @@ an async client inside the scrape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -74,10 +75,12 @@ class StreamLagMonitor:
         self.prefix = prefix
         self.streams = streams
         self.interval_s = interval_s
+        self._groups: set[tuple[str, str]] = set()  # the (stream, group) series exported
 
     async def sample(self) -> None:
         """Read every stream's length and every group's pending count, lag and consumers once."""
         now_ms = time.time() * 1000
+        seen: set[tuple[str, str]] = set()
         for stream in self.streams:
             key = stream.key(self.prefix)
             LENGTH.labels(stream.name).set(await self.redis.xlen(key))
@@ -89,6 +92,7 @@ class StreamLagMonitor:
                 continue
             for info in groups:
                 group = _text(info["name"])
+                seen.add((stream.name, group))
                 pending = int(info["pending"])
                 lag = info.get("lag")
                 PENDING.labels(stream.name, group).set(pending)
@@ -102,6 +106,13 @@ class StreamLagMonitor:
                     oldest_ms = int(_text(summary["min"]).split("-")[0])
                     age = max(0.0, (now_ms - oldest_ms) / 1000)
                 OLDEST_PENDING.labels(stream.name, group).set(age)
+        # a group destroyed (each run's trainer groups, once the run ends) leaves no series behind:
+        # its last pending count and age would be exported for good, and alerts would fire on them
+        for gone in self._groups - seen:
+            for gauge in (PENDING, LAG, OUTSTANDING, CONSUMERS, OLDEST_PENDING):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*gone)
+        self._groups = seen
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sample every ``interval_s`` until ``stop`` is set; Redis outages are logged, not fatal."""

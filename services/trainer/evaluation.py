@@ -139,7 +139,7 @@ class Evaluator:
 
     async def _collect(self, options: ConsumerOptions) -> None:
         consume = self.bus.consume(
-            EVALS, evals_group(self.run_id), self._handle, options=options, stop=self.stop
+            EVALS, "trainer", self._handle, group=evals_group(self.run_id), options=options, stop=self.stop
         )
         pick = functools.partial(lost_question, prefix=self.prefix)
         await asyncio.gather(consume, follow_dead_letters(self.bus, pick, self._lost, self.stop))

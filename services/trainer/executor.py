@@ -228,7 +228,7 @@ class RunExecutor:
         losses = asyncio.create_task(on_lost())
         try:
             held = await self.bus.collect(
-                SCORED, scored_group(run.id), want, keep, options=run.options, stop=halt
+                SCORED, "trainer", want, keep, group=scored_group(run.id), options=run.options, stop=halt
             )
         finally:
             mirror.cancel()

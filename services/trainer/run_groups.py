@@ -40,10 +40,16 @@ async def forget_run(bus: Bus, run_id: str) -> None:
 
 
 async def forget_ended_runs(bus: Bus, store: RunStore) -> list[str]:
-    """Destroy the groups of every run that has ended or no longer exists; returns their names."""
+    """Destroy the groups of every run that has ended or no longer exists, and the one group every
+    run read through before runs had their own (named as the stream's, "trainer"; a run resumed
+    now reads its entries again through a group of its own); returns their names."""
     gone = []
     for stream, suffix in ((SCORED, ""), (EVALS, _EVALS_SUFFIX)):
         for group in await bus.group_names(stream):
+            if group == stream.group:
+                await bus.destroy_group(stream, group)
+                gone.append(group)
+                continue
             if not (group.startswith(_PREFIX) and group.endswith(suffix)):
                 continue
             run_id = group[len(_PREFIX) : len(group) - len(suffix)]
