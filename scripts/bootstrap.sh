@@ -39,10 +39,13 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
 fi
 
 # OS packages: redis-server (the bus, for the demo and the tests) and Chromium (the credit
-# viewer's browser test). Installed only when missing.
+# viewer's browser test; PBSD_BROWSER=0, as `make demo` sets, leaves it out). Installed only when
+# missing.
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+if [[ ${PBSD_BROWSER:-1} != 0 ]]; then
+    command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+fi
 if ((${#missing[@]})); then
     echo "bootstrap: installing ${missing[*]} from the OS packages"
     sudo_cmd=()
