@@ -41,6 +41,7 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
     run_id = submitted.stdout.strip()
     listed = runner.invoke(app, ["runs", "list", *args])
     assert run_id in listed.output
+    assert runner.invoke(app, ["runs", "list", "--limit", "1", *args]).output.count("\n") == 1
     shown = json.loads(
         runner.invoke(app, ["runs", "show", run_id, *args]).stdout
     )  # the trainer logs on stderr

@@ -76,10 +76,14 @@ def runs_submit(
 
 
 @app.command("list")
-def runs_list(url: str = _URL, token: str | None = _TOKEN) -> None:
-    """Every run, newest first."""
+def runs_list(
+    url: str = _URL,
+    token: str | None = _TOKEN,
+    limit: int = typer.Option(100, min=1, max=1000, help="the newest N runs"),
+) -> None:
+    """The newest runs, newest first."""
     with _api(url, token) as api:
-        runs = _check(api.get("/runs"))
+        runs = _check(api.get("/runs", params={"limit": limit}))
         if not runs:
             typer.echo("no runs")
         for r in runs:
