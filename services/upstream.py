@@ -21,6 +21,18 @@ log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 520, 521, 522, 523, 524})
 
+# uvicorn, which SGLang, vLLM and this project's own services run on, closes a connection idle for
+# 5 s (timeout_keep_alive; SGLANG_TIMEOUT_KEEP_ALIVE). httpx keeps one as long, so a request sent
+# on a connection idle for just under 5 s races the server's close and fails on a dead socket.
+# Clients of those servers let theirs go well before the server does.
+KEEP_ALIVE_S = 2.0
+
+
+def http_client(timeout_s: float) -> httpx.AsyncClient:
+    """An HTTP client for a uvicorn-served upstream (SGLang, an OpenAI-compatible server, a pbsd
+    service): ``timeout_s`` per request, idle connections dropped after :data:`KEEP_ALIVE_S`."""
+    return httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEP_ALIVE_S))
+
 
 class UpstreamError(Exception):
     """An upstream failed for good (after retries, or with a non-retryable answer)."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
+from fastapi import FastAPI, Request
 
 from services.rollout.engine import EngineError, GenerationRequest
 from services.rollout.sglang import SglangEngine
-from services.upstream import RetryPolicy
+from services.scorer.backends import SglangScorer
+from services.upstream import KEEP_ALIVE_S, RetryPolicy
 from tests.servers import serve
 from tests.sglang_fake import LAYERS, TOP_K, make_sglang
 
@@ -153,3 +157,26 @@ async def test_the_fake_refuses_what_sglang_refuses():
         bad = {"input_ids": [1], "sampling_params": {"max_tokens": 4}}  # OpenAI's name, not SGLang's
         assert http.post("/generate", json=bad).status_code == 400
         assert http.post("/pause_generation", json={"mode": "drain"}).status_code == 400
+
+
+async def test_clients_of_sglang_let_an_idle_connection_go_before_the_server_does():
+    """uvicorn, SGLang's server, closes a connection idle for 5 s (SGLANG_TIMEOUT_KEEP_ALIVE), and
+    httpx kept one as long: a request sent on a connection idle for just under 5 s raced the
+    server's close and failed on a dead socket. The project's clients keep one for KEEP_ALIVE_S."""
+    app, ports = FastAPI(), []
+
+    @app.get("/ping")
+    async def ping(request: Request) -> dict:
+        ports.append(request.client.port)
+        return {}
+
+    assert KEEP_ALIVE_S < 5 - 2  # well before the server's close, whatever the scheduling
+    with serve(app) as url:
+        for client in (SglangEngine([url]).http, SglangScorer([url]).http):
+            ports.clear()
+            (await client.get(f"{url}/ping")).raise_for_status()
+            await client.get(f"{url}/ping")  # while in use, the connection is kept
+            await asyncio.sleep(KEEP_ALIVE_S + 0.3)
+            await client.get(f"{url}/ping")
+            await client.aclose()
+            assert ports[0] == ports[1] != ports[2]

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
-from services.upstream import RetryPolicy, UpstreamError, send_with_retries
+from services.upstream import RetryPolicy, UpstreamError, http_client, send_with_retries
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ChatClient:
         self.settings = settings
         self.name = name
         self._own_http = http is None
-        self.http = http or httpx.AsyncClient(timeout=settings.timeout_s)
+        self.http = http or http_client(settings.timeout_s)
 
     async def aclose(self) -> None:
         if self._own_http:

@@ -54,7 +54,7 @@ from services.sglang_control import (
     settle_flush,
     unguarded,
 )
-from services.upstream import RetryPolicy, UpstreamError, send_with_retries
+from services.upstream import RetryPolicy, UpstreamError, http_client, send_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class SglangEngine:
             raise ValueError("at least one SGLang URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
         self._own = http is None
-        self.http = http or httpx.AsyncClient(timeout=timeout_s)
+        self.http = http or http_client(timeout_s)
         self.retry = retry or RetryPolicy(max_attempts=3, base_delay_s=1.0)
         self.cooldown_s = cooldown_s
         self.pause_mode = pause_mode

@@ -31,7 +31,7 @@ from services.sglang_control import (
     settle_flush,
     unguarded,
 )
-from services.upstream import RetryPolicy, UpstreamError, send_with_retries
+from services.upstream import RetryPolicy, UpstreamError, http_client, send_with_retries
 from services.weights.receiver import TORN
 
 __all__ = ["LocalScorer", "SglangScorer"]
@@ -167,7 +167,7 @@ class SglangScorer:
     ) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self.guard = guard  # one replica at a time loads a server (sglang_control.load_each)
-        self.http = http or httpx.AsyncClient(timeout=3600)
+        self.http = http or http_client(3600)
         self.retry = retry or RetryPolicy(max_attempts=3, base_delay_s=1.0)
         self.semaphore = asyncio.Semaphore(concurrency)
         self.version = version

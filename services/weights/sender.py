@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from services.local_redis import free_port
+from services.upstream import http_client
 from services.weights.group import broadcast, close_group, dtype_name, open_group
 from services.weights.layout import HubLayout, Piece
 
@@ -100,7 +101,7 @@ class WeightBroadcaster:
         self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
         self.pause_mode = pause_mode
         self._own = http is None
-        self.http = http or httpx.AsyncClient(timeout=timeout_s)
+        self.http = http or http_client(timeout_s)
         self.group = None
         self.group_name = ""
         self.members: list[str] = []
