@@ -91,16 +91,24 @@ async def test_a_heartbeat_whose_group_was_destroyed_stops(bus):
 
 
 async def test_a_completed_run_leaves_no_group_behind(
-    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, monkeypatch
 ):
+    destroyed = []
+    destroy = bus.destroy_group
+
+    async def recording(stream, group):
+        destroyed.append((stream.name, group, await destroy(stream, group)))
+        return destroyed[-1][2]
+
+    monkeypatch.setattr(bus, "destroy_group", recording)
     store, record, _ = await _short_run(
         bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, 2, 1
     )
     assert (await store.get(record.id)).state == "completed"
     # the run read through a group of its own, then destroyed it: the executor once named its
     # group as the consumer, so every run read through one shared group and this held vacuously
-    read = REGISTRY.get_sample_value(
-        "pbsd_bus_processed_total", {"stream": "scored", "group": scored_group(record.id)}
-    )
-    assert read is not None
+    assert ("scored", scored_group(record.id), True) in destroyed
     assert await bus.group_names(SCORED) == []
+    # and its series went with it
+    for name in ("pbsd_bus_processed_total", "pbsd_bus_handler_errors_total"):
+        assert REGISTRY.get_sample_value(name, {"stream": "scored", "group": scored_group(record.id)}) is None

@@ -1,5 +1,7 @@
 """Prometheus metrics of the bus, shared by every service that publishes or consumes."""
 
+import contextlib
+
 from prometheus_client import Counter, Histogram
 
 PUBLISHED = Counter("pbsd_bus_published_total", "Messages published", ["stream"])
@@ -47,3 +49,14 @@ def consumer_series(stream: str, group: str) -> None:
         counter.labels(stream, group)
     for reason in DEAD_LETTER_REASONS:
         DEAD_LETTERED.labels(stream, group, reason)
+
+
+def forget_series(stream: str, group: str) -> None:
+    """Drop a destroyed group's series: each run's trainer groups go with the run, and their series
+    would otherwise pile up in the trainer's exporter, a dozen a run, for as long as it lives."""
+    for metric in (CONSUMED, DUPLICATES, RECLAIMED, HANDLER_ERRORS, HANDLER_SECONDS):
+        with contextlib.suppress(KeyError):
+            metric.remove(stream, group)
+    for reason in DEAD_LETTER_REASONS:
+        with contextlib.suppress(KeyError):
+            DEAD_LETTERED.remove(stream, group, reason)

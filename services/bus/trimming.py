@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from proto.streams import StreamDef
+from services.bus import metrics
 from services.bus.connection import as_text, missing
 from services.bus.delivery import ConsumerOptions
 
@@ -49,7 +50,10 @@ class Trimming:
         return stream.key(self.prefix)
 
     async def destroy_group(self, stream: StreamDef, group: str) -> bool:
-        """Remove ``group`` and what it holds pending from ``stream``; False if there was none."""
+        """Remove ``group`` and what it holds pending from ``stream``, with its handler-error counts
+        and its series in this process's metrics; False if there was none."""
+        metrics.forget_series(stream.name, group)
+        await self.redis.delete(self._errors_key(stream, group))
         try:
             return bool(await self.redis.xgroup_destroy(self.key(stream), group))
         except ResponseError as exc:
