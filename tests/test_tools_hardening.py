@@ -169,6 +169,24 @@ async def test_a_trial_call_that_ends_without_a_verdict_does_not_hold_the_breake
             assert upstream.breaker.state is BreakerState.HALF_OPEN
         assert (await upstream.call(lambda: http.get("https://serper.test/"))).status_code == 200
         assert upstream.breaker.state is BreakerState.CLOSED
+        # a call that went out while the breaker was closed and is cancelled during a trial leaves
+        # the trial's place alone: only one trial at a time
+        early = asyncio.create_task(upstream.call(hangs))
+        await asyncio.sleep(0)
+        healthy[0] = False
+        with pytest.raises(UpstreamError, match="HTTP 503"):
+            await upstream.call(lambda: http.get("https://serper.test/"))
+        now[0] += 31
+        trial = asyncio.create_task(upstream.call(hangs))
+        await asyncio.sleep(0)
+        early.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await early
+        with pytest.raises(UpstreamError, match="circuit open"):
+            await upstream.call(lambda: http.get("https://serper.test/"))
+        trial.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await trial
 
 
 async def test_a_url_the_client_cannot_send_is_refused_as_malformed(site):

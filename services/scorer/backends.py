@@ -245,7 +245,7 @@ class SglangScorer:
         for ks, (values, _) in zip(members.values(), answers, strict=True):
             for k, v in zip(ks, values, strict=True):
                 out[k] = v
-        named = [int(v) for _, v in answers if v is not None and v.lstrip("-").isdigit()]
+        named = [int(v) for _, v in answers if v is not None and v.isdigit()]  # not "default"
         return LogProbs(out, min(named, default=held))
 
     async def update_weights(self, path: str, version: int) -> None:

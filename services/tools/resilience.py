@@ -62,8 +62,8 @@ class CircuitBreaker:
             return BreakerState.HALF_OPEN
         return BreakerState.OPEN
 
-    def before(self) -> None:
-        """Raise BreakerOpen unless a call may go out now."""
+    def before(self) -> bool:
+        """Raise BreakerOpen unless a call may go out now; True if it is the half-open trial."""
         state = self.state
         if state is BreakerState.OPEN or (state is BreakerState.HALF_OPEN and self._trial_running):
             remaining = self.reset_after_s - (self.clock() - (self.opened_at or 0))
@@ -74,6 +74,8 @@ class CircuitBreaker:
             )
         if state is BreakerState.HALF_OPEN:
             self._trial_running = True
+            return True
+        return False
 
     def success(self) -> None:
         self.failures = 0
@@ -157,7 +159,7 @@ class Upstream:
         self, send: Callable[[], Awaitable[httpx.Response]], *, ok_statuses: range = range(200, 300)
     ) -> httpx.Response:
         """The upstream's response (any status in ``ok_statuses``); UpstreamError otherwise."""
-        self.breaker.before()
+        trial = self.breaker.before()
         try:
             async with self.semaphore:
                 if self.limiter:
@@ -188,7 +190,8 @@ class Upstream:
                 self.breaker.success()
             raise
         except BaseException:
-            self.breaker.no_verdict()
+            if trial:  # a call that went out before the breaker opened holds no trial's place
+                self.breaker.no_verdict()
             raise
         self.breaker.success()
         return response
