@@ -306,6 +306,23 @@ async def test_a_group_names_the_weights_that_scored_it_not_those_held_when_it_c
     assert scored.scored and scored.scorer_policy_version == 4
 
 
+async def test_a_group_that_waited_out_a_broadcast_that_failed_waits_for_whole_weights(tok, model):
+    """The scorer checked that its weights were whole, then waited for the lock a broadcast held:
+    when that broadcast failed halfway, the group was scored with the torn weights, as version -1."""
+    from services.weights.receiver import TORN
+
+    scorer = LocalScorer(model, version=3)
+    await scorer.hold()
+    waiting = asyncio.create_task(score_group(_group(tok, PbsdSpec(teacher_template=TEMPLATE)), tok, scorer))
+    await asyncio.sleep(0.05)
+    await scorer.release(TORN)  # the broadcast failed: the weights are half written
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await scorer.hold()
+    await scorer.release(4)  # the next copy, whole
+    assert (await asyncio.wait_for(waiting, 30)).scorer_policy_version == 4
+
+
 async def test_sglang_scorer_reads_prompt_logprobs(tok):
     app = make_sglang(lambda ids: [])
     ids = tok.encode("The Danube flows through Vienna.")

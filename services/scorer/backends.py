@@ -9,8 +9,9 @@ one server and checks the weight version every answer names.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import numpy as np
@@ -68,8 +69,7 @@ class LocalScorer:
         self, requests: Sequence[tuple[Sequence[int], np.ndarray]], pairs: Sequence[int] | None = None
     ) -> LogProbs:
         self._check_ids(ids for ids, _ in requests)
-        await self._whole.wait()
-        async with self._lock:  # the version is the one these passes ran with
+        async with self._whole_weights():  # the version is the one these passes ran with
             try:
                 return LogProbs(await asyncio.to_thread(self._score, requests), self.version)
             except BackendCompilerFailed as exc:
@@ -85,6 +85,22 @@ class LocalScorer:
                     "flex attention failed to compile (%s); scoring kernel path now %s", exc, self.path
                 )
                 return LogProbs(await asyncio.to_thread(self._score, requests), self.version)
+
+    @contextlib.asynccontextmanager
+    async def _whole_weights(self) -> AsyncIterator[None]:
+        """The lock, held while the weights are whole: a broadcast holds the lock while it writes,
+        and one that fails leaves them torn as it lets go, so a call that waited for the lock
+        looks again, and waits for the next whole copy."""
+        while True:
+            await self._whole.wait()
+            await self._lock.acquire()
+            if self._whole.is_set():
+                break
+            self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _check_ids(self, sequences) -> None:
         """A token id outside the model's embedding is refused before any forward: on a GPU the
@@ -111,8 +127,7 @@ class LocalScorer:
     async def replayed(self, requests: Sequence[RoutedRequest]) -> LogProbs:
         """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
         self._check_ids(r[0] for r in requests)
-        await self._whole.wait()
-        async with self._lock:
+        async with self._whole_weights():
             values = await asyncio.to_thread(
                 replayed_logprobs, self.model, requests, chunk_size=self.chunk_size, head=self.path.head
             )
