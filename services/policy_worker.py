@@ -147,11 +147,13 @@ class PolicyWorker(abc.ABC):
         what it holds, and takes the next version from the group."""
         follow = getattr(self.server, "follow_broadcast", None)
         if follow is not None:
-            try:
-                await follow(event.version, event.disk_copy().path, event.disk_copy().version)
-            except Exception:
-                log.exception("%s could not bring its servers to policy version %d", self.name, event.version)
-            self._received(event)
+            # the servers hold the new weights only once this succeeds: until then the worker must
+            # not say it holds them (a resume's timeline, say), so it tries again as a load does
+            copy = event.disk_copy()
+            if await self._until_loaded(
+                lambda: follow(event.version, copy.path, copy.version), event.version
+            ):
+                self._received(event)
             return
         same_weights = (event.run_id, event.timeline) == (self.loaded_run, self.loaded_timeline)
         if same_weights and self.version >= event.version:
@@ -197,28 +199,32 @@ class PolicyWorker(abc.ABC):
             self.weights_changed.notify_all()
 
     async def _load(self, event: WeightsPublished, entry_id: str | None = None) -> None:
-        """Load ``event``'s weights, trying again after each failure (``load_retry_delays_s``, then
-        every ``load_retry_max_s``) until they load or a newer weights event (after ``entry_id``, or
-        the newest one seen when None) supersedes them."""
+        """Load ``event``'s weights (see :meth:`_until_loaded`)."""
+        await self._until_loaded(lambda: self.apply_weights(event), event.version, entry_id)
+
+    async def _until_loaded(
+        self, load: Callable[[], Awaitable[None]], version: int, entry_id: str | None = None
+    ) -> bool:
+        """Run ``load`` (policy ``version``), trying again after each failure (``load_retry_delays_s``,
+        then every ``load_retry_max_s``) until it succeeds (True) or a newer weights event (after
+        ``entry_id``, or the newest one seen when None) supersedes it (False)."""
         entry_id = entry_id or (self.newest[0] if self.newest else None)
         delays = iter(self.load_retry_delays_s)
         for attempt in itertools.count(1):
             try:
-                await self.apply_weights(event)
-                return
+                await load()
+                return True
             except Exception:
                 log.exception(
                     "%s could not load policy version %d (attempt %d); trying again until it loads or a "
                     "newer one is published",
                     self.name,
-                    event.version,
+                    version,
                     attempt,
                 )
             if await self._superseded(entry_id, next(delays, self.load_retry_max_s)):
-                log.warning(
-                    "%s passes over policy version %d: a newer one is published", self.name, event.version
-                )
-                return
+                log.warning("%s passes over policy version %d: a newer one is published", self.name, version)
+                return False
 
     async def _superseded(self, entry_id: str | None, wait_s: float) -> bool:
         """Whether a weights event newer than ``entry_id`` is published, asked at once and then every

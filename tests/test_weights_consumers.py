@@ -90,6 +90,43 @@ async def test_a_worker_whose_loads_lag_loads_only_the_newest_version(bus):
     assert worker.loads == [("/w/2", 2)] and worker.version == 2
 
 
+class Servers:
+    """SGLang servers as a worker sees them: they follow a broadcast themselves, and refuse the
+    first ``failures`` times."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.calls = failures, 0
+
+    async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RuntimeError(f"sglang refused {path}")
+
+
+class Following(Worker):
+    server = None  # Servers
+
+
+@pytest.mark.parametrize(("failures", "newer", "holds"), [(2, False, "T2"), (10**6, True, "T1")])
+async def test_servers_that_fail_to_follow_a_broadcast_are_not_said_to_hold_it(bus, failures, newer, holds):
+    """A resume's timeline T2 is broadcast; the servers fail to take it. The worker logged the
+    failure and said it held T2 all the same, so groups sampled with T1's discarded weights were
+    labelled T2 and trained. It now tries again until the servers take it, or newer weights come."""
+    from proto.streams import WEIGHTS
+
+    worker = Following(3, "r", bus)
+    worker.loaded_timeline, worker.server = "T1", Servers(failures)
+    worker.load_retry_delays_s, worker.load_retry_max_s = (0.01,), 0.01
+    event = WeightsPublished(
+        run_id="r", version=3, step=3, path="/c/3", transport="broadcast", timeline="T2", path_version=3
+    )
+    entry = await bus.publish(WEIGHTS, event)
+    if newer:
+        await bus.publish(WEIGHTS, event.model_copy(update={"version": 4, "step": 4}))
+    await worker._see(entry, event)
+    assert worker.loaded_timeline == holds and worker.server.calls == (1 if newer else failures + 1)
+
+
 @pytest.mark.parametrize("service", ["rollout", "scorer"])
 def test_the_policy_version_gauge_is_set_by_the_hook_every_publication_calls(service):
     import importlib
