@@ -180,3 +180,15 @@ async def test_clients_of_sglang_let_an_idle_connection_go_before_the_server_doe
             await client.get(f"{url}/ping")
             await client.aclose()
             assert ports[0] == ports[1] != ports[2]
+
+
+async def test_a_restarted_server_samples_as_the_weights_it_started_with():
+    """A server restarted mid-run serves its --model-path weights and tags them "default"; the
+    client labelled such turns with the version it had last loaded, so they passed the staleness
+    checks as current weights until the next publication reloaded the server."""
+    with serve(make_sglang(echo_policy, version="default")) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        engine.weight_version = 7  # what this client loaded into its servers before the restart
+        r = await engine.generate(GenerationRequest([1, 2, 3], 16, stop_token_ids=(2,)))
+        assert r.weight_version == 0
+        await engine.http.aclose()

@@ -211,11 +211,14 @@ class SglangEngine:
         )
 
     def _version(self, meta: dict) -> int:
-        """The oldest weights that sampled any token of this turn (see the module docstring);
-        ours where the server's tag is not a version number (``"default"`` before any update)."""
+        """The oldest weights that sampled any token of this turn (see the module docstring). A tag
+        that is not a number (``"default"``) names the weights the server started with, before any
+        update: the run's version 0, so a server restarted mid-run samples as stale until the next
+        publication reloads it, where ours would pass its turns off as the current version. A
+        server that names no version cannot be checked: ours."""
         tags = [span.get("version") for span in meta.get("weight_versions") or []]
-        versions = [int(t) for t in [*tags, meta.get("weight_version")] if str(t).isdigit()]
-        return min(versions) if versions else self.weight_version
+        named = [t for t in [*tags, meta.get("weight_version")] if t is not None]
+        return min(int(t) if str(t).isdigit() else 0 for t in named) if named else self.weight_version
 
     def _routes(self, encoded: str | None, request: GenerationRequest, n_out: int) -> np.ndarray:
         if not encoded:

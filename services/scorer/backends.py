@@ -260,7 +260,9 @@ class SglangScorer:
         for ks, (values, _) in zip(members.values(), answers, strict=True):
             for k, v in zip(ks, values, strict=True):
                 out[k] = v
-        named = [int(v) for _, v in answers if v is not None and v.isdigit()]  # not "default"
+        # "default": the weights a restarted server started with, the run's version 0 (as the
+        # rollout's SGLang client reads it)
+        named = [int(v) if v.isdigit() else 0 for _, v in answers if v is not None]
         return LogProbs(out, min(named, default=held))
 
     async def update_weights(self, path: str, version: int) -> None:
