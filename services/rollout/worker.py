@@ -113,8 +113,8 @@ class RolloutWorker(PolicyWorker):
         if not await self.wait_for_version(task, delivery):
             self.dropped_ended(task)
             return
-        group = await self.sample_group(task)
-        if task.run_id in self.ended:  # it ended while the group was sampled: no one wants it
+        group = await self._unless_over(self.sample_group(task), task, delivery)
+        if group is None or self.run_is_over(task.run_id, delivery.entry_id):  # no one wants it now
             self.dropped_ended(task)
             return
         if task.purpose == "eval":  # a validation prompt: straight to the trainer, nothing to score
@@ -124,6 +124,32 @@ class RolloutWorker(PolicyWorker):
         metrics.STALENESS.observe(max(0, task.step - group.policy_version))
         await self.bus.publish(TRAJECTORIES, group)
         metrics.GROUPS.inc()
+
+    async def _unless_over(self, sampling, task: PromptTask, delivery: Delivery) -> TrajectoryGroup | None:
+        """The group ``sampling`` makes, or None once the task's run is over (its end announced, or a
+        newer run's weights seen): the trajectories stop at once instead of holding a consumer slot
+        and the engine for up to hundreds of turns under the next run's weights."""
+        sampled = asyncio.ensure_future(sampling)
+
+        async def over() -> None:
+            async with self.weights_changed:
+                await self.weights_changed.wait_for(lambda: self.run_is_over(task.run_id, delivery.entry_id))
+
+        ended = asyncio.ensure_future(over())
+        try:
+            await asyncio.wait((sampled, ended), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the worker stops: neither outlives the handler
+            sampled.cancel()
+            ended.cancel()
+            await asyncio.gather(sampled, ended, return_exceptions=True)
+            raise
+        ended.cancel()
+        await asyncio.gather(ended, return_exceptions=True)
+        if sampled.done():
+            return sampled.result()
+        sampled.cancel()
+        await asyncio.gather(sampled, return_exceptions=True)
+        return None
 
     async def sample_group(self, task: PromptTask) -> TrajectoryGroup:
         r = task.rollout
