@@ -14,8 +14,9 @@ matplotlib.use("Agg")  # files only: no display on servers and in CI
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from demo.report import _png, sanity_row
+from demo.report import _png, sanity_header, sanity_row
 from pbsd import credit
+from pbsd.accuracy import signed
 from pbsd.sanity import MIN_FRACTION
 from proto.runs import PbsdSpec
 
@@ -28,10 +29,10 @@ def _colors(variants: list[str]) -> dict[str, str]:
     return {v: PALETTE[i % len(PALETTE)] for i, v in enumerate(variants)}
 
 
-def _ci(figure: dict[str, Any], signed: bool = False) -> str:
-    fmt = "+.3f" if signed else ".3f"
+def _ci(figure: dict[str, Any], sign: bool = False) -> str:
+    show = signed if sign else (lambda x: f"{x:.3f}")
     low, high = figure["ci95"]
-    return f"{format(figure['mean'], fmt)} [{format(low, fmt)}, {format(high, fmt)}]"
+    return f"{show(figure['mean'])} [{show(low)}, {show(high)}]"
 
 
 def _errorbars(ax, names: list[str], figures: list[dict[str, Any]], colors: dict[str, str]) -> None:
@@ -115,6 +116,11 @@ def _variant_rows(summary: dict[str, Any]) -> str:
                 + ")</td>"
                 if diff
                 else "<td>baseline</td>"
+            )
+            + (
+                f"<td>{_ci(diff['over_seeds'], True)}</td>"
+                if diff and "over_seeds" in diff
+                else "<td>&ndash;</td>"
             )
             + (f"<td>{_ci(change, True)}</td>" if change else "<td>&ndash;</td>")
             + "<td>"
@@ -203,15 +209,17 @@ every run (paired). Commit <code>{html.escape(str(commit["sha"]))}</code>{" (wit
 <h2>Held-out accuracy</h2>
 {f"<p>Warm policy: mean@{k} {before[f'mean@{k}']:.3f}" + (f" [{stats['before']['ci95'][0]:.3f}, {stats['before']['ci95'][1]:.3f}]" if stats and "before" in stats else "") + ".</p>" if before else ""}
 <table><tr><th>variant</th><th>runs</th><th>mean@{k} [95% CI]</th><th>difference from {html.escape(settings["baseline"])} [95% CI] (resamples above 0)</th>
-<th>change from the warm policy [95% CI]</th><th>each seed's mean@{k}</th></tr>{_variant_rows(summary) if stats else ""}</table>
+<th>the same over seeds [95% t interval, questions fixed]</th><th>change from the warm policy [95% CI]</th><th>each seed's mean@{k}</th></tr>{_variant_rows(summary) if stats else ""}</table>
 <p>Intervals: a two-level paired bootstrap ({stats["resamples"] if stats else settings["resamples"]} resamples, seed {settings["bootstrap_seed"]}):
 each resample draws the questions with replacement (the same draw for every variant and the warm policy) and the seeds with
 replacement (the same draw for every variant run with the same seeds: seed s of each variant starts from the same sampling
 seeds), so an interval counts run-to-run variance as well as which questions were drawn; the 2.5th and 97.5th percentiles
 (pbsd/comparison.py, docs/compare.md). The share of resamples in which a difference is above 0 describes the bootstrap
-distribution; it is not a p-value. With few seeds the run level is drawn from few values: read the intervals as approximate
-(docs/compare.md, "Limits"); with one seed an interval covers only which questions were drawn.</p>
-{"<h2>Does the teacher read x*?</h2><table><tr><th>variant</th><th>answer-free turns</th><th>their mean s</th><th>correct final answers</th><th>with s &gt; eps+</th><th>wrong final answers</th><th>with s &lt; -eps-</th><th>grounded minus made-up mean s (least over actions)</th><th>noise floor (per-token std)</th><th>null turns outside the deadband</th><th>scored turns within the floor</th></tr>" + sanity + f"</table><p>Every scored turn of every run of the variant (its own deadband). Targets: answer-free mean s inside the deadband, at least {MIN_FRACTION:.0%} of correct final answers favoured and of wrong ones disfavoured, grounded above made up (docs/credit-signal.md).</p>" if sanity else ""}
+distribution; it is not a p-value. With few seeds the run level is drawn from few values, and the bootstrap's interval is
+too narrow when the seeds differ much (docs/compare.md, "Limits"): the next column gives, for a variant run with the baseline's
+seeds, Student's t interval over the per-seed differences, which takes the seeds as the only sampling. Read a difference as
+shown only where both intervals agree. With one seed an interval covers only which questions were drawn.</p>
+{"<h2>Does the teacher read x*?</h2><table>" + sanity_header("variant") + sanity + f"</table><p>Every scored turn of every run of the variant (its own deadband). Targets: answer-free mean s inside the deadband, at least {MIN_FRACTION:.0%} of correct final answers favoured and of wrong ones disfavoured, grounded above made up (docs/credit-signal.md).</p>" if sanity else ""}
 <h2>Runs</h2>
 <table><tr><th>variant</th><th>seed</th><th>run</th><th>steps</th><th>mean@{k}</th><th>change from the warm policy [95% CI, questions]</th>
 <th>training wall (min)</th><th>training CPU, services (min)</th><th>evaluation wall (min)</th><th>evaluation CPU (min)</th><th>load (5 min avg)</th></tr>

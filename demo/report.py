@@ -77,6 +77,18 @@ def _cell(
     return f"<td>{format(figures[key], fmt)}{sign}{f' ({note})' if note else ''}</td>"
 
 
+def sanity_header(first: str) -> str:
+    """The header row of :func:`sanity_row`'s table, its first column named ``first``: one place, so
+    that every report's columns line up with the row's cells."""
+    return (
+        f"<tr><th>{first}</th><th>answer-free turns</th><th>their mean s</th><th>correct final answers</th>"
+        "<th>with s &gt; eps+</th><th>of them, any teacher could favour</th><th>wrong final answers</th>"
+        "<th>with s &lt; -eps-</th><th>grounded minus made-up mean s (least over actions)</th>"
+        "<th>noise floor (per-token std)</th><th>null turns outside the deadband</th>"
+        "<th>scored turns within the floor</th></tr>"
+    )
+
+
 def sanity_row(algo: str, figures: dict[str, float], spec: PbsdSpec) -> str:
     """One run's teacher sanity figures and noise floor as a table row, marked against the targets."""
     marks = {m["figure"]: m for m in checks(figures, eps_pos=spec.eps_pos, eps_neg=spec.eps_neg)}
@@ -222,11 +234,8 @@ def write_report(
         else ""
     )
     sanity_table = (
-        "<h2>Does the teacher read x*?</h2>"
-        "<table><tr><th>run</th><th>answer-free turns</th><th>their mean s</th><th>correct final answers</th>"
-        "<th>with s &gt; eps+</th><th>of them, any teacher could favour</th><th>wrong final answers</th><th>with s &lt; -eps-</th>"
-        "<th>grounded minus made-up mean s (least over actions)</th><th>noise floor (per-token std)</th>"
-        "<th>null turns outside the deadband</th><th>scored turns within the floor</th></tr>"
+        "<h2>Does the teacher read x*?</h2><table>"
+        + sanity_header("run")
         + "".join(sanity_rows)
         + f"</table><p>Every scored turn of the run. Answer-free: not a final answer, and its text does "
         f"not contain the verified answer; such turns should sit in the deadband "

@@ -34,6 +34,7 @@ __all__ = [
     "compare",
     "describe_change",
     "pass_at_k",
+    "signed",
     "summarise",
 ]
 
@@ -128,11 +129,16 @@ def check_comparable(before: Any, questions: Iterable[str]) -> None:
         )
 
 
+def signed(x: float) -> str:
+    """``x`` to 3 decimals with its sign, "+0.000" for what rounds to 0 (never "-0.000")."""
+    return f"{round(x, 3) + 0.0:+.3f}"
+
+
 def describe_change(change: Mapping[str, Any]) -> str:
     """One line: "+0.021 (95% CI -0.042 to +0.083; 3 questions better, 2 worse)"."""
     low, high = change["ci95"]
     better = change["better"]
     return (
-        f"{change['difference']:+.3f} (95% CI {low:+.3f} to {high:+.3f}; "
+        f"{signed(change['difference'])} (95% CI {signed(low)} to {signed(high)}; "
         f"{better} question{'' if better == 1 else 's'} better, {change['worse']} worse)"
     )

@@ -15,6 +15,7 @@ from demo.compare_summary import band
 from demo.config import DemoConfig
 from demo.report import sanity_row
 from demo.variants import VARIANTS, merge, variant_spec
+from pbsd.accuracy import signed
 from pbsd.cli.compare import seed_list
 from pbsd.comparison import compare_variants
 from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, DEFAULT_TEACHER_TEMPLATE, PbsdSpec, RunSpec
@@ -234,6 +235,32 @@ def test_the_report_shows_every_figure_of_a_summary(tmp_path):
         "curve_accuracy.png",
         "curve_answer_free.png",
     }
+    _columns_line_up(page)
+
+
+def _columns_line_up(page: str) -> None:
+    """Every row of every table has as many cells as its header: the teacher table's header once
+    lacked the room column its rows carry, so every figure from there on sat under the wrong heading."""
+    import re
+
+    for table in re.findall(r"<table>(.*?)</table>", page, re.S):
+        header, *rows = re.findall(r"<tr>(.*?)</tr>", table, re.S)
+        for row in rows:
+            assert row.count("<td") == header.count("<th>"), (header, row)
+
+
+def test_a_difference_over_seeds_is_shown_beside_the_bootstrap(tmp_path):
+    rng = np.random.default_rng(1)
+    grpo, pbsd = rng.integers(0, 3, (3, 6)) / 2, rng.integers(0, 3, (3, 6)) / 2
+    stats = compare_variants(
+        {"grpo": grpo, "pbsd": pbsd}, baseline="grpo", before=np.full(6, 0.25), resamples=300
+    )
+    runs = [_run(v, s, float(a[s].mean())) for v, a in (("grpo", grpo), ("pbsd", pbsd)) for s in range(3)]
+    page = write_report(_summary(stats, runs, []), tmp_path).read_text()
+    over = stats["variants"]["pbsd"]["difference"]["over_seeds"]
+    assert f"{signed(over['mean'])} [{signed(over['ci95'][0])}, {signed(over['ci95'][1])}]" in page
+    assert "-0.000" not in page
+    _columns_line_up(page)
 
 
 def test_the_null_pass_share_says_when_there_is_no_deadband():

@@ -176,3 +176,54 @@ def test_resample_counts():
 def test_bad_input_is_refused(accuracy, kwargs, message):
     with pytest.raises(ValueError, match=message):
         compare_variants(accuracy, **kwargs)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_a_variant_equal_to_the_warm_policy_or_the_baseline_is_never_above_zero(k):
+    """With k samples a question accuracies are multiples of 1/k; for k = 3 or 5 the warm policy's
+    mean and a variant's, summed in other orders, were rounded apart, and an unchanged variant
+    showed a third of its resamples above 0 (a 4-run twin of a 3-run baseline a fifth)."""
+    rng = np.random.default_rng(k)
+    before = rng.integers(0, k + 1, 40) / k
+    same = np.tile(before, (3, 1))
+    out = compare_variants(
+        {"base": same, "twin": np.tile(before, (4, 1)), "same": same},
+        baseline="base",
+        before=before,
+        seeds={"twin": [0, 1, 2, 3]},
+        resamples=2_000,
+    )
+    for name in ("base", "twin", "same"):
+        change = out["variants"][name]["change"]
+        assert change["above_zero"] == 0 and change["ci95"] == [0.0, 0.0], (name, change)
+    for name in ("twin", "same"):
+        assert out["variants"][name]["difference"]["above_zero"] == 0
+
+
+def test_a_difference_paired_by_seed_carries_the_t_interval_over_its_seeds():
+    """The per-seed differences of the benchmarks' first comparison (+0.063, +0.028, +0.020): the
+    bootstrap gave +0.003 to +0.070, the t interval over three seeds -0.020 to +0.094."""
+    q = 1000
+    base = np.zeros((3, q))
+    pbsd = np.zeros((3, q))
+    for run, d in enumerate((0.063, 0.028, 0.020)):
+        pbsd[run, : round(d * q)] = 1.0
+    out = compare_variants({"grpo": base, "pbsd": pbsd}, baseline="grpo", before=np.zeros(q), resamples=200)
+    over = out["variants"]["pbsd"]["difference"]["over_seeds"]
+    assert over["values"] == pytest.approx([0.063, 0.028, 0.020])
+    assert over["mean"] == pytest.approx(0.037) and over["ci95"] == pytest.approx([-0.0198, 0.0938], abs=1e-4)
+    assert out["variants"]["pbsd"]["change"]["over_seeds"]["mean"] == pytest.approx(0.037)
+    # a variant run with other seeds is not paired with the baseline's: no t interval over seeds
+    other = compare_variants(
+        {"grpo": base, "pbsd": pbsd}, baseline="grpo", seeds={"pbsd": [5, 6, 7]}, resamples=50
+    )
+    assert "over_seeds" not in other["variants"]["pbsd"]["difference"]
+
+
+def test_t_percentiles():
+    from pbsd.comparison import t975
+
+    assert [t975(df) for df in (1, 2, 4, 30)] == [12.706, 4.303, 2.776, 2.042]
+    assert t975(60) == pytest.approx(2.000, abs=2e-3) and t975(10_000) == pytest.approx(1.960, abs=1e-3)
+    with pytest.raises(ValueError):
+        t975(0)
