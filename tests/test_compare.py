@@ -273,3 +273,12 @@ def test_a_report_before_any_run_finished(tmp_path):
     summary = _summary(None, [], ["grpo-s0", "pbsd-s0"]) | {"before": None, "curves": {}, "sanity": {}}
     page = write_report(summary, tmp_path).read_text()
     assert "Pending runs" in page and "data:image/png" not in page
+
+
+def test_the_command_line_summary_shows_the_interval_over_seeds():
+    from pbsd.cli.compare import describe
+
+    grpo, pbsd = np.zeros((3, 10)), np.eye(3, 10)  # each seed one question better: +0.1 on every seed
+    stats = compare_variants({"grpo": grpo, "pbsd": pbsd}, baseline="grpo", resamples=100)
+    text = describe({"eval_samples": 1, "statistics": stats, "pending": [], "report": "r.html"})
+    assert "minus grpo +0.100 [+0.000, " in text and "over seeds [+0.100, +0.100]" in text

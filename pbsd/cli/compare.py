@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from demo.variants import VARIANTS
+from pbsd.accuracy import signed
 from pbsd.cli.errors import UserError
 from pbsd.cli.inputs import checkpoint_dir, demo_settings, read_document
 
@@ -134,7 +135,10 @@ def describe(summary: dict) -> str:
             line = f"  {name:18} mean@{k} {f['mean']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}] over {f['runs']} runs"
             if "difference" in f:
                 d = f["difference"]
-                line += f"; minus {d['against']} {d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+                line += f"; minus {d['against']} {signed(d['mean'])} [{signed(d['ci95'][0])}, {signed(d['ci95'][1])}]"
+                if "over_seeds" in d:  # the t interval over the per-seed differences
+                    low, high = d["over_seeds"]["ci95"]
+                    line += f", over seeds [{signed(low)}, {signed(high)}]"
                 if not d.get("paired_by_seed", True):
                     line += " (paired by question only: other seeds)"
             lines.append(line)
