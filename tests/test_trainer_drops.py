@@ -133,7 +133,13 @@ async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
     assert not await accept(
         store, "r1", spec, state, await scored(5, "e", run_id="r2"), batch_ids=batch, vocab=tok.vocab_size
     )
-    assert state.drops == {"stale": 1, "future": 1, "duplicate": 2, "foreign": 1}
+    # a redelivery of a group trained long ago is a duplicate however old: counted stale, its prompt
+    # was replaced, and the run reckoned one group fewer in flight than there was
+    await store.mark_trained("r1", ["f/0", "f/1"])
+    assert not await accept(
+        store, "r1", spec, state, await scored(2, "f"), batch_ids=batch, vocab=tok.vocab_size
+    )
+    assert state.drops == {"stale": 1, "future": 1, "duplicate": 3, "foreign": 1}
     assert state.dropped == 2  # stale and future groups get replacement prompts
 
 

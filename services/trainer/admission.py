@@ -8,7 +8,8 @@ trajectory already trained or already in this batch (``duplicate``: a redelivery
 trained on (``malformed``: :func:`services.trainer.batch.unfit`). A stale, future or malformed
 group's prompt gets a replacement, as does a prompt whose message a consumer dead-lettered
 (:mod:`services.trainer.dead_letters`); a lost group's prompt is sampled again (published
-ahead of the queue), unless another copy of it was trained; a duplicate's was trained already.
+ahead of the queue), unless another copy of it was trained; a duplicate's was trained already,
+so a duplicate is told before the group's age is looked at.
 """
 
 from __future__ import annotations
@@ -64,12 +65,12 @@ async def accept(
         trained = any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids))
         if again is not None and index is not None and not trained:
             await again(index, group.message_id)
+    elif any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids)):
+        reason = "duplicate"  # first: a group trained already is not replaced, however old it is now
     elif group.policy_version > state.version:
         reason = "future"  # sampled by a timeline abandoned at a resume (a sender that names none)
     elif state.version - group.policy_version > spec.rollout.max_staleness:
         reason = "stale"
-    elif any(i in batch_ids for i in ids) or any(await store.trained(run_id, ids)):
-        reason = "duplicate"
     elif why := unfit(scored, vocab, experts):
         reason = "malformed"
         log.error("dropping group %s: %s", group.task_id, why)
