@@ -40,6 +40,7 @@ __all__ = [
     "model_info",
     "settle_flush",
     "shared_guard",
+    "tag_version",
     "unguarded",
 ]
 
@@ -144,6 +145,16 @@ def _loaded(path: str, version: int) -> Served:
     ``TokenizerManager._update_model_path_info``). Checkpoint paths name their run and version, so
     a version number alone, which every run counts again from 0, is not taken as proof."""
     return lambda info: info.get("model_path") == path and str(info.get("weight_version")) == str(version)
+
+
+def tag_version(tag: object) -> int | None:
+    """The policy version an answer's ``weight_version`` tag names: its number; 0 for a tag that is
+    none (``"default"``: the weights the server started with, before any update, a run's version 0,
+    so a server restarted mid-run samples as stale until a publication reloads it); None without a
+    tag (a server that names none cannot be checked)."""
+    if tag is None:
+        return None
+    return int(tag) if str(tag).isdigit() else 0
 
 
 def _held(info: dict) -> int | None:

@@ -52,6 +52,7 @@ from services.sglang_control import (
     load_weights_from_disk,
     model_info,
     settle_flush,
+    tag_version,
     unguarded,
 )
 from services.upstream import RetryPolicy, UpstreamError, http_client, send_with_retries
@@ -211,14 +212,11 @@ class SglangEngine:
         )
 
     def _version(self, meta: dict) -> int:
-        """The oldest weights that sampled any token of this turn (see the module docstring). A tag
-        that is not a number (``"default"``) names the weights the server started with, before any
-        update: the run's version 0, so a server restarted mid-run samples as stale until the next
-        publication reloads it, where ours would pass its turns off as the current version. A
-        server that names no version cannot be checked: ours."""
+        """The oldest weights that sampled any token of this turn (see the module docstring and
+        :func:`tag_version`); ours where the server names none."""
         tags = [span.get("version") for span in meta.get("weight_versions") or []]
-        named = [t for t in [*tags, meta.get("weight_version")] if t is not None]
-        return min(int(t) if str(t).isdigit() else 0 for t in named) if named else self.weight_version
+        named = [v for t in [*tags, meta.get("weight_version")] if (v := tag_version(t)) is not None]
+        return min(named, default=self.weight_version)
 
     def _routes(self, encoded: str | None, request: GenerationRequest, n_out: int) -> np.ndarray:
         if not encoded:

@@ -30,6 +30,7 @@ from services.sglang_control import (
     load_each,
     load_weights_from_disk,
     settle_flush,
+    tag_version,
     unguarded,
 )
 from services.upstream import RetryPolicy, UpstreamError, http_client, send_with_retries
@@ -260,9 +261,7 @@ class SglangScorer:
         for ks, (values, _) in zip(members.values(), answers, strict=True):
             for k, v in zip(ks, values, strict=True):
                 out[k] = v
-        # "default": the weights a restarted server started with, the run's version 0 (as the
-        # rollout's SGLang client reads it)
-        named = [int(v) if v.isdigit() else 0 for _, v in answers if v is not None]
+        named = [v for _, tag in answers if (v := tag_version(tag)) is not None]
         return LogProbs(out, min(named, default=held))
 
     async def update_weights(self, path: str, version: int) -> None:
