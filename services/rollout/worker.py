@@ -138,18 +138,11 @@ class RolloutWorker(PolicyWorker):
         ended = asyncio.ensure_future(over())
         try:
             await asyncio.wait((sampled, ended), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # the worker stops: neither outlives the handler
-            sampled.cancel()
-            ended.cancel()
+        finally:  # whichever came first, or the worker stopping: neither outlives the handler
+            for waiting in (sampled, ended):
+                waiting.cancel()  # a no-op on one that is done
             await asyncio.gather(sampled, ended, return_exceptions=True)
-            raise
-        ended.cancel()
-        await asyncio.gather(ended, return_exceptions=True)
-        if sampled.done():
-            return sampled.result()
-        sampled.cancel()
-        await asyncio.gather(sampled, return_exceptions=True)
-        return None
+        return None if sampled.cancelled() else sampled.result()
 
     async def sample_group(self, task: PromptTask) -> TrajectoryGroup:
         r = task.rollout
