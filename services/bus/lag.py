@@ -31,7 +31,7 @@ from prometheus_client import Gauge
 from redis.exceptions import RedisError, ResponseError
 
 from proto.streams import ALL_STREAMS, StreamDef
-from services.bus.connection import missing
+from services.bus.connection import as_text, entry_order, missing
 from services.tasks import within
 
 __all__ = ["StreamLagMonitor"]
@@ -56,10 +56,6 @@ OLDEST_PENDING = Gauge(
     "Age of the oldest unacknowledged entry (0 when none)",
     ["stream", "group"],
 )
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class StreamLagMonitor:
@@ -91,7 +87,7 @@ class StreamLagMonitor:
                     log.warning("cannot read the groups of %s: %s", key, exc)
                 continue
             for info in groups:
-                group = _text(info["name"])
+                group = as_text(info["name"])
                 seen.add((stream.name, group))
                 pending = int(info["pending"])
                 lag = info.get("lag")
@@ -103,7 +99,7 @@ class StreamLagMonitor:
                 age = 0.0
                 if pending:
                     summary = await self.redis.xpending(key, group)
-                    oldest_ms = int(_text(summary["min"]).split("-")[0])
+                    oldest_ms = entry_order(as_text(summary["min"]))[0]
                     age = max(0.0, (now_ms - oldest_ms) / 1000)
                 OLDEST_PENDING.labels(stream.name, group).set(age)
         # a group destroyed (each run's trainer groups, once the run ends) leaves no series behind:
