@@ -181,26 +181,26 @@ async def open_run(
         timeline=timeline if crashed else "",
         on_published=functools.partial(store.set_published, run_id),
     )
-    republished, republished_ms = [], 0
+    republished: list[int] = []
     if again is not None:
         republished, controller.next_index = again
-        republished_ms = await bus.clock_ms()
-        await controller.republish(republished, state.step)
-        log.info(
-            "run %s: %d prompts whose groups the lost steps consumed published again, ahead of the "
-            "queue (%s); the others of the %d published are in flight",
-            run_id,
-            len(republished),
-            republished[:20],
-            controller.next_index,
-        )
+        what = "whose groups the lost steps consumed"
     elif crashed and latest:  # the store does not say what is in flight: everything out again
         trained = {prompt_index(t) for t in saved.get("trained_ids", [])}
         done = trained | set(state.dropped_indices)
         republished = [i for i in range(controller.next_index) if i not in done]
-        republished_ms = await bus.clock_ms()
+        what = "out at the checkpoint"
+    republished_ms = await bus.clock_ms() if republished else 0
+    if republished:
         await controller.republish(republished, state.step)
-        log.info("run %s: %d prompts out at the checkpoint published again", run_id, len(republished))
+        log.info(
+            "run %s: %d prompts %s published again, ahead of the queue (%s); %d published in all",
+            run_id,
+            len(republished),
+            what,
+            republished[:20],
+            controller.next_index,
+        )
     if resume:  # only now: a crash before the prompts went out again must find the same sets
         await store.reset_consumed(run_id, saved.get("trained_ids", []), state.dropped_indices)
     options = settings.consumer_options(block_ms=500)
