@@ -10,7 +10,7 @@ import pytest
 from agent.chat import ChatTokenizer, spelled_at
 from proto.runs import PbsdSpec
 from services.scorer.evidence import score_group
-from services.scorer.finals import answer_room, final_turns
+from services.scorer.finals import answer_room, by_part, final_turns, token_parts
 from tests.test_grounding import _search
 from tests.test_scorer import TEMPLATE, _trajectory
 from tests.test_teacher_sanity import EPS, RESULT, _hand_made_group, _reading_teacher
@@ -48,6 +48,14 @@ async def test_final_turns_show_where_a_final_answers_evidence_comes_from(tok):
         }
         assert by["wrong_made_up"]["mean_s"] == pytest.approx(rows[1]["s"])
         assert (room["correct_finals"], room["naming_the_answer"]) == (2, 2)
+        assert sum(v["room"] for v in room["correct_by_part"].values()) == pytest.approx(1.0)
+        # this teacher moves the answer's tokens only: all its change lands in that part
+        right = [r for r in rows if r["correct"]]
+        lift = np.mean([np.sum(np.subtract(r["teacher"], r["student"])) for r in right])
+        assert lift == pytest.approx(0.0, abs=1e-3) if sure else lift > 1.0
+        by = room["correct_by_part"]
+        assert by["answer"]["lift"] == pytest.approx(lift)
+        assert [by[p]["lift"] for p in ("first", "markup", "phrasing")] == [0.0, 0.0, 0.0]
         # a wrong answer's likelihood can always fall, sure student or not
         assert (room["wrong_finals"], room["wrong_spelled"], room["wrong_disfavoured"]) == (1, 1, 1)
         assert room["wrong_sure"] == int(sure) and room["wrong_answer_change"] < -0.5
@@ -96,3 +104,39 @@ async def test_final_turns_find_where_the_answer_was_first_written(tok):
     room = answer_room(rows, **EPS)
     assert (room["wrong_written_earlier"], room["wrong_written_earlier_disfavoured"]) == (1, 1)
     assert room["right_written_earlier"] == 0
+
+
+def test_token_parts_split_a_final_into_what_x_star_can_inform_and_format():
+    """A final turn as the policy writes it: its first token settles that it answers now, the answer's
+    tokens are what x* names, ``\\boxed{`` and ``}`` are markup, and every other token is phrasing;
+    by_part puts each part's share of the distance from certainty, and the teacher's change, there."""
+    tokens = ["So", " the", " city", " is", " \\", "boxed", "{", "Dan", "ube", "}", ".", "<|im_end|>"]
+    row = {
+        "tokens": tokens,
+        "answer_tokens": [7, 8],
+        "written_tokens": [7, 8],
+        "student": [-0.0, -0.0, -1.0, -0.0, -1.0, -0.0, -0.0, -0.5, -0.0, -0.0, -0.0, -0.0],
+        "teacher": [-0.0, -0.0, -1.0, -0.0, -0.5, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0],
+    }
+    assert token_parts(row) == ["first"] + ["phrasing"] * 3 + ["markup"] * 3 + ["answer"] * 2 + [
+        "markup",
+        "phrasing",
+        "phrasing",
+    ]
+    by = by_part([row, row])
+    assert {p: v["room"] for p, v in by.items()} == {
+        "first": 0.0,
+        "answer": 0.2,
+        "markup": 0.4,
+        "phrasing": 0.4,
+    }
+    assert {p: v["lift"] for p, v in by.items()} == {
+        "first": 0.0,
+        "answer": 0.5,
+        "markup": 0.5,
+        "phrasing": 0.0,
+    }
+    # a wrong final's given answer is its answer part; a turn with no box has no markup
+    bare = row | {"tokens": [t.replace("boxed", "boxes") for t in tokens], "answer_tokens": []}
+    assert token_parts(bare).count("markup") == 0 and token_parts(bare).count("answer") == 2
+    assert by_part([]) == {p: {"room": 0.0, "lift": 0.0} for p in ("first", "answer", "markup", "phrasing")}

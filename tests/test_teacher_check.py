@@ -6,6 +6,7 @@ import json
 import math
 
 from proto.sanity import NoiseFloor, TeacherSanity
+from services.scorer.finals import PARTS
 from services.scorer.sanity import final_kind
 from services.trainer.viewer import load_groups
 
@@ -57,6 +58,8 @@ def test_pbsd_teacher_check_cli(tiny_world, tiny_checkpoint, tmp_path):
     assert report["finals"]["correct_finals"] == sum(r["correct"] for r in rows)
     assert all(len(r["tokens"]) == len(r["student"]) == len(r["teacher"]) for r in rows)
     assert "correct finals naming the answer" in result.output and "by outcome and grounding" in result.output
+    assert "where the correct finals' room lies" in result.output
+    assert set(report["finals"]["correct_by_part"]) == set(PARTS)
     groups = load_groups(kept)  # as a run keeps them: the report's and the viewer's input
     assert len(groups) == 2 and all(g.scored and g.diagnostics.noise.tokens > 0 for _, g in groups)
     answered = [

@@ -181,6 +181,11 @@ def describe(report: dict[str, Any]) -> str:
             f"answer's tokens, to certainty, would favour {r['answer_only_room']}, and "
             f"{r['answer_alone_room']} were the turn nothing but those tokens",
         )
+        by = r["correct_by_part"]
+        lines.append(
+            "  where the correct finals' room lies (and the teacher's change a final): "
+            + ", ".join(f"{p} {v['room']:.0%} ({v['lift']:+.3f} nats)" for p, v in by.items())
+        )
         lines.append(
             f"  wrong finals spelling the answer they give: {r['wrong_spelled']}; the policy sure of it in "
             f"{r['wrong_sure']}; {r['wrong_disfavoured']} disfavoured, that answer's tokens moved "

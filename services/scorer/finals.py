@@ -16,6 +16,7 @@ teacher that reads x* has something to add.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,11 @@ from services.scorer.contexts import group_contexts
 from services.scorer.evidence import LogprobFn
 from services.scorer.sanity import final_kind
 
-__all__ = ["SURE", "answer_room", "final_turns"]
+__all__ = ["PARTS", "SURE", "answer_room", "by_part", "final_turns", "token_parts"]
 
 SURE = -0.05  # nats: an answer token the student gives at least this log-prob leaves no room
+PARTS = ("first", "answer", "markup", "phrasing")
+_BOX = re.compile(r"\\boxed\s*\{[^}]*(\})")  # an answer with braces of its own is not expected
 
 
 async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: LogprobFn) -> list[dict]:
@@ -88,6 +91,49 @@ def first_written(answer: str | None, texts: list[tuple[str, str]]) -> int | Non
     return next((k for k, (text, _) in enumerate(texts[:-1]) if mentions(text, answer)), None)
 
 
+def token_parts(row: dict) -> list[str]:
+    """Each token of a final turn's row (:func:`final_turns`) by the part of the turn it is: ``first``
+    (the turn's first token, where the policy settles to answer now rather than search or read on),
+    ``answer`` (the tokens that spell the verified answer or the answer the turn gives), ``markup``
+    (the ``\\boxed{`` and ``}`` around an answer) or ``phrasing`` (the rest: the sentence the answer
+    sits in, the end of turn). What a teacher that reads x* can inform is the first two; markup and
+    phrasing are format."""
+    markup: set[int] = set()
+    text = "".join(row["tokens"])
+    for m in _BOX.finditer(text):
+        markup.update(range(m.start(), text.index("{", m.start()) + 1))
+        markup.add(m.start(1))
+    answer, parts, at = {*row["answer_tokens"], *row["written_tokens"]}, [], 0
+    for k, token in enumerate(row["tokens"]):
+        chars = [at + i for i, ch in enumerate(token) if not ch.isspace()]
+        at += len(token)
+        if k == 0:
+            parts.append("first")
+        elif k in answer:
+            parts.append("answer")
+        else:
+            parts.append("markup" if chars and all(c in markup for c in chars) else "phrasing")
+    return parts
+
+
+def by_part(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Over the finals in ``rows``, for each part of a turn (:func:`token_parts`): its share of their
+    summed distance from certainty (the student's negative log-probs, which bound what any teacher can
+    add: ``room``), and the teacher's change on its tokens, summed within a final and averaged over
+    the finals (``lift``, nats). Where a correct final's room lies says what its s can come from."""
+    room = dict.fromkeys(PARTS, 0.0)
+    lift = dict.fromkeys(PARTS, 0.0)
+    for row in rows:
+        for part, student, teacher in zip(token_parts(row), row["student"], row["teacher"], strict=True):
+            room[part] -= student
+            lift[part] += teacher - student
+    total = sum(room.values())
+    return {
+        p: {"room": room[p] / total if total > 0 else 0.0, "lift": lift[p] / len(rows) if rows else 0.0}
+        for p in PARTS
+    }
+
+
 def answer_room(
     rows: list[dict], *, eps_pos: float = 0.001, eps_neg: float = 0.003, sure_at: float = SURE
 ) -> dict[str, Any]:
@@ -105,8 +151,9 @@ def answer_room(
     student was sure of, how many the teacher disfavoured (s < -eps-) and its mean change on the given
     answer's tokens. And for both, how many wrote their answer in an earlier turn first
     (:func:`first_written`), and how many of those turns the teacher disfavoured (wrong) or favoured
-    (correct): where turn-level credit lands on the commitment. Last, the finals' mean s by outcome and
-    grounding (``by_outcome``). The sanity figures' answers pool right and wrong ones; this splits
+    (correct): where turn-level credit lands on the commitment. Where the correct finals' room and the
+    teacher's change lie, by part of the turn (``correct_by_part``, :func:`by_part`). Last, the finals'
+    mean s by outcome and grounding (``by_outcome``). The sanity figures' answers pool right and wrong ones; this splits
     them, so that a pooled "grounded below made-up" can be told apart from grounded wrong answers
     disfavoured more than made-up wrong ones (a copied answer the student was sure of has the most
     likelihood to lose; docs/credit-signal.md)."""
@@ -164,6 +211,7 @@ def answer_room(
         "wrong_written_earlier_disfavoured": sum(r["first_written_s"] < -eps_neg for r in earlier),
         "right_written_earlier": len(earlier_right),
         "right_written_earlier_favoured": sum(r["first_written_s"] > eps_pos for r in earlier_right),
+        "correct_by_part": by_part(correct),
         "by_outcome": {
             f"{outcome}_{how}": outcome_row(part, key)
             for outcome, of, key in (
