@@ -9,6 +9,7 @@ clipping 0.2 / 0.28, and PBSD with delta 0.1, c 0.1, eps+ 0.001, eps- 0.003.
 from __future__ import annotations
 
 import math
+import re
 import string
 from typing import Annotated, Any, Literal
 
@@ -67,13 +68,19 @@ TEACHER_TEMPLATES = {
     "support-first": SUPPORT_FIRST_TEACHER_TEMPLATE,
 }
 
-PositiveInt = Annotated[int, Field(gt=0)]
+# Counts stay below 2^53: past 2^64 a spec is accepted and then cannot be sent on the bus (msgpack's
+# integers end there), and below 2^53 a count survives any JSON reader exactly.
+MAX_COUNT = 2**53
+PositiveInt = Annotated[int, Field(gt=0, lt=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, lt=MAX_COUNT)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 UnitFloat = Annotated[float, Field(ge=0, le=1)]
+Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's moment decays: 1 never forgets, and torch refuses it
 # What every consumer of a seed takes, refused at submission rather than at the run's start: numpy
 # refuses negative seeds, and the rollout seeds each turn with (seed + sample + 1000 * prompt) * 1000
 # + turn, which torch.manual_seed takes only below 2^64.
 Seed = Annotated[int, Field(ge=0, lt=2**53)]
+_PRECISION = re.compile(r"\.\d{1,4}")  # "{answer:.0}": a template field's one allowed format spec
 LrDecay = Literal["constant", "cosine"]  # after warm-up (also pbsd sft's --lr-decay)
 
 
@@ -208,14 +215,14 @@ class PbsdSpec(_PolicyGradientSpec):
         min_length=1,
         description="x*'s template, or the name of one of TEACHER_TEMPLATES (answer, answer-first, support, support-first)",
     )
-    teacher_max_length: PositiveInt | None = Field(
+    teacher_max_length: Annotated[int, Field(gt=0, le=2**24)] | None = Field(
         default=None,
         description="tokens beyond this in x* have no phi and are left out; None: no cut, so every loss "
         "token has a teacher position, as the paper's s_{i,t} assumes. x* is longer than x by the note, "
         "so a cut at rollout.max_context drops the end of every trajectory that fills its context; set "
         "it where the scorer's own context is shorter (an SGLang scorer's --context-length)",
     )
-    noise_floor_samples: Annotated[int, Field(ge=0)] = Field(
+    noise_floor_samples: Annotated[int, Field(ge=0, le=1024)] = Field(
         default=1,
         description="trajectories per group whose student context the scorer scores a second time in "
         "the teacher pass's layout (the null pass, whose true evidence is 0): the evidence's numerical "
@@ -243,11 +250,21 @@ class PbsdSpec(_PolicyGradientSpec):
     @model_validator(mode="after")
     def _template_fields(self):
         try:
-            fields = {
-                name for _, name, _, _ in string.Formatter().parse(self.teacher_template) if name is not None
-            }
+            parsed = [(n, spec, conv) for _, n, spec, conv in string.Formatter().parse(self.teacher_template)]
         except ValueError as exc:
             raise ValueError(f"teacher_template is not a valid format string: {exc}") from None
+        # a field is filled as written: a format spec can nest fields of its own ("{answer:{0}}") or
+        # pad an answer to a gigabyte ("{answer:>999999999}"), and a conversion ("{answer!r}") changes
+        # how x* shows the answer. A precision only cuts: "{answer:.0}" is the note without its answer
+        # (a control: docs/credit-signal.md), and x* = x with "{question}{answer:.0}"
+        if any(
+            (spec and not _PRECISION.fullmatch(spec)) or conv for n, spec, conv in parsed if n is not None
+        ):
+            raise ValueError(
+                "teacher_template's fields take no format spec but a precision (.N) and no conversion: "
+                "write {question}, {answer} and {support} as they are"
+            )
+        fields = {n for n, _, _ in parsed if n is not None}
         if not {"question", "answer"} <= fields <= set(TEMPLATE_FIELDS):
             raise ValueError(
                 "teacher_template must use the fields {question} and {answer}, and may use {support}; "
@@ -287,7 +304,7 @@ class TrainerSpec(_Spec):
     )
     max_steps: PositiveInt = 100
     lr: PositiveFloat = 3e-6
-    warmup_steps: Annotated[int, Field(ge=0)] = 8
+    warmup_steps: Count = 8
     lr_decay: LrDecay = Field(
         default="constant",
         description="after warm-up: hold the learning rate, or cosine-decay it to "
@@ -295,7 +312,7 @@ class TrainerSpec(_Spec):
     )
     min_lr_ratio: UnitFloat = 0.1
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
-    betas: tuple[UnitFloat, UnitFloat] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
     grad_clip: PositiveFloat | None = 1.0
     master_weights: bool = Field(
         default=True,
@@ -313,14 +330,14 @@ class TrainerSpec(_Spec):
         "workers would wait for a version that is never published",
     )
     checkpoint_every: PositiveInt = 10
-    keep_checkpoints: Annotated[int, Field(ge=2)] | None = Field(
+    keep_checkpoints: Annotated[int, Field(ge=2, lt=MAX_COUNT)] | None = Field(
         default=None,
         description="keep only the newest N checkpoints (None: every one). A checkpoint holds the "
         "weights and the optimiser state, about 16 bytes a parameter with float32 copies and AdamW: "
         "about 500 GB for a 30B model. At least 2: a version published just before a checkpoint "
         "names the one before it as the copy a worker that missed the broadcast loads",
     )
-    eval_every: Annotated[int, Field(ge=0)] = Field(
+    eval_every: Count = Field(
         default=0,
         description="with data.validation: also evaluate every N steps (0: only before the first "
         "step and after the last)",

@@ -61,6 +61,29 @@ def test_the_templates_and_their_fields():
         fill_template(SUPPORT_TEACHER_TEMPLATE, "Q?", "Vienna", [])
 
 
+def test_a_template_fills_its_fields_as_written_and_nothing_more():
+    """A format spec nests fields of its own or pads the answer to any width, and a conversion changes
+    how x* shows the answer: a spec accepted them, and every group of the run then failed in the
+    scorer (or filled a gigabyte of x*). An escaped brace is text, not a field."""
+    for bad in (
+        "{question} {answer:{0}}",
+        "{question} {answer:{question.__class__.__mro__}}",
+        "{question} {answer:>999999999}",
+        "{question} {answer!r}",
+        "{question!a} {answer}",
+    ):
+        with pytest.raises(ValueError, match="no format spec but a precision"):
+            PbsdSpec(teacher_template=bad)
+    # a precision only cuts: the note with its answer left out, a control the docs use
+    assert (
+        fill_template(PbsdSpec(teacher_template="{question} [{answer:.0}]").teacher_template, "Q?", "V")
+        == "Q? []"
+    )
+    escaped = PbsdSpec(teacher_template="{question} {answer} {{support}}")
+    assert not escaped.needs_support
+    assert fill_template(escaped.teacher_template, "Q?", "Vienna") == "Q? Vienna {support}"
+
+
 @pytest.mark.parametrize("template", TEACHER_TEMPLATES.values())
 def test_x_star_is_the_student_prompt_but_for_its_filled_text(tiny_checkpoint, template):
     """x* keeps the student's markup and encodes what the template adds as text: a question that

@@ -173,6 +173,12 @@ def test_run_spec_defaults_are_the_papers():
         ({"rollout": {"temperature": 1e-7}}, "rollout.temperature"),  # SGLang: greedy, log-probs at T=1
         ({"trainer": {"eval_every": 5}}, "eval_every needs data.validation"),
         ({"trainer": {"lr": -1}}, "trainer.lr"),
+        # past 2^64 a spec was accepted, then its prompts could not be encoded on the bus
+        ({"algorithm": {"name": "pbsd", "teacher_max_length": 10**30}}, "teacher_max_length"),
+        ({"algorithm": {"name": "pbsd", "noise_floor_samples": 2**64}}, "noise_floor_samples"),
+        ({"trainer": {"max_steps": 10**30}}, "trainer.max_steps"),
+        ({"data": {"train": "t", "epochs": 10**30}}, "data.epochs"),
+        ({"trainer": {"betas": [0.9, 1.0]}}, "trainer.betas"),  # torch's AdamW refuses it at the run's start
     ],
 )
 def test_run_spec_errors_name_the_field(patch, message):
