@@ -22,6 +22,7 @@ Everything else is reported back to the agent as a failed tool call.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,31 @@ class Parsed:
     names: tuple[str, str] | None = None  # (server, tool) of an unusable call whose names could be read
 
 
+# What a call's arguments may hold to be sent on the bus and shown: msgpack's integers end at 2^64
+# (a trajectory holding a bigger one could not be published, and its whole group was sampled again
+# until it was dead-lettered), NaN and Infinity are not JSON (the viewer's page failed to load), and
+# no tool takes arguments nested this deep.
+_INT_RANGE = (-(2**63), 2**64)
+_MAX_DEPTH = 32
+
+
+def _unsendable(value: Any) -> str | None:
+    """Why ``value`` (parsed JSON) cannot be a call's arguments, else None; iterative, so no depth
+    of nesting exhausts the stack."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return "arguments hold NaN or Infinity, which JSON does not allow"
+        if isinstance(v, int) and not isinstance(v, bool) and not _INT_RANGE[0] <= v < _INT_RANGE[1]:
+            return "arguments hold an integer too large to carry"
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        if children and depth == _MAX_DEPTH:
+            return f"arguments nest more than {_MAX_DEPTH} levels deep"
+        stack += [(c, depth + 1) for c in children]
+    return None
+
+
 def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
     raw = raw.strip()
     if not raw:
@@ -76,10 +102,12 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
     try:
         value = json.loads(raw)
         repaired = False
+    except RecursionError:
+        return None, False, f"arguments nest more than {_MAX_DEPTH} levels deep"
     except json.JSONDecodeError:
         try:
             value = repair_json(raw, return_objects=True)
-        except Exception as exc:  # json_repair may raise on pathological input
+        except Exception as exc:  # json_repair may raise on pathological input (RecursionError too)
             return (
                 None,
                 False,
@@ -88,6 +116,8 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
         repaired = True
     if not isinstance(value, dict):
         return None, repaired, "arguments must be a JSON object"
+    if problem := _unsendable(value):
+        return None, repaired, problem
     try:  # JSON may spell a lone UTF-16 surrogate ("\ud800"), which no message can carry on
         json.dumps(value, ensure_ascii=False).encode()
     except UnicodeEncodeError:

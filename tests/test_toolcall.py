@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import msgpack
 import pytest
 
 from agent.catalogue import catalogue
@@ -13,6 +16,8 @@ from agent.toolcall import (
     parse_tool_call,
     parse_tool_calls,
 )
+from proto.base import encode
+from proto.messages import ToolCall
 
 CALL = """I should search.
 
@@ -91,6 +96,41 @@ def test_a_lone_surrogate_in_the_arguments_is_an_unusable_call():
         and "surrogate" in p.error
         and p.names == ("search_and_scrape_webpage", "google_search")
     )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        ('"num": 100000000000000000000', "too large"),  # past msgpack's 2^64
+        ('"num": -9223372036854775809', "too large"),
+        ('"num": NaN', "NaN or Infinity"),  # Python's json reads them; the viewer's JSON.parse does not
+        ('"num": 1e999', "NaN or Infinity"),
+        ('"num": -Infinity', "NaN or Infinity"),
+        ('"num": ' + "[" * 40 + "]" * 40, "nest more than 32"),
+        ('"num": ' + "[" * 100_000 + "]" * 100_000, "nest more than 32"),  # json's own recursion
+    ],
+)
+def test_arguments_no_message_can_carry_make_an_unusable_call(arguments, error):
+    """A trajectory holding them could not be published (msgpack's integers end at 2^64), so its whole
+    group was sampled again until it was dead-lettered; NaN blanked the credit viewer's page; deep
+    nesting raised RecursionError in every reader of the turn (the scorer's sorting of turns)."""
+    p = parse_tool_call(CALL.replace('"num": 5', arguments))
+    assert p.call is None and error in p.error and p.names == ("search_and_scrape_webpage", "google_search")
+
+
+def test_a_call_cut_off_deep_inside_its_arguments_is_unusable_not_a_crash():
+    cut = CALL[: CALL.index("{")] + '{"q": ' + "[" * 100_000  # the token limit reached mid-nesting
+    assert parse_tool_call(cut).call is None
+
+
+def test_arguments_at_the_edge_of_what_a_message_carries_pass_and_encode():
+    edge = {"num": 2**64 - 1, "start": -(2**63), "q": [[["deep"]]]}
+    p = parse_tool_call(
+        CALL.replace('"num": 5', ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in edge.items()))
+    )
+    assert p.call.arguments == edge
+    call = ToolCall(turn=0, server_name="s", tool_name="t", arguments=p.call.arguments, ok=True)
+    assert ToolCall.model_validate(msgpack.unpackb(encode(call), raw=False)) == call
 
 
 def test_a_null_argument_is_an_argument_not_given():
