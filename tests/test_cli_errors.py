@@ -39,6 +39,8 @@ def f(tiny_world, tmp_path_factory):
     (tmp / "no-messages.jsonl").write_text('{"text": "hello"}\n')
     (tmp / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hello"}]}\n')
     (tmp / "spec.yaml").write_text("name: x\n")
+    (tmp / "nan-spec.yaml").write_text("name: x\ntrainer: {lr: .nan}\n")
+    (tmp / "deep.jsonl").write_text("[" * 100_000 + "\n")
     (tmp / "questions.jsonl").write_text(
         "".join(json.dumps({"id": f"q{i}", "question": f"Q{i}?", "answer": "A"}) + "\n" for i in range(3))
     )
@@ -96,6 +98,7 @@ CASES = [
     ("runs submit: missing spec", lambda f: ["runs", "submit", str(f.missing)], "does not exist", 2),
     ("runs submit: a directory", lambda f: ["runs", "submit", str(f.tmp)], "is a directory", 2),
     ("runs submit: not YAML", lambda f: ["runs", "submit", str(f.tmp / "not-yaml.yaml")], "not valid YAML", 1),
+    ("runs submit: NaN", lambda f: ["runs", "submit", str(f.tmp / "nan-spec.yaml"), "--url", f.closed], "cannot be sent as JSON", 1),
     ("world build: too few entities", lambda f: ["world", "build", "--out", str(f.missing), "--entities", "50"], "at least 100", 2),
     ("world demo-questions: no world", lambda f: ["world", "demo-questions", "--world", str(f.missing), "--out", str(f.missing)], "does not exist", 2),
     ("world demo-questions: not a world", lambda f: ["world", "demo-questions", "--world", str(f.tmp), "--out", str(f.missing)], "not a world", 2),
@@ -106,6 +109,7 @@ CASES = [
     ("world sft-data: no such final", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--final", "bold"], "'bold' is not one of restate, boxed", 2),
     ("world sft-data: no such split", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--split", "train"], "no split 'train' (it has: rl, sft, validation)", 2),
     ("model tiny: no world", lambda f: ["model", "tiny", "--world", str(f.missing), "--out", str(f.missing)], "--world", 2),
+    ("model tiny: sft data nested past the stack", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "deep.jsonl")], "line 1: not valid JSON", 2),
     ("model tiny: sft data not JSON", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "garbage.jsonl")], "line 1: not valid JSON", 2),
     ("model copy-probe: no model", lambda f: ["model", "copy-probe", "--model", str(f.tmp), "--data", str(f.tmp / "garbage.jsonl")], "no config.json", 2),
     ("model copy-probe: no data", lambda f: ["model", "copy-probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),

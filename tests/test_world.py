@@ -155,3 +155,54 @@ def test_user_files_and_bad_lines_are_reported_with_line_numbers(tmp_path: Path)
     assert "expected an object" in lines[6]
     assert "question" in lines[7]
     assert "duplicate id" in lines[9]
+
+
+def test_answers_that_are_no_answer_and_rows_nested_past_the_stack_are_reported(tmp_path: Path, caplog):
+    """null, a list, a truth value or NaN was read as its spelling ("None", "[1, 2]", "True", "nan"),
+    a gold answer no one means; a line nested past the parser's stack crashed the loader, which
+    promises never to crash on a bad line; and a file's bad rows were left out without a word."""
+    f = tmp_path / "mine.jsonl"
+    rows = [None, [1, 2], True, {"x": 1}, 1912, 0.5, "Vienna"]
+    f.write_text(
+        "".join(json.dumps({"question": f"q{i}?", "answer": a}) + "\n" for i, a in enumerate(rows))
+        + '{"question": "q?", "answer": NaN}\n'
+        + '{"question": "q?", "answer": Infinity}\n'
+        + "[" * 100_000
+        + "\n"
+    )
+    report = load_questions(f)
+    assert [q.answer for q in report.items] == ["1912", "0.5", "Vienna"]
+    lines = {n: msg for n, msg in report.problems}
+    assert set(lines) == {1, 2, 3, 4, 8, 9, 10}
+    assert all("answer must be text or a finite number" in lines[n] for n in (1, 2, 3, 4, 8, 9))
+    assert "nested too deep" in lines[10]
+    with caplog.at_level("WARNING"):
+        report.raise_if_empty(f)
+    assert "7 rows left out, 3 kept" in caplog.text and "line 1: answer must be" in caplog.text
+
+
+def test_parquet_keeps_text_that_reads_as_json_and_columns_the_first_row_lacks(tmp_path: Path):
+    """A question or answer spelled like JSON ("[1, 2]") came back decoded ("[0.10]" as "[0.1]", a
+    question refused), and a column the first row lacked was dropped from every row."""
+    pytest.importorskip("pyarrow")
+    from worldgen.formats import write_parquet
+
+    f = tmp_path / "q.parquet"
+    write_parquet(
+        f,
+        [
+            {"id": "a", "question": "[1, 2]", "answer": "[0.10]"},
+            {
+                "id": "b",
+                "question": "q?",
+                "answer": "x",
+                "support": ["a is x (page kb://a)"],
+                "aliases": ["X"],
+            },
+            {"id": "c", "question": "q?", "answer": None},
+        ],
+    )
+    report = load_questions(f)
+    assert [(q.question, q.answer) for q in report.items] == [("[1, 2]", "[0.10]"), ("q?", "x")]
+    assert report.items[1].support == ("a is x (page kb://a)",) and report.items[1].aliases == ("X",)
+    assert report.items[0].support == () and [n for n, _ in report.problems] == [3]

@@ -7,6 +7,8 @@ Loading never crashes on a bad line: each problem is reported with its line numb
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +17,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from proto.data import CorpusDocument, QuestionRecord
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LoadReport", "dumps", "load_corpus", "load_questions", "write_jsonl", "write_parquet"]
 
@@ -41,7 +45,9 @@ def write_parquet(path: Path, rows: list[dict]) -> None:
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise RuntimeError("Parquet output needs pyarrow: pip install 'pbsd[data]'") from exc
-    flat = [{k: (dumps(v) if isinstance(v, dict | list) else v) for k, v in r.items()} for r in rows]
+    # every row gets every column: pyarrow takes the table's columns from the first row alone
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    flat = [{k: (dumps(v) if isinstance(v := r.get(k), dict | list) else v) for k in columns} for r in rows]
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(flat), path)
 
@@ -51,10 +57,23 @@ class LoadReport:
     items: list = field(default_factory=list)
     problems: list[tuple[int, str]] = field(default_factory=list)  # (line number, what is wrong)
 
-    def raise_if_empty(self, path: Path) -> None:
+    def first_problems(self, k: int = 5) -> str:
+        return "; ".join(f"line {n}: {m}" for n, m in self.problems[:k])
+
+    def raise_if_empty(self, path: str | Path) -> None:
+        """ValueError when no row is usable; else a warning that names the rows left out, if any (a
+        mostly good file would otherwise lose its bad rows without a word)."""
         if not self.items:
-            detail = "; ".join(f"line {n}: {m}" for n, m in self.problems[:5])
+            detail = self.first_problems()
             raise ValueError(f"{path}: no usable rows" + (f" ({detail})" if detail else ""))
+        if self.problems:
+            log.warning(
+                "%s: %d rows left out, %d kept (%s)",
+                path,
+                len(self.problems),
+                len(self.items),
+                self.first_problems(),
+            )
 
 
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -63,7 +82,7 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
         import pyarrow.parquet as pq
 
         for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield i, {k: _maybe_json(v) for k, v in row.items()}
+            yield i, {k: v if k in _TEXT_COLUMNS else _maybe_json(v) for k, v in row.items()}
         return
     with path.open(encoding="utf-8", errors="replace") as f:
         for i, line in enumerate(f, start=1):
@@ -73,6 +92,8 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
                 yield i, json.loads(line)
             except json.JSONDecodeError as exc:
                 yield i, exc
+            except RecursionError:  # nested past the parser's stack: a bad line, not a crash
+                yield i, ValueError("nested too deep")
 
 
 def _objects(path: Path, report: LoadReport) -> Iterator[tuple[int, dict]]:
@@ -86,11 +107,16 @@ def _objects(path: Path, report: LoadReport) -> Iterator[tuple[int, dict]]:
             yield n, row
 
 
+# Columns that are text as they stand: write_parquet stores only nested values as JSON strings, and a
+# question or answer that happens to read as JSON ("[1, 2]") must not be decoded
+_TEXT_COLUMNS = frozenset({"id", "question", "problem", "answer", "url", "title", "text"})
+
+
 def _maybe_json(v: Any) -> Any:
     if isinstance(v, str) and v[:1] in "[{":
         try:
             return json.loads(v)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return v
     return v
 
@@ -105,7 +131,8 @@ def load_questions(path: str | Path) -> LoadReport:
     report = LoadReport()
     seen: set[str] = set()
     for n, row in _objects(path, report):
-        row = dict(row)
+        # an optional field that is null is one not given (a Parquet row without a column's value)
+        row = {k: v for k, v in row.items() if v is not None or k in ("question", "problem", "answer")}
         if "question" not in row and "problem" in row:
             row["question"] = row.pop("problem")
         if "question" not in row or "answer" not in row:
@@ -122,7 +149,14 @@ def load_questions(path: str | Path) -> LoadReport:
             if k in row
         }
         known.setdefault("id", f"{path.stem}-{n}")
-        known["answer"] = str(known["answer"])
+        answer = known["answer"]
+        # a number is an answer ("1912"); null, a list, a truth value, NaN would be read as their
+        # spelling ("None", "[1, 2]", "True", "nan"): a gold answer no one means
+        finite = not isinstance(answer, float) or math.isfinite(answer)
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not finite:
+            report.problems.append((n, f"answer must be text or a finite number, got {answer!r:.80}"))
+            continue
+        known["answer"] = str(answer)
         try:
             record = QuestionRecord(**known, metadata=row)
         except ValidationError as exc:

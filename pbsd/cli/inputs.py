@@ -72,6 +72,8 @@ def conversations_file(path: Path | None) -> Path | None:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise typer.BadParameter(f"{path} line {n}: not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise typer.BadParameter(f"{path} line {n}: not valid JSON (nested too deep)") from None
             messages = row.get("messages") if isinstance(row, dict) else None
             if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages

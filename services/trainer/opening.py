@@ -206,12 +206,14 @@ async def open_run(
     options = settings.consumer_options(block_ms=500)
     evaluator = None
     if spec.data.validation:
+        validation = load_questions(spec.data.validation)
+        validation.raise_if_empty(spec.data.validation)
         evaluator = Evaluator(
             bus,
             store,
             run_id,
             spec,
-            load_questions(spec.data.validation).items,
+            validation.items,
             out,
             nonce=new_id()[:8],
         )
