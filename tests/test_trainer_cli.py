@@ -34,7 +34,8 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
     spec_file = tmp_path / "run.yaml"
     spec = _spec(tiny_world, tiny_checkpoint)
     spec["trainer"]["max_steps"] = 100
-    spec_file.write_text(yaml.safe_dump(spec))
+    # YAML reads an unquoted date as a date, which the request's JSON could not hold: sent as its text
+    spec_file.write_text(yaml.safe_dump(spec).replace("name: t\n", "name: 2020-01-01\n"))
     args = ["--url", api, "--token", TOKEN]
     submitted = runner.invoke(app, ["runs", "submit", str(spec_file), *args])
     assert submitted.exit_code == 0, submitted.output
@@ -46,6 +47,7 @@ def test_runs_commands_against_the_api(api, redis_url, key_prefix, tiny_world, t
         runner.invoke(app, ["runs", "show", run_id, *args]).stdout
     )  # the trainer logs on stderr
     assert shown["id"] == run_id and shown["spec"]["trainer"]["prompts_per_step"] == 2
+    assert shown["spec"]["name"] == "2020-01-01"
     none = runner.invoke(app, ["runs", "evals", run_id, *args])
     assert none.exit_code == 0 and "no validation round recorded yet" in none.output
     asyncio.run(_add_eval_round(redis_url, key_prefix, run_id))

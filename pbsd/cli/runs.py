@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import time
@@ -60,6 +61,21 @@ def _check(response) -> dict | list:
     return response.json()
 
 
+def spec_json(path: Path, document: object) -> str:
+    """The spec as the request's JSON. YAML reads ``name: 2020-01-01`` as a date, which is meant as
+    its text; ``.nan`` and ``.inf`` no JSON can hold, and the trainer would refuse them anyway."""
+
+    def text(value: object) -> str:
+        if isinstance(value, datetime.date | datetime.datetime):
+            return value.isoformat()
+        raise TypeError(f"a {type(value).__name__} value ({value!r:.60}) is not JSON")
+
+    try:
+        return json.dumps(document, default=text, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # ValueError: NaN or Infinity
+        raise UserError(f"{path}: cannot be sent as JSON: {exc}") from None
+
+
 @app.command("submit")
 def runs_submit(
     spec_file: Path = typer.Argument(
@@ -69,9 +85,9 @@ def runs_submit(
     token: str | None = _TOKEN,
 ) -> None:
     """Submit a run; prints its id."""
-    body = read_document(spec_file)
+    body = spec_json(spec_file, read_document(spec_file))
     with _api(url, token) as api:
-        result = _check(api.post("/runs", json=body))
+        result = _check(api.post("/runs", content=body, headers={"content-type": "application/json"}))
     typer.echo(result["id"])
 
 
