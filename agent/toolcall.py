@@ -1,6 +1,6 @@
 r"""The ``<use_mcp_tool>`` call format: parsing (with repair), writing, and tool results.
 
-A call is the block (regex with DOTALL, as MiroFlow parses it)::
+A call is the block MiroFlow's regex reads (found in linear time by ``agent.call_blocks``)::
 
     <use_mcp_tool>
     <server_name>...</server_name>
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from json_repair import repair_json
+
+from agent.call_blocks import Block, blocks
 
 __all__ = [
     "Parsed",
@@ -38,18 +39,6 @@ __all__ = [
     "parse_tool_call",
     "parse_tool_calls",
 ]
-
-TOOL_CALL_RE = re.compile(
-    r"<use_mcp_tool>\s*<server_name>(.*?)</server_name>\s*<tool_name>(.*?)</tool_name>\s*"
-    r"<arguments>\s*([\s\S]*?)\s*</arguments>\s*</use_mcp_tool>",
-    re.DOTALL,
-)
-# The same block cut off at the end of the message: closing tags missing.
-_TRUNCATED_RE = re.compile(
-    r"<use_mcp_tool>\s*<server_name>(.*?)</server_name>\s*<tool_name>(.*?)</tool_name>\s*"
-    r"<arguments>\s*([\s\S]*?)\s*(?:</arguments>)?\s*(?:</use_mcp_tool>)?\s*\Z",
-    re.DOTALL,
-)
 
 DEFAULT_MAX_RESULT_CHARS = 100_000  # as MiroFlow cuts tool results
 
@@ -74,6 +63,9 @@ class Parsed:
 # (a trajectory holding a bigger one could not be published, and its whole group was sampled again
 # until it was dead-lettered), NaN and Infinity are not JSON (the viewer's page failed to load), and
 # no tool takes arguments nested this deep.
+# json_repair takes up to a quarter of a second on 2,000 characters of nested openings, and the
+# parse runs on the rollout's event loop; real arguments (a query, an address) are far shorter
+MAX_REPAIR = 1_000
 _INT_RANGE = (-(2**63), 2**64)
 _MAX_DEPTH = 32
 
@@ -104,7 +96,15 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
         repaired = False
     except RecursionError:
         return None, False, f"arguments nest more than {_MAX_DEPTH} levels deep"
-    except json.JSONDecodeError:
+    except ValueError as exc:
+        if not isinstance(exc, json.JSONDecodeError):  # an integer past Python's 4,300 digits
+            return None, False, "arguments hold an integer too large to carry"
+        if len(raw) > MAX_REPAIR:
+            return (
+                None,
+                False,
+                f"arguments are not valid JSON, and too long (over {MAX_REPAIR:,} characters) to repair",
+            )
         try:
             value = repair_json(raw, return_objects=True)
         except Exception as exc:  # json_repair may raise on pathological input (RecursionError too)
@@ -126,11 +126,11 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
     return {k: v for k, v in value.items() if v is not None}, repaired, None
 
 
-def _one(m: re.Match, count: int, truncated: bool) -> Parsed:
-    server, tool = m.group(1).strip(), m.group(2).strip()
+def _one(block: Block, count: int, truncated: bool) -> Parsed:
+    server, tool = block.server.strip(), block.tool.strip()
     if not server or not tool:
         return Parsed(None, "server_name and tool_name must not be empty", count)
-    args, repaired, error = _arguments(m.group(3))
+    args, repaired, error = _arguments(block.arguments)
     if error:
         return Parsed(None, error, count, (server, tool))
     return Parsed(ToolCallRequest(server, tool, args, repaired or truncated), None, 0 if truncated else count)
@@ -144,15 +144,11 @@ def parse_tool_calls(text: str) -> tuple[Parsed, ...]:
     at the end of the message (recovered where its names and arguments can be read), then one error
     for each other ``<use_mcp_tool>`` that forms no block; () when it makes none. Each is a call, or
     the error that makes it unusable (reported back to the agent as that call's failure)."""
-    matches = list(TOOL_CALL_RE.finditer(text))
-    calls = [_one(m, len(matches), False) for m in matches]
-    unread = text.count("<use_mcp_tool>") - len(matches)
-    if unread > 0:
-        cut = _TRUNCATED_RE.search(text, matches[-1].end() if matches else 0)
-        if cut is not None:
-            calls.append(_one(cut, 1, True))
-            unread -= 1
-        calls += [Parsed(None, MALFORMED, len(matches))] * unread
+    found, cut, unread = blocks(text)
+    calls = [_one(b, len(found), False) for b in found]
+    if cut is not None:
+        calls.append(_one(cut, 1, True))
+    calls += [Parsed(None, MALFORMED, len(found))] * unread
     return tuple(calls)
 
 
