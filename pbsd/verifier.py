@@ -61,25 +61,33 @@ _NUMBER_WORDS = {
 
 
 def extract_boxed(text: str | None) -> str | None:
-    r"""Content of the last ``\boxed{...}``, with nested braces; None if there is none or it never closes."""
+    r"""Content of the last ``\boxed{...}``, with nested braces (``\{`` and ``\}`` are not braces);
+    None if there is none or it never closes.
+
+    One pass over the text with a stack of open braces: scanning from every ``\boxed{`` to its
+    close took time quadratic in the number of boxes left open (a degenerate final message of
+    thousands of them held the rollout's event loop for seconds)."""
     if not text:
         return None
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts):  # the last one that is well formed
-        depth, i = 1, start
-        while i < len(text):
-            ch = text[i]
-            if ch == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
-                i += 2
-                continue
-            if ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-            i += 1
-    return None
+    boxes = {m.end() - 1 for m in _BOXED.finditer(text)}  # where each box's "{" is
+    if not boxes:
+        return None
+    stack: list[int] = []  # positions of the braces still open
+    last: tuple[int, int] | None = None  # (content start, close) of the latest-starting closed box
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\" and text[i + 1 : i + 2] in ("{", "}"):
+            i += 2
+            continue
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            opened = stack.pop()
+            if opened in boxes and (last is None or opened + 1 > last[0]):
+                last = (opened + 1, i)
+        i += 1
+    return None if last is None else text[last[0] : last[1]].strip()
 
 
 def normalize(text: str) -> str:

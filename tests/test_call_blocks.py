@@ -11,7 +11,9 @@ import time
 import pytest
 
 from agent.call_blocks import blocks
+from agent.grounding import urls
 from agent.toolcall import MAX_REPAIR, parse_tool_calls
+from pbsd.verifier import extract_boxed
 
 # MiroFlow's pattern for a block, and the same block cut off at the end of the message
 MIROFLOW = re.compile(
@@ -92,3 +94,11 @@ def test_arguments_past_the_digit_limit_or_too_long_to_repair_are_failed_calls()
     assert "too long" in parse_tool_calls(broken)[0].error
     assert time.perf_counter() - started < 0.5
 
+
+def test_boxes_left_open_and_dotted_runs_are_read_in_linear_time():
+    started = time.perf_counter()
+    assert extract_boxed("\\boxed{" * 20_000) is None  # 6 s at 4,000 when each box scanned to the end
+    assert extract_boxed("\\boxed{" * 20_000 + "x}") == "x"
+    page = "a." * 50_000 + " see https://example.org/a.b."
+    assert urls(page) == {"https://example.org/a.b"}  # 3 s at 60,000 characters, scheme unbounded
+    assert time.perf_counter() - started < 1.0

@@ -34,7 +34,7 @@ __all__ = ["PARTS", "SURE", "answer_room", "by_part", "final_turns", "token_part
 
 SURE = -0.05  # nats: an answer token the student gives at least this log-prob leaves no room
 PARTS = ("first", "answer", "markup", "phrasing")
-_BOX = re.compile(r"\\boxed\s*\{[^}]*(\})")  # an answer with braces of its own is not expected
+_BOX = re.compile(r"\\boxed\s*\{")
 
 
 async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: LogprobFn) -> list[dict]:
@@ -100,9 +100,15 @@ def token_parts(row: dict) -> list[str]:
     phrasing are format."""
     markup: set[int] = set()
     text = "".join(row["tokens"])
-    for m in _BOX.finditer(text):
-        markup.update(range(m.start(), text.index("{", m.start()) + 1))
-        markup.add(m.start(1))
+    close = -1
+    for m in _BOX.finditer(text):  # a box ends at the next "}": no answer is expected to hold one
+        if m.start() <= close:
+            continue  # inside the box before
+        close = text.find("}", m.end())
+        if close == -1:
+            break  # no box after this one closes either
+        markup.update(range(m.start(), m.end()))
+        markup.add(close)
     answer, parts, at = {*row["answer_tokens"], *row["written_tokens"]}, [], 0
     for k, token in enumerate(row["tokens"]):
         chars = [at + i for i, ch in enumerate(token) if not ch.isspace()]
