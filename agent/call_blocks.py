@@ -13,8 +13,9 @@ closing tag, found once:
 - a name ends at the first ``</server_name>`` (``</tool_name>``) within ``MAX_NAME`` characters:
   no tool's name is longer, and the bound keeps a run of unclosed openings from rescanning the
   message once per opening;
-- the arguments run to the block's first ``</use_mcp_tool>``, which must follow ``</arguments>``
-  and whitespace only (arguments that spell ``</arguments>`` themselves keep it);
+- the arguments run to the first ``</arguments>`` that whitespace and ``</use_mcp_tool>`` follow
+  (as the regex's lazy group reads them: arguments may spell either tag themselves); every such
+  place in the message is found once, and each opening's end is a bisection among them;
 - a block cut off at the end of the message (generation stopped) is the first opening after the
   last complete block whose names and ``<arguments>`` can be read: its arguments run to the end,
   any closing tags there taken off.
@@ -25,6 +26,7 @@ Where a block does not close, the regex could stretch a name across later tags i
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 
@@ -47,27 +49,23 @@ class Block:
 class _Reader:
     def __init__(self, text: str) -> None:
         self.text = text
-        self._close: tuple[int, int] = (0, -2)  # (searched from, first CLOSE at or after it)
-        self._spaced: dict[int, int] = {}  # a CLOSE's position -> where the whitespace before it starts
+        self._ends: tuple[list[int], list[int]] | None = None
 
-    def close_after(self, i: int) -> int:
-        """The first CLOSE at or after ``i`` (-1: none). Openings are read left to right, so the one
-        found for an earlier position is the answer until ``i`` passes it: each is found once."""
-        start, hit = self._close
-        if not (start <= i and (hit == -1 or hit >= i)):
-            hit = self.text.find(CLOSE, i)
-            self._close = (i, hit)
-        return hit
-
-    def spaced(self, end: int) -> int:
-        """Where the whitespace that runs up to ``end`` starts (openings that fail share a CLOSE:
-        each run is walked once)."""
-        if end not in self._spaced:
-            q = end
-            while q > 0 and self.text[q - 1].isspace():
-                q -= 1
-            self._spaced[end] = q
-        return self._spaced[end]
+    def ends(self) -> tuple[list[int], list[int]]:
+        """Every place a block can end, in order: each CLOSE that follows ``</arguments>`` and
+        whitespace only, as (where that ``</arguments>`` starts, where the CLOSE ends). Found once
+        for the message, so every opening's search for its end is a bisection."""
+        if self._ends is None:
+            args_at, ends = [], []
+            for m in re.finditer(re.escape(CLOSE), self.text):
+                q = m.start()
+                while q > 0 and self.text[q - 1].isspace():
+                    q -= 1
+                if self.text.endswith(_ARGS_CLOSE, 0, q):
+                    args_at.append(q - len(_ARGS_CLOSE))
+                    ends.append(m.end())
+            self._ends = (args_at, ends)
+        return self._ends
 
     def tag(self, tag: str, i: int) -> int | None:
         """The position after ``tag`` where it opens at ``i`` (after whitespace), else None."""
@@ -90,15 +88,16 @@ class _Reader:
         return None if args is None else (server[0], tool[0], args)
 
     def complete(self, p: int) -> Block | None:
-        """The whole block opening at ``p``, if it closes."""
+        """The whole block opening at ``p``, if it closes: its arguments run to the first
+        ``</arguments>`` that whitespace and CLOSE follow, as the regex's lazy group does."""
         head = self.header(p)
-        end = -1 if head is None else self.close_after(head[2])
-        if end == -1:
+        if head is None:
             return None
-        body_end = max(self.spaced(end), head[2])
-        if not self.text.endswith(_ARGS_CLOSE, head[2], body_end):
+        args_at, ends = self.ends()
+        k = bisect.bisect_left(args_at, head[2])
+        if k == len(args_at):
             return None
-        return Block(head[0], head[1], self.text[head[2] : body_end - len(_ARGS_CLOSE)], end + len(CLOSE))
+        return Block(head[0], head[1], self.text[head[2] : args_at[k]], ends[k])
 
     def cut(self, p: int) -> Block | None:
         """The block opening at ``p`` cut off by the message's end, its closing tags missing."""

@@ -63,9 +63,11 @@ class Parsed:
 # (a trajectory holding a bigger one could not be published, and its whole group was sampled again
 # until it was dead-lettered), NaN and Infinity are not JSON (the viewer's page failed to load), and
 # no tool takes arguments nested this deep.
-# json_repair takes up to a quarter of a second on 2,000 characters of nested openings, and the
-# parse runs on the rollout's event loop; real arguments (a query, an address) are far shorter
-MAX_REPAIR = 1_000
+# Characters of broken arguments a message may have repaired, over all its calls: json_repair takes
+# 0.06 s on 500 characters of nested openings and half a second on 1,000 (where it recurses to
+# Python's limit), the parse runs on the rollout's event loop, and a message may hold any number
+# of calls. Real arguments (a query, an address) are far shorter.
+MAX_REPAIR = 500
 _INT_RANGE = (-(2**63), 2**64)
 _MAX_DEPTH = 32
 
@@ -87,7 +89,9 @@ def _unsendable(value: Any) -> str | None:
     return None
 
 
-def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
+def _arguments(raw: str, budget: list[int]) -> tuple[dict[str, Any] | None, bool, str | None]:
+    """The call's arguments, whether they were repaired, or why they are unusable. ``budget``: the
+    characters of repair the message has left (one element, spent here)."""
     raw = raw.strip()
     if not raw:
         return {}, False, None
@@ -99,12 +103,13 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
     except ValueError as exc:
         if not isinstance(exc, json.JSONDecodeError):  # an integer past Python's 4,300 digits
             return None, False, "arguments hold an integer too large to carry"
-        if len(raw) > MAX_REPAIR:
+        if len(raw) > budget[0]:
             return (
                 None,
                 False,
-                f"arguments are not valid JSON, and too long (over {MAX_REPAIR:,} characters) to repair",
+                f"arguments are not valid JSON, and past what a message may have repaired ({MAX_REPAIR} characters)",
             )
+        budget[0] -= len(raw)
         try:
             value = repair_json(raw, return_objects=True)
         except Exception as exc:  # json_repair may raise on pathological input (RecursionError too)
@@ -126,11 +131,11 @@ def _arguments(raw: str) -> tuple[dict[str, Any] | None, bool, str | None]:
     return {k: v for k, v in value.items() if v is not None}, repaired, None
 
 
-def _one(block: Block, count: int, truncated: bool) -> Parsed:
+def _one(block: Block, count: int, truncated: bool, budget: list[int]) -> Parsed:
     server, tool = block.server.strip(), block.tool.strip()
     if not server or not tool:
         return Parsed(None, "server_name and tool_name must not be empty", count)
-    args, repaired, error = _arguments(block.arguments)
+    args, repaired, error = _arguments(block.arguments, budget)
     if error:
         return Parsed(None, error, count, (server, tool))
     return Parsed(ToolCallRequest(server, tool, args, repaired or truncated), None, 0 if truncated else count)
@@ -145,9 +150,10 @@ def parse_tool_calls(text: str) -> tuple[Parsed, ...]:
     for each other ``<use_mcp_tool>`` that forms no block; () when it makes none. Each is a call, or
     the error that makes it unusable (reported back to the agent as that call's failure)."""
     found, cut, unread = blocks(text)
-    calls = [_one(b, len(found), False) for b in found]
+    budget = [MAX_REPAIR]
+    calls = [_one(b, len(found), False, budget) for b in found]
     if cut is not None:
-        calls.append(_one(cut, 1, True))
+        calls.append(_one(cut, 1, True, budget))
     calls += [Parsed(None, MALFORMED, len(found))] * unread
     return tuple(calls)
 

@@ -38,7 +38,17 @@ def _message(rng: random.Random) -> str:
     for _ in range(rng.randint(0, 4)):
         parts.append(rng.choice(["I will search. ", "\n", "", "<b>bold</b> ", "a < b > c "]))
         w = rng.choice(["", "\n", " \n ", "\t"])
-        args = rng.choice(['{"q": "x"}', '{"q": "</arguments>"}', '{"q": 1', "", "[1]", "not json"])
+        args = rng.choice(
+            [
+                '{"q": "x"}',
+                '{"q": "</arguments>"}',
+                '{"q": "</use_mcp_tool>"}',
+                '{"q": 1',
+                "",
+                "[1]",
+                "not json",
+            ]
+        )
         parts.append(
             BLOCK.format(w=w, s=rng.choice(["s", " s ", ""]), t=rng.choice(["t", "google_search"]), a=args)
         )
@@ -86,13 +96,21 @@ def test_what_a_degenerate_policy_writes_is_read_in_linear_time(text):
     assert time.perf_counter() - started < 1.0 and calls  # each is some failed or recovered call
 
 
-def test_arguments_past_the_digit_limit_or_too_long_to_repair_are_failed_calls():
+def test_arguments_past_the_digit_limit_or_the_message_repair_budget_are_failed_calls():
     huge = UNCLOSED + '{"q": ' + "1" * 4301 + "}\n</arguments>\n</use_mcp_tool>"
     assert "too large" in parse_tool_calls(huge)[0].error  # json raised ValueError through the agent
-    broken = UNCLOSED + '{"q": "' + '{"' * MAX_REPAIR
+    # json_repair took half a second on each block of 990 characters of nested openings, and a
+    # message may hold any number of blocks: the repair budget is the message's
+    block = H + '{"' * 495 + "</arguments></use_mcp_tool>"
     started = time.perf_counter()
-    assert "too long" in parse_tool_calls(broken)[0].error
-    assert time.perf_counter() - started < 0.5
+    calls = parse_tool_calls(block * 40)
+    assert time.perf_counter() - started < 1.0
+    assert all("past what a message may have repaired" in c.error for c in calls)
+    small = H + '{"q": "a"</arguments></use_mcp_tool>'  # 9 characters to repair each
+    calls = parse_tool_calls(small * (MAX_REPAIR // 9 + 5))
+    repaired = [c for c in calls if c.call is not None]
+    assert len(repaired) == MAX_REPAIR // 9 and all(c.call.repaired for c in repaired)
+    assert all("past what a message may have repaired" in c.error for c in calls[len(repaired) :])
 
 
 def test_boxes_left_open_and_dotted_runs_are_read_in_linear_time():
