@@ -41,6 +41,7 @@ def f(tiny_world, tmp_path_factory):
     (tmp / "spec.yaml").write_text("name: x\n")
     (tmp / "nan-spec.yaml").write_text("name: x\ntrainer: {lr: .nan}\n")
     (tmp / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    (tmp / "long-number.jsonl").write_text('{"messages": ' + "1" * 5000 + "}\n")
     (tmp / "questions.jsonl").write_text(
         "".join(json.dumps({"id": f"q{i}", "question": f"Q{i}?", "answer": "A"}) + "\n" for i in range(3))
     )
@@ -110,6 +111,7 @@ CASES = [
     ("world sft-data: no such split", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--split", "train"], "no split 'train' (it has: rl, sft, validation)", 2),
     ("model tiny: no world", lambda f: ["model", "tiny", "--world", str(f.missing), "--out", str(f.missing)], "--world", 2),
     ("model tiny: sft data nested past the stack", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "deep.jsonl")], "line 1: not valid JSON", 2),
+    ("model tiny: sft data with a 5,000-digit number", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "long-number.jsonl")], "line 1: not valid JSON", 2),
     ("model tiny: sft data not JSON", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "garbage.jsonl")], "line 1: not valid JSON", 2),
     ("model copy-probe: no model", lambda f: ["model", "copy-probe", "--model", str(f.tmp), "--data", str(f.tmp / "garbage.jsonl")], "no config.json", 2),
     ("model copy-probe: no data", lambda f: ["model", "copy-probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),

@@ -169,16 +169,20 @@ def test_answers_that_are_no_answer_and_rows_nested_past_the_stack_are_reported(
         + '{"question": "q?", "answer": Infinity}\n'
         + "[" * 100_000
         + "\n"
+        + '{"question": "q?", "answer": '
+        + "1" * 5000  # past Python's 4,300 digits: a ValueError that is no JSONDecodeError
+        + "}\n"
+        + '{"question": null, "problem": "BrowseComp-style?", "answer": "b"}\n'
     )
     report = load_questions(f)
-    assert [q.answer for q in report.items] == ["1912", "0.5", "Vienna"]
+    assert [q.answer for q in report.items] == ["1912", "0.5", "Vienna", "b"]
     lines = {n: msg for n, msg in report.problems}
-    assert set(lines) == {1, 2, 3, 4, 8, 9, 10}
+    assert set(lines) == {1, 2, 3, 4, 8, 9, 10, 11}
     assert all("answer must be text or a finite number" in lines[n] for n in (1, 2, 3, 4, 8, 9))
-    assert "nested too deep" in lines[10]
+    assert "nested too deep" in lines[10] and "4300 digits" in lines[11]
     with caplog.at_level("WARNING"):
         report.raise_if_empty(f)
-    assert "7 rows left out, 3 kept" in caplog.text and "line 1: answer must be" in caplog.text
+    assert "8 rows left out, 4 kept" in caplog.text and "line 1: answer must be" in caplog.text
 
 
 def test_parquet_keeps_text_that_reads_as_json_and_columns_the_first_row_lacks(tmp_path: Path):
@@ -200,9 +204,10 @@ def test_parquet_keeps_text_that_reads_as_json_and_columns_the_first_row_lacks(t
                 "aliases": ["X"],
             },
             {"id": "c", "question": "q?", "answer": None},
+            {"id": "d", "problem": "p?", "answer": "y"},  # its question column is null
         ],
     )
     report = load_questions(f)
-    assert [(q.question, q.answer) for q in report.items] == [("[1, 2]", "[0.10]"), ("q?", "x")]
+    assert [(q.question, q.answer) for q in report.items] == [("[1, 2]", "[0.10]"), ("q?", "x"), ("p?", "y")]
     assert report.items[1].support == ("a is x (page kb://a)",) and report.items[1].aliases == ("X",)
     assert report.items[0].support == () and [n for n, _ in report.problems] == [3]

@@ -90,7 +90,7 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
                 continue
             try:
                 yield i, json.loads(line)
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:  # JSONDecodeError, or an integer past Python's 4,300 digits
                 yield i, exc
             except RecursionError:  # nested past the parser's stack: a bad line, not a crash
                 yield i, ValueError("nested too deep")
@@ -116,7 +116,7 @@ def _maybe_json(v: Any) -> Any:
     if isinstance(v, str) and v[:1] in "[{":
         try:
             return json.loads(v)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             return v
     return v
 
@@ -131,8 +131,9 @@ def load_questions(path: str | Path) -> LoadReport:
     report = LoadReport()
     seen: set[str] = set()
     for n, row in _objects(path, report):
-        # an optional field that is null is one not given (a Parquet row without a column's value)
-        row = {k: v for k, v in row.items() if v is not None or k in ("question", "problem", "answer")}
+        # a field that is null is one not given (a Parquet row without a column's value: a BrowseComp
+        # row has a null question beside its problem); a null answer is refused below, by name
+        row = {k: v for k, v in row.items() if v is not None or k == "answer"}
         if "question" not in row and "problem" in row:
             row["question"] = row.pop("problem")
         if "question" not in row or "answer" not in row:

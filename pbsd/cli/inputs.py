@@ -74,6 +74,8 @@ def conversations_file(path: Path | None) -> Path | None:
                 raise typer.BadParameter(f"{path} line {n}: not valid JSON ({exc.msg})") from None
             except RecursionError:
                 raise typer.BadParameter(f"{path} line {n}: not valid JSON (nested too deep)") from None
+            except ValueError as exc:  # an integer past Python's 4,300 digits
+                raise typer.BadParameter(f"{path} line {n}: not valid JSON ({exc})") from None
             messages = row.get("messages") if isinstance(row, dict) else None
             if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages

@@ -67,7 +67,7 @@ def spec_json(path: Path, document: object) -> str:
 
     def text(value: object) -> str:
         if isinstance(value, datetime.date | datetime.datetime):
-            return value.isoformat()
+            return str(value)  # as YAML spells it: "2020-01-01", "2020-01-01 10:00:00"
         raise TypeError(f"a {type(value).__name__} value ({value!r:.60}) is not JSON")
 
     try:
