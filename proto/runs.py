@@ -373,7 +373,9 @@ class RunSpec(Message):
 
     model_config = ConfigDict(allow_inf_nan=False)
 
-    name: str = Field(default="run", min_length=1, max_length=128)
+    # no control characters: a name is logged and printed, where a newline forges a log line and an
+    # escape sequence drives the reader's terminal
+    name: str = Field(default="run", min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")
     model: ModelSpec
     data: DataSpec
     rollout: RolloutSpec = RolloutSpec()

@@ -178,7 +178,9 @@ def test_run_spec_defaults_are_the_papers():
         ({"algorithm": {"name": "pbsd", "noise_floor_samples": 2**64}}, "noise_floor_samples"),
         ({"trainer": {"max_steps": 10**30}}, "trainer.max_steps"),
         ({"data": {"train": "t", "epochs": 10**30}}, "data.epochs"),
-        ({"trainer": {"betas": [0.9, 1.0]}}, "trainer.betas"),  # torch's AdamW refuses it at the run's start
+        ({"trainer": {"betas": [0.9, 1.0]}}, "trainer.betas"),
+        ({"name": "run\n2026-11-29 INFO forged line"}, "name"),
+        ({"name": "\x1b[2Jrun"}, "name"),  # torch's AdamW refuses it at the run's start
     ],
 )
 def test_run_spec_errors_name_the_field(patch, message):
