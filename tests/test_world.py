@@ -172,10 +172,11 @@ def test_answers_that_are_no_answer_and_rows_nested_past_the_stack_are_reported(
         + '{"question": "q?", "answer": '
         + "1" * 5000  # past Python's 4,300 digits: a ValueError that is no JSONDecodeError
         + "}\n"
-        + '{"question": null, "problem": "BrowseComp-style?", "answer": "b"}\n'
+        + '{"question": null, "problem": "BrowseComp-style?", "answer": "b", "id": 7}\n'
     )
     report = load_questions(f)
     assert [q.answer for q in report.items] == ["1912", "0.5", "Vienna", "b"]
+    assert report.items[-1].id == "7"  # a numbered row keeps its number
     lines = {n: msg for n, msg in report.problems}
     assert set(lines) == {1, 2, 3, 4, 8, 9, 10, 11}
     assert all("answer must be text or a finite number" in lines[n] for n in (1, 2, 3, 4, 8, 9))

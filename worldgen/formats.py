@@ -150,6 +150,8 @@ def load_questions(path: str | Path) -> LoadReport:
             if k in row
         }
         known.setdefault("id", f"{path.stem}-{n}")
+        if isinstance(known["id"], int) and not isinstance(known["id"], bool):
+            known["id"] = str(known["id"])  # datasets number their rows as often as they name them
         answer = known["answer"]
         # a number is an answer ("1912"); null, a list, a truth value, NaN would be read as their
         # spelling ("None", "[1, 2]", "True", "nan"): a gold answer no one means
