@@ -7,8 +7,8 @@ A block reads as MiroFlow's regex reads a well-formed one (``agent.toolcall``)::
 with any whitespace between the tags. The regex's lazy groups cannot be used as they stand: in a
 block that does not close, each one backtracks across every later closing tag, so a message that
 repeats an unclosed call (how a small policy degenerates) took seconds to hours per turn, on the
-rollout's event loop, with every trajectory in flight waiting. Here each part ends at its first
-closing tag, found once:
+rollout's event loop, with every trajectory in flight waiting. Here every part's end is found
+once:
 
 - a name ends at the first ``</server_name>`` (``</tool_name>``) within ``MAX_NAME`` characters:
   no tool's name is longer, and the bound keeps a run of unclosed openings from rescanning the

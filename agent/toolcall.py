@@ -14,7 +14,9 @@ The system prompt allows one tool per message, but a model may write several blo
 one is run, in order, and their results are joined with a newline into the one user message
 that answers the turn, as MiroFlow's orchestrator runs them (``parse_tool_calls``; the agent
 caps how many). Arguments that are not valid JSON are repaired with ``json_repair`` when the
-damage is recoverable (a missing quote or brace); a block whose closing tags are
+damage is recoverable (a missing quote or brace), up to ``MAX_REPAIR`` characters a message;
+arguments no message can carry (NaN, an integer past 2^64, nesting past 32 levels) make the call
+unusable. A block whose closing tags are
 missing at the very end of the message (generation stopped early) is recovered too.
 Everything else is reported back to the agent as a failed tool call.
 """
