@@ -66,7 +66,7 @@ class Parsed:
 # until it was dead-lettered), NaN and Infinity are not JSON (the viewer's page failed to load), and
 # no tool takes arguments nested this deep.
 # Characters of broken arguments a message may have repaired, over all its calls: json_repair takes
-# 0.06 s on 500 characters of nested openings and half a second on 1,000 (where it recurses to
+# 0.06 s on 500 characters of nested openings and up to half a second on 1,000 (where it recurses to
 # Python's limit), the parse runs on the rollout's event loop, and a message may hold any number
 # of calls. Real arguments (a query, an address) are far shorter.
 MAX_REPAIR = 500
