@@ -61,15 +61,16 @@ class Parsed:
     names: tuple[str, str] | None = None  # (server, tool) of an unusable call whose names could be read
 
 
-# What a call's arguments may hold to be sent on the bus and shown: msgpack's integers end at 2^64
-# (a trajectory holding a bigger one could not be published, and its whole group was sampled again
-# until it was dead-lettered), NaN and Infinity are not JSON (the viewer's page failed to load), and
-# no tool takes arguments nested this deep.
 # Characters of broken arguments a message may have repaired, over all its calls: json_repair takes
 # 0.06 s on 500 characters of nested openings and up to half a second on 1,000 (where it recurses to
 # Python's limit), the parse runs on the rollout's event loop, and a message may hold any number
 # of calls. Real arguments (a query, an address) are far shorter.
 MAX_REPAIR = 500
+
+# What a call's arguments may hold to be sent on the bus and shown: msgpack's integers end at 2^64
+# (a trajectory holding a bigger one could not be published, and its whole group was sampled again
+# until it was dead-lettered), NaN and Infinity are not JSON (the viewer's page failed to load), and
+# no tool takes arguments nested this deep.
 _INT_RANGE = (-(2**63), 2**64)
 _MAX_DEPTH = 32
 
