@@ -87,3 +87,41 @@ def test_iter_groups_reads_a_step_file_only_when_its_groups_are_wanted(run_dir, 
     assert next(groups)[0] == 2 and read == ["step-000001.msgpack", "step-000002.msgpack"]
     rest = list(groups)
     assert len(rest) == 2 * 6 - 3 and len(read) == 6
+
+
+async def test_a_step_file_is_written_whole_or_not_at_all(run_dir, monkeypatch):
+    """A crash mid-write left a cut-off step file, and every read of the run's groups (the viewer,
+    the report, teacher tally) failed on it. The file is now written aside and renamed into place:
+    a write that dies before the rename leaves the step's old groups."""
+    import os
+
+    from services.trainer import checkpoints
+
+    before = [g.group.message_id for s, g in load_groups(run_dir) if s == 2]
+
+    def dies(_fd):  # the machine goes down after the bytes are written, before the rename
+        raise OSError("power lost")
+
+    monkeypatch.setattr(checkpoints.os, "fsync", dies)
+    with pytest.raises(OSError, match="power lost"):
+        save_groups(run_dir, 2, [])
+    monkeypatch.setattr(checkpoints.os, "fsync", os.fsync)
+    assert [g.group.message_id for s, g in load_groups(run_dir) if s == 2] == before
+    assert len(saved_groups.step_files(run_dir)) == 6  # the half-written file is no step file
+
+
+def test_a_record_torn_by_a_crash_is_dropped_not_a_failed_resume(tmp_path, caplog):
+    """The machine going down mid-append leaves a torn last line in metrics.jsonl: the resume's
+    trim of the series then raised on it, so the run could never open again, and the viewer's
+    read of the records failed."""
+    from services.trainer.checkpoints import keep_steps
+    from services.trainer.viewer import load_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}, "loss": 0.5}}\n' for s in range(1, 5)) + '{"step": 5, "lo')
+    assert [r["step"] for r in load_metrics(tmp_path)] == [1, 2, 3, 4]
+    with caplog.at_level("WARNING"):
+        keep_steps(path, 3)
+    assert "torn JSONL record" in caplog.text
+    assert [r["step"] for r in load_metrics(tmp_path)] == [1, 2, 3]
+    assert path.read_text().endswith("\n") and not list(tmp_path.glob(".*.new"))

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "TrainState",
+    "json_record",
     "keep_steps",
     "latest_checkpoint",
     "mark_resumed",
@@ -159,10 +160,10 @@ def mark_resumed(path: Path, saved: dict[str, Any]) -> None:
         _replace(path / "trainer.json", json.dumps({**saved, "interrupted": False}))
 
 
-def _replace(path: Path, text: str) -> None:
+def _replace(path: Path, text: str | bytes) -> None:
     """``path`` now holds ``text``, or still what it held: a new file flushed, then renamed over it."""
     fresh = path.with_name(f".{path.name}.new")
-    with fresh.open("w") as f:
+    with fresh.open("wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -196,9 +197,24 @@ def keep_steps(path: Path, step: int) -> None:
     most ``step``: a resume from that step's checkpoint records the steps after it again."""
     if path.exists():
         lines = path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-        if len(kept) < len(lines):
-            path.write_text("".join(kept))
+        kept = [
+            line for line in lines if (record := json_record(line)) is not None and record["step"] <= step
+        ]
+        if len(kept) < len(lines):  # rewritten whole: a crash now leaves the old file, not half of it
+            _replace(path, "".join(kept))
+
+
+def json_record(line: str) -> dict | None:
+    """A JSONL line's record; None for a blank line or one a crash tore mid-append (the file's last:
+    the machine went down between the write and the flush), which would otherwise stop every
+    resume of the run, or every read of its records, for good."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        if line.strip():
+            log.warning("a torn JSONL record is dropped: %.80r", line)
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def save_groups(out: Path, step: int, groups: list[ScoredGroup]) -> None:
@@ -207,4 +223,5 @@ def save_groups(out: Path, step: int, groups: list[ScoredGroup]) -> None:
 
     (out / "groups").mkdir(parents=True, exist_ok=True)
     payload = msgpack.packb([encode(g) for g in groups], use_bin_type=True)
-    (out / "groups" / f"step-{step:06d}.msgpack").write_bytes(payload)
+    # whole or not at all: a step file cut off by a crash fails every read of the run's groups
+    _replace(out / "groups" / f"step-{step:06d}.msgpack", payload)

@@ -273,8 +273,8 @@ class RunExecutor:
             await run.evaluator.start_round(state.version, state.step)
         await self.store.mark_trained(run.id, [t.trajectory_id for g in groups for t in g.group.trajectories])
         await self.bus.commit(held)
-        if self.save_groups:
-            save_groups(run.out, state.step, groups)
+        if self.save_groups:  # off the event loop too: a step's groups are up to hundreds of MB at scale
+            await asyncio.to_thread(save_groups, run.out, state.step, groups)
         # off the event loop: at scale, reading a batch back as text (grounding) takes seconds
         batch = await asyncio.to_thread(batch_metrics, groups, state.version - 1, run.chat)
         now = time.perf_counter()

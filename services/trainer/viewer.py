@@ -32,6 +32,7 @@ from agent.toolcall import parse_tool_call
 from agent.transcript import turn_texts
 from proto.messages import ScoredGroup
 from proto.runs import PbsdSpec
+from services.trainer.checkpoints import json_record
 from services.trainer.dynamics import sanity_figures
 from services.trainer.saved_groups import GroupIndex, GroupsChanged, index_groups, load_groups, shown_groups
 
@@ -49,7 +50,8 @@ __all__ = [
 def load_metrics(run_dir: Path) -> list[dict[str, float]]:
     """The trainer's per-step records (``metrics.jsonl``), in order; none before its first step."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [record for x in lines if (record := json_record(x)) is not None]
 
 
 def label(s: float, eps_pos: float, eps_neg: float) -> str:
