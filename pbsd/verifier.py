@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Verdict", "exact_match", "extract_boxed", "mentions", "normalize", "token_f1", "verify"]
+__all__ = ["Verdict", "boxes", "exact_match", "extract_boxed", "mentions", "normalize", "token_f1", "verify"]
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 _LATEX_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|textit|mathbf|operatorname)\s*\{([^{}]*)\}")
@@ -60,21 +60,17 @@ _NUMBER_WORDS = {
 }
 
 
-def extract_boxed(text: str | None) -> str | None:
-    r"""Content of the last ``\boxed{...}``, with nested braces (``\{`` and ``\}`` are not braces);
-    None if there is none or it never closes.
+def boxes(text: str) -> list[tuple[int, int, int]]:
+    r"""Every ``\boxed{...}`` that closes, as (where ``\boxed`` starts, where its content starts, where
+    its closing brace is), in the order they close; braces nest, and ``\{`` and ``\}`` are no braces.
 
-    One pass over the text with a stack of open braces: scanning from every ``\boxed{`` to its
-    close took time quadratic in the number of boxes left open (a degenerate final message of
+    One pass with a stack of open braces, from the first box on: scanning from every ``\boxed{`` to
+    its close took time quadratic in the number of boxes left open (a degenerate final message of
     thousands of them held the rollout's event loop for seconds)."""
-    if not text:
-        return None
-    boxes = {m.end() - 1 for m in _BOXED.finditer(text)}  # where each box's "{" is
-    if not boxes:
-        return None
+    starts = {m.end() - 1: m.start() for m in _BOXED.finditer(text)}  # a box's "{" -> its "\boxed"
+    found: list[tuple[int, int, int]] = []
     stack: list[int] = []  # positions of the braces still open
-    last: tuple[int, int] | None = None  # (content start, close) of the latest-starting closed box
-    i = 0
+    i = min(starts, default=len(text))
     while i < len(text):
         ch = text[i]
         if ch == "\\" and text[i + 1 : i + 2] in ("{", "}"):
@@ -82,12 +78,20 @@ def extract_boxed(text: str | None) -> str | None:
             continue
         if ch == "{":
             stack.append(i)
-        elif ch == "}" and stack:
-            opened = stack.pop()
-            if opened in boxes and (last is None or opened + 1 > last[0]):
-                last = (opened + 1, i)
+        elif ch == "}" and stack and (opened := stack.pop()) in starts:
+            found.append((starts[opened], opened + 1, i))
         i += 1
-    return None if last is None else text[last[0] : last[1]].strip()
+    return found
+
+
+def extract_boxed(text: str | None) -> str | None:
+    r"""Content of the last ``\boxed{...}`` (the one that starts last) that closes, with nested braces;
+    None if there is none or it never closes."""
+    closed = boxes(text) if text else []
+    if not closed:
+        return None
+    _, start, close = max(closed, key=lambda b: b[1])
+    return text[start:close].strip()
 
 
 def normalize(text: str) -> str:

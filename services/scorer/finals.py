@@ -16,7 +16,6 @@ teacher that reads x* has something to add.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ import numpy as np
 from agent.chat import ChatTokenizer, spelled_at
 from agent.grounding import turn_verdicts
 from agent.transcript import turn_texts
-from pbsd.verifier import mentions
+from pbsd.verifier import boxes, mentions
 from proto.messages import ScoredGroup
 from services.scorer.contexts import group_contexts
 from services.scorer.evidence import LogprobFn
@@ -34,7 +33,6 @@ __all__ = ["PARTS", "SURE", "answer_room", "by_part", "final_turns", "token_part
 
 SURE = -0.05  # nats: an answer token the student gives at least this log-prob leaves no room
 PARTS = ("first", "answer", "markup", "phrasing")
-_BOX = re.compile(r"\\boxed\s*\{")
 
 
 async def final_turns(scored: ScoredGroup, tokenizer: ChatTokenizer, logprobs: LogprobFn) -> list[dict]:
@@ -99,15 +97,8 @@ def token_parts(row: dict) -> list[str]:
     sits in, the end of turn). What a teacher that reads x* can inform is the first two; markup and
     phrasing are format."""
     markup: set[int] = set()
-    text = "".join(row["tokens"])
-    close = -1
-    for m in _BOX.finditer(text):  # a box ends at the next "}": no answer is expected to hold one
-        if m.start() <= close:
-            continue  # inside the box before
-        close = text.find("}", m.end())
-        if close == -1:
-            break  # no box after this one closes either
-        markup.update(range(m.start(), m.end()))
+    for opened, start, close in boxes("".join(row["tokens"])):  # as the verifier finds them
+        markup.update(range(opened, start))
         markup.add(close)
     answer, parts, at = {*row["answer_tokens"], *row["written_tokens"]}, [], 0
     for k, token in enumerate(row["tokens"]):
