@@ -24,13 +24,13 @@ Everything else is reported back to the agent as a failed tool call.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from json_repair import repair_json
 
 from agent.call_blocks import Block, blocks
+from proto.base import unfit_value
 
 __all__ = [
     "Parsed",
@@ -67,34 +67,32 @@ class Parsed:
 # of calls. Real arguments (a query, an address) are far shorter.
 MAX_REPAIR = 500
 
-# What a call's arguments may hold to be sent on the bus and shown: msgpack's integers end at 2^64
-# (a trajectory holding a bigger one could not be published, and its whole group was sampled again
-# until it was dead-lettered), NaN and Infinity are not JSON (the viewer's page failed to load), and
-# no tool takes arguments nested this deep.
-_INT_RANGE = (-(2**63), 2**64)
+# Why a call's arguments cannot travel: a trajectory holding an integer msgpack cannot carry could
+# not be published (its whole group was sampled again until it was dead-lettered), NaN and Infinity
+# blanked the credit viewer's page (its JSON.parse refuses them), and no tool takes nesting this deep.
 _MAX_DEPTH = 32
+_UNFIT = {
+    "not finite": "arguments hold NaN or Infinity, which JSON does not allow",
+    "too large": "arguments hold an integer too large to carry",
+    "too deep": f"arguments nest more than {_MAX_DEPTH} levels deep",
+}
 
 
-def _unsendable(value: Any) -> str | None:
-    """Why ``value`` (parsed JSON) cannot be a call's arguments, else None; iterative, so no depth
-    of nesting exhausts the stack."""
-    stack = [(value, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, float) and not math.isfinite(v):
-            return "arguments hold NaN or Infinity, which JSON does not allow"
-        if isinstance(v, int) and not isinstance(v, bool) and not _INT_RANGE[0] <= v < _INT_RANGE[1]:
-            return "arguments hold an integer too large to carry"
-        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
-        if children and depth == _MAX_DEPTH:
-            return f"arguments nest more than {_MAX_DEPTH} levels deep"
-        stack += [(c, depth + 1) for c in children]
-    return None
+@dataclass
+class _Repairs:
+    left: int  # characters of broken arguments the message may still have repaired
+
+    def take(self, n: int) -> bool:
+        """Spend ``n`` of them, if that many are left."""
+        if n > self.left:
+            return False
+        self.left -= n
+        return True
 
 
-def _arguments(raw: str, budget: list[int]) -> tuple[dict[str, Any] | None, bool, str | None]:
+def _arguments(raw: str, budget: _Repairs) -> tuple[dict[str, Any] | None, bool, str | None]:
     """The call's arguments, whether they were repaired, or why they are unusable. ``budget``: the
-    characters of repair the message has left (one element, spent here)."""
+    characters of repair the message has left, spent here."""
     raw = raw.strip()
     if not raw:
         return {}, False, None
@@ -102,17 +100,16 @@ def _arguments(raw: str, budget: list[int]) -> tuple[dict[str, Any] | None, bool
         value = json.loads(raw)
         repaired = False
     except RecursionError:
-        return None, False, f"arguments nest more than {_MAX_DEPTH} levels deep"
+        return None, False, _UNFIT["too deep"]
     except ValueError as exc:
         if not isinstance(exc, json.JSONDecodeError):  # an integer past Python's 4,300 digits
-            return None, False, "arguments hold an integer too large to carry"
-        if len(raw) > budget[0]:
+            return None, False, _UNFIT["too large"]
+        if not budget.take(len(raw)):
             return (
                 None,
                 False,
                 f"arguments are not valid JSON, and past what a message may have repaired ({MAX_REPAIR} characters)",
             )
-        budget[0] -= len(raw)
         try:
             value = repair_json(raw, return_objects=True)
         except Exception as exc:  # json_repair may raise on pathological input (RecursionError too)
@@ -124,8 +121,8 @@ def _arguments(raw: str, budget: list[int]) -> tuple[dict[str, Any] | None, bool
         repaired = True
     if not isinstance(value, dict):
         return None, repaired, "arguments must be a JSON object"
-    if problem := _unsendable(value):
-        return None, repaired, problem
+    if problem := unfit_value(value, _MAX_DEPTH):
+        return None, repaired, _UNFIT[problem]
     try:  # JSON may spell a lone UTF-16 surrogate ("\ud800"), which no message can carry on
         json.dumps(value, ensure_ascii=False).encode()
     except UnicodeEncodeError:
@@ -134,7 +131,7 @@ def _arguments(raw: str, budget: list[int]) -> tuple[dict[str, Any] | None, bool
     return {k: v for k, v in value.items() if v is not None}, repaired, None
 
 
-def _one(block: Block, count: int, truncated: bool, budget: list[int]) -> Parsed:
+def _one(block: Block, count: int, truncated: bool, budget: _Repairs) -> Parsed:
     server, tool = block.server.strip(), block.tool.strip()
     if not server or not tool:
         return Parsed(None, "server_name and tool_name must not be empty", count)
@@ -153,7 +150,7 @@ def parse_tool_calls(text: str) -> tuple[Parsed, ...]:
     for each other ``<use_mcp_tool>`` that forms no block; () when it makes none. Each is a call, or
     the error that makes it unusable (reported back to the agent as that call's failure)."""
     found, cut, unread = blocks(text)
-    budget = [MAX_REPAIR]
+    budget = _Repairs(MAX_REPAIR)
     calls = [_one(b, len(found), False, budget) for b in found]
     if cut is not None:
         calls.append(_one(cut, 1, True, budget))

@@ -12,6 +12,7 @@ models (arrays as base64).
 from __future__ import annotations
 
 import hashlib
+import math
 import uuid
 from typing import Any, Literal, TypeVar
 
@@ -20,7 +21,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proto.arrays import arrays_equal
 
-__all__ = ["SCHEMA_VERSION", "Contract", "Message", "decode", "derived_id", "encode", "new_id"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "Contract",
+    "Message",
+    "decode",
+    "derived_id",
+    "encode",
+    "new_id",
+    "unfit_value",
+]
 
 SCHEMA_VERSION = 1
 
@@ -34,6 +44,28 @@ def derived_id(*parts: str) -> str:
     """An id that depends only on what a message was made from: a retry after a crash re-publishes
     the same id, and the next consumer's idempotency check catches it."""
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:32]
+
+
+MSGPACK_INTS = (-(2**63), 2**64)  # the integers a message can carry
+
+
+def unfit_value(value: Any, max_depth: int) -> Literal["not finite", "too large", "too deep"] | None:
+    """What keeps a JSON-like value (a run's inline config, a tool call's arguments) from being stored
+    and sent: a number that is not finite (no JSON holds it), an integer msgpack cannot hold, or
+    nesting past ``max_depth``; None if nothing does. Iterative, and the depth is checked before
+    going deeper, so no input can exhaust the stack."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return "not finite"
+        if isinstance(v, int) and not isinstance(v, bool) and not MSGPACK_INTS[0] <= v < MSGPACK_INTS[1]:
+            return "too large"
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else ()
+        if children and depth == max_depth:
+            return "too deep"
+        stack += [(c, depth + 1) for c in children]
+    return None
 
 
 class Contract(BaseModel):

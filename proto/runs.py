@@ -8,7 +8,6 @@ clipping 0.2 / 0.28, and PBSD with delta 0.1, c 0.1, eps+ 0.001, eps- 0.003.
 
 from __future__ import annotations
 
-import math
 import re
 import string
 from typing import Annotated, Any, Literal
@@ -16,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from pbsd import credit
-from proto.base import Contract, Message
+from proto.base import Contract, Message, unfit_value
 
 __all__ = [
     "ANSWER_FIRST_TEACHER_TEMPLATE",
@@ -287,15 +286,11 @@ AlgorithmSpec = Annotated[GrpoSpec | PbsdSpec, Field(discriminator="name")]
 MAX_CONFIG_DEPTH = 32
 
 
-def _config_problem(value: Any, depth: int = 0) -> str | None:
-    """What unfits a JSON-like value to store: a number that is not finite, or nesting past
-    ``MAX_CONFIG_DEPTH`` (checked before going deeper, so no input can exhaust the stack)."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else "must hold finite numbers only (no NaN or Infinity)"
-    children = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
-    if children and depth == MAX_CONFIG_DEPTH:
-        return f"must nest at most {MAX_CONFIG_DEPTH} levels deep"
-    return next((p for v in children if (p := _config_problem(v, depth + 1))), None)
+_CONFIG_PROBLEMS = {
+    "not finite": "must hold finite numbers only (no NaN or Infinity)",
+    "too large": "must hold integers below 2^64",
+    "too deep": f"must nest at most {MAX_CONFIG_DEPTH} levels deep",
+}
 
 
 class TrainerSpec(_Spec):
@@ -363,8 +358,8 @@ class TrainerSpec(_Spec):
     @field_validator("deepspeed_config")
     @classmethod
     def _finite_config(cls, value):
-        if isinstance(value, dict) and (problem := _config_problem(value)):
-            raise ValueError(f"deepspeed_config {problem}")
+        if isinstance(value, dict) and (problem := unfit_value(value, MAX_CONFIG_DEPTH)):
+            raise ValueError(f"deepspeed_config {_CONFIG_PROBLEMS[problem]}")
         return value
 
 
