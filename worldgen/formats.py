@@ -20,7 +20,15 @@ from proto.data import CorpusDocument, QuestionRecord
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoadReport", "dumps", "load_corpus", "load_questions", "write_jsonl", "write_parquet"]
+__all__ = [
+    "LoadReport",
+    "dumps",
+    "json_rows",
+    "load_corpus",
+    "load_questions",
+    "write_jsonl",
+    "write_parquet",
+]
 
 
 def dumps(obj: Any) -> str:
@@ -76,7 +84,7 @@ class LoadReport:
             )
 
 
-def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+def json_rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(line or row number, parsed object or the JSON error) for every non-blank line."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -98,7 +106,7 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 def _objects(path: Path, report: LoadReport) -> Iterator[tuple[int, dict]]:
     """The rows that are JSON objects; every other row becomes a problem in ``report``."""
-    for n, row in _rows(path):
+    for n, row in json_rows(path):
         if isinstance(row, Exception):
             report.problems.append((n, f"not valid JSON: {row}"))
         elif not isinstance(row, dict):

@@ -60,29 +60,20 @@ def questions_file(path: Path | None) -> Path | None:
 def conversations_file(path: Path | None) -> Path | None:
     """A JSONL file of chat conversations, ``{"messages": [{"role", "content"}, ...]}`` a line
     (``pbsd world sft-data`` writes them)."""
-    import json
+    from worldgen.formats import json_rows
 
     if path is None:
         return None
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise typer.BadParameter(f"{path} line {n}: not valid JSON ({exc.msg})") from None
-            except RecursionError:
-                raise typer.BadParameter(f"{path} line {n}: not valid JSON (nested too deep)") from None
-            except ValueError as exc:  # an integer past Python's 4,300 digits
-                raise typer.BadParameter(f"{path} line {n}: not valid JSON ({exc})") from None
-            messages = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
-            ):
-                raise typer.BadParameter(
-                    f'{path} line {n}: not a conversation ({{"messages": [{{"role", "content"}}, ...]}})'
-                )
+    for n, row in json_rows(path):
+        if isinstance(row, Exception):  # what the line is not, said as the question files say it
+            raise typer.BadParameter(f"{path} line {n}: not valid JSON ({row})")
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
+        ):
+            raise typer.BadParameter(
+                f'{path} line {n}: not a conversation ({{"messages": [{{"role", "content"}}, ...]}})'
+            )
     return path
 
 
