@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -83,10 +83,26 @@ _PRECISION = re.compile(r"\.\d{1,4}")  # "{answer:.0}": a template field's one a
 LrDecay = Literal["constant", "cosine"]  # after warm-up (also pbsd sft's --lr-decay)
 
 
+def _leaf_types(annotation: Any) -> set[Any]:
+    args = get_args(annotation)
+    return set().union(*map(_leaf_types, args)) if args else {annotation}
+
+
 class _Spec(Contract):
-    """A part of the run specification: numbers are finite (NaN and infinities are refused)."""
+    """A part of the run specification: numbers are finite (NaN and infinities are refused), and a
+    number is a number: pydantic would read ``true`` as 1, so ``group_size: true`` sampled one."""
 
     model_config = ConfigDict(allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, data: Any) -> Any:
+        for name, value in data.items() if isinstance(data, dict) else ():
+            field = cls.model_fields.get(name)
+            kinds = _leaf_types(field.annotation) if field is not None and isinstance(value, bool) else set()
+            if kinds & {int, float} and not kinds & {bool, Any}:
+                raise ValueError(f"{name}: {value!r} is a boolean, not a number")
+        return data
 
 
 # A file or directory on the trainer: no longer than Linux's PATH_MAX, and without the NUL byte no

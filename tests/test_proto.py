@@ -178,15 +178,27 @@ def test_run_spec_defaults_are_the_papers():
         ({"algorithm": {"name": "pbsd", "noise_floor_samples": 2**64}}, "noise_floor_samples"),
         ({"trainer": {"max_steps": 10**30}}, "trainer.max_steps"),
         ({"data": {"train": "t", "epochs": 10**30}}, "data.epochs"),
-        ({"trainer": {"betas": [0.9, 1.0]}}, "trainer.betas"),
+        ({"trainer": {"betas": [0.9, 1.0]}}, "trainer.betas"),  # torch's AdamW refuses it at the run's start
         ({"name": "run\n2026-11-29 INFO forged line"}, "name"),
-        ({"name": "\x1b[2Jrun"}, "name"),  # torch's AdamW refuses it at the run's start
+        ({"name": "\x1b[2Jrun"}, "name"),
+        # pydantic reads true as 1: a group of one sample, a deadband of 1 nat
+        ({"rollout": {"group_size": True}}, "group_size: True is a boolean"),
+        ({"algorithm": {"name": "pbsd", "eps_pos": True}}, "eps_pos: True is a boolean"),
+        ({"trainer": {"keep_checkpoints": False}}, "keep_checkpoints: False is a boolean"),
     ],
 )
 def test_run_spec_errors_name_the_field(patch, message):
     body = {"model": {"path": "m"}, "data": {"train": "t"}, **patch}
     with pytest.raises(ValidationError, match=message):
         RunSpec.model_validate(body)
+
+
+def test_run_spec_flags_still_take_booleans():
+    body = {"model": {"path": "m"}, "data": {"train": "t"}, "rollout": {"return_routed_experts": True}}
+    spec = RunSpec.model_validate(
+        {**body, "trainer": {"routing_replay": True, "deepspeed_config": {"x": True}}}
+    )
+    assert spec.rollout.return_routed_experts and spec.trainer.routing_replay
 
 
 def test_schemas_are_fresh():
