@@ -14,10 +14,10 @@ would score a prompt it was never trained on.
 from __future__ import annotations
 
 import re
-import string
 from collections.abc import Sequence
 
 from agent.chat import ChatTokenizer
+from proto.runs import template_fields
 
 __all__ = ["fill_template", "hop_entities", "teacher_prompt_ids"]
 
@@ -33,8 +33,7 @@ def hop_entities(support: Sequence[str], answer: str) -> set[str]:
 
 def fill_template(template: str, question: str, answer: str, support: Sequence[str] = ()) -> str:
     """The template with its fields filled; ``{support}`` needs at least one fact."""
-    # parsed, not searched: "{{support}}" is the literal text "{support}", no field
-    if any(name == "support" for _, name, _, _ in string.Formatter().parse(template)) and not support:
+    if "support" in template_fields(template) and not support:
         raise ValueError("the teacher template asks for {support}, but the question has no supporting facts")
     return template.format(question=question, answer=answer, support="; ".join(support))
 

@@ -33,6 +33,7 @@ __all__ = [
     "RunSpec",
     "Seed",
     "TrainerSpec",
+    "template_fields",
 ]
 
 # The privileged context x*: the question with the verified answer, said plainly to be
@@ -79,6 +80,13 @@ Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's moment decays: 1 never for
 # refuses negative seeds, and the rollout seeds each turn with (seed + sample + 1000 * prompt) * 1000
 # + turn, which torch.manual_seed takes only below 2^64.
 Seed = Annotated[int, Field(ge=0, lt=2**53)]
+
+
+def template_fields(template: str) -> set[str]:
+    """The fields a teacher template fills: parsed, not searched, so "{{support}}" is text."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+
+
 _PRECISION = re.compile(r"\.\d{1,4}")  # "{answer:.0}": a template field's one allowed format spec
 LrDecay = Literal["constant", "cosine"]  # after warm-up (also pbsd sft's --lr-decay)
 
@@ -290,7 +298,7 @@ class PbsdSpec(_PolicyGradientSpec):
     @property
     def needs_support(self) -> bool:
         """Whether x* holds the question's supporting facts (every question must then have some)."""
-        return any(name == "support" for _, name, _, _ in string.Formatter().parse(self.teacher_template))
+        return "support" in template_fields(self.teacher_template)
 
 
 AlgorithmSpec = Annotated[GrpoSpec | PbsdSpec, Field(discriminator="name")]
