@@ -137,7 +137,7 @@ CASES = [
     ("teacher check: no model", lambda f: _teacher(f, "--model", f.missing), "--model", 2),
     ("teacher check: questions not JSONL", lambda f: _teacher(f, "--questions", f.tmp / "garbage.jsonl"), "no usable rows (line 1: not valid JSON", 2),
     ("teacher check: no corpus", lambda f: _teacher(f, "--corpus", f.missing), "--corpus", 2),
-    ("teacher check: a bad deadband", lambda f: _teacher(f, "--eps-pos", "-1"), "eps_pos", 2),
+    ("teacher check: a bad deadband", lambda f: _teacher(f, "--eps-pos", "-1"), "--eps-pos", 2),
     ("teacher check: a bad template", lambda f: _teacher(f, "--teacher-template", "{question} {hint}"), "teacher_template", 2),
     ("teacher probe: no data", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),
     ("teacher probe: no answers", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl")], "line 1 is not a conversation with its answer", 2),
@@ -154,6 +154,19 @@ CASES = [
     ("teacher tally: no groups folder", lambda f: ["teacher", "tally", "--model", str(f.ckpt), "--groups", str(f.missing)], "does not exist", 2),
     ("teacher tally: no scored groups", lambda f: ["teacher", "tally", "--model", str(f.ckpt), "--groups", str(f.tmp)], "no scored PBSD groups", 2),
     ("teacher check: support without facts", lambda f: _teacher(f, "--teacher-template", "support"), "3 of 3 questions", 1),
+    # options out of their range, refused before anything runs: concurrency 0 waited for good, samples 0
+    # divided by zero, a negative limit meant "all but the last N", a port past 65535 wrapped around
+    ("eval: no trajectory in flight", lambda f: _eval(f, "--concurrency", "0"), "--concurrency", 2),
+    ("eval: no samples", lambda f: _eval(f, "--samples", "0"), "--samples", 2),
+    ("eval: top-p past 1", lambda f: _eval(f, "--top-p", "2"), "2.0 is not in (0, 1]", 2),
+    ("eval: a negative temperature", lambda f: _eval(f, "--temperature", "-1"), "-1.0 is not above 0", 2),
+    ("teacher check: no trajectory in flight", lambda f: _teacher(f, "--concurrency", "0"), "--concurrency", 2),
+    ("world build: a negative split", lambda f: ["world", "build", "--out", str(f.missing), "--rl", "-5"], "--rl", 2),
+    ("world sft-data: a negative limit", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--limit", "-3"], "--limit", 2),
+    ("world sft-data: a rate past 1", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--detour-rate", "5"], "--detour-rate", 2),
+    ("sft: no batch", lambda f: ["sft", "--data", str(f.tmp / "chat.jsonl"), "--model", str(f.ckpt), "--out", str(f.missing), "--batch-size", "0"], "--batch-size", 2),
+    ("serve tools: a port past 65535", lambda f: ["serve", "tools", "--port", "99999"], "--port", 2),
+    ("compare: no evaluation samples", lambda f: ["compare", "--out", str(f.missing), "--eval-samples", "0"], "--eval-samples", 2),
     # refused before the model is loaded (f.ckpt would fail to load) or anything sampled
     ("eval: compare to other questions", lambda f: _eval(f, "--compare-to", f.tmp / "other-report.json"), "3 of the 3 evaluated here are not among its 1", 2),
 ]  # fmt: skip

@@ -9,7 +9,7 @@ import typer
 from demo.variants import VARIANTS
 from pbsd.accuracy import signed
 from pbsd.cli.errors import UserError
-from pbsd.cli.inputs import checkpoint_dir, demo_settings, read_document
+from pbsd.cli.inputs import checkpoint_dir, demo_settings, positive, read_document
 
 # the comparison's own defaults where neither --config nor an option sets them
 EVAL_QUESTIONS = 200
@@ -44,21 +44,23 @@ def compare_cmd(
     policy: Path | None = typer.Option(
         None, help="start every run from this checkpoint instead of the warm policy", callback=checkpoint_dir
     ),
-    steps: int | None = typer.Option(None, help="training steps of each run"),
-    prompts_per_step: int | None = typer.Option(None),
-    group_size: int | None = typer.Option(None),
-    max_turns: int | None = typer.Option(None),
-    max_tokens_per_turn: int | None = typer.Option(None),
+    steps: int | None = typer.Option(None, min=1, help="training steps of each run"),
+    prompts_per_step: int | None = typer.Option(None, min=1),
+    group_size: int | None = typer.Option(None, min=1),
+    max_turns: int | None = typer.Option(None, min=1),
+    max_tokens_per_turn: int | None = typer.Option(None, min=1),
     eval_questions: int | None = typer.Option(
-        None, help=f"held-out questions from the world's reserve (default {EVAL_QUESTIONS})"
+        None, min=1, help=f"held-out questions from the world's reserve (default {EVAL_QUESTIONS})"
     ),
     eval_samples: int | None = typer.Option(
-        None, help=f"samples per question: k of mean@k (default {EVAL_SAMPLES})"
+        None, min=1, help=f"samples per question: k of mean@k (default {EVAL_SAMPLES})"
     ),
     resamples: int = typer.Option(10_000, min=1, help="bootstrap resamples"),
-    bootstrap_seed: int = typer.Option(0),
+    bootstrap_seed: int = typer.Option(0, min=0),
     stall_timeout: float | None = typer.Option(
-        None, help="stop a run that makes no training step for this many seconds (default 600)"
+        None,
+        callback=positive,
+        help="stop a run that makes no training step for this many seconds (default 600)",
     ),
     report_only: bool = typer.Option(
         False, help="train and evaluate nothing: write the summary and report of what has finished"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from pbsd.cli.inputs import checkpoint_dir, demo_settings
+from pbsd.cli.inputs import checkpoint_dir, demo_settings, positive
 
 
 def demo_cmd(
@@ -14,12 +14,14 @@ def demo_cmd(
     algorithm: str | None = typer.Option(
         None, help="pbsd (default), grpo, or both (the same pipeline, compared)"
     ),
-    steps: int | None = typer.Option(None, help="training steps"),
-    prompts_per_step: int | None = typer.Option(None),
-    group_size: int | None = typer.Option(None),
-    eval_questions: int | None = typer.Option(None, help="held-out questions evaluated before and after"),
-    max_turns: int | None = typer.Option(None),
-    max_tokens_per_turn: int | None = typer.Option(None),
+    steps: int | None = typer.Option(None, min=1, help="training steps"),
+    prompts_per_step: int | None = typer.Option(None, min=1),
+    group_size: int | None = typer.Option(None, min=1),
+    eval_questions: int | None = typer.Option(
+        None, min=1, help="held-out questions evaluated before and after"
+    ),
+    max_turns: int | None = typer.Option(None, min=1),
+    max_tokens_per_turn: int | None = typer.Option(None, min=1),
     from_scratch: bool = typer.Option(
         False, help="rebuild the warm policy (oracle data, tokenizer, SFT) instead of using the committed one"
     ),
@@ -30,7 +32,9 @@ def demo_cmd(
         None, help="start from this checkpoint instead of the warm policy", callback=checkpoint_dir
     ),
     stall_timeout: float | None = typer.Option(
-        None, help="stop a run that makes no training step for this many seconds (default 600)"
+        None,
+        callback=positive,
+        help="stop a run that makes no training step for this many seconds (default 600)",
     ),
 ) -> None:
     """Train a tiny search agent end to end, with a report.

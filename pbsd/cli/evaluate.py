@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from pbsd.cli.inputs import checkpoint_dir, questions_file
+from pbsd.cli.inputs import checkpoint_dir, positive, probability, questions_file
 
 
 def eval_cmd(
@@ -21,25 +21,25 @@ def eval_cmd(
         callback=questions_file,
     ),
     out: Path = typer.Option(Path("eval.json"), help="JSON report to write"),
-    samples: int = typer.Option(4, help="samples per question (the paper reports mean@4)"),
+    samples: int = typer.Option(4, min=1, help="samples per question (the paper reports mean@4)"),
     corpus: Path | None = typer.Option(
         None, help="offline corpus: run the tool gateway in process over it", exists=True, dir_okay=False
     ),
     tools_url: str | None = typer.Option(None, help="a running tool gateway instead of --corpus"),
     sglang_url: list[str] = typer.Option([], help="SGLang servers; the in-process engine when none"),
-    limit: int | None = typer.Option(None, help="evaluate only the first N questions"),
-    max_turns: int = typer.Option(300),
-    max_tokens_per_turn: int = typer.Option(16_384),
-    max_context: int = typer.Option(65_536),
-    temperature: float = typer.Option(1.0),
-    top_p: float = typer.Option(0.95, help="the paper evaluates with top-p 0.95"),
-    concurrency: int = typer.Option(4, help="trajectories in flight"),
+    limit: int | None = typer.Option(None, min=1, help="evaluate only the first N questions"),
+    max_turns: int = typer.Option(300, min=1),
+    max_tokens_per_turn: int = typer.Option(16_384, min=1),
+    max_context: int = typer.Option(65_536, min=1),
+    temperature: float = typer.Option(1.0, callback=positive),
+    top_p: float = typer.Option(0.95, callback=probability, help="the paper evaluates with top-p 0.95"),
+    concurrency: int = typer.Option(4, min=1, help="trajectories in flight"),
     date: str | None = typer.Option(
         None,
         help="'today' in the system prompt (YYYY-MM-DD); default: the world's, from the manifest.json "
         "beside the questions or the corpus, else today's",
     ),
-    seed: int | None = typer.Option(None),
+    seed: int | None = typer.Option(None, min=0),
     compare_to: Path | None = typer.Option(
         None,
         help="an earlier report of this command on the same questions (say, of the policy before "

@@ -17,10 +17,26 @@ __all__ = [
     "checkpoint_dir",
     "conversations_file",
     "demo_settings",
+    "positive",
+    "probability",
     "questions_file",
     "read_document",
     "world_dir",
 ]
+
+
+def positive(value: float | None) -> float | None:
+    """An option that must be above 0 (a temperature, a learning rate, a timeout)."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"{value} is not above 0")
+    return value
+
+
+def probability(value: float | None) -> float | None:
+    """An option in (0, 1] (a top-p)."""
+    if value is not None and not 0 < value <= 1:
+        raise typer.BadParameter(f"{value} is not in (0, 1]")
+    return value
 
 
 def world_dir(path: Path | None) -> Path | None:

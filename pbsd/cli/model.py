@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from pbsd.cli.inputs import checkpoint_dir, conversations_file, world_dir
+from pbsd.cli.inputs import checkpoint_dir, conversations_file, positive, world_dir
 
 app = typer.Typer(help="Policy checkpoints.", no_args_is_help=True)
 
@@ -22,15 +22,17 @@ def model_tiny(
         dir_okay=False,
         callback=conversations_file,
     ),
-    vocab_size: int = typer.Option(4096),
-    hidden_size: int = typer.Option(128),
-    layers: int = typer.Option(2),
+    vocab_size: int = typer.Option(4096, min=1),
+    hidden_size: int = typer.Option(128, min=1),
+    layers: int = typer.Option(2, min=1),
     kv_heads: int = typer.Option(
-        2, help="key-value groups of the 4 attention heads (4: one per head, so copy heads share nothing)"
+        2,
+        min=1,
+        help="key-value groups of the 4 attention heads (4: one per head, so copy heads share nothing)",
     ),
-    experts: int = typer.Option(8),
-    top_k: int = typer.Option(2),
-    seed: int = typer.Option(0),
+    experts: int = typer.Option(8, min=1),
+    top_k: int = typer.Option(2, min=1),
+    seed: int = typer.Option(0, min=0),
     entity_tokens: bool = typer.Option(
         False, help="one token per entity name and page address, beside the BPE vocabulary"
     ),
@@ -94,7 +96,7 @@ def model_copy_probe(
         dir_okay=False,
         callback=conversations_file,
     ),
-    limit: int | None = typer.Option(None, help="probe only the first N conversations"),
+    limit: int | None = typer.Option(None, min=1, help="probe only the first N conversations"),
 ) -> None:
     """Teacher-forced accuracy on the spans an episode hinges on.
 
@@ -116,14 +118,16 @@ def sft_cmd(
     ),
     model: Path = typer.Option(..., help="the checkpoint to start from", callback=checkpoint_dir),
     out: Path = typer.Option(..., help="checkpoint directory to write"),
-    epochs: int = typer.Option(2),
-    lr: float = typer.Option(1e-5, help="the paper's SFT learning rate (a tiny model wants ~1e-3)"),
-    batch_size: int = typer.Option(32, help="conversations per optimiser step"),
-    warmup_steps: int = typer.Option(10),
+    epochs: int = typer.Option(2, min=1),
+    lr: float = typer.Option(
+        1e-5, callback=positive, help="the paper's SFT learning rate (a tiny model wants ~1e-3)"
+    ),
+    batch_size: int = typer.Option(32, min=1, help="conversations per optimiser step"),
+    warmup_steps: int = typer.Option(10, min=0),
     lr_decay: str = typer.Option("constant", help="after warm-up: constant, or cosine to lr/10 at the end"),
-    micro_batch_tokens: int = typer.Option(16_384),
-    max_tokens: int = typer.Option(65_536, help="longer conversations are skipped"),
-    seed: int = typer.Option(0),
+    micro_batch_tokens: int = typer.Option(16_384, min=1),
+    max_tokens: int = typer.Option(65_536, min=1, help="longer conversations are skipped"),
+    seed: int = typer.Option(0, min=0),
     save_every_epoch: bool = typer.Option(False, help="also write <out>-epoch-<n> after each epoch"),
     loss_on: str = typer.Option(
         "assistant", help="assistant: learn the assistant's tokens; turns: the tool results too"
@@ -135,10 +139,12 @@ def sft_cmd(
     ),
     teacher_contradict: float = typer.Option(
         0.0,
+        min=0.0,
+        max=1.0,
         help="the share of the teacher-format copies whose tool results name a decoy in place of the "
         "answer, so that only x* states it (services/trainer/teacher_sft.py)",
     ),
-    limit: int | None = typer.Option(None, help="learn only the first N conversations of --data"),
+    limit: int | None = typer.Option(None, min=1, help="learn only the first N conversations of --data"),
 ) -> None:
     """Supervised fine-tuning: the warm start before RL.
 

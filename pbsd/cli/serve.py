@@ -14,7 +14,7 @@ app = typer.Typer(help="Run one of the pipeline's services in the foreground.", 
 @app.command("tools")
 def serve_tools(
     host: str | None = typer.Option(None, help="bind address (default: PBSD_TOOLS_HOST or 127.0.0.1)"),
-    port: int | None = typer.Option(None, help="port (default: PBSD_TOOLS_PORT or 8001)"),
+    port: int | None = typer.Option(None, min=1, max=65535, help="port (default: PBSD_TOOLS_PORT or 8001)"),
 ) -> None:
     """The tool gateway (settings from PBSD_TOOLS_* and REDIS_URL)."""
     from services.tools.settings import ToolsSettings
@@ -42,7 +42,7 @@ def serve_tools(
 def serve_rollout(
     host: str | None = typer.Option(None, help="bind address (default: PBSD_ROLLOUT_HOST or 127.0.0.1)"),
     port: int | None = typer.Option(
-        None, help="port for /health and /metrics (default: PBSD_ROLLOUT_PORT or 8002)"
+        None, min=1, max=65535, help="port for /health and /metrics (default: PBSD_ROLLOUT_PORT or 8002)"
     ),
 ) -> None:
     """A rollout worker (settings from PBSD_ROLLOUT_* and REDIS_URL)."""
@@ -62,7 +62,7 @@ def serve_rollout(
 def serve_scorer(
     host: str | None = typer.Option(None, help="bind address (default: PBSD_SCORER_HOST or 127.0.0.1)"),
     port: int | None = typer.Option(
-        None, help="port for /health and /metrics (default: PBSD_SCORER_PORT or 8003)"
+        None, min=1, max=65535, help="port for /health and /metrics (default: PBSD_SCORER_PORT or 8003)"
     ),
 ) -> None:
     """The evidence scorer (settings from PBSD_SCORER_* and REDIS_URL)."""
@@ -107,7 +107,9 @@ def _loopback(host: str) -> bool:
 @app.command("trainer")
 def serve_trainer(
     host: str | None = typer.Option(None, help="bind address (default: PBSD_TRAINER_HOST or 127.0.0.1)"),
-    port: int | None = typer.Option(None, help="port of the REST API (default: PBSD_TRAINER_PORT or 8000)"),
+    port: int | None = typer.Option(
+        None, min=1, max=65535, help="port of the REST API (default: PBSD_TRAINER_PORT or 8000)"
+    ),
     save_groups: bool | None = typer.Option(
         None,
         help="keep every step's scored groups (for reports and the credit viewer); "

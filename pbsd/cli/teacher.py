@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from pbsd.cli.errors import UserError
-from pbsd.cli.inputs import checkpoint_dir, conversations_file, questions_file
+from pbsd.cli.inputs import checkpoint_dir, conversations_file, positive, probability, questions_file
 
 app = typer.Typer(
     help="Check the PBSD teacher (the answer-aware policy) before a run.",
@@ -40,18 +40,21 @@ def check_cmd(
     ),
     out: Path = typer.Option(Path("teacher-check.json"), help="JSON report to write"),
     samples: int = typer.Option(4, min=1, help="trajectories per question: one PBSD group each"),
-    limit: int | None = typer.Option(None, help="only the first N questions"),
+    limit: int | None = typer.Option(None, min=1, help="only the first N questions"),
     seed: int = typer.Option(
         0,
+        min=0,
         help="sample i of question q is seeded with seed + i + 1000 q: checks that share no sample "
         "step it by --samples (0, 4, 8 with 4)",
     ),
-    max_turns: int = typer.Option(300),
-    max_tokens_per_turn: int = typer.Option(16_384),
-    max_context: int = typer.Option(65_536),
-    temperature: float = typer.Option(1.0),
-    top_p: float = typer.Option(1.0, help="1.0: as RL samples the trajectories the scorer scores"),
-    concurrency: int = typer.Option(16, help="trajectories in flight (the engine batches them)"),
+    max_turns: int = typer.Option(300, min=1),
+    max_tokens_per_turn: int = typer.Option(16_384, min=1),
+    max_context: int = typer.Option(65_536, min=1),
+    temperature: float = typer.Option(1.0, callback=positive),
+    top_p: float = typer.Option(
+        1.0, callback=probability, help="1.0: as RL samples the trajectories the scorer scores"
+    ),
+    concurrency: int = typer.Option(16, min=1, help="trajectories in flight (the engine batches them)"),
     date: str | None = typer.Option(None, help="'today' in the system prompt (default: the world's)"),
     teacher_template: str = typer.Option(
         "answer",
@@ -59,8 +62,8 @@ def check_cmd(
         "in a short note before the question: the demo's), support (the answer and the question's supporting "
         "facts), support-first (the answer-first note with the facts), or a template of your own with {question}, {answer} and optionally {support}",
     ),
-    eps_pos: float = typer.Option(0.001, help="eps+ of the deadband"),
-    eps_neg: float = typer.Option(0.003, help="eps- of the deadband"),
+    eps_pos: float = typer.Option(0.001, min=0.0, help="eps+ of the deadband"),
+    eps_neg: float = typer.Option(0.003, min=0.0, help="eps- of the deadband"),
     reduce: str = typer.Option("mean", help="turn evidence: mean (Algorithm 1) or sum (section 3)"),
     noise_floor_samples: int = typer.Option(1, min=0, help="trajectories per group in the null pass"),
     evidence_routing: str = typer.Option("fresh", help="fresh (the paper) or replay (the ablation)"),
@@ -148,10 +151,10 @@ def probe_cmd(
         callback=conversations_file,
     ),
     teacher_template: str = typer.Option("answer", help="x*'s template, as for `pbsd teacher check`"),
-    limit: int | None = typer.Option(40, help="probe only the first N conversations"),
-    seed: int = typer.Option(0, help="seeds the choice of decoy answers"),
-    eps_pos: float = typer.Option(0.001, help="eps+ of the deadband"),
-    eps_neg: float = typer.Option(0.003, help="eps- of the deadband"),
+    limit: int | None = typer.Option(40, min=1, help="probe only the first N conversations"),
+    seed: int = typer.Option(0, min=0, help="seeds the choice of decoy answers"),
+    eps_pos: float = typer.Option(0.001, min=0.0, help="eps+ of the deadband"),
+    eps_neg: float = typer.Option(0.003, min=0.0, help="eps- of the deadband"),
 ) -> None:
     """Does the teacher read the note? Teacher-forced, no sampling.
 
@@ -225,9 +228,9 @@ def teach_cmd(
     same_final: bool = typer.Option(
         False, help="L_same holds the final turn's phrasing too (every token but the answer's)"
     ),
-    lr: float = typer.Option(5e-4),
-    limit: int | None = typer.Option(3000, help="learn from the first N conversations of --data"),
-    seed: int = typer.Option(0),
+    lr: float = typer.Option(5e-4, callback=positive),
+    limit: int | None = typer.Option(3000, min=1, help="learn from the first N conversations of --data"),
+    seed: int = typer.Option(0, min=0),
     train_layers: str | None = typer.Option(
         None,
         help="only these decoder layers learn: indices (2,3) or 'grown', the ones `pbsd model grow` added",

@@ -16,17 +16,17 @@ app = typer.Typer(help="The embedded search world: graph, corpus, questions, SFT
 def world_build(
     out: Path = typer.Option(..., "--out", help="directory to write the world into"),
     # the defaults are the demo's world (demo/config.py), the one the committed policy was made for
-    seed: int = typer.Option(0, help="same seed and sizes, same bytes"),
+    seed: int = typer.Option(0, min=0, help="same seed and sizes, same bytes"),
     entities: int = typer.Option(
         2000,
         help="number of entities in the knowledge graph (at least 100; the default splits need about 350)",
     ),
     questions: int | None = typer.Option(
-        None, help="size of the question pool (default: what the splits need + 30%)"
+        None, min=1, help="size of the question pool (default: what the splits need + 30%)"
     ),
-    rl: int = typer.Option(575, help="questions in the RL split"),
-    validation: int = typer.Option(200, help="questions in the validation split"),
-    sft: int = typer.Option(6000, help="questions in the SFT split"),
+    rl: int = typer.Option(575, min=0, help="questions in the RL split"),
+    validation: int = typer.Option(200, min=0, help="questions in the validation split"),
+    sft: int = typer.Option(6000, min=0, help="questions in the SFT split"),
     parquet: bool = typer.Option(False, help="also write Parquet files (needs pyarrow)"),
 ) -> None:
     """Generate a world: graph, documents, multi-hop questions.
@@ -137,14 +137,16 @@ def world_sft_data(
     ),
     out: Path = typer.Option(..., "--out", help="JSONL file of chat trajectories to write"),
     split: str = typer.Option("sft", help="which question split to solve"),
-    limit: int | None = typer.Option(None, help="solve only the first N questions"),
-    seed: int = typer.Option(0),
+    limit: int | None = typer.Option(None, min=1, help="solve only the first N questions"),
+    seed: int = typer.Option(0, min=0),
     detour_rate: float = typer.Option(
-        0.25, help="chance of a detour (vague search, wrong page, re-check) at each step"
+        0.25, min=0.0, max=1.0, help="chance of a detour (vague search, wrong page, re-check) at each step"
     ),
-    search_num: int = typer.Option(5, help="results the oracle asks of each search"),
+    search_num: int = typer.Option(5, min=1, help="results the oracle asks of each search"),
     rename: float = typer.Option(
         0.0,
+        min=0.0,
+        max=1.0,
         help="fraction of trajectories whose invented names are renamed consistently "
         "(fresh per trajectory), so they can only be fitted by copying (worldgen/rename.py)",
     ),
