@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
 from proto.runs import PbsdSpec
+
+UnitFloat = Annotated[float, Field(ge=0, le=1)]  # a share
+Probability = Annotated[float, Field(gt=0, le=1)]  # a top-p
 
 if TYPE_CHECKING:
     from services.trainer.note_pass import NotePassConfig
@@ -56,15 +59,15 @@ WARM_START = (
 class DemoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = 0
+    seed: NonNegativeInt = 0
     algorithm: Literal["pbsd", "grpo", "both"] = "pbsd"
     # the world
-    entities: int = 2000
-    n_rl: int = 575
-    n_val: int = 200
+    entities: PositiveInt = 2000
+    n_rl: NonNegativeInt = 575
+    n_val: NonNegativeInt = 200
     # 6000 oracle trajectories: with fewer the tiny policy memorises instead of learning to copy
     # names from the question into its searches (1000 x 8 epochs: 0/24 on validation)
-    n_sft: int = 6000
+    n_sft: NonNegativeInt = 6000
     difficulty: list[Difficulty] = Field(
         default=["easy"], description="difficulties of the RL questions the tiny policy trains on"
     )
@@ -84,14 +87,14 @@ class DemoConfig(BaseModel):
     policy: str | None = Field(
         default=None, description="start from this checkpoint instead (must fit the world)"
     )
-    vocab_size: int = 4096
-    hidden_size: int = 128
-    sft_epochs: int = 2
-    sft_lr: float = 2e-3
-    sft_batch_size: int = 16
-    sft_warmup_steps: int = 10
-    sft_search_num: int = 3  # results per search in the oracle trajectories (shorter contexts)
-    sft_rename: float = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
+    vocab_size: PositiveInt = 4096
+    hidden_size: PositiveInt = 128
+    sft_epochs: PositiveInt = 2
+    sft_lr: PositiveFloat = 2e-3
+    sft_batch_size: PositiveInt = 16
+    sft_warmup_steps: NonNegativeInt = 10
+    sft_search_num: PositiveInt = 3  # results per search in the oracle trajectories (shorter contexts)
+    sft_rename: UnitFloat = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
     # how the oracle's last turn writes the answer (`pbsd world sft-data --final`): "restate" names it
     # in a sentence and then boxes it, "boxed" makes the box its first mention
     sft_final: Literal["restate", "boxed"] = "restate"
@@ -103,9 +106,9 @@ class DemoConfig(BaseModel):
     boxed_pass_conversations: int = Field(
         default=1600, ge=0, description="the first N boxed SFT conversations; 0: no boxed pass"
     )
-    boxed_pass_lr: float = 1e-3
-    boxed_pass_epochs: int = 1
-    boxed_pass_warmup_steps: int = 5
+    boxed_pass_lr: PositiveFloat = 1e-3
+    boxed_pass_epochs: PositiveInt = 1
+    boxed_pass_warmup_steps: NonNegativeInt = 5
     entity_tokens: bool = True  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
     copy_heads: bool = True  # hand-built heads that copy entity tokens (`pbsd model tiny --copy-heads`)
     kv_heads: int = Field(default=4, ge=1, le=4, description="key-value groups of the 4 attention heads")
@@ -119,10 +122,10 @@ class DemoConfig(BaseModel):
         default=[], description="NAME:FRACTION, as pbsd sft --teacher-format; empty: no second pass"
     )
     teacher_sft_conversations: int = Field(default=800, ge=1, description="the first N SFT conversations")
-    teacher_sft_lr: float = 1e-3
-    teacher_sft_epochs: int = 1
-    teacher_sft_warmup_steps: int = 5
-    teacher_sft_contradict: float = 0.5  # pbsd sft --teacher-contradict
+    teacher_sft_lr: PositiveFloat = 1e-3
+    teacher_sft_epochs: PositiveInt = 1
+    teacher_sft_warmup_steps: NonNegativeInt = 5
+    teacher_sft_contradict: UnitFloat = 0.5  # pbsd sft --teacher-contradict
     # a note pass after SFT (`pbsd teacher teach`, services/trainer/note_pass.py): learns the answer
     # of cut conversations after x* (half with tool results naming a decoy) beside whole ones, and
     # with note_pass_consistency holds the answer-free tokens after x* to the student's. It teaches
@@ -130,7 +133,7 @@ class DemoConfig(BaseModel):
     # data it moved answer-free turns out of the deadband (docs/credit-signal.md, "The note pass");
     # after the boxed pass, with L_same, they stay in it (t23 there; the committed policy: RECIPE.md)
     note_pass_steps: int = Field(default=400, ge=0, description="steps of the note pass; 0: no note pass")
-    note_pass_lr: float = 2e-4
+    note_pass_lr: PositiveFloat = 2e-4
     note_pass_conversations: int = Field(default=3000, ge=1, description="the first N SFT conversations")
     note_pass_hops: float = Field(default=0.0, ge=0, description="L_hop's weight (pbsd teacher teach --hops)")
     note_pass_consistency: float = Field(
@@ -149,16 +152,16 @@ class DemoConfig(BaseModel):
     # (-0.0025) (docs/credit-signal.md, "Where the note goes"); the note pass teaches this template
     teacher_template: str = "answer-first"
     # RL
-    steps: int = 16
-    prompts_per_step: int = 4
-    group_size: int = 8
-    max_turns: int = 12
-    max_tokens_per_turn: int = 160
-    max_context: int = 6144
-    lr: float = 1e-4
-    warmup_steps: int = 2
-    max_staleness: int = 1
-    rollout_concurrency: int = 4
+    steps: PositiveInt = 16
+    prompts_per_step: PositiveInt = 4
+    group_size: PositiveInt = 8
+    max_turns: PositiveInt = 12
+    max_tokens_per_turn: PositiveInt = 160
+    max_context: PositiveInt = 6144
+    lr: PositiveFloat = 1e-4
+    warmup_steps: NonNegativeInt = 2
+    max_staleness: NonNegativeInt = 1
+    rollout_concurrency: PositiveInt = 4
     # Intra-op threads of every torch process (the rollout, scorer and trainer services, and the
     # evaluations in this process). The three services run at once on the 2 cores the demo is
     # sized for: with 2 OpenMP threads each, a parallel op waits at its barrier for a thread the
@@ -169,9 +172,9 @@ class DemoConfig(BaseModel):
     # evaluation before and after
     # 48 questions, the same sampling seeds before and after: under a minute each time here; one
     # sample each keeps the demo short (pbsd compare measures with 200 questions and several seeds)
-    eval_questions: int = 48
-    eval_samples: int = 1
-    eval_top_p: float = 0.95
+    eval_questions: PositiveInt = 48
+    eval_samples: PositiveInt = 1
+    eval_top_p: Probability = 0.95
     # trajectories evaluated at once: the in-process engine decodes them in one batch, and a
     # trajectory's tokens do not depend on what shares its batch, so this changes time, not answers
     eval_concurrency: int = Field(default=16, ge=1)

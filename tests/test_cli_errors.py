@@ -35,6 +35,7 @@ def f(tiny_world, tmp_path_factory):
     (tmp / "not-yaml.yaml").write_text("steps: [1, 2\n")
     (tmp / "list.yaml").write_text("- steps\n")
     (tmp / "bad-setting.yaml").write_text("steps: many\n")
+    (tmp / "negative.yaml").write_text("eval_questions: -5\n")
     (tmp / "garbage.jsonl").write_text("not json at all\n")
     (tmp / "no-messages.jsonl").write_text('{"text": "hello"}\n')
     (tmp / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hello"}]}\n')
@@ -166,6 +167,7 @@ CASES = [
     ("world sft-data: a rate past 1", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--detour-rate", "5"], "--detour-rate", 2),
     ("sft: no batch", lambda f: ["sft", "--data", str(f.tmp / "chat.jsonl"), "--model", str(f.ckpt), "--out", str(f.missing), "--batch-size", "0"], "--batch-size", 2),
     ("serve tools: a port past 65535", lambda f: ["serve", "tools", "--port", "99999"], "--port", 2),
+    ("world demo-questions: a negative count", lambda f: ["world", "demo-questions", "--world", str(f.world), "--out", str(f.missing), "--config", str(f.tmp / "negative.yaml")], "eval_questions: Input should be greater than 0", 1),
     ("compare: no evaluation samples", lambda f: ["compare", "--out", str(f.missing), "--eval-samples", "0"], "--eval-samples", 2),
     # refused before the model is loaded (f.ckpt would fail to load) or anything sampled
     ("eval: compare to other questions", lambda f: _eval(f, "--compare-to", f.tmp / "other-report.json"), "3 of the 3 evaluated here are not among its 1", 2),
