@@ -51,9 +51,15 @@ def f(tiny_world, tmp_path_factory):
     (tmp / "not-a-report.json").write_text(json.dumps({"accuracy": 0.5}))
     (tmp / "earlier-compare").mkdir()
     (tmp / "earlier-compare" / "compare-config.json").write_text(json.dumps({"demo": {"steps": 7}}))
-    looks_like_a_checkpoint = tmp / "ckpt"
-    looks_like_a_checkpoint.mkdir()
-    (looks_like_a_checkpoint / "config.json").write_text('{"num_hidden_layers": 2}')
+    looks_like_a_checkpoint = _checkpoint(tmp / "ckpt")
+    broken = {
+        "no-type": {"config.json": '{"num_hidden_layers": 2}'},
+        "no-weights": {"model.safetensors": None},
+        "cut-weights": {"model.safetensors": (10**6).to_bytes(8, "little") + b'{"a": '},
+        "no-tokenizer": {"tokenizer.json": None},
+    }
+    for name, files in broken.items():
+        _checkpoint(tmp / name, **files)
     return SimpleNamespace(
         tmp=tmp,
         missing=tmp / "missing",
@@ -61,6 +67,21 @@ def f(tiny_world, tmp_path_factory):
         ckpt=looks_like_a_checkpoint,
         closed=f"http://127.0.0.1:{free_port('127.0.0.1')}",  # nothing listens there
     )
+
+
+def _checkpoint(path: Path, **files) -> Path:
+    """A directory with every file a checkpoint needs, each empty of weights (nothing loads it);
+    ``files`` replaces one (None leaves it out)."""
+    path.mkdir()
+    contents = {
+        "config.json": '{"model_type": "qwen3_moe", "num_hidden_layers": 2}',
+        "model.safetensors": (2).to_bytes(8, "little") + b"{}",  # a header listing no tensors
+        "tokenizer.json": "{}",
+    } | files
+    for name, content in contents.items():
+        if content is not None:
+            (path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
 
 
 def _teach(f):
@@ -114,6 +135,10 @@ CASES = [
     ("model tiny: sft data nested past the stack", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "deep.jsonl")], "line 1: not valid JSON", 2),
     ("model tiny: sft data with a 5,000-digit number", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "long-number.jsonl")], "line 1: not valid JSON", 2),
     ("model tiny: sft data not JSON", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "garbage.jsonl")], "line 1: not valid JSON", 2),
+    ("eval: a config without its model type", lambda f: _eval(f, "--model", f.tmp / "no-type"), "config.json names no model_type", 2),
+    ("eval: a checkpoint without weights", lambda f: _eval(f, "--model", f.tmp / "no-weights"), "no weights in it", 2),
+    ("eval: weights cut off", lambda f: _eval(f, "--model", f.tmp / "cut-weights"), "model.safetensors is cut off", 2),
+    ("teacher probe: a checkpoint without a tokenizer", lambda f: ["teacher", "probe", "--model", str(f.tmp / "no-tokenizer"), "--data", str(f.tmp / "chat.jsonl")], "no tokenizer in it", 2),
     ("model copy-probe: no model", lambda f: ["model", "copy-probe", "--model", str(f.tmp), "--data", str(f.tmp / "garbage.jsonl")], "no config.json", 2),
     ("model copy-probe: no data", lambda f: ["model", "copy-probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),
     ("sft: not conversations", lambda f: ["sft", "--data", str(f.tmp / "no-messages.jsonl"), "--model", str(f.ckpt), "--out", str(f.missing)], "not a conversation", 2),

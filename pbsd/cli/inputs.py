@@ -49,10 +49,61 @@ def world_dir(path: Path | None) -> Path | None:
 
 
 def checkpoint_dir(path: Path | None) -> Path | None:
-    """A Hugging Face checkpoint directory (``pbsd model tiny``, ``pbsd sft`` and the trainer write them)."""
-    if path is not None and not (path / "config.json").is_file():
+    """A Hugging Face checkpoint directory (``pbsd model tiny``, ``pbsd sft`` and the trainer write them):
+    a config that names its model type, weights whose header reads, and a tokenizer."""
+    if path is None:
+        return None
+    if not (path / "config.json").is_file():
         raise typer.BadParameter(_not_a(path, "model checkpoint", "config.json"))
+    problem = _checkpoint_problem(path)
+    if problem is not None:
+        raise typer.BadParameter(f"{path} is not a usable model checkpoint: {problem}")
     return path
+
+
+# the files a tokenizer is read from: the fast tokenizer's, or a sentencepiece or BPE vocabulary
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _checkpoint_problem(path: Path) -> str | None:
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        return f"config.json is not JSON ({exc})"
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return "config.json names no model_type"
+    if not any((path / name).is_file() for name in _WEIGHT_FILES):
+        return f"no weights in it ({', '.join(_WEIGHT_FILES)})"
+    if (path / "model.safetensors").is_file() and not _safetensors_header_reads(path / "model.safetensors"):
+        return "model.safetensors is cut off or not a safetensors file"
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return f"no tokenizer in it ({', '.join(_TOKENIZER_FILES)})"
+    return None
+
+
+def _safetensors_header_reads(file: Path) -> bool:
+    """A safetensors file opens with its header's length (8 bytes, little-endian) and the header, a
+    JSON object; a file cut off in the copy, or another format, fails here rather than in the load."""
+    import json
+
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        n = int.from_bytes(handle.read(8), "little")
+        if not 2 <= n <= size - 8:
+            return False
+        try:
+            header = json.loads(handle.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return False
+    return isinstance(header, dict)
 
 
 def _not_a(path: Path, what: str, marker: str) -> str:
