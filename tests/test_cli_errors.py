@@ -60,6 +60,9 @@ def f(tiny_world, tmp_path_factory):
     }
     for name, files in broken.items():
         _checkpoint(tmp / name, **files)
+    shutil.copytree(tiny_world, tmp / "changed-world")
+    with (tmp / "changed-world" / "corpus.jsonl").open("a") as file:
+        file.write("{}\n")
     return SimpleNamespace(
         tmp=tmp,
         missing=tmp / "missing",
@@ -127,6 +130,7 @@ CASES = [
     ("world demo-questions: not a world", lambda f: ["world", "demo-questions", "--world", str(f.tmp), "--out", str(f.missing)], "not a world", 2),
     ("world demo-questions: broken config", lambda f: ["world", "demo-questions", "--world", str(f.world), "--out", str(f.missing), "--config", str(f.tmp / "not-yaml.yaml")], "line 2", 1),
     ("world fingerprint: no world", lambda f: ["world", "fingerprint", "--world", str(f.missing)], "does not exist", 2),
+    ("world fingerprint: a file changed since the build", lambda f: ["world", "fingerprint", "--world", str(f.tmp / "changed-world")], "corpus.jsonl has changed since the world was built", 2),
     ("world fingerprint: stamp no checkpoint", lambda f: ["world", "fingerprint", "--world", str(f.world), "--stamp", str(f.tmp)], "not a model checkpoint", 2),
     ("world sft-data: no world", lambda f: ["world", "sft-data", "--world", str(f.missing), "--out", str(f.missing)], "write one with `pbsd world build`", 2),
     ("world sft-data: no such final", lambda f: ["world", "sft-data", "--world", str(f.world), "--out", str(f.missing), "--final", "bold"], "'bold' is not one of restate, boxed", 2),

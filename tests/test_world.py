@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,30 @@ def test_parquet_round_trip(tmp_path):
     via_parquet = load_questions(r.out / "questions" / "rl.parquet")
     via_jsonl = load_questions(r.out / "questions" / "rl.jsonl")
     assert not via_parquet.problems and via_parquet.items == via_jsonl.items
+    # built again into the same folder without Parquet: no earlier world's Parquet is left beside it
+    build_world(r.out, seed=3, entities=1500, n_rl=100, n_val=50, n_sft=50)
+    assert not list(r.out.rglob("*.parquet"))
+
+
+def test_a_world_is_checked_against_its_manifest(tiny_world, tmp_path):
+    from worldgen.build import checked_manifest
+
+    assert checked_manifest(tiny_world)["seed"] == 11
+    world = tmp_path / "w"
+    shutil.copytree(tiny_world, world)
+    with (world / "corpus.jsonl").open("a") as f:
+        f.write('{"url": "kb://x", "title": "x", "text": "x"}\n')
+    with pytest.raises(ValueError, match=r"corpus\.jsonl has changed since the world was built"):
+        checked_manifest(world)
+    (world / "corpus.jsonl").unlink()
+    with pytest.raises(ValueError, match=r"corpus\.jsonl is missing"):
+        checked_manifest(world)
+    (world / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"manifest\.json is not JSON"):
+        checked_manifest(world)
+    (world / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="lists no files"):
+        checked_manifest(world)
 
 
 def test_user_files_and_bad_lines_are_reported_with_line_numbers(tmp_path: Path):

@@ -52,6 +52,27 @@ def world_fingerprint(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
 
 
+def checked_manifest(world: Path) -> dict:
+    """``world``'s manifest, after checking that every file it lists is there with the hash it
+    records. Raises ValueError saying what is not: a manifest that does not read, or a file missing
+    or changed since the build (the fingerprint hashes the manifest's list, not the files)."""
+    path = world / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
+        raise ValueError(f"{path} lists no files with their hashes; write the world with `pbsd world build`")
+    for name, digest in files.items():
+        file = world / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing ({path} lists it)")
+        if _sha256(file) != digest:
+            raise ValueError(f"{file} has changed since the world was built (not the hash {path} records)")
+    return manifest
+
+
 def _pool_size(wanted: int) -> int:
     return int(wanted * 1.3) + 50
 
@@ -164,9 +185,11 @@ def build_world(
         path = out / f"{name}.jsonl"
         write_jsonl(path, rows)
         files[path.relative_to(out).as_posix()] = _sha256(path)
+        ppath = out / f"{name}.parquet"
         if parquet:
-            ppath = out / f"{name}.parquet"
             write_parquet(ppath, rows)
+        else:  # a rebuild into the same folder leaves no Parquet of an earlier world beside this one
+            ppath.unlink(missing_ok=True)
     manifest = {
         "format": FORMAT,
         "seed": seed,

@@ -40,11 +40,19 @@ def probability(value: float | None) -> float | None:
 
 
 def world_dir(path: Path | None) -> Path | None:
-    """A directory written by ``pbsd world build``."""
-    if path is not None and not (path / "manifest.json").is_file():
+    """A directory written by ``pbsd world build``, its files as its manifest records them."""
+    if path is None:
+        return None
+    if not (path / "manifest.json").is_file():
         raise typer.BadParameter(
             f"{_not_a(path, 'world', 'manifest.json')}: write one with `pbsd world build`"
         )
+    from worldgen.build import checked_manifest
+
+    try:
+        checked_manifest(path)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     return path
 
 
