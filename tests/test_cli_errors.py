@@ -319,3 +319,15 @@ def test_the_installed_command_prints_no_traceback(tmp_path):
     assert done.returncode == 1 and done.stdout == "", done
     [line] = done.stderr.splitlines()
     assert line.startswith(f"error: no trainer at {url}: connection failed") and "PBSD_TRAINER_URL" in line
+
+
+def test_an_evaluation_whose_trajectories_failed_exits_1(tiny_checkpoint, tiny_world, tmp_path):
+    """No SGLang server answers: the report is written, but a run of failures is not a result."""
+    closed = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    out = tmp_path / "eval.json"
+    args = ["--model", tiny_checkpoint, "--questions", tiny_world / "questions" / "validation.jsonl"]
+    args += ["--corpus", tiny_world / "corpus.jsonl", "--sglang-url", closed, "--limit", "1", "--samples", "2"]
+    result = runner.invoke(app, ["eval", *map(str, args), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert f"error: 2 of 2 trajectories failed (the log above says why); {out} counts them wrong" in result.stderr
+    assert json.loads(out.read_text())["finish_reasons"] == {"error": 2}

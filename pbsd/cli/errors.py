@@ -20,7 +20,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-__all__ = ["Group", "UserError", "describe"]
+__all__ = ["Group", "UserError", "describe", "raise_if_failed"]
 
 # click's exceptions, as typer raises them (recent typer versions carry their own copy of click)
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -37,6 +37,17 @@ class UserError(Exception):
     def __init__(self, message: str, *, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
+
+
+def raise_if_failed(finish_reasons: dict[str, int], report: object) -> None:
+    """Exit 1 when any trajectory ended in an error (no server answered, the engine failed): the
+    report is written, but its accuracy counts those trajectories wrong, so it is not a result."""
+    failed = finish_reasons.get("error", 0)
+    if failed:
+        total = sum(finish_reasons.values())
+        raise UserError(
+            f"{failed} of {total} trajectories failed (the log above says why); {report} counts them wrong"
+        )
 
 
 def describe(exc: BaseException) -> tuple[str, int] | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from pbsd.cli.errors import raise_if_failed
 from pbsd.cli.inputs import checkpoint_dir, positive, probability, questions_file
 
 
@@ -106,6 +107,7 @@ def eval_cmd(
         )
     if "change" in report:
         typer.echo(f"change from {compare_to}: {describe_change(report['change'])}")
+    raise_if_failed(report["finish_reasons"], out)
 
 
 def _report(path: Path) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from pbsd.cli.errors import UserError
+from pbsd.cli.errors import UserError, raise_if_failed
 from pbsd.cli.inputs import checkpoint_dir, conversations_file, positive, probability, questions_file
 
 app = typer.Typer(
@@ -136,6 +136,7 @@ def check_cmd(
         rows = viewer_data(groups, ChatTokenizer.from_pretrained(model), limit=len(groups) * samples)
         viewer.write_text(render_viewer(rows, f"Teacher check: {model}", sanity_summary(groups)))
     typer.echo(describe(report) + f"\nreport in {out}")
+    raise_if_failed(report["finish_reasons"], out)
     if strict and any(c["met"] is False for c in report["checks"]):
         raise typer.Exit(1)
 
