@@ -61,6 +61,10 @@ def f(tiny_world, tmp_path_factory):
     for name, files in broken.items():
         _checkpoint(tmp / name, **files)
     shutil.copytree(tiny_world, tmp / "changed-world")
+    shutil.copytree(tiny_world, tmp / "other-world")
+    manifest = json.loads((tmp / "other-world" / "manifest.json").read_text())
+    manifest["files"]["corpus.jsonl"] = "0" * 64  # another world's corpus, as far as the check can tell
+    (tmp / "other-world" / "manifest.json").write_text(json.dumps(manifest))
     with (tmp / "changed-world" / "corpus.jsonl").open("a") as file:
         file.write("{}\n")
     return SimpleNamespace(
@@ -130,6 +134,8 @@ CASES = [
     ("world demo-questions: not a world", lambda f: ["world", "demo-questions", "--world", str(f.tmp), "--out", str(f.missing)], "not a world", 2),
     ("world demo-questions: broken config", lambda f: ["world", "demo-questions", "--world", str(f.world), "--out", str(f.missing), "--config", str(f.tmp / "not-yaml.yaml")], "line 2", 1),
     ("world fingerprint: no world", lambda f: ["world", "fingerprint", "--world", str(f.missing)], "does not exist", 2),
+    ("eval: the questions of one world, the corpus of another", lambda f: _eval(f, "--questions", f.world / "questions" / "rl.jsonl", "--corpus", f.tmp / "other-world" / "corpus.jsonl"), "no answer would be found in it", 2),
+    ("teacher check: the questions of one world, the corpus of another", lambda f: _teacher(f, "--questions", f.world / "questions" / "rl.jsonl", "--corpus", f.tmp / "other-world" / "corpus.jsonl"), "no answer would be found in it", 2),
     ("world fingerprint: a file changed since the build", lambda f: ["world", "fingerprint", "--world", str(f.tmp / "changed-world")], "corpus.jsonl has changed since the world was built", 2),
     ("world fingerprint: stamp no checkpoint", lambda f: ["world", "fingerprint", "--world", str(f.world), "--stamp", str(f.tmp)], "not a model checkpoint", 2),
     ("world sft-data: no world", lambda f: ["world", "sft-data", "--world", str(f.missing), "--out", str(f.missing)], "write one with `pbsd world build`", 2),

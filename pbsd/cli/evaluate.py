@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from pbsd.cli.errors import raise_if_failed
-from pbsd.cli.inputs import checkpoint_dir, positive, probability, questions_file
+from pbsd.cli.inputs import checkpoint_dir, positive, probability, questions_file, same_world
 
 
 def eval_cmd(
@@ -64,6 +64,7 @@ def eval_cmd(
 
     if (corpus is None) == (tools_url is None):
         raise typer.BadParameter("give exactly one of --corpus and --tools-url")
+    same_world(questions, corpus)
     before = _report(compare_to) if compare_to is not None else None
     limits = AgentLimits(
         max_turns=max_turns,

@@ -21,6 +21,7 @@ __all__ = [
     "probability",
     "questions_file",
     "read_document",
+    "same_world",
     "world_dir",
 ]
 
@@ -130,6 +131,29 @@ def questions_file(path: Path | None) -> Path | None:
         except ValueError as exc:  # raise_if_empty's: no usable rows, with the first problems
             raise typer.BadParameter(str(exc)) from None
     return path
+
+
+def same_world(questions: Path, corpus: Path | None) -> None:
+    """Refuse questions of one generated world with the corpus of another: every answer would be
+    wrong and nothing else would say why. Questions and corpora from outside a world pass."""
+    import json
+
+    def world_of(*folders: Path) -> tuple[Path, object] | None:
+        for folder in folders:
+            try:
+                return folder, json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"]
+            except (OSError, ValueError, TypeError, KeyError, RecursionError):
+                continue
+        return None
+
+    asked = world_of(questions.parent, questions.parent.parent)
+    searched = world_of(corpus.parent) if corpus is not None else None
+    if asked is not None and searched is not None and asked[1] != searched[1]:
+        raise typer.BadParameter(
+            f"{questions} is a question file of the world in {asked[0]}, {corpus} the corpus of another "
+            f"({searched[0]}): no answer would be found in it",
+            param_hint="--corpus",
+        )
 
 
 def conversations_file(path: Path | None) -> Path | None:

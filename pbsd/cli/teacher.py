@@ -15,7 +15,14 @@ from pathlib import Path
 import typer
 
 from pbsd.cli.errors import UserError, raise_if_failed
-from pbsd.cli.inputs import checkpoint_dir, conversations_file, positive, probability, questions_file
+from pbsd.cli.inputs import (
+    checkpoint_dir,
+    conversations_file,
+    positive,
+    probability,
+    questions_file,
+    same_world,
+)
 
 app = typer.Typer(
     help="Check the PBSD teacher (the answer-aware policy) before a run.",
@@ -95,6 +102,7 @@ def check_cmd(
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter(f"{dtype!r}: float32, bfloat16 or float16", param_hint="--dtype")
+    same_world(questions, corpus)
     try:
         spec = PbsdSpec(
             teacher_template=teacher_template,
