@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from pbsd.cli.errors import raise_if_failed
-from pbsd.cli.inputs import checkpoint_dir, positive, probability, questions_file, same_world
+from pbsd.cli.inputs import checkpoint_dir, corpus_file, positive, probability, questions_file, same_world
 
 
 def eval_cmd(
@@ -24,7 +24,11 @@ def eval_cmd(
     out: Path = typer.Option(Path("eval.json"), help="JSON report to write"),
     samples: int = typer.Option(4, min=1, help="samples per question (the paper reports mean@4)"),
     corpus: Path | None = typer.Option(
-        None, help="offline corpus: run the tool gateway in process over it", exists=True, dir_okay=False
+        None,
+        help="offline corpus: run the tool gateway in process over it",
+        exists=True,
+        dir_okay=False,
+        callback=corpus_file,
     ),
     tools_url: str | None = typer.Option(None, help="a running tool gateway instead of --corpus"),
     sglang_url: list[str] = typer.Option([], help="SGLang servers; the in-process engine when none"),

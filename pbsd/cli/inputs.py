@@ -16,6 +16,7 @@ from pbsd.cli.errors import UserError
 __all__ = [
     "checkpoint_dir",
     "conversations_file",
+    "corpus_file",
     "demo_settings",
     "positive",
     "probability",
@@ -129,6 +130,18 @@ def questions_file(path: Path | None) -> Path | None:
         try:
             load_questions(path).raise_if_empty(path)
         except ValueError as exc:  # raise_if_empty's: no usable rows, with the first problems
+            raise typer.BadParameter(str(exc)) from None
+    return path
+
+
+def corpus_file(path: Path | None) -> Path | None:
+    """A corpus with at least one usable document (:func:`worldgen.formats.load_corpus`)."""
+    from worldgen.formats import load_corpus
+
+    if path is not None:
+        try:
+            load_corpus(path).raise_if_empty(path)
+        except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     return path
 

@@ -18,6 +18,7 @@ from pbsd.cli.errors import UserError, raise_if_failed
 from pbsd.cli.inputs import (
     checkpoint_dir,
     conversations_file,
+    corpus_file,
     positive,
     probability,
     questions_file,
@@ -43,7 +44,11 @@ def check_cmd(
         callback=questions_file,
     ),
     corpus: Path = typer.Option(
-        ..., help="offline corpus: the tool gateway runs in process over it", exists=True, dir_okay=False
+        ...,
+        help="offline corpus: the tool gateway runs in process over it",
+        exists=True,
+        dir_okay=False,
+        callback=corpus_file,
     ),
     out: Path = typer.Option(Path("teacher-check.json"), help="JSON report to write"),
     samples: int = typer.Option(4, min=1, help="trajectories per question: one PBSD group each"),
