@@ -339,3 +339,12 @@ def test_an_evaluation_whose_trajectories_failed_exits_1(tiny_checkpoint, tiny_w
     assert result.exit_code == 1, result.output
     assert f"error: 2 of 2 trajectories failed (the log above says why); {out} counts them wrong" in result.stderr
     assert json.loads(out.read_text())["finish_reasons"] == {"error": 2}
+
+
+def test_sft_with_nothing_to_learn_says_so(tiny_checkpoint, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    args = ["sft", "--data", str(empty), "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.stderr.strip().splitlines()[-1] == f"error: {empty}: no usable conversations in the 0 read"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from pbsd.cli.errors import UserError
 from pbsd.cli.inputs import checkpoint_dir, conversations_file, positive, world_dir
 
 app = typer.Typer(help="Policy checkpoints.", no_args_is_help=True)
@@ -151,7 +152,7 @@ def sft_cmd(
     Learns the assistant's tokens of the conversations in --data (with --loss-on turns, the tool
     results too).
     """
-    from services.trainer.sft import SftConfig, progress_bar, run_sft
+    from services.trainer.sft import NoConversations, SftConfig, progress_bar, run_sft
     from services.trainer.teacher_sft import parse_teacher_formats
 
     try:
@@ -172,8 +173,11 @@ def sft_cmd(
         )
     except ValueError as e:  # the choices live in SftConfig; say it as a usage error
         raise typer.BadParameter(str(e)) from None
-    with progress_bar("sft") as progress:
-        stats = run_sft(data, model, out, config, progress)
+    try:
+        with progress_bar("sft") as progress:
+            stats = run_sft(data, model, out, config, progress)
+    except NoConversations as exc:
+        raise UserError(str(exc), code=2) from None
     typer.echo(
         f"wrote {out}: {stats['steps']} steps, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "
         f"in {stats['seconds']:.0f}s"

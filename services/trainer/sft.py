@@ -43,6 +43,7 @@ from services.trainer.policy import PolicyTrainer
 from services.trainer.teacher_sft import TeacherCopies, teacher_format
 
 __all__ = [
+    "NoConversations",
     "SftConfig",
     "encode_conversation",
     "lay_out",
@@ -181,6 +182,10 @@ def progress_bar(desc: str, keys: tuple[str, ...] = ("loss",)):
             bar.close()
 
 
+class NoConversations(ValueError):
+    """Nothing in the data to learn: an empty file, or every conversation too long."""
+
+
 def run_sft(
     data: Path,
     model_dir: Path,
@@ -197,7 +202,8 @@ def run_sft(
     rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()][: config.limit]
     samples, skipped, privileged = lay_out(tok, rows, config)
     if not samples:
-        raise ValueError(f"{data}: no usable conversations")
+        too_long = f"; {skipped} longer than max_tokens ({config.max_tokens})" if skipped else ""
+        raise NoConversations(f"{data}: no usable conversations in the {len(rows)} read{too_long}")
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
     spec = TrainerSpec(
