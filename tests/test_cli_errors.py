@@ -149,6 +149,10 @@ CASES = [
     ("eval: a checkpoint without weights", lambda f: _eval(f, "--model", f.tmp / "no-weights"), "no weights in it", 2),
     ("eval: weights cut off", lambda f: _eval(f, "--model", f.tmp / "cut-weights"), "model.safetensors is cut off", 2),
     ("teacher probe: a checkpoint without a tokenizer", lambda f: ["teacher", "probe", "--model", str(f.tmp / "no-tokenizer"), "--data", str(f.tmp / "chat.jsonl")], "no tokenizer in it", 2),
+    ("model tiny: a hidden size off the 16-byte grid", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--hidden-size", "30"], "not a multiple of 4", 2),
+    ("model tiny: groups that do not divide the heads", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--kv-heads", "3"], "3 key-value groups do not divide 4 heads", 2),
+    ("model tiny: more routed experts than experts", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--top-k", "5", "--experts", "2"], "top-5 routing needs at least as many experts", 2),
+    ("model tiny: copy heads without entity tokens", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--copy-heads"], "they need entity tokens", 2),
     ("model copy-probe: no model", lambda f: ["model", "copy-probe", "--model", str(f.tmp), "--data", str(f.tmp / "garbage.jsonl")], "no config.json", 2),
     ("model copy-probe: no data", lambda f: ["model", "copy-probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),
     ("sft: not conversations", lambda f: ["sft", "--data", str(f.tmp / "no-messages.jsonl"), "--model", str(f.ckpt), "--out", str(f.missing)], "not a conversation", 2),
@@ -334,10 +338,22 @@ def test_an_evaluation_whose_trajectories_failed_exits_1(tiny_checkpoint, tiny_w
     closed = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     out = tmp_path / "eval.json"
     args = ["--model", tiny_checkpoint, "--questions", tiny_world / "questions" / "validation.jsonl"]
-    args += ["--corpus", tiny_world / "corpus.jsonl", "--sglang-url", closed, "--limit", "1", "--samples", "2"]
+    args += [
+        "--corpus",
+        tiny_world / "corpus.jsonl",
+        "--sglang-url",
+        closed,
+        "--limit",
+        "1",
+        "--samples",
+        "2",
+    ]
     result = runner.invoke(app, ["eval", *map(str, args), "--out", str(out)])
     assert result.exit_code == 1, result.output
-    assert f"error: 2 of 2 trajectories failed (the log above says why); {out} counts them wrong" in result.stderr
+    assert (
+        f"error: 2 of 2 trajectories failed (the log above says why); {out} counts them wrong"
+        in result.stderr
+    )
     assert json.loads(out.read_text())["finish_reasons"] == {"error": 2}
 
 

@@ -47,17 +47,20 @@ def model_tiny(
     """
     from services.model.tiny import TinySpec, init_tiny
 
-    spec = TinySpec(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=layers,
-        num_key_value_heads=kv_heads,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        seed=seed,
-        entity_tokens=entity_tokens,
-        copy_heads=copy_heads,
-    )
+    try:
+        spec = TinySpec(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=layers,
+            num_key_value_heads=kv_heads,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            seed=seed,
+            entity_tokens=entity_tokens,
+            copy_heads=copy_heads,
+        )
+    except ValueError as exc:  # a shape the model cannot run
+        raise typer.BadParameter(str(exc)) from None
     path = init_tiny(world, out, sft_data=sft_data, spec=spec)
     typer.echo(f"wrote {path}")
 

@@ -26,6 +26,9 @@ CHAT_TEMPLATE = (
 )
 
 
+COPY_HEADS = 2  # copy heads in the last layer, each the first head of its own key-value group
+
+
 @dataclass(frozen=True)
 class TinySpec:
     vocab_size: int = 4096
@@ -50,6 +53,26 @@ class TinySpec:
     # install_copy_heads. Without them the model has to learn in-context copying from scratch,
     # which it does not do in CPU time even for single tokens.
     copy_heads: bool = False
+
+    def __post_init__(self) -> None:
+        # each refused shape wrote a checkpoint that failed at its first forward
+        if self.hidden_size % 4:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of 4 (row strides of 16 bytes)"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{self.num_key_value_heads} key-value groups do not divide {self.num_attention_heads} heads"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"top-{self.num_experts_per_tok} routing needs at least as many experts, not {self.num_experts}"
+            )
+        if self.copy_heads and not self.entity_tokens:
+            raise ValueError("copy heads copy entity tokens: they need entity tokens")
+        width = min(COPY_HEADS, self.num_key_value_heads) * self.head_dim
+        if self.copy_heads and (self.num_hidden_layers < 2 or self.hidden_size < width + 18):
+            raise ValueError(f"copy heads need 2+ layers and a hidden size of at least {width + 18}")
 
 
 def train_tokenizer(
@@ -119,9 +142,6 @@ def entity_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
     """The ids of the whole-name tokens added after BPE (train_tokenizer's ``whole``)."""
     special = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return sorted(i for i in tokenizer.get_added_vocab().values() if i not in special)
-
-
-COPY_HEADS = 2  # copy heads in the last layer, each the first head of its own key-value group
 
 
 def install_copy_heads(model: Qwen3MoeForCausalLM, entity_ids: list[int], *, seed: int = 0) -> None:
