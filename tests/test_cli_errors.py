@@ -170,6 +170,8 @@ CASES = [
     ("eval: no questions", lambda f: _eval(f, "--questions", f.missing), "--questions", 2),
     ("eval: questions not JSONL", lambda f: _eval(f, "--questions", f.tmp / "garbage.jsonl"), "no usable rows (line 1: not valid JSON", 2),
     ("eval: no corpus", lambda f: _eval(f, "--corpus", f.missing), "--corpus", 2),
+    ("eval: a report over a directory", lambda f: _eval(f, "--out", f.tmp), "is a directory; give a file name", 2),
+    ("teacher check: a viewer under a file", lambda f: _teacher(f, "--viewer", f.tmp / "chat.jsonl" / "v.html"), "chat.jsonl is a file", 2),
     ("eval: a corpus that is a question file", lambda f: _eval(f, "--corpus", f.tmp / "questions.jsonl"), "no usable rows", 2),
     ("teacher check: a corpus not JSONL", lambda f: _teacher(f, "--corpus", f.tmp / "garbage.jsonl"), "no usable rows (line 1: not valid JSON", 2),
     ("eval: tool gateway not there", lambda f: _eval(f, "--corpus", None, "--tools-url", f.closed), "cannot reach", 1),

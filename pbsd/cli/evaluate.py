@@ -7,7 +7,15 @@ from pathlib import Path
 import typer
 
 from pbsd.cli.errors import raise_if_failed
-from pbsd.cli.inputs import checkpoint_dir, corpus_file, positive, probability, questions_file, same_world
+from pbsd.cli.inputs import (
+    checkpoint_dir,
+    corpus_file,
+    output_file,
+    positive,
+    probability,
+    questions_file,
+    same_world,
+)
 
 
 def eval_cmd(
@@ -21,7 +29,7 @@ def eval_cmd(
         dir_okay=False,
         callback=questions_file,
     ),
-    out: Path = typer.Option(Path("eval.json"), help="JSON report to write"),
+    out: Path = typer.Option(Path("eval.json"), help="JSON report to write", callback=output_file),
     samples: int = typer.Option(4, min=1, help="samples per question (the paper reports mean@4)"),
     corpus: Path | None = typer.Option(
         None,

@@ -18,6 +18,7 @@ __all__ = [
     "conversations_file",
     "corpus_file",
     "demo_settings",
+    "output_file",
     "positive",
     "probability",
     "questions_file",
@@ -25,6 +26,22 @@ __all__ = [
     "same_world",
     "world_dir",
 ]
+
+
+def output_file(path: Path | None) -> Path | None:
+    """A file a command writes when its work is done: refused up front when it cannot be written
+    there (a directory by that name, a file where a folder on its way should be), not after the
+    minutes of sampling it would have taken."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a directory; give a file name")
+    for folder in path.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise typer.BadParameter(f"{folder} is a file, so {path} cannot be written under it")
+            break
+    return path
 
 
 def positive(value: float | None) -> float | None:

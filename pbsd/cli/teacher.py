@@ -19,6 +19,7 @@ from pbsd.cli.inputs import (
     checkpoint_dir,
     conversations_file,
     corpus_file,
+    output_file,
     positive,
     probability,
     questions_file,
@@ -50,7 +51,7 @@ def check_cmd(
         dir_okay=False,
         callback=corpus_file,
     ),
-    out: Path = typer.Option(Path("teacher-check.json"), help="JSON report to write"),
+    out: Path = typer.Option(Path("teacher-check.json"), help="JSON report to write", callback=output_file),
     samples: int = typer.Option(4, min=1, help="trajectories per question: one PBSD group each"),
     limit: int | None = typer.Option(None, min=1, help="only the first N questions"),
     seed: int = typer.Option(
@@ -80,7 +81,9 @@ def check_cmd(
     noise_floor_samples: int = typer.Option(1, min=0, help="trajectories per group in the null pass"),
     evidence_routing: str = typer.Option("fresh", help="fresh (the paper) or replay (the ablation)"),
     dtype: str = typer.Option("float32", help="the scorer's dtype (bfloat16 shows half precision's floor)"),
-    viewer: Path | None = typer.Option(None, help="also write the credit viewer of the scored groups here"),
+    viewer: Path | None = typer.Option(
+        None, help="also write the credit viewer of the scored groups here", callback=output_file
+    ),
     save_groups: Path | None = typer.Option(
         None,
         help="also keep the scored groups in DIR/groups/ (as a run's --save-groups: load_groups reads them)",
@@ -90,6 +93,7 @@ def check_cmd(
         help="also write every final answer turn token by token here (JSONL: tokens, the student's and "
         "the teacher's log-probs, which tokens spell the answer), and report how many correct finals "
         "named an answer the policy was already sure of",
+        callback=output_file,
     ),
     strict: bool = typer.Option(False, help="exit 1 when a target is missed"),
 ) -> None:
@@ -327,7 +331,7 @@ def drift_cmd(
         exists=True,
         file_okay=False,
     ),
-    out: Path | None = typer.Option(None, help="also write the figures here (JSON)"),
+    out: Path | None = typer.Option(None, help="also write the figures here (JSON)", callback=output_file),
 ) -> None:
     """Where the teacher's answer-free drift comes from, token by token.
 
@@ -363,7 +367,7 @@ def tally_cmd(
         None, help="a `pbsd compare --out` folder: add the run folders of --variant's seeds", exists=True
     ),
     variant: str | None = typer.Option(None, help="with --compare: the variant, e.g. pbsd-answer-first"),
-    out: Path | None = typer.Option(None, help="also write the figures here (JSON)"),
+    out: Path | None = typer.Option(None, help="also write the figures here (JSON)", callback=output_file),
 ) -> None:
     """Sanity figures of saved groups, sorted as the scorer sorts now.
 

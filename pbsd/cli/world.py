@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from pbsd.cli.errors import UserError
-from pbsd.cli.inputs import checkpoint_dir, demo_settings, world_dir
+from pbsd.cli.inputs import checkpoint_dir, demo_settings, output_file, world_dir
 
 app = typer.Typer(help="The embedded search world: graph, corpus, questions, SFT data.", no_args_is_help=True)
 
@@ -135,7 +135,9 @@ def world_sft_data(
     world: Path = typer.Option(
         ..., "--world", help="a directory written by `pbsd world build`", callback=world_dir
     ),
-    out: Path = typer.Option(..., "--out", help="JSONL file of chat trajectories to write"),
+    out: Path = typer.Option(
+        ..., "--out", help="JSONL file of chat trajectories to write", callback=output_file
+    ),
     split: str = typer.Option("sft", help="which question split to solve"),
     limit: int | None = typer.Option(None, min=1, help="solve only the first N questions"),
     seed: int = typer.Option(0, min=0),
