@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
@@ -124,3 +125,24 @@ async def pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path):
     yield make
     for p in pipelines:
         await p.close()
+
+
+def stub_checkpoint(path: Path, **files) -> Path:
+    """A directory with every file the CLI's up-front check wants of a checkpoint, holding no
+    weights (nothing can load it); ``files`` replaces one (None leaves it out)."""
+    path.mkdir(exist_ok=True)
+    contents = {
+        "config.json": '{"model_type": "qwen3_moe", "num_hidden_layers": 2}',
+        "model.safetensors": (2).to_bytes(8, "little") + b"{}",  # a header listing no tensors
+        "tokenizer.json": "{}",
+    } | files
+    for name, content in contents.items():
+        if content is not None:
+            (path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint_stub():
+    """:func:`stub_checkpoint`, for tests that need a checkpoint the CLI refuses only later."""
+    return stub_checkpoint

@@ -28,7 +28,7 @@ NOTHING_TO_GET_WRONG = {"version", "schemas export", "schemas check"}
 
 
 @pytest.fixture(scope="module")
-def f(tiny_world, tmp_path_factory):
+def f(tiny_world, tmp_path_factory, checkpoint_stub):
     """Bad inputs, each of one kind, beside a good world and a checkpoint that only looks like one
     (a directory with a config.json: the commands must refuse before they would load it)."""
     tmp = tmp_path_factory.mktemp("bad-inputs")
@@ -39,7 +39,8 @@ def f(tiny_world, tmp_path_factory):
     (tmp / "garbage.jsonl").write_text("not json at all\n")
     (tmp / "no-messages.jsonl").write_text('{"text": "hello"}\n')
     (tmp / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hello"}]}\n')
-    (tmp / "spec.yaml").write_text("name: x\n")
+    (tmp / "spec.yaml").write_text("name: x\nmodel: {path: m}\ndata: {train: t}\n")
+    (tmp / "not-a-spec.yaml").write_text("name: x\nrollout: {group_size: 0}\n")
     (tmp / "nan-spec.yaml").write_text("name: x\ntrainer: {lr: .nan}\n")
     (tmp / "deep.jsonl").write_text("[" * 100_000 + "\n")
     (tmp / "long-number.jsonl").write_text('{"messages": ' + "1" * 5000 + "}\n")
@@ -51,7 +52,7 @@ def f(tiny_world, tmp_path_factory):
     (tmp / "not-a-report.json").write_text(json.dumps({"accuracy": 0.5}))
     (tmp / "earlier-compare").mkdir()
     (tmp / "earlier-compare" / "compare-config.json").write_text(json.dumps({"demo": {"steps": 7}}))
-    looks_like_a_checkpoint = _checkpoint(tmp / "ckpt")
+    looks_like_a_checkpoint = checkpoint_stub(tmp / "ckpt")
     broken = {
         "no-type": {"config.json": '{"num_hidden_layers": 2}'},
         "no-weights": {"model.safetensors": None},
@@ -59,7 +60,7 @@ def f(tiny_world, tmp_path_factory):
         "no-tokenizer": {"tokenizer.json": None},
     }
     for name, files in broken.items():
-        _checkpoint(tmp / name, **files)
+        checkpoint_stub(tmp / name, **files)
     shutil.copytree(tiny_world, tmp / "changed-world")
     shutil.copytree(tiny_world, tmp / "other-world")
     manifest = json.loads((tmp / "other-world" / "manifest.json").read_text())
@@ -74,21 +75,6 @@ def f(tiny_world, tmp_path_factory):
         ckpt=looks_like_a_checkpoint,
         closed=f"http://127.0.0.1:{free_port('127.0.0.1')}",  # nothing listens there
     )
-
-
-def _checkpoint(path: Path, **files) -> Path:
-    """A directory with every file a checkpoint needs, each empty of weights (nothing loads it);
-    ``files`` replaces one (None leaves it out)."""
-    path.mkdir()
-    contents = {
-        "config.json": '{"model_type": "qwen3_moe", "num_hidden_layers": 2}',
-        "model.safetensors": (2).to_bytes(8, "little") + b"{}",  # a header listing no tensors
-        "tokenizer.json": "{}",
-    } | files
-    for name, content in contents.items():
-        if content is not None:
-            (path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
-    return path
 
 
 def _teach(f):
@@ -125,6 +111,7 @@ CASES = [
     ("runs delete: no trainer", lambda f: ["runs", "delete", "r1", "--url", f.closed], "no trainer at", 1),
     ("runs list: not a URL", lambda f: ["runs", "list", "--url", "trainer:8000"], "not a usable URL", 1),
     ("runs submit: no trainer", lambda f: ["runs", "submit", str(f.tmp / "spec.yaml"), "--url", f.closed], "--url", 1),
+    ("runs submit: not a spec", lambda f: ["runs", "submit", str(f.tmp / "not-a-spec.yaml"), "--url", f.closed], "not a run specification: model: Field required; data: Field required; rollout.group_size", 1),
     ("runs submit: missing spec", lambda f: ["runs", "submit", str(f.missing)], "does not exist", 2),
     ("runs submit: a directory", lambda f: ["runs", "submit", str(f.tmp)], "is a directory", 2),
     ("runs submit: not YAML", lambda f: ["runs", "submit", str(f.tmp / "not-yaml.yaml")], "not valid YAML", 1),

@@ -236,10 +236,10 @@ def test_sft_config_rejects_unknown_choices():
 
 
 @pytest.mark.parametrize("option", [["--loss-on", "tools"], ["--lr-decay", "linear"]])
-def test_sft_command_reports_a_bad_choice_as_a_usage_error(option, tmp_path):
+def test_sft_command_reports_a_bad_choice_as_a_usage_error(option, tmp_path, checkpoint_stub):
     # before the model is loaded: the checkpoint need only look like one
     (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hello"}]}\n')
-    (tmp_path / "config.json").write_text("{}")
+    checkpoint_stub(tmp_path)
     args = [
         "sft",
         "--data",

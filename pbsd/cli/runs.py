@@ -76,6 +76,23 @@ def spec_json(path: Path, document: object) -> str:
         raise UserError(f"{path}: cannot be sent as JSON: {exc}") from None
 
 
+def _check_spec(path: Path, body: str) -> None:
+    """The trainer's own validation, run here first: a spec that cannot be a run is said with the
+    fields at fault, whether or not a trainer answers (its paths are the trainer's, checked there)."""
+    from pydantic import ValidationError
+
+    from proto.runs import RunSpec
+
+    try:
+        RunSpec.model_validate_json(body)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
+        raise UserError(f"{path}: not a run specification: {problems}") from None
+
+
 @app.command("submit")
 def runs_submit(
     spec_file: Path = typer.Argument(
@@ -86,6 +103,7 @@ def runs_submit(
 ) -> None:
     """Submit a run; prints its id."""
     body = spec_json(spec_file, read_document(spec_file))
+    _check_spec(spec_file, body)
     with _api(url, token) as api:
         result = _check(api.post("/runs", content=body, headers={"content-type": "application/json"}))
     typer.echo(result["id"])
