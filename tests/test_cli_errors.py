@@ -63,6 +63,8 @@ def f(tiny_world, tmp_path_factory, checkpoint_stub):
         checkpoint_stub(tmp / name, **files)
     shutil.copytree(tiny_world, tmp / "changed-world")
     shutil.copytree(tiny_world, tmp / "other-world")
+    (tmp / "cut-groups" / "groups").mkdir(parents=True)
+    (tmp / "cut-groups" / "groups" / "step-000001.msgpack").write_bytes(b"\x92\x81")  # cut off mid-list
     manifest = json.loads((tmp / "other-world" / "manifest.json").read_text())
     manifest["files"]["corpus.jsonl"] = "0" * 64  # another world's corpus, as far as the check can tell
     (tmp / "other-world" / "manifest.json").write_text(json.dumps(manifest))
@@ -180,6 +182,10 @@ CASES = [
     ("teacher teach: train layers not numbers", lambda f: [*_teach(f), "--train-layers", "top"], "indices such as 2,3, or grown", 2),
     ("teacher teach: hops from a note without facts", lambda f: [*_teach(f), "--hops", "1", "--hops-from", "note"], "Invalid value for --hops-from", 2),
     ("model grow: no model", lambda f: ["model", "grow", "--model", str(f.missing), "--out", str(f.tmp / "grown")], "--model", 2),
+    ("teacher drift: a cut-off step file", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.tmp / "cut-groups")], "step-000001.msgpack: not a step's saved scored groups", 1),
+    ("teacher tally: a cut-off step file", lambda f: ["teacher", "tally", "--model", str(f.ckpt), "--groups", str(f.tmp / "cut-groups")], "step-000001.msgpack: not a step's saved scored groups", 1),
+    ("teacher tally: nothing to tally", lambda f: ["teacher", "tally", "--model", str(f.ckpt)], "nothing to tally", 2),
+    ("teacher tally: a file for a comparison", lambda f: ["teacher", "tally", "--model", str(f.ckpt), "--compare", str(f.tmp / "chat.jsonl"), "--variant", "pbsd"], "is not a `pbsd compare` folder", 2),
     ("teacher drift: no groups folder", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.missing)], "does not exist", 2),
     ("teacher drift: no scored groups", lambda f: ["teacher", "drift", "--model", str(f.ckpt), "--groups", str(f.tmp)], "no scored PBSD groups", 2),
     ("teacher tally: no groups folder", lambda f: ["teacher", "tally", "--model", str(f.ckpt), "--groups", str(f.missing)], "does not exist", 2),

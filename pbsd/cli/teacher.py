@@ -343,9 +343,13 @@ def drift_cmd(
     from agent.chat import ChatTokenizer
     from services.model.checkpoint import load_model
     from services.scorer.drift import describe_drift, drift_anatomy
+    from services.trainer.saved_groups import UnreadableGroups
     from services.trainer.viewer import load_groups
 
-    scored = [g for _, g in load_groups(groups) if g.scored]
+    try:
+        scored = [g for _, g in load_groups(groups) if g.scored]
+    except UnreadableGroups as exc:
+        raise UserError(str(exc)) from None
     if not scored:
         raise UserError(f"{groups}: no scored PBSD groups in {groups / 'groups'}", code=2)
     report = drift_anatomy(load_model(model), ChatTokenizer.from_pretrained(model), scored)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -11,9 +12,10 @@ import typer
 from agent.chat import ChatTokenizer
 from pbsd.cli.errors import UserError
 from pbsd.sanity import checks
+from proto.messages import ScoredGroup
 from proto.sanity import TeacherSanity
 from services.scorer.sanity import retally
-from services.trainer.saved_groups import iter_groups
+from services.trainer.saved_groups import UnreadableGroups, iter_groups
 
 __all__ = ["tally"]
 
@@ -25,10 +27,16 @@ def tally(
     write them to ``out``."""
     if (compare is None) != (variant is None):
         raise UserError("--compare and --variant go together", code=2)
+    if not groups and compare is None:
+        raise UserError("nothing to tally: give --groups, or --compare with --variant", code=2)
+    if compare is not None and not (compare / "results").is_dir():
+        raise UserError(f"{compare} is not a `pbsd compare` folder (no results/ in it)", code=2)
     if compare is not None:
         from demo.compare import trained_runs
 
         folders, seeds = trained_runs(compare, variant)
+        if not seeds:
+            raise UserError(f"{compare}/results holds no run of {variant}", code=2)
         if bare := [f.name for f in folders if not any((f / "groups").glob("step-*.msgpack"))]:
             raise UserError(
                 f"{len(bare)} trained runs of {variant} kept no scored groups: {', '.join(bare)}", code=2
@@ -38,7 +46,7 @@ def tally(
     # one pass, a step file at a time: a long run's groups never sit in memory together
     tok, count, specs, stored, sorted_anew = None, 0, set(), TeacherSanity(), TeacherSanity()
     for folder in groups:
-        for _, g in iter_groups(folder):
+        for _, g in _groups_of(folder):
             if g.scored:
                 tok = tok or ChatTokenizer.from_pretrained(model)  # once there is something to sort
                 count += 1
@@ -83,3 +91,10 @@ def tally(
             f"{k} {v:+.4f}" if k.endswith(("_s", "_frac")) else f"{k} {int(v)}" for k, v in old.items()
         )
     )
+
+
+def _groups_of(folder: Path) -> Iterator[tuple[int, ScoredGroup]]:
+    try:
+        yield from iter_groups(folder)
+    except UnreadableGroups as exc:
+        raise UserError(str(exc)) from None

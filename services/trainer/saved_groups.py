@@ -24,6 +24,7 @@ from proto.sanity import NoiseFloor, TeacherSanity
 __all__ = [
     "GroupIndex",
     "GroupsChanged",
+    "UnreadableGroups",
     "index_groups",
     "iter_groups",
     "load_groups",
@@ -54,8 +55,15 @@ class GroupsChanged(RuntimeError):
     """A step file changed between the index and the load (a resumed run writes its steps again)."""
 
 
+class UnreadableGroups(ValueError):
+    """A step file that is not a list of saved scored groups (cut off, or another file)."""
+
+
 def _read(path: Path) -> list[ScoredGroup]:
-    return [decode(ScoredGroup, raw) for raw in msgpack.unpackb(path.read_bytes(), raw=False)]
+    try:
+        return [decode(ScoredGroup, raw) for raw in msgpack.unpackb(path.read_bytes(), raw=False)]
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # ValueError: pydantic's too
+        raise UnreadableGroups(f"{path}: not a step's saved scored groups ({type(exc).__name__})") from None
 
 
 def load_groups(run_dir: Path) -> list[tuple[int, ScoredGroup]]:
