@@ -37,6 +37,7 @@ def f(tiny_world, tmp_path_factory, checkpoint_stub):
     (tmp / "bad-setting.yaml").write_text("steps: many\n")
     (tmp / "negative.yaml").write_text("eval_questions: -5\n")
     (tmp / "garbage.jsonl").write_text("not json at all\n")
+    (tmp / "empty.jsonl").write_text("")
     (tmp / "no-messages.jsonl").write_text('{"text": "hello"}\n')
     (tmp / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hello"}]}\n')
     (tmp / "spec.yaml").write_text("name: x\nmodel: {path: m}\ndata: {train: t}\n")
@@ -142,6 +143,8 @@ CASES = [
     ("model tiny: groups that do not divide the heads", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--kv-heads", "3"], "3 key-value groups do not divide 4 heads", 2),
     ("model tiny: more routed experts than experts", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--top-k", "5", "--experts", "2"], "top-5 routing needs at least as many experts", 2),
     ("model tiny: copy heads without entity tokens", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--copy-heads"], "they need entity tokens", 2),
+    ("model copy-probe: no conversations", lambda f: ["model", "copy-probe", "--model", str(f.ckpt), "--data", str(f.tmp / "empty.jsonl")], "holds no conversation", 2),
+    ("compare: an unknown variant", lambda f: ["compare", "--out", str(f.missing), "--variants", "bogus"], "error: unknown variants ['bogus']", 1),
     ("model copy-probe: no model", lambda f: ["model", "copy-probe", "--model", str(f.tmp), "--data", str(f.tmp / "garbage.jsonl")], "no config.json", 2),
     ("model copy-probe: no data", lambda f: ["model", "copy-probe", "--model", str(f.ckpt), "--data", str(f.missing)], "does not exist", 2),
     ("sft: not conversations", lambda f: ["sft", "--data", str(f.tmp / "no-messages.jsonl"), "--model", str(f.ckpt), "--out", str(f.missing)], "not a conversation", 2),
@@ -353,9 +356,23 @@ def test_an_evaluation_whose_trajectories_failed_exits_1(tiny_checkpoint, tiny_w
 
 
 def test_sft_with_nothing_to_learn_says_so(tiny_checkpoint, tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    args = ["sft", "--data", str(empty), "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out")]
-    result = runner.invoke(app, args)
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert result.stderr.strip().splitlines()[-1] == f"error: {empty}: no usable conversations in the 0 read"
+    data = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "Where?"}, {"role": "assistant", "content": "Here, at length."}]
+    data.write_text(json.dumps({"messages": turns}) + "\n")
+    args = ["sft", "--data", str(data), "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out")]
+
+    def last_line(*extra: str) -> str:
+        result = runner.invoke(app, [*args, *extra])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        return result.stderr.strip().splitlines()[-1]
+
+    assert last_line().startswith(
+        f"error: {data} line 1: a conversation starts with a system and a user message"
+    )
+    data.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."}, *turns]}) + "\n")
+    said = f"error: {data}: no usable conversations in the 1 read; 1 longer than max_tokens (1)"
+    assert last_line("--max-tokens", "1") == said
+    assert (
+        last_line("--teacher-format", "answer:1")
+        == f"error: {data} line 1: no answer, which --teacher-format needs to build x*"
+    )

@@ -8,7 +8,7 @@ import typer
 
 from demo.variants import VARIANTS
 from pbsd.accuracy import signed
-from pbsd.cli.errors import UserError
+from pbsd.cli.errors import UserError, problems
 from pbsd.cli.inputs import checkpoint_dir, demo_settings, positive, read_document
 
 # the comparison's own defaults where neither --config nor an option sets them
@@ -102,12 +102,7 @@ def compare_cmd(
             bootstrap_seed=bootstrap_seed,
         )
     except ValidationError as exc:
-        raise UserError(
-            "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
-                for e in exc.errors()
-            )
-        ) from None
+        raise UserError(problems(exc)) from None
 
     from demo.compare import run_compare
 

@@ -20,7 +20,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-__all__ = ["Group", "UserError", "describe", "raise_if_failed"]
+__all__ = ["Group", "UserError", "describe", "problems", "raise_if_failed"]
 
 # click's exceptions, as typer raises them (recent typer versions carry their own copy of click)
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -37,6 +37,15 @@ class UserError(Exception):
     def __init__(self, message: str, *, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
+
+
+def problems(exc: Exception) -> str:
+    """A pydantic ValidationError's errors in one line: each field's dotted place, then what is wrong
+    (a model-wide check has no place, and says its own)."""
+    return "; ".join(
+        (f"{'.'.join(map(str, e['loc']))}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+        for e in exc.errors()  # type: ignore[attr-defined]
+    )
 
 
 def raise_if_failed(finish_reasons: dict[str, int], report: object) -> None:

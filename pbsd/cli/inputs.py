@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from pbsd.cli.errors import UserError
+from pbsd.cli.errors import UserError, problems
 
 __all__ = [
     "checkpoint_dir",
@@ -193,6 +193,7 @@ def conversations_file(path: Path | None) -> Path | None:
 
     if path is None:
         return None
+    n = 0
     for n, row in json_rows(path):
         if isinstance(row, Exception):  # what the line is not, said as the question files say it
             raise typer.BadParameter(f"{path} line {n}: not valid JSON ({row})")
@@ -203,6 +204,8 @@ def conversations_file(path: Path | None) -> Path | None:
             raise typer.BadParameter(
                 f'{path} line {n}: not a conversation ({{"messages": [{{"role", "content"}}, ...]}})'
             )
+    if not n:
+        raise typer.BadParameter(f"{path} holds no conversation")
     return path
 
 
@@ -230,11 +233,7 @@ def demo_settings(path: Path | None, **overrides: object):
         return DemoConfig.load(path, **overrides)
     except ValidationError as exc:
         where = f"{path} and the options" if path is not None else "the options"
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
-            for e in exc.errors()
-        )
-        raise UserError(f"demo settings ({where}): {problems}") from None
+        raise UserError(f"demo settings ({where}): {problems(exc)}") from None
 
 
 def _yaml_problem(exc: Exception) -> str:

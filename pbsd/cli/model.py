@@ -155,7 +155,7 @@ def sft_cmd(
     Learns the assistant's tokens of the conversations in --data (with --loss-on turns, the tool
     results too).
     """
-    from services.trainer.sft import NoConversations, SftConfig, progress_bar, run_sft
+    from services.trainer.sft import SftConfig, UnusableData, progress_bar, run_sft
     from services.trainer.teacher_sft import parse_teacher_formats
 
     try:
@@ -179,7 +179,7 @@ def sft_cmd(
     try:
         with progress_bar("sft") as progress:
             stats = run_sft(data, model, out, config, progress)
-    except NoConversations as exc:
+    except UnusableData as exc:
         raise UserError(str(exc), code=2) from None
     typer.echo(
         f"wrote {out}: {stats['steps']} steps, loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} "

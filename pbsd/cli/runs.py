@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from pbsd.cli.errors import UserError, transport_reason
+from pbsd.cli.errors import UserError, problems, transport_reason
 from pbsd.cli.inputs import read_document
 
 app = typer.Typer(help="Submit and watch runs on a trainer's REST API.", no_args_is_help=True)
@@ -86,11 +86,7 @@ def _check_spec(path: Path, body: str) -> None:
     try:
         RunSpec.model_validate_json(body)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg'].removeprefix('Value error, ')}"
-            for e in exc.errors()
-        )
-        raise UserError(f"{path}: not a run specification: {problems}") from None
+        raise UserError(f"{path}: not a run specification: {problems(exc)}") from None
 
 
 @app.command("submit")

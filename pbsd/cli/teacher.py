@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from pbsd.cli.errors import UserError, raise_if_failed
+from pbsd.cli.errors import UserError, problems, raise_if_failed
 from pbsd.cli.inputs import (
     checkpoint_dir,
     conversations_file,
@@ -122,8 +122,7 @@ def check_cmd(
             evidence_routing=evidence_routing,
         )
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise typer.BadParameter(problems) from None
+        raise typer.BadParameter(problems(exc)) from None
     limits = AgentLimits(
         max_turns=max_turns,
         max_tokens_per_turn=max_tokens_per_turn,

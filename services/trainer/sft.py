@@ -43,8 +43,8 @@ from services.trainer.policy import PolicyTrainer
 from services.trainer.teacher_sft import TeacherCopies, teacher_format
 
 __all__ = [
-    "NoConversations",
     "SftConfig",
+    "UnusableData",
     "encode_conversation",
     "lay_out",
     "progress_bar",
@@ -117,6 +117,11 @@ def encode_conversation(
     return ids, mask
 
 
+class UnusableData(ValueError):
+    """Data the pass cannot learn from: no conversation short enough, or no answer where a
+    teacher format needs one to build x*."""
+
+
 def lay_out(
     tok: ChatTokenizer, rows: list[dict], config: SftConfig
 ) -> tuple[list[TrainSample], int, list[int]]:
@@ -127,7 +132,10 @@ def lay_out(
     copies = TeacherCopies(config.teacher_formats, config.teacher_contradict, rows, config.seed)
     for n, row in enumerate(rows):
         key = row.get("id", str(n))
-        ids, mask = encode_conversation(tok, row["messages"], config.loss_on)
+        try:
+            ids, mask = encode_conversation(tok, row["messages"], config.loss_on)
+        except ValueError as exc:  # a conversation in another shape than the rollout's
+            raise UnusableData(f"line {n + 1}: {exc}") from None
         laid_out = [(ids, mask, key)]
         for f, copy_row in copies.draw(row):
             privileged[f] += 1
@@ -182,10 +190,6 @@ def progress_bar(desc: str, keys: tuple[str, ...] = ("loss",)):
             bar.close()
 
 
-class NoConversations(ValueError):
-    """Nothing in the data to learn: an empty file, or every conversation too long."""
-
-
 def run_sft(
     data: Path,
     model_dir: Path,
@@ -200,10 +204,15 @@ def run_sft(
     model = load_model(model_dir)
     raw = data.read_bytes()
     rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()][: config.limit]
-    samples, skipped, privileged = lay_out(tok, rows, config)
+    if config.teacher_formats and (line := next((n for n, r in enumerate(rows, 1) if "answer" not in r), 0)):
+        raise UnusableData(f"{data} line {line}: no answer, which --teacher-format needs to build x*")
+    try:
+        samples, skipped, privileged = lay_out(tok, rows, config)
+    except UnusableData as exc:
+        raise UnusableData(f"{data} {exc}") from None
     if not samples:
         too_long = f"; {skipped} longer than max_tokens ({config.max_tokens})" if skipped else ""
-        raise NoConversations(f"{data}: no usable conversations in the {len(rows)} read{too_long}")
+        raise UnusableData(f"{data}: no usable conversations in the {len(rows)} read{too_long}")
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
     spec = TrainerSpec(

@@ -126,7 +126,8 @@ class TeacherCopies:
         self.contradict_frac = contradict_frac
         self.draws = random.Random(f"pbsd-sft-teacher-formats-{seed}")
         self.picks = random.Random(f"pbsd-sft-decoys-{seed}")  # apart: a pick moves no draw
-        self.decoys = decoy_pools(rows)
+        # only contradicted copies take decoys, and only teacher formats need each row's answer
+        self.decoys = decoy_pools(rows) if formats and contradict_frac else {}
 
     def draw(self, row: dict) -> Iterator[tuple[int, dict]]:
         """(format index, the row to lay out after that format's x*) for each copy ``row`` gets."""
