@@ -162,6 +162,7 @@ CASES = [
     ("eval: no questions", lambda f: _eval(f, "--questions", f.missing), "--questions", 2),
     ("eval: questions not JSONL", lambda f: _eval(f, "--questions", f.tmp / "garbage.jsonl"), "no usable rows (line 1: not valid JSON", 2),
     ("eval: no corpus", lambda f: _eval(f, "--corpus", f.missing), "--corpus", 2),
+    ("eval: a date that is not one", lambda f: _eval(f, "--date", "yesterday"), "'yesterday' is not a date as YYYY-MM-DD", 2),
     ("eval: a report over a directory", lambda f: _eval(f, "--out", f.tmp), "is a directory; give a file name", 2),
     ("teacher check: a viewer under a file", lambda f: _teacher(f, "--viewer", f.tmp / "chat.jsonl" / "v.html"), "chat.jsonl is a file", 2),
     ("eval: a corpus that is a question file", lambda f: _eval(f, "--corpus", f.tmp / "questions.jsonl"), "no usable rows", 2),

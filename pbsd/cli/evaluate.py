@@ -10,6 +10,7 @@ from pbsd.cli.errors import raise_if_failed
 from pbsd.cli.inputs import (
     checkpoint_dir,
     corpus_file,
+    iso_date,
     output_file,
     positive,
     probability,
@@ -51,6 +52,7 @@ def eval_cmd(
         None,
         help="'today' in the system prompt (YYYY-MM-DD); default: the world's, from the manifest.json "
         "beside the questions or the corpus, else today's",
+        callback=iso_date,
     ),
     seed: int | None = typer.Option(None, min=0),
     compare_to: Path | None = typer.Option(

@@ -18,6 +18,7 @@ __all__ = [
     "conversations_file",
     "corpus_file",
     "demo_settings",
+    "iso_date",
     "output_file",
     "positive",
     "probability",
@@ -42,6 +43,18 @@ def output_file(path: Path | None) -> Path | None:
                 raise typer.BadParameter(f"{folder} is a file, so {path} cannot be written under it")
             break
     return path
+
+
+def iso_date(value: str | None) -> str | None:
+    """A date as YYYY-MM-DD: it goes into every system prompt, where "yesterday" would be taken as is."""
+    import datetime as dt
+
+    if value is not None:
+        try:
+            dt.date.fromisoformat(value)
+        except ValueError:
+            raise typer.BadParameter(f"{value!r} is not a date as YYYY-MM-DD") from None
+    return value
 
 
 def positive(value: float | None) -> float | None:

@@ -36,6 +36,11 @@ def _api(url: str, token: str | None) -> Iterator:
     try:
         with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S) as client:
             yield client
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:  # nothing was tried: the URL is wrong
+        raise UserError(
+            f"{url} is {transport_reason(exc)}: give the trainer's URL as http://HOST:PORT with --url or "
+            "PBSD_TRAINER_URL"
+        ) from None
     except httpx.TransportError as exc:
         raise UserError(
             f"no trainer at {url}: {transport_reason(exc)}; start one with `pbsd serve trainer`, "

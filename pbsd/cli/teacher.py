@@ -19,6 +19,7 @@ from pbsd.cli.inputs import (
     checkpoint_dir,
     conversations_file,
     corpus_file,
+    iso_date,
     output_file,
     positive,
     probability,
@@ -68,7 +69,9 @@ def check_cmd(
         1.0, callback=probability, help="1.0: as RL samples the trajectories the scorer scores"
     ),
     concurrency: int = typer.Option(16, min=1, help="trajectories in flight (the engine batches them)"),
-    date: str | None = typer.Option(None, help="'today' in the system prompt (default: the world's)"),
+    date: str | None = typer.Option(
+        None, help="'today' in the system prompt (default: the world's)", callback=iso_date
+    ),
     teacher_template: str = typer.Option(
         "answer",
         help="x*'s template: answer (the paper's note after the question), answer-first (the same answer "
