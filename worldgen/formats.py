@@ -68,13 +68,14 @@ class LoadReport:
     def first_problems(self, k: int = 5) -> str:
         return "; ".join(f"line {n}: {m}" for n, m in self.problems[:k])
 
-    def raise_if_empty(self, path: str | Path) -> None:
+    def raise_if_empty(self, path: str | Path, *, warn: bool = True) -> None:
         """ValueError when no row is usable; else a warning that names the rows left out, if any (a
-        mostly good file would otherwise lose its bad rows without a word)."""
+        mostly good file would otherwise lose its bad rows without a word). ``warn=False`` for a
+        check ahead of the read that will warn."""
         if not self.items:
             detail = self.first_problems()
             raise ValueError(f"{path}: no usable rows" + (f" ({detail})" if detail else ""))
-        if self.problems:
+        if self.problems and warn:
             log.warning(
                 "%s: %d rows left out, %d kept (%s)",
                 path,

@@ -158,7 +158,7 @@ def questions_file(path: Path | None) -> Path | None:
 
     if path is not None:
         try:
-            load_questions(path).raise_if_empty(path)
+            load_questions(path).raise_if_empty(path, warn=False)  # the command's own read warns
         except ValueError as exc:  # raise_if_empty's: no usable rows, with the first problems
             raise typer.BadParameter(str(exc)) from None
     return path
@@ -170,7 +170,7 @@ def corpus_file(path: Path | None) -> Path | None:
 
     if path is not None:
         try:
-            load_corpus(path).raise_if_empty(path)
+            load_corpus(path).raise_if_empty(path, warn=False)  # the command's own read warns
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     return path
