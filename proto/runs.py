@@ -107,9 +107,11 @@ class _Spec(Contract):
     def _no_bool_for_number(cls, data: Any) -> Any:
         for name, value in data.items() if isinstance(data, dict) else ():
             field = cls.model_fields.get(name)
-            kinds = _leaf_types(field.annotation) if field is not None and isinstance(value, bool) else set()
+            items = value if isinstance(value, list | tuple) else (value,)  # betas: [false, 0.9]
+            flagged = field is not None and any(isinstance(v, bool) for v in items)
+            kinds = _leaf_types(field.annotation) if flagged else set()
             if kinds & {int, float} and not kinds & {bool, Any}:
-                raise ValueError(f"{name}: {value!r} is a boolean, not a number")
+                raise ValueError(f"{name}: {value!r} holds a boolean, not a number")
         return data
 
 

@@ -162,6 +162,8 @@ CASES = [
     ("eval: no questions", lambda f: _eval(f, "--questions", f.missing), "--questions", 2),
     ("eval: questions not JSONL", lambda f: _eval(f, "--questions", f.tmp / "garbage.jsonl"), "no usable rows (line 1: not valid JSON", 2),
     ("eval: no corpus", lambda f: _eval(f, "--corpus", f.missing), "--corpus", 2),
+    ("eval: a date in another ISO form", lambda f: _eval(f, "--date", "20250601"), "'20250601' is not a date as YYYY-MM-DD", 2),
+    ("teacher probe: a deadband edge that is not a number", lambda f: ["teacher", "probe", "--model", str(f.ckpt), "--data", str(f.tmp / "chat.jsonl"), "--eps-pos", "nan"], "nan is not 0 or more", 2),
     ("eval: a date that is not one", lambda f: _eval(f, "--date", "yesterday"), "'yesterday' is not a date as YYYY-MM-DD", 2),
     ("eval: a report over a directory", lambda f: _eval(f, "--out", f.tmp), "is a directory; give a file name", 2),
     ("teacher check: a viewer under a file", lambda f: _teacher(f, "--viewer", f.tmp / "chat.jsonl" / "v.html"), "chat.jsonl is a file", 2),
@@ -377,3 +379,17 @@ def test_sft_with_nothing_to_learn_says_so(tiny_checkpoint, tmp_path):
         last_line("--teacher-format", "answer:1")
         == f"error: {data} line 1: no answer, which --teacher-format needs to build x*"
     )
+
+
+def test_worlds_of_one_seed_and_size_share_their_corpus(f):
+    """Their splits may differ; the questions of one are answered from the other's corpus."""
+    from pbsd.cli.inputs import same_world
+
+    split = f.tmp / "resplit-world"
+    shutil.copytree(f.world, split)
+    manifest = json.loads((split / "manifest.json").read_text())
+    manifest["files"]["questions/rl.jsonl"] = "1" * 64  # other splits, the same corpus
+    (split / "manifest.json").write_text(json.dumps(manifest))
+    same_world(f.world / "questions" / "rl.jsonl", split / "corpus.jsonl")
+    with pytest.raises(typer.BadParameter, match="no answer would be found in it"):
+        same_world(f.world / "questions" / "rl.jsonl", f.tmp / "other-world" / "corpus.jsonl")

@@ -182,9 +182,10 @@ def test_run_spec_defaults_are_the_papers():
         ({"name": "run\n2026-11-29 INFO forged line"}, "name"),
         ({"name": "\x1b[2Jrun"}, "name"),
         # pydantic reads true as 1: a group of one sample, a deadband of 1 nat
-        ({"rollout": {"group_size": True}}, "group_size: True is a boolean"),
-        ({"algorithm": {"name": "pbsd", "eps_pos": True}}, "eps_pos: True is a boolean"),
-        ({"trainer": {"keep_checkpoints": False}}, "keep_checkpoints: False is a boolean"),
+        ({"rollout": {"group_size": True}}, "group_size: True holds a boolean"),
+        ({"algorithm": {"name": "pbsd", "eps_pos": True}}, "eps_pos: True holds a boolean"),
+        ({"trainer": {"keep_checkpoints": False}}, "keep_checkpoints: False holds a boolean"),
+        ({"trainer": {"betas": [False, 0.9]}}, "betas: .False, 0.9. holds a boolean"),
     ],
 )
 def test_run_spec_errors_name_the_field(patch, message):

@@ -52,6 +52,19 @@ def world_fingerprint(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
 
 
+def nearest_manifest(*folders: Path) -> tuple[Path, dict] | None:
+    """The first of ``folders`` holding a world's manifest that reads, with that manifest: where a
+    question file or a corpus sits in (or one folder under) a generated world."""
+    for folder in folders:
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(manifest, dict):
+            return folder, manifest
+    return None
+
+
 def checked_manifest(world: Path) -> dict:
     """``world``'s manifest, after checking that every file it lists is there with the hash it
     records. Raises ValueError saying what is not: a manifest that does not read, or a file missing

@@ -19,12 +19,14 @@ __all__ = [
     "corpus_file",
     "demo_settings",
     "iso_date",
+    "non_negative",
     "output_file",
     "positive",
     "probability",
     "questions_file",
     "read_document",
     "same_world",
+    "share",
     "world_dir",
 ]
 
@@ -50,10 +52,13 @@ def iso_date(value: str | None) -> str | None:
     import datetime as dt
 
     if value is not None:
-        try:
+        try:  # fromisoformat also takes 20250601 and 2025-W22-7, which the prompt would show as is
             dt.date.fromisoformat(value)
+            ok = len(value) == 10 and value[4] == value[7] == "-"
         except ValueError:
-            raise typer.BadParameter(f"{value!r} is not a date as YYYY-MM-DD") from None
+            ok = False
+        if not ok:
+            raise typer.BadParameter(f"{value!r} is not a date as YYYY-MM-DD")
     return value
 
 
@@ -61,6 +66,20 @@ def positive(value: float | None) -> float | None:
     """An option that must be above 0 (a temperature, a learning rate, a timeout)."""
     if value is not None and not value > 0:
         raise typer.BadParameter(f"{value} is not above 0")
+    return value
+
+
+def non_negative(value: float | None) -> float | None:
+    """An option of at least 0 (a loss weight, a deadband edge); NaN is not, though typer's range lets it by."""
+    if value is not None and not value >= 0:
+        raise typer.BadParameter(f"{value} is not 0 or more")
+    return value
+
+
+def share(value: float | None) -> float | None:
+    """An option in [0, 1] (a fraction of conversations, a rate)."""
+    if value is not None and not 0 <= value <= 1:
+        raise typer.BadParameter(f"{value} is not in [0, 1]")
     return value
 
 
@@ -156,42 +175,42 @@ def questions_file(path: Path | None) -> Path | None:
     """A question file with at least one usable question (:func:`worldgen.formats.load_questions`)."""
     from worldgen.formats import load_questions
 
-    if path is not None:
-        try:
-            load_questions(path).raise_if_empty(path, warn=False)  # the command's own read warns
-        except ValueError as exc:  # raise_if_empty's: no usable rows, with the first problems
-            raise typer.BadParameter(str(exc)) from None
-    return path
+    return _usable_rows(path, load_questions)
 
 
 def corpus_file(path: Path | None) -> Path | None:
     """A corpus with at least one usable document (:func:`worldgen.formats.load_corpus`)."""
     from worldgen.formats import load_corpus
 
+    return _usable_rows(path, load_corpus)
+
+
+def _usable_rows(path: Path | None, load) -> Path | None:
     if path is not None:
         try:
-            load_corpus(path).raise_if_empty(path, warn=False)  # the command's own read warns
-        except ValueError as exc:
+            load(path).raise_if_empty(path, warn=False)  # the command's own read warns
+        except ValueError as exc:  # raise_if_empty's: no usable rows, with the first problems
             raise typer.BadParameter(str(exc)) from None
     return path
 
 
 def same_world(questions: Path, corpus: Path | None) -> None:
     """Refuse questions of one generated world with the corpus of another: every answer would be
-    wrong and nothing else would say why. Questions and corpora from outside a world pass."""
-    import json
+    wrong and nothing else would say why. Two worlds of the same seed and size share their corpus
+    (their splits may differ), so it is the corpora's hashes that must agree. Questions and corpora
+    from outside a world pass."""
+    from worldgen.build import nearest_manifest
 
-    def world_of(*folders: Path) -> tuple[Path, object] | None:
-        for folder in folders:
-            try:
-                return folder, json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"]
-            except (OSError, ValueError, TypeError, KeyError, RecursionError):
-                continue
-        return None
+    asked = nearest_manifest(questions.parent, questions.parent.parent)
+    searched = nearest_manifest(corpus.parent) if corpus is not None else None
+    if asked is None or searched is None:
+        return
 
-    asked = world_of(questions.parent, questions.parent.parent)
-    searched = world_of(corpus.parent) if corpus is not None else None
-    if asked is not None and searched is not None and asked[1] != searched[1]:
+    def corpus_hash(manifest: dict) -> object:
+        files = manifest.get("files")
+        return files.get("corpus.jsonl") if isinstance(files, dict) else None
+
+    if corpus_hash(asked[1]) != corpus_hash(searched[1]):
         raise typer.BadParameter(
             f"{questions} is a question file of the world in {asked[0]}, {corpus} the corpus of another "
             f"({searched[0]}): no answer would be found in it",

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from pbsd.cli.errors import UserError
-from pbsd.cli.inputs import checkpoint_dir, conversations_file, positive, world_dir
+from pbsd.cli.inputs import checkpoint_dir, conversations_file, positive, share, world_dir
 
 app = typer.Typer(help="Policy checkpoints.", no_args_is_help=True)
 
@@ -143,8 +143,7 @@ def sft_cmd(
     ),
     teacher_contradict: float = typer.Option(
         0.0,
-        min=0.0,
-        max=1.0,
+        callback=share,
         help="the share of the teacher-format copies whose tool results name a decoy in place of the "
         "answer, so that only x* states it (services/trainer/teacher_sft.py)",
     ),

@@ -20,11 +20,13 @@ from pbsd.cli.inputs import (
     conversations_file,
     corpus_file,
     iso_date,
+    non_negative,
     output_file,
     positive,
     probability,
     questions_file,
     same_world,
+    share,
 )
 
 app = typer.Typer(
@@ -78,8 +80,8 @@ def check_cmd(
         "in a short note before the question: the demo's), support (the answer and the question's supporting "
         "facts), support-first (the answer-first note with the facts), or a template of your own with {question}, {answer} and optionally {support}",
     ),
-    eps_pos: float = typer.Option(0.001, min=0.0, help="eps+ of the deadband"),
-    eps_neg: float = typer.Option(0.003, min=0.0, help="eps- of the deadband"),
+    eps_pos: float = typer.Option(0.001, callback=non_negative, help="eps+ of the deadband"),
+    eps_neg: float = typer.Option(0.003, callback=non_negative, help="eps- of the deadband"),
     reduce: str = typer.Option("mean", help="turn evidence: mean (Algorithm 1) or sum (section 3)"),
     noise_floor_samples: int = typer.Option(1, min=0, help="trajectories per group in the null pass"),
     evidence_routing: str = typer.Option("fresh", help="fresh (the paper) or replay (the ablation)"),
@@ -153,6 +155,7 @@ def check_cmd(
 
         groups = [(0, g) for g in scored]
         rows = viewer_data(groups, ChatTokenizer.from_pretrained(model), limit=len(groups) * samples)
+        viewer.parent.mkdir(parents=True, exist_ok=True)
         viewer.write_text(render_viewer(rows, f"Teacher check: {model}", sanity_summary(groups)))
     typer.echo(describe(report) + f"\nreport in {out}")
     raise_if_failed(report["finish_reasons"], out)
@@ -173,8 +176,8 @@ def probe_cmd(
     teacher_template: str = typer.Option("answer", help="x*'s template, as for `pbsd teacher check`"),
     limit: int | None = typer.Option(40, min=1, help="probe only the first N conversations"),
     seed: int = typer.Option(0, min=0, help="seeds the choice of decoy answers"),
-    eps_pos: float = typer.Option(0.001, min=0.0, help="eps+ of the deadband"),
-    eps_neg: float = typer.Option(0.003, min=0.0, help="eps- of the deadband"),
+    eps_pos: float = typer.Option(0.001, callback=non_negative, help="eps+ of the deadband"),
+    eps_neg: float = typer.Option(0.003, callback=non_negative, help="eps- of the deadband"),
 ) -> None:
     """Does the teacher read the note? Teacher-forced, no sampling.
 
@@ -221,13 +224,15 @@ def teach_cmd(
         16, min=1, help="cut conversations a step, whose answer tokens are learnt"
     ),
     anchors: int = typer.Option(8, min=0, help="whole conversations a step, every assistant token learnt"),
-    anchor_weight: float = typer.Option(4.0, min=0, help="the anchors' loss weight (lambda)"),
+    anchor_weight: float = typer.Option(4.0, callback=non_negative, help="the anchors' loss weight (lambda)"),
     consistency: float = typer.Option(
-        0.0, min=0, help="L_same's weight: answer-free tokens after x* held to the student's log-probs"
+        0.0,
+        callback=non_negative,
+        help="L_same's weight: answer-free tokens after x* held to the student's log-probs",
     ),
     hops: float = typer.Option(
         0.0,
-        min=0,
+        callback=non_negative,
         help="L_hop's weight: the hop entities of earlier turns learnt beside the answer, so the note "
         "fills the answer's slot only",
     ),
@@ -239,8 +244,7 @@ def teach_cmd(
     ),
     doubt: float = typer.Option(
         0.0,
-        min=0,
-        max=1,
+        callback=share,
         help="beyond the paper: in the student's layouts the answer's name is learnt toward 1 - DOUBT, the "
         "rest spread over the other names its pages show (needs whole-name tokens), so the student leaves "
         "the teacher room to favour a right answer",
@@ -356,6 +360,7 @@ def drift_cmd(
         raise UserError(f"{groups}: no scored PBSD groups in {groups / 'groups'}", code=2)
     report = drift_anatomy(load_model(model), ChatTokenizer.from_pretrained(model), scored)
     if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
     typer.echo(describe_drift(report))
 

@@ -68,6 +68,7 @@ def tally(
         "as_stored": {k: v for k, v in stored.figures().items() if k in shown},
     }
     if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
     f, old = report["figures"], report["as_stored"]
     typer.echo(f"{count} scored groups, deadband [-{eps_neg:g}, {eps_pos:g}]")

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from pbsd.cli.errors import UserError
-from pbsd.cli.inputs import checkpoint_dir, demo_settings, output_file, world_dir
+from pbsd.cli.inputs import checkpoint_dir, demo_settings, output_file, share, world_dir
 
 app = typer.Typer(help="The embedded search world: graph, corpus, questions, SFT data.", no_args_is_help=True)
 
@@ -142,13 +142,12 @@ def world_sft_data(
     limit: int | None = typer.Option(None, min=1, help="solve only the first N questions"),
     seed: int = typer.Option(0, min=0),
     detour_rate: float = typer.Option(
-        0.25, min=0.0, max=1.0, help="chance of a detour (vague search, wrong page, re-check) at each step"
+        0.25, callback=share, help="chance of a detour (vague search, wrong page, re-check) at each step"
     ),
     search_num: int = typer.Option(5, min=1, help="results the oracle asks of each search"),
     rename: float = typer.Option(
         0.0,
-        min=0.0,
-        max=1.0,
+        callback=share,
         help="fraction of trajectories whose invented names are renamed consistently "
         "(fresh per trajectory), so they can only be fitted by copying (worldgen/rename.py)",
     ),

@@ -19,6 +19,7 @@ from services.rollout.agent import AgentLimits
 from services.rollout.engine import Engine
 from services.rollout.evaluate import evaluate
 from services.tools.client import GatewayClient, LocalTools, Tools
+from worldgen.build import nearest_manifest
 from worldgen.formats import load_questions
 
 if TYPE_CHECKING:
@@ -34,11 +35,8 @@ def world_date(questions: Path, corpus: Path | None = None) -> str | None:
     ``manifest.json`` beside the questions, one folder up (``questions/rl.jsonl``), or beside the
     corpus (the demo's question files live outside the world, its corpus inside)."""
     candidates = [questions.parent, questions.parent.parent, *([corpus.parent] if corpus is not None else [])]
-    for folder in candidates:
-        manifest = folder / "manifest.json"
-        if manifest.exists():
-            return json.loads(manifest.read_text()).get("date")
-    return None
+    found = nearest_manifest(*candidates)
+    return found[1].get("date") if found is not None else None
 
 
 def prompt_date(date: str | None, questions: Path, corpus: Path | None) -> str:
