@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 
 from agent.chat import ChatTokenizer
-from proto.runs import template_fields
+from proto.templates import template_fields
 
 __all__ = ["fill_template", "hop_entities", "teacher_prompt_ids"]
 

@@ -145,7 +145,7 @@ class DemoConfig(BaseModel):
     note_pass_same_final: bool = Field(
         default=False, description="L_same holds the final turn's phrasing too (--same-final)"
     )
-    # PBSD's teacher: x*'s template, a name of proto.runs.TEACHER_TEMPLATES or a template of one's
+    # PBSD's teacher: x*'s template, a name of proto.templates.TEACHER_TEMPLATES or a template of one's
     # own. "answer-first" is the paper's answer-only teacher with a short note before the question:
     # on the SFT policy before any note pass the long note after the question lowers every later turn
     # (answer-free mean s -0.021, seven times eps-), the short one leaves them in the deadband

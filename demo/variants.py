@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto.runs import (
+from proto.templates import (
     ANSWER_FIRST_TEACHER_TEMPLATE,
     SUPPORT_FIRST_TEACHER_TEMPLATE,
     SUPPORT_TEACHER_TEMPLATE,
@@ -63,12 +63,12 @@ VARIANTS: dict[str, Variant] = {
     ),
     "pbsd-support": Variant(
         "PBSD whose teacher is also told the question's supporting facts (beyond the paper: "
-        "proto.runs.SUPPORT_TEACHER_TEMPLATE)",
+        "proto.templates.SUPPORT_TEACHER_TEMPLATE)",
         _pbsd(SUPPORT_TEACHER_TEMPLATE),
     ),
     "pbsd-answer-first": Variant(
         "PBSD with the answer-only note before the question, in a few words (the demo's teacher: "
-        "proto.runs.ANSWER_FIRST_TEACHER_TEMPLATE)",
+        "proto.templates.ANSWER_FIRST_TEACHER_TEMPLATE)",
         _pbsd(ANSWER_FIRST_TEACHER_TEMPLATE),
     ),
     "pbsd-no-deadband": Variant(
@@ -82,7 +82,7 @@ VARIANTS: dict[str, Variant] = {
     ),
     "pbsd-support-first": Variant(
         "PBSD with the answer-first note and the supporting facts on a second line (beyond the "
-        "paper: proto.runs.SUPPORT_FIRST_TEACHER_TEMPLATE)",
+        "paper: proto.templates.SUPPORT_FIRST_TEACHER_TEMPLATE)",
         _pbsd(SUPPORT_FIRST_TEACHER_TEMPLATE),
     ),
     "pbsd-answer-first-no-deadband": Variant(

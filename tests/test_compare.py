@@ -18,7 +18,8 @@ from demo.variants import VARIANTS, merge, variant_spec
 from pbsd.accuracy import signed
 from pbsd.cli.compare import seed_list
 from pbsd.comparison import compare_variants
-from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, DEFAULT_TEACHER_TEMPLATE, PbsdSpec, RunSpec
+from proto.runs import PbsdSpec, RunSpec
+from proto.templates import ANSWER_FIRST_TEACHER_TEMPLATE, DEFAULT_TEACHER_TEMPLATE
 
 BASE = {
     "name": "demo-grpo",

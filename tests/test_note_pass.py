@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
 from pbsd.cli import app
-from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec
+from proto.runs import PbsdSpec
+from proto.templates import ANSWER_FIRST_TEACHER_TEMPLATE
 from services.model.checkpoint import load_model
 from services.trainer.note_layout import _cut, hop_names, hop_positions, lay_out_note_pass
 from services.trainer.note_pass import (

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from agent.chat import ChatTokenizer
 from pbsd.cli import app
-from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE
+from proto.templates import ANSWER_FIRST_TEACHER_TEMPLATE
 from services.model.checkpoint import load_model
 from services.trainer.note_probe import note_probe, read_conversations
 from services.trainer.sft import encode_conversation
@@ -78,7 +78,7 @@ def test_the_command_prints_the_three_layouts(tiny_checkpoint, conversations):
 
 def test_a_decoy_note_with_facts_states_facts_that_lead_to_the_decoy(conversations):
     from agent.privileged import fill_template
-    from proto.runs import TEACHER_TEMPLATES
+    from proto.templates import TEACHER_TEMPLATES
     from services.trainer.note_probe import stating
 
     row = read_conversations(conversations)[0]

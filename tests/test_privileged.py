@@ -10,7 +10,8 @@ import pytest
 
 from agent.chat import ChatTokenizer
 from agent.privileged import fill_template, teacher_prompt_ids
-from proto.runs import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE, TEACHER_TEMPLATES, PbsdSpec
+from proto.runs import PbsdSpec
+from proto.templates import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE, TEACHER_TEMPLATES
 from services.scorer.contexts import build_contexts
 from services.trainer.sft import SftConfig, encode_conversation
 from services.trainer.teacher_sft import teacher_format

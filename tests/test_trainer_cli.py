@@ -158,7 +158,7 @@ def test_sft_also_learns_conversations_in_the_teachers_format(tiny_world, tiny_c
     """``--teacher-format NAME:FRACTION``: that share of the conversations is learned a second time
     after x*; which ones is the seed's choice, and ``--limit`` takes the first conversations."""
     from agent.chat import ChatTokenizer
-    from proto.runs import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE
+    from proto.templates import DEFAULT_TEACHER_TEMPLATE, SUPPORT_TEACHER_TEMPLATE
     from services.trainer.sft import SftConfig, lay_out
     from worldgen.oracle import write_sft_data
 

@@ -138,7 +138,7 @@ def sft_cmd(
     ),
     teacher_format: list[str] = typer.Option(
         [],
-        help="NAME:FRACTION (NAME answer, answer-first, support or support-first, the teacher templates of proto/runs.py): also "
+        help="NAME:FRACTION (NAME answer, answer-first, support or support-first, the teacher templates of proto/templates.py): also "
         "learn that fraction of the conversations after the teacher's privileged prompt; repeatable",
     ),
     teacher_contradict: float = typer.Option(

@@ -101,7 +101,8 @@ import numpy as np
 import torch
 
 from agent.chat import ChatTokenizer
-from proto.runs import ANSWER_FIRST_TEACHER_TEMPLATE, PbsdSpec, TrainerSpec
+from proto.runs import PbsdSpec, TrainerSpec
+from proto.templates import ANSWER_FIRST_TEACHER_TEMPLATE
 from services.model.checkpoint import library_versions, load_model, read_meta, save_checkpoint
 from services.model.grow import train_only
 from services.trainer.note_layout import Sequence, lay_out_note_pass

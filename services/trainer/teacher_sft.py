@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from agent.chat import ChatTokenizer
 from agent.privileged import teacher_prompt_ids
-from proto.runs import TEACHER_TEMPLATES
+from proto.templates import TEACHER_TEMPLATES
 
 __all__ = [
     "TeacherCopies",
@@ -41,7 +41,7 @@ __all__ = [
 
 
 def parse_teacher_formats(options: list[str]) -> tuple[tuple[str, float], ...]:
-    """``NAME:FRACTION`` (``pbsd sft --teacher-format``; NAME one of ``proto.runs.TEACHER_TEMPLATES``,
+    """``NAME:FRACTION`` (``pbsd sft --teacher-format``; NAME one of ``proto.templates.TEACHER_TEMPLATES``,
     FRACTION 1 when left out) as ``SftConfig.teacher_formats``; ValueError names a bad one."""
     out = []
     for option in options:
