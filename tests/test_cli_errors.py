@@ -58,6 +58,11 @@ def f(tiny_world, tmp_path_factory, checkpoint_stub):
         "no-type": {"config.json": '{"num_hidden_layers": 2}'},
         "no-weights": {"model.safetensors": None},
         "cut-weights": {"model.safetensors": (10**6).to_bytes(8, "little") + b'{"a": '},
+        # a whole header, but the copy stopped before the tensor it lists
+        "cut-tensors": {
+            "model.safetensors": (62).to_bytes(8, "little")
+            + b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'
+        },
         "no-tokenizer": {"tokenizer.json": None},
     }
     for name, files in broken.items():
@@ -137,6 +142,7 @@ CASES = [
     ("model tiny: sft data not JSON", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--sft-data", str(f.tmp / "garbage.jsonl")], "line 1: not valid JSON", 2),
     ("eval: a config without its model type", lambda f: _eval(f, "--model", f.tmp / "no-type"), "config.json names no model_type", 2),
     ("eval: a checkpoint without weights", lambda f: _eval(f, "--model", f.tmp / "no-weights"), "no weights in it", 2),
+    ("eval: tensors cut off", lambda f: _eval(f, "--model", f.tmp / "cut-tensors"), "model.safetensors is cut off", 2),
     ("eval: weights cut off", lambda f: _eval(f, "--model", f.tmp / "cut-weights"), "model.safetensors is cut off", 2),
     ("teacher probe: a checkpoint without a tokenizer", lambda f: ["teacher", "probe", "--model", str(f.tmp / "no-tokenizer"), "--data", str(f.tmp / "chat.jsonl")], "no tokenizer in it", 2),
     ("model tiny: a hidden size off the 16-byte grid", lambda f: ["model", "tiny", "--world", str(f.world), "--out", str(f.missing), "--hidden-size", "30"], "not a multiple of 4", 2),

@@ -134,12 +134,15 @@ def _validation_message(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg']}" for e in exc.errors())
 
 
-def load_questions(path: str | Path) -> LoadReport:
-    """Questions from our world format, ``{question, answer}`` or BrowseComp's ``{problem, answer}``."""
+def load_questions(path: str | Path, *, limit: int | None = None) -> LoadReport:
+    """Questions from our world format, ``{question, answer}`` or BrowseComp's ``{problem, answer}``;
+    with ``limit``, read up to the row that makes that many."""
     path = Path(path)
     report = LoadReport()
     seen: set[str] = set()
     for n, row in _objects(path, report):
+        if limit is not None and len(report.items) >= limit:
+            break
         # a field that is null is one not given (a Parquet row without a column's value: a BrowseComp
         # row has a null question beside its problem); a null answer is refused below, by name
         row = {k: v for k, v in row.items() if v is not None or k == "answer"}
@@ -182,11 +185,14 @@ def load_questions(path: str | Path) -> LoadReport:
     return report
 
 
-def load_corpus(path: str | Path) -> LoadReport:
-    """Documents with ``url`` and ``text`` (``title`` and ``id`` optional), one per line."""
+def load_corpus(path: str | Path, *, limit: int | None = None) -> LoadReport:
+    """Documents with ``url`` and ``text`` (``title`` and ``id`` optional), one per line; with
+    ``limit``, read up to the row that makes that many."""
     path = Path(path)
     report = LoadReport()
     for n, row in _objects(path, report):
+        if limit is not None and len(report.items) >= limit:
+            break
         fields = {k: row[k] for k in ("url", "title", "text", "id") if k in row}
         try:
             report.items.append(CorpusDocument(**fields))

@@ -48,46 +48,35 @@ def output_file(path: Path | None) -> Path | None:
 
 
 def iso_date(value: str | None) -> str | None:
-    """A date as YYYY-MM-DD: it goes into every system prompt, where "yesterday" would be taken as is."""
+    """A date as YYYY-MM-DD: it goes into every system prompt, where "yesterday" would be taken as is
+    (and fromisoformat alone takes 20250601 and 2025-W22-7, so the date must read back the same)."""
     import datetime as dt
 
-    if value is not None:
-        try:  # fromisoformat also takes 20250601 and 2025-W22-7, which the prompt would show as is
-            dt.date.fromisoformat(value)
-            ok = len(value) == 10 and value[4] == value[7] == "-"
-        except ValueError:
-            ok = False
-        if not ok:
-            raise typer.BadParameter(f"{value!r} is not a date as YYYY-MM-DD")
+    try:
+        ok = value is None or dt.date.fromisoformat(value).isoformat() == value
+    except ValueError:
+        ok = False
+    if not ok:
+        raise typer.BadParameter(f"{value!r} is not a date as YYYY-MM-DD")
     return value
 
 
-def positive(value: float | None) -> float | None:
-    """An option that must be above 0 (a temperature, a learning rate, a timeout)."""
-    if value is not None and not value > 0:
-        raise typer.BadParameter(f"{value} is not above 0")
-    return value
+def _in_range(holds, says: str):
+    """An option callback refusing a number for which ``holds`` is false; a comparison with NaN is
+    false, so NaN is refused too (typer's own min and max let it by)."""
+
+    def check(value: float | None) -> float | None:
+        if value is not None and not holds(value):
+            raise typer.BadParameter(f"{value} is not {says}")
+        return value
+
+    return check
 
 
-def non_negative(value: float | None) -> float | None:
-    """An option of at least 0 (a loss weight, a deadband edge); NaN is not, though typer's range lets it by."""
-    if value is not None and not value >= 0:
-        raise typer.BadParameter(f"{value} is not 0 or more")
-    return value
-
-
-def share(value: float | None) -> float | None:
-    """An option in [0, 1] (a fraction of conversations, a rate)."""
-    if value is not None and not 0 <= value <= 1:
-        raise typer.BadParameter(f"{value} is not in [0, 1]")
-    return value
-
-
-def probability(value: float | None) -> float | None:
-    """An option in (0, 1] (a top-p)."""
-    if value is not None and not 0 < value <= 1:
-        raise typer.BadParameter(f"{value} is not in (0, 1]")
-    return value
+positive = _in_range(lambda v: v > 0, "above 0")  # a temperature, a learning rate, a timeout
+non_negative = _in_range(lambda v: v >= 0, "0 or more")  # a loss weight, a deadband edge
+share = _in_range(lambda v: 0 <= v <= 1, "in [0, 1]")  # a fraction of conversations, a rate
+probability = _in_range(lambda v: 0 < v <= 1, "in (0, 1]")  # a top-p
 
 
 def world_dir(path: Path | None) -> Path | None:
@@ -141,28 +130,17 @@ def _checkpoint_problem(path: Path) -> str | None:
         return "config.json names no model_type"
     if not any((path / name).is_file() for name in _WEIGHT_FILES):
         return f"no weights in it ({', '.join(_WEIGHT_FILES)})"
-    if (path / "model.safetensors").is_file() and not _safetensors_header_reads(path / "model.safetensors"):
-        return "model.safetensors is cut off or not a safetensors file"
+    if (path / "model.safetensors").is_file():
+        from safetensors import SafetensorError, safe_open
+
+        try:  # reads the header alone, and checks that the file holds every tensor it lists
+            with safe_open(path / "model.safetensors", "np"):
+                pass
+        except SafetensorError as exc:
+            return f"model.safetensors is cut off or not a safetensors file ({exc})"
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return f"no tokenizer in it ({', '.join(_TOKENIZER_FILES)})"
     return None
-
-
-def _safetensors_header_reads(file: Path) -> bool:
-    """A safetensors file opens with its header's length (8 bytes, little-endian) and the header, a
-    JSON object; a file cut off in the copy, or another format, fails here rather than in the load."""
-    import json
-
-    size = file.stat().st_size
-    with file.open("rb") as handle:
-        n = int.from_bytes(handle.read(8), "little")
-        if not 2 <= n <= size - 8:
-            return False
-        try:
-            header = json.loads(handle.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return False
-    return isinstance(header, dict)
 
 
 def _not_a(path: Path, what: str, marker: str) -> str:
@@ -188,7 +166,8 @@ def corpus_file(path: Path | None) -> Path | None:
 def _usable_rows(path: Path | None, load) -> Path | None:
     if path is not None:
         try:
-            load(path).raise_if_empty(path, warn=False)  # the command's own read warns
+            # to the first usable row: the command reads the whole file, and warns about its bad rows
+            load(path, limit=1).raise_if_empty(path, warn=False)
         except ValueError as exc:  # raise_if_empty's: no usable rows, with the first problems
             raise typer.BadParameter(str(exc)) from None
     return path
