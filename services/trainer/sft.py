@@ -128,6 +128,8 @@ def lay_out(
     """The training samples of ``rows``: each conversation as the rollout lays it out and, drawn
     per teacher format with its fraction (seeded by ``config.seed``), after that format's x*.
     Also how many were skipped as too long, and how many were drawn for each teacher format."""
+    if config.teacher_formats and (line := next((n for n, r in enumerate(rows, 1) if "answer" not in r), 0)):
+        raise UnusableData(f"line {line}: no answer, which --teacher-format needs to build x*")
     samples, skipped, privileged = [], 0, [0] * len(config.teacher_formats)
     copies = TeacherCopies(config.teacher_formats, config.teacher_contradict, rows, config.seed)
     for n, row in enumerate(rows):
@@ -201,18 +203,16 @@ def run_sft(
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     tok = ChatTokenizer.from_pretrained(model_dir)
-    model = load_model(model_dir)
     raw = data.read_bytes()
     rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()][: config.limit]
-    if config.teacher_formats and (line := next((n for n, r in enumerate(rows, 1) if "answer" not in r), 0)):
-        raise UnusableData(f"{data} line {line}: no answer, which --teacher-format needs to build x*")
-    try:
+    try:  # the data is laid out before the model is loaded: what it lacks is said at once
         samples, skipped, privileged = lay_out(tok, rows, config)
     except UnusableData as exc:
         raise UnusableData(f"{data} {exc}") from None
     if not samples:
         too_long = f"; {skipped} longer than max_tokens ({config.max_tokens})" if skipped else ""
         raise UnusableData(f"{data}: no usable conversations in the {len(rows)} read{too_long}")
+    model = load_model(model_dir)
     steps_per_epoch = math.ceil(len(samples) / config.batch_size)
     total = steps_per_epoch * config.epochs
     spec = TrainerSpec(
