@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from proto.runs import PbsdSpec
-
-UnitFloat = Annotated[float, Field(ge=0, le=1)]  # a share
-Probability = Annotated[float, Field(gt=0, le=1)]  # a top-p
+# the run spec's own ranges: a setting the demo takes is one its runs' specs take
+from proto.runs import Count, PbsdSpec, PositiveFloat, PositiveInt, Probability, UnitFloat
 
 if TYPE_CHECKING:
     from services.trainer.note_pass import NotePassConfig
@@ -59,15 +57,15 @@ WARM_START = (
 class DemoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    seed: NonNegativeInt = 0
+    seed: Count = 0
     algorithm: Literal["pbsd", "grpo", "both"] = "pbsd"
     # the world
     entities: PositiveInt = 2000
-    n_rl: NonNegativeInt = 575
-    n_val: NonNegativeInt = 200
+    n_rl: Count = 575
+    n_val: Count = 200
     # 6000 oracle trajectories: with fewer the tiny policy memorises instead of learning to copy
     # names from the question into its searches (1000 x 8 epochs: 0/24 on validation)
-    n_sft: NonNegativeInt = 6000
+    n_sft: Count = 6000
     difficulty: list[Difficulty] = Field(
         default=["easy"], description="difficulties of the RL questions the tiny policy trains on"
     )
@@ -92,7 +90,7 @@ class DemoConfig(BaseModel):
     sft_epochs: PositiveInt = 2
     sft_lr: PositiveFloat = 2e-3
     sft_batch_size: PositiveInt = 16
-    sft_warmup_steps: NonNegativeInt = 10
+    sft_warmup_steps: Count = 10
     sft_search_num: PositiveInt = 3  # results per search in the oracle trajectories (shorter contexts)
     sft_rename: UnitFloat = 0.0  # fraction of trajectories renamed (worldgen/rename.py); 0: as committed
     # how the oracle's last turn writes the answer (`pbsd world sft-data --final`): "restate" names it
@@ -108,7 +106,7 @@ class DemoConfig(BaseModel):
     )
     boxed_pass_lr: PositiveFloat = 1e-3
     boxed_pass_epochs: PositiveInt = 1
-    boxed_pass_warmup_steps: NonNegativeInt = 5
+    boxed_pass_warmup_steps: Count = 5
     entity_tokens: bool = True  # one token per entity name and address (`pbsd model tiny --entity-tokens`)
     copy_heads: bool = True  # hand-built heads that copy entity tokens (`pbsd model tiny --copy-heads`)
     kv_heads: int = Field(default=4, ge=1, le=4, description="key-value groups of the 4 attention heads")
@@ -124,7 +122,7 @@ class DemoConfig(BaseModel):
     teacher_sft_conversations: int = Field(default=800, ge=1, description="the first N SFT conversations")
     teacher_sft_lr: PositiveFloat = 1e-3
     teacher_sft_epochs: PositiveInt = 1
-    teacher_sft_warmup_steps: NonNegativeInt = 5
+    teacher_sft_warmup_steps: Count = 5
     teacher_sft_contradict: UnitFloat = 0.5  # pbsd sft --teacher-contradict
     # a note pass after SFT (`pbsd teacher teach`, services/trainer/note_pass.py): learns the answer
     # of cut conversations after x* (half with tool results naming a decoy) beside whole ones, and
@@ -159,8 +157,8 @@ class DemoConfig(BaseModel):
     max_tokens_per_turn: PositiveInt = 160
     max_context: PositiveInt = 6144
     lr: PositiveFloat = 1e-4
-    warmup_steps: NonNegativeInt = 2
-    max_staleness: NonNegativeInt = 1
+    warmup_steps: Count = 2
+    max_staleness: Count = 1
     rollout_concurrency: PositiveInt = 4
     # Intra-op threads of every torch process (the rollout, scorer and trainer services, and the
     # evaluations in this process). The three services run at once on the 2 cores the demo is

@@ -25,15 +25,20 @@ from proto.templates import (
 
 __all__ = [
     "AlgorithmSpec",
+    "Count",
     "DataSpec",
     "GrpoSpec",
     "LrDecay",
     "ModelSpec",
     "PbsdSpec",
+    "PositiveFloat",
+    "PositiveInt",
+    "Probability",
     "RolloutSpec",
     "RunSpec",
     "Seed",
     "TrainerSpec",
+    "UnitFloat",
 ]
 
 # Counts stay below 2^53: past 2^64 a spec is accepted and then cannot be sent on the bus (msgpack's
@@ -43,13 +48,12 @@ PositiveInt = Annotated[int, Field(gt=0, lt=MAX_COUNT)]
 Count = Annotated[int, Field(ge=0, lt=MAX_COUNT)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 UnitFloat = Annotated[float, Field(ge=0, le=1)]
+Probability = Annotated[float, Field(gt=0, le=1)]  # a top-p
 Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's moment decays: 1 never forgets, and torch refuses it
 # What every consumer of a seed takes, refused at submission rather than at the run's start: numpy
 # refuses negative seeds, and the rollout seeds each turn with (seed + sample + 1000 * prompt) * 1000
 # + turn, which torch.manual_seed takes only below 2^64.
 Seed = Annotated[int, Field(ge=0, lt=2**53)]
-
-
 _PRECISION = re.compile(r"\.\d{1,4}")  # "{answer:.0}": a template field's one allowed format spec
 LrDecay = Literal["constant", "cosine"]  # after warm-up (also pbsd sft's --lr-decay)
 
@@ -131,8 +135,8 @@ class RolloutSpec(_Spec):
         "engine's, and the scorer's evidence stays the model's own likelihood (T = 1). At least 1e-5: "
         "below 1e-6 SGLang samples greedily and reports log-probs at T = 1, which no T would match",
     )
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    eval_top_p: Annotated[float, Field(gt=0, le=1)] = Field(
+    top_p: Probability = 1.0
+    eval_top_p: Probability = Field(
         default=0.95, description="top-p of validation samples (the paper evaluates with 0.95)"
     )
     eval_samples: Annotated[int, Field(gt=0, le=1024)] = Field(
