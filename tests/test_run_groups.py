@@ -112,3 +112,18 @@ async def test_a_completed_run_leaves_no_group_behind(
     # and its series went with it
     for name in ("pbsd_bus_processed_total", "pbsd_bus_handler_errors_total"):
         assert REGISTRY.get_sample_value(name, {"stream": "scored", "group": scored_group(record.id)}) is None
+
+
+async def test_a_new_run_reads_nothing_an_earlier_run_left_in_the_streams(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """Groups of an earlier run, acknowledged and not yet trimmed, were read by the next run's
+    group, which started at the stream's beginning, and counted as foreign drops."""
+    for i in range(3):
+        await bus.publish(SCORED, ex.example_scored(ex.example_group(2, seed=i)))
+    store, record, _ = await _short_run(
+        bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, 2, 1
+    )
+    history = await store.metrics(record.id)
+    assert history and all(h.get("dropped_foreign", 0) == 0 for h in history), history
+    assert history[-1]["groups"] == 2

@@ -13,6 +13,7 @@ from proto.streams import EVALS, PROMPTS, SCORED, WEIGHTS
 from services.bus import Bus, ConsumerOptions
 from services.scorer.evidence import score_group
 from services.trainer.executor import RunExecutor
+from services.trainer.run_groups import scored_group
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
 
@@ -246,18 +247,21 @@ async def test_a_run_trains_publishes_checkpoints_and_resumes(
         tok,
         None,
     )
-
-    await bus.publish(SCORED, future)
     data = future.model_dump()
     data.update(message_id="foreign-1")
     data["group"]["run_id"] = "other"
     foreign = type(future).model_validate(data)
-    await bus.publish(SCORED, foreign)
 
     # the trainer runs one step, then is shut down (as if killed after its checkpoint)
     executor = RunExecutor(bus, store, settings, save_groups=True)
     stop = asyncio.Event()
     serving = asyncio.create_task(executor.serve(stop))
+    # the two come once the run has opened: a new run reads nothing published before it
+    async with asyncio.timeout(120):
+        while scored_group(record.id) not in await bus.group_names(SCORED):
+            await asyncio.sleep(0.01)
+    await bus.publish(SCORED, future)
+    await bus.publish(SCORED, foreign)
     async with asyncio.timeout(120):
         while (await store.get(record.id)).step < 1:
             await asyncio.sleep(0.1)

@@ -50,13 +50,15 @@ class ConsumerGroups(Trimming):
     maxlen: int
 
     # -- consumer groups -------------------------------------------------------------
-    async def ensure_group(self, stream: StreamDef, group: str | None = None) -> None:
-        """Create the consumer group (and the stream) unless it exists; safe to call concurrently."""
+    async def ensure_group(self, stream: StreamDef, group: str | None = None, *, start: str = "0") -> None:
+        """Create the consumer group (and the stream) unless it exists; safe to call concurrently.
+        ``start``: the entry after which a new group reads, the stream's beginning unless told
+        (``"$"``: only what comes from now on)."""
         group = group or stream.group
         if group is None:
             raise ValueError(f"stream {stream.name!r} has no consumer group")
         try:
-            await self.redis.xgroup_create(self.key(stream), group, id="0", mkstream=True)
+            await self.redis.xgroup_create(self.key(stream), group, id=start, mkstream=True)
         except ResponseError as exc:
             if refusing(exc):  # full, or read-only for now: reading finds out (NOGROUP, or it refuses too)
                 log.warning("Redis refuses to make the group %s of %s for now: %s", group, stream.name, exc)

@@ -45,6 +45,7 @@ from services.trainer.controller import PromptController
 from services.trainer.distributed import make_trainer
 from services.trainer.evaluation import Evaluator
 from services.trainer.publishing import WeightPublisher, broadcaster
+from services.trainer.run_groups import open_groups
 from services.trainer.runs import ACTIVE, FINISHED, RunStore
 from services.trainer.settings import TrainerSettings
 from services.trainer.timelines import lineage
@@ -166,6 +167,8 @@ async def open_run(
         opened, checkpoint=(state.timeline, state.version, state.lineage) if latest else None
     )
     state.timeline = timeline
+    if not resume:  # before its first prompt: see services.trainer.run_groups
+        await open_groups(bus, run_id)
     await store.add_timeline(run_id, timeline, state.version)  # known before anything is announced in it
     publisher = WeightPublisher(
         bus, run_id, out, keep=settings.keep_weights, broadcaster=broadcaster(settings)

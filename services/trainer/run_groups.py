@@ -1,8 +1,11 @@
 """The consumer groups a run reads through on the bus, and their removal once the run is over.
 
-Each run reads the scored groups, and its validation groups, through consumer groups of its own:
-a new run's group starts at the stream's beginning, so it can tell what is its own whatever a run
-before it left behind. Redis keeps a group until it is destroyed, and a stream is trimmed only
+Each run reads the scored groups, and its validation groups, through consumer groups of its own.
+A new run makes them as it opens, before its first prompt goes out, at the streams' ends: nothing
+of its own can be in them yet, and what a run before it left (acknowledged groups not yet trimmed,
+up to a batch) is then never read and counted as foreign. A resumed run's groups hold its place; one
+that has none (a crash before they were made, groups an older pbsd named otherwise) reads from the
+streams' beginning, where its groups in flight may be. Redis keeps a group until it is destroyed, and a stream is trimmed only
 below the slowest group's position (:mod:`services.bus.trimming`): an ended run's group would keep
 every later entry of ``scored`` and ``evals`` in Redis for good, and with routing replay's routes
 a scored group is up to hundreds of MB. So a run's groups are destroyed when it ends, and the
@@ -20,7 +23,7 @@ from services.trainer.runs import FINISHED, RunStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["evals_group", "forget_ended_runs", "forget_run", "scored_group"]
+__all__ = ["evals_group", "forget_ended_runs", "forget_run", "open_groups", "scored_group"]
 
 _PREFIX, _EVALS_SUFFIX = "trainer-", "-evals"
 
@@ -31,6 +34,12 @@ def scored_group(run_id: str) -> str:
 
 def evals_group(run_id: str) -> str:
     return f"{_PREFIX}{run_id}{_EVALS_SUFFIX}"
+
+
+async def open_groups(bus: Bus, run_id: str) -> None:
+    """Make a new run's groups at the streams' ends (before anything of the run is published)."""
+    await bus.ensure_group(SCORED, scored_group(run_id), start="$")
+    await bus.ensure_group(EVALS, evals_group(run_id), start="$")
 
 
 async def forget_run(bus: Bus, run_id: str) -> None:
