@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from proto.arrays import Float32Array, Int32Array, RoutedExpertsArray, Uint8Array
-from proto.base import Contract, Message
+from proto.base import Contract, Message, derived_id
 from proto.runs import AlgorithmSpec, RolloutSpec, Seed
 from proto.sanity import NoiseFloor, TeacherSanity
 
@@ -35,6 +35,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "WeightsPublished",
+    "group_message_id",
 ]
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -161,6 +162,14 @@ class Trajectory(Contract):
         if self.finish_reason == "error" and not self.error:
             raise ValueError("a trajectory that ended in error must say why in `error`")
         return self
+
+
+def group_message_id(task_message_id: str) -> str:
+    """The message id of the group that answers the prompt task ``task_message_id``: every
+    delivery of one task publishes its group under one id, so a consumer processes it once, and
+    whoever published the task can tell its group's messages (a dead letter's, say) from another
+    copy's."""
+    return derived_id(task_message_id, "group")
 
 
 class TrajectoryGroup(Message):

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from agent.chat import ChatTokenizer
-from proto.messages import PromptTask
+from proto.messages import PromptTask, group_message_id
 from proto.streams import SCORED
 from services.trainer.executor import RunExecutor
 from services.trainer.runs import RunStore
@@ -223,24 +223,23 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
     counted and replaced by 8; then the trainer died. The resume publishes 5 again, as consumed
     since the checkpoint, and reads the dead letters from the stream's start: the old letter counted
     5 dropped a second time and published a second replacement, so the run reckoned one group fewer
-    in flight than there was and could end before its last group came."""
+    in flight than there was and could end before its last group came. A letter about an old copy
+    that is newer than the resume (a copy sampled as the trainer died, whose group failed in the
+    scorer after; one still queued, which publish_ahead moved behind the new copy) passed a test of
+    the letter's age and was counted too; only a letter about the copy the resume published counts."""
     from types import SimpleNamespace
 
+    from proto import examples as ex
+    from proto.base import encode
+    from proto.data import QuestionRecord
     from proto.messages import DeadLetter
     from services.trainer.admission import outstanding
     from services.trainer.checkpoints import TrainState
+    from services.trainer.controller import PromptController
     from services.trainer.opening import _consumed_since
 
     store, run_id = RunStore(bus.redis, key_prefix), "r1"
     trained = [f"{run_id}:{i}/0" for i in range(4)]
-    old = DeadLetter(
-        stream="prompts",
-        group="rollout",
-        entry_id=f"{await bus.clock_ms() - 5000}-0",
-        cause="max deliveries",
-        deliveries=3,
-        payload=b"",
-    )
     await store.reset_consumed(run_id, trained, [])
     await store.mark_dropped(run_id, 5)
     await store.set_published(run_id, 9)
@@ -248,27 +247,55 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
     republished, next_index = await _consumed_since(store, run_id, state, trained)
     assert (republished, next_index) == ([5], 9)  # 5 goes out again; 4, 6, 7 and 8 are in flight
     await store.reset_consumed(run_id, trained, state.dropped_indices)
+
+    questions = [QuestionRecord(id=f"q{i}", question=f"question {i}?", answer=f"a{i}") for i in range(12)]
+    spec = ex.example_run("grpo").model_copy(update={"name": "r"})
+    before = PromptController(bus, run_id, spec, questions)  # the execution that died
+    controller = PromptController(bus, run_id, spec, questions, next_index=9, timeline="t2")
+    await controller.republish(republished, state.step)
     topped_up = []
 
     async def top_up(step: int, dropped: int) -> None:
         topped_up.append(dropped)
 
-    controller = SimpleNamespace(
-        next_index=9, top_up=top_up, spec=SimpleNamespace(trainer=SimpleNamespace(prompts_per_step=4))
-    )
+    controller.top_up = top_up
     run = SimpleNamespace(
         id=run_id,
         state=state,
         controller=controller,
         lost=asyncio.Event(),
         republished=frozenset(republished),
-        republished_ms=await bus.clock_ms(),
     )
     executor = RunExecutor.__new__(RunExecutor)
     executor.store = store
-    await executor._dead_lettered(run, 5, old)
-    assert state.dropped == 0 and not topped_up and outstanding(controller, state) == 5  # 4-8
-    # the copy published again is lost too: that letter is newer, and counts
-    await asyncio.sleep(0.002)
-    await executor._dead_lettered(run, 5, old.model_copy(update={"entry_id": f"{await bus.clock_ms()}-0"}))
+
+    def letter(stream: str, task, entry_id: str) -> DeadLetter:
+        group = ex.example_group(1).model_copy(
+            update={
+                "run_id": run_id,
+                "task_id": task.task_id,
+                "message_id": group_message_id(task.message_id),
+            }
+        )
+        message = {"prompts": task, "trajectories": group, "scored": ex.example_scored(group)}[stream]
+        return DeadLetter(
+            stream=stream,
+            group="g",
+            entry_id=entry_id,
+            cause="max deliveries",
+            deliveries=5,
+            payload=encode(message),
+        )
+
+    old, new = before.task(5, 0), controller.task(5, 1, again="")
+    for stream, entry in (
+        ("prompts", "1-0"),
+        ("trajectories", "99999999999999-0"),
+        ("prompts", "99999999999999-1"),
+    ):
+        await executor._dead_lettered(run, 5, letter(stream, old, entry))
+        assert state.dropped == 0 and not topped_up and outstanding(controller, state) == 5, stream  # 4-8
+    # the copy published again is lost too: that letter counts, once
+    for _ in range(2):
+        await executor._dead_lettered(run, 5, letter("scored", new, "2-0"))
     assert state.dropped == 1 and state.dropped_indices == [5] and topped_up == [1]

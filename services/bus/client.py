@@ -57,12 +57,6 @@ class Bus(ConsumerGroups):
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def clock_ms(self) -> int:
-        """The Redis server's clock in milliseconds: what the ids of entries added from now on are
-        at least (:func:`entry_order`)."""
-        seconds, micros = await self.redis.time()
-        return int(seconds) * 1000 + int(micros) // 1000
-
     def exclusive(self, name: str, *, ttl_s: float = 60.0) -> Exclusive:
         """A lock named ``name`` shared by every process on this bus (:class:`Exclusive`): renewed
         while held, so ``ttl_s`` is how long a holder that died keeps the others waiting."""

@@ -27,8 +27,7 @@ import logging
 
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
-from proto.base import derived_id
-from proto.messages import PromptTask, Trajectory, TrajectoryGroup, WeightsPublished
+from proto.messages import PromptTask, Trajectory, TrajectoryGroup, WeightsPublished, group_message_id
 from proto.streams import EVALS, PROMPTS, TRAJECTORIES
 from services.bus import Bus, ConsumerOptions, Delivery
 from services.policy_worker import PolicyWorker
@@ -158,7 +157,7 @@ class RolloutWorker(PolicyWorker):
         with self.holding() as held:
             trajectories = await asyncio.gather(*(self._sample(task, i, limits) for i in range(r.group_size)))
         return TrajectoryGroup(
-            message_id=derived_id(task.message_id, "group"),
+            message_id=group_message_id(task.message_id),
             run_id=task.run_id,
             task_id=task.task_id,
             question_id=task.question_id,

@@ -24,7 +24,7 @@ import numpy as np
 
 from proto.base import derived_id
 from proto.data import QuestionRecord
-from proto.messages import PromptTask
+from proto.messages import PromptTask, group_message_id
 from proto.runs import RunSpec
 from proto.streams import PROMPTS
 from services.bus import Bus
@@ -61,6 +61,10 @@ class PromptController:
         self.next_index = next_index
         self.timeline = timeline
         self.on_published = on_published
+        # the message ids of the copies published ahead of the queue since the run opened, and of
+        # their groups: a dead letter about any other copy of such a prompt lost a copy this
+        # opening replaced (see RunExecutor._dead_lettered)
+        self.copies: set[str] = set()
         self._orders: dict[int, np.ndarray] = {}
 
     @property
@@ -109,14 +113,17 @@ class PromptController:
         """After a crash, the prompts whose groups the lost steps consumed (trained on or dropped, and
         acknowledged), ahead of the queue: under the new timeline's message ids the rollout samples
         them again; a group that does arrive twice is the same trajectories, trained once."""
-        tasks = [self.task(index, step, again="", place=k) for k, index in enumerate(indices)]
-        await self.bus.publish_ahead(PROMPTS, tasks)
+        await self._ahead([self.task(index, step, again="", place=k) for k, index in enumerate(indices)])
 
     async def again(self, index: int, cause: str, step: int) -> None:
         """Prompt ``index`` once more, ahead of the queue: its group (message id ``cause``) was sampled
         with weights a resume discarded. The message id follows from the group's, so a redelivered
         group does not have its prompt sampled twice."""
-        await self.bus.publish_ahead(PROMPTS, [self.task(index, step, again=cause)])
+        await self._ahead([self.task(index, step, again=cause)])
+
+    async def _ahead(self, tasks: list[PromptTask]) -> None:
+        self.copies.update(i for t in tasks for i in (t.message_id, group_message_id(t.message_id)))
+        await self.bus.publish_ahead(PROMPTS, tasks)
 
     async def top_up(self, step: int, dropped: int) -> int:
         """Publish prompts up to the allowance; returns how many were published."""

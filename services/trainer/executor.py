@@ -38,7 +38,7 @@ from typing import Any
 from proto.base import derived_id
 from proto.messages import DeadLetter, RunEnded, ScoredGroup
 from proto.streams import RUN_ENDS, SCORED
-from services.bus import REDIS_DOWN, Bus, Held, entry_order
+from services.bus import REDIS_DOWN, Bus, Held
 from services.tasks import cancel_and_wait, within
 from services.trainer import metrics as m
 from services.trainer.admission import accept, count_drop
@@ -48,7 +48,7 @@ from services.trainer.checkpoints import (
     save_groups,
     write_checkpoint,
 )
-from services.trainer.dead_letters import follow_dead_letters, lost_prompt
+from services.trainer.dead_letters import follow_dead_letters, lost_prompt, lost_task
 from services.trainer.dynamics import batch_metrics
 from services.trainer.opening import Run, open_run
 from services.trainer.run_groups import forget_ended_runs, forget_run, scored_group
@@ -351,9 +351,11 @@ class RunExecutor:
         state = run.state
         if index in state.dropped_indices or index >= run.controller.next_index:
             return
-        if index in run.republished and entry_order(letter.entry_id)[0] < run.republished_ms:
-            # the letters are read from the stream's start at each opening: this one lost the copy
-            # a crash resume published again, whose new copy is in flight and counted so
+        lost = lost_task(letter)
+        if index in run.republished and (lost is None or lost.message_id not in run.controller.copies):
+            # the letters are read from the stream's start at each opening: this one lost a copy
+            # from before the crash (dead-lettered then, or since: one still queued, or sampled
+            # as the trainer died), and the copy the resume published is in flight and counted so
             return
         if any(await self.store.trained(run.id, [f"{run.id}:{index}/0"])):
             return  # a copy of it was trained before a later delivery was given up on

@@ -77,10 +77,9 @@ class Run:
     # set when a prompt's group is known lost for good (dead-lettered): a batch waiting for the
     # data's last groups checks again whether any can still come
     lost: asyncio.Event = field(default_factory=asyncio.Event)
-    # the prompts a crash resume published again, and the Redis clock (ms) just before: a dead letter
-    # about an entry older than that lost the copy the resume replaced, not the copy in flight
+    # the prompts a crash resume published again: a dead letter about a copy of one that this
+    # opening did not publish (``controller.copies``) lost a copy the resume replaced
     republished: frozenset[int] = frozenset()
-    republished_ms: int = 0
 
     def outstanding(self) -> int:
         return outstanding(self.controller, self.state)
@@ -193,7 +192,6 @@ async def open_run(
         done = trained | set(state.dropped_indices)
         republished = [i for i in range(controller.next_index) if i not in done]
         what = "out at the checkpoint"
-    republished_ms = await bus.clock_ms() if republished else 0
     if republished:
         await controller.republish(republished, state.step)
         log.info(
@@ -244,7 +242,6 @@ async def open_run(
         published=state.version,
         checkpointed=latest.name if latest else None,
         republished=frozenset(republished),
-        republished_ms=republished_ms,
     )
 
 
