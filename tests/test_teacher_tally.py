@@ -77,3 +77,18 @@ async def test_tally_sorts_saved_groups_again_from_their_evidence(tok, tiny_chec
     assert lost.exit_code != 0 and "kept no scored groups: r0" in lost.output
     alone = CliRunner().invoke(app, [*args, "--compare", str(cmp)])
     assert alone.exit_code != 0 and "go together" in alone.output
+
+
+async def test_groups_written_with_another_tokenizer_are_refused(
+    tok, tiny_checkpoint, moe_checkpoint, tmp_path
+):
+    """Read with another checkpoint's tokenizer, saved groups decode to other text: `tally` gave
+    figures sorted from it, and `drift` failed inside on a role it could not find."""
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0)
+    scored = await score_group(_hand_made_group(tok, spec), tok, _reading_teacher(tok, gain=0.5))
+    save_groups(tmp_path / "a", 0, [scored])
+    for command in ("tally", "drift"):
+        args = ["teacher", command, "--groups", str(tmp_path / "a"), "--model"]
+        wrong = CliRunner().invoke(app, [*args, str(moe_checkpoint)])
+        assert wrong.exit_code == 2 and "not written with" in wrong.output, (command, wrong.output)
+        assert CliRunner().invoke(app, [*args, str(tiny_checkpoint)]).exit_code == 0, command

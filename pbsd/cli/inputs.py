@@ -26,6 +26,7 @@ __all__ = [
     "questions_file",
     "read_document",
     "same_world",
+    "scored_with",
     "share",
     "world_dir",
 ]
@@ -194,6 +195,21 @@ def same_world(questions: Path, corpus: Path | None) -> None:
             f"{questions} is a question file of the world in {asked[0]}, {corpus} the corpus of another "
             f"({searched[0]}): no answer would be found in it",
             param_hint="--corpus",
+        )
+
+
+def scored_with(tok, group, model: Path, where: Path) -> None:
+    """Refuse saved groups whose token ids another tokenizer wrote: this one decodes them to other
+    text (or fails on ids it does not have), and figures sorted from that text describe turns no
+    one wrote. A trajectory's prompt ends in its question, verbatim, under the tokenizer that
+    wrote it."""
+    ids = group.trajectories[0].prompt_ids
+    fits = not len(ids) or int(ids.max()) < tok.vocab_size
+    if not fits or " ".join(group.question.split()) not in " ".join(tok.decode(ids).split()):
+        raise UserError(
+            f"{where}: these groups were not written with {model}'s tokenizer (a prompt does not "
+            "decode to its question); give the checkpoint of the run that scored them",
+            code=2,
         )
 
 

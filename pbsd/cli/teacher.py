@@ -26,6 +26,7 @@ from pbsd.cli.inputs import (
     probability,
     questions_file,
     same_world,
+    scored_with,
     share,
 )
 
@@ -358,7 +359,9 @@ def drift_cmd(
         raise UserError(str(exc)) from None
     if not scored:
         raise UserError(f"{groups}: no scored PBSD groups in {groups / 'groups'}", code=2)
-    report = drift_anatomy(load_model(model), ChatTokenizer.from_pretrained(model), scored)
+    tok = ChatTokenizer.from_pretrained(model)
+    scored_with(tok, scored[0].group, model, groups)
+    report = drift_anatomy(load_model(model), tok, scored)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))

@@ -11,6 +11,7 @@ import typer
 
 from agent.chat import ChatTokenizer
 from pbsd.cli.errors import UserError
+from pbsd.cli.inputs import scored_with
 from pbsd.sanity import checks
 from proto.messages import ScoredGroup
 from proto.sanity import TeacherSanity
@@ -46,9 +47,13 @@ def tally(
     # one pass, a step file at a time: a long run's groups never sit in memory together
     tok, count, specs, stored, sorted_anew = None, 0, set(), TeacherSanity(), TeacherSanity()
     for folder in groups:
+        checked = False
         for _, g in _groups_of(folder):
             if g.scored:
                 tok = tok or ChatTokenizer.from_pretrained(model)  # once there is something to sort
+                if not checked:  # a folder is one run's, written with one tokenizer
+                    scored_with(tok, g.group, model, folder)
+                    checked = True
                 count += 1
                 specs.add((g.group.algorithm.eps_pos, g.group.algorithm.eps_neg))
                 if len(specs) > 1:  # said before the sorting of what is left, which a long run makes slow
