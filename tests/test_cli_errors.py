@@ -259,6 +259,17 @@ def test_a_service_with_a_bad_path_says_which_variable(case, monkeypatch):
     _one_line_error(runner.invoke(app, ["serve", service]), says, 2)
 
 
+def test_the_tool_gateway_refuses_a_corpus_with_no_document_in_a_line(monkeypatch, tmp_path):
+    """The loader's traceback under "Application startup failed" was how a malformed corpus showed."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"url": 1}\nnot json\n')
+    monkeypatch.setenv("PBSD_TOOLS_BACKEND", "offline")
+    monkeypatch.setenv("PBSD_TOOLS_CORPUS", str(corpus))
+    _one_line_error(
+        runner.invoke(app, ["serve", "tools"]), "PBSD_TOOLS_CORPUS: " + f"{corpus}: no usable rows", 2
+    )
+
+
 def test_a_trainer_that_does_not_answer_in_time(monkeypatch):
     """A listening socket that never accepts: the connection opens, no answer comes."""
     import pbsd.cli.runs

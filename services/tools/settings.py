@@ -12,6 +12,7 @@ from pydantic_settings import SettingsConfigDict
 
 from agent.toolcall import DEFAULT_MAX_RESULT_CHARS
 from services.settings import CommonSettings
+from worldgen.formats import load_corpus
 
 # Jina's rate-limit page (jina.ai/api-dashboard/rate-limit, read 2026-11-28): the Reader takes 500
 # requests a minute with a free or paid key and 20 without; these stay just under
@@ -114,8 +115,12 @@ class ToolsSettings(CommonSettings):
     @field_validator("corpus")
     @classmethod
     def _corpus_is_a_file(cls, value: Path | None) -> Path | None:
+        """A file with a usable document, read to the first one: a corpus that has none is said in
+        a line at start, not in the loader's traceback under "Application startup failed"."""
         if value is not None and not value.is_file():
             raise ValueError(f"{value} is not a file")
+        if value is not None:
+            load_corpus(value, limit=1).raise_if_empty(value, warn=False)  # the app's read warns
         return value
 
     @model_validator(mode="after")
