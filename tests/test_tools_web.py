@@ -61,6 +61,34 @@ def _backend(http, serper_base, *, jina_base=None, summariser_base=None, site=No
     return WebBackend(serper, jina, PlainFetcher(allow=allow, timeout_s=5), summariser)
 
 
+@pytest.mark.parametrize(("max_num", "sent", "credits"), [(10, 10, 1), (100, 50, 2)])
+async def test_a_search_asks_serper_for_at_most_max_num_results_and_counts_its_credits(
+    max_num, sent, credits
+):
+    """num > 10 is billed two credits a query, and Google serves at most 10 a page: the agent's
+    num: 50 goes out as 10 unless the operator raises the cap; the reply's credits are counted."""
+    from prometheus_client import REGISTRY
+
+    def spent() -> float:
+        return REGISTRY.get_sample_value("pbsd_tools_serper_credits_total") or 0.0
+
+    app = make_serper()
+    with serve(app) as base:
+        async with httpx.AsyncClient() as http:
+            searcher = SerperSearch(
+                http,
+                Upstream("serper", UpstreamLimits(retry=FAST)),
+                base_url=base,
+                api_key=SecretStr(SERPER_KEY),
+            )
+            searcher.max_num = max_num
+            before = spent()
+            await searcher.search(GoogleSearchArgs(q="danube", num=50))
+            await searcher.search(GoogleSearchArgs(q="danube", num=3))
+    assert [r["body"]["num"] for r in app.state.requests] == [sent, 3]
+    assert spent() - before == credits + 1
+
+
 async def test_serper_search_keeps_results_drops_leaks_and_sends_the_key():
     app = make_serper()
     with serve(app) as base:
@@ -375,7 +403,7 @@ async def test_a_huge_reader_reply_is_read_only_up_to_the_cap(form):
                 with pytest.raises(UpstreamError, match="malformed reader response"):
                     await reader.read("https://example.org/big")
             else:
-                reply = await reader._get(f"{base}/https://example.org/big", {"Accept": accept})
+                reply = await reader._post("https://example.org/big", {"Accept": accept})
                 page = _parse_jina("https://example.org/big", reply)
                 assert len(reply.content) == 100_000 and page.content.startswith("# Page about")
 
@@ -404,3 +432,26 @@ async def test_summaries_in_flight_are_capped_by_the_summariser_concurrency():
     page = Page(url="https://example.org", title="t", content="text", source="http")
     results = await asyncio.gather(*(summariser.summarise(page, "goal") for _ in range(6)))
     assert results == [("e", "s")] * 6 and SlowModel.peak == 2
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://en.example.org/wiki/What%3F",
+        "https://example.org/s?q=AT%26T&x=1",
+        "https://example.org/#/route",
+    ],
+    ids=["escaped-question-mark", "escaped-ampersand", "hash-route"],
+)
+async def test_the_reader_gets_the_address_exactly_as_the_agent_wrote_it(url):
+    """In the path of a GET the Reader decodes the address once (What%3F became What?, a query
+    ending in AT&T another one), and a #route never left the client; the form body carries it."""
+    jina_app = make_jina()
+    with serve(jina_app) as base:
+        async with httpx.AsyncClient() as http:
+            reader = JinaReader(
+                http, Upstream("jina", UpstreamLimits(retry=FAST)), base_url=base, api_key=None
+            )
+            page = await reader.read(url)
+    assert [r["target"] for r in jina_app.state.requests] == [url] and page.url == url
+    assert jina_app.state.requests[0]["method"] == "POST"

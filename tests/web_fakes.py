@@ -7,6 +7,7 @@ import asyncio
 import gzip
 from collections import deque
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import (
@@ -101,20 +102,32 @@ def make_serper(script: list[Any] | None = None) -> FastAPI:
             return PlainTextResponse("<html>upstream proxy error</html>")
         if item == "slow":
             await asyncio.sleep(3)
-        return JSONResponse(serper_response(body["q"]))
+        # more than 10 results is billed 2 credits (Serper's pricing as others report it)
+        return JSONResponse({**serper_response(body["q"]), "credits": 1 if body.get("num", 10) <= 10 else 2})
 
     return app
 
 
 def make_jina(script: list[Any] | None = None) -> FastAPI:
-    """Jina Reader: ``GET /{url}``; JSON with Accept: application/json, else the Title:/URL Source: text form."""
+    """Jina Reader: ``POST /`` with the form field ``url``, or ``GET /{url}`` (which the Reader
+    decodes once); JSON with Accept: application/json, else the Title:/URL Source: text form."""
     app = FastAPI()
     app.state.requests = []
     queue = deque(script or [])
 
+    @app.post("/")
+    async def read_form(request: Request):
+        form = parse_qs((await request.body()).decode(), keep_blank_values=True)
+        return await answer(form.get("url", [""])[0], request)
+
     @app.get("/{target:path}")
     async def read(target: str, request: Request):
-        app.state.requests.append({"target": target, "headers": dict(request.headers)})
+        return await answer(target, request)
+
+    async def answer(target: str, request: Request):
+        app.state.requests.append(
+            {"target": target, "method": request.method, "headers": dict(request.headers)}
+        )
         item = queue.popleft() if queue else None
         if item == 402:
             return JSONResponse(

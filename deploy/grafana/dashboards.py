@@ -239,6 +239,13 @@ def tools() -> dict:
                 unit="ops",
             ),
             panel(
+                "Serper credits",
+                "Credits Serper's replies say the searches cost, over the last hour (a search asking "
+                "for more than 10 results is billed two; PBSD_TOOLS_SERPER_MAX_NUM caps it).",
+                [("sum(increase(pbsd_tools_serper_credits_total[1h]))", "credits an hour")],
+                unit="short",
+            ),
+            panel(
                 "Tool calls as the agent sees them",
                 "Calls the rollout workers made, by outcome (malformed calls count as errors here).",
                 [("sum(rate(pbsd_rollout_tool_calls_total[5m])) by (outcome)", "{{outcome}}")],

@@ -107,6 +107,7 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient, cpu: CpuPool
         base_url=settings.serper_url,
         api_key=settings.serper_api_key,
         blocked_hosts=tuple(settings.blocked_result_hosts),
+        max_num=settings.serper_max_num,
     )
     jina = None
     if settings.use_jina:

@@ -32,6 +32,7 @@ ENCODING_REFUSED = Counter(
     "pbsd_tools_encoding_refused_total",
     "Page reads refused for a content encoding the reader does not decode",
 )
+SERPER_CREDITS = Counter("pbsd_tools_serper_credits_total", "Credits Serper's replies say the searches cost")
 BUDGET_EXHAUSTED = Counter("pbsd_tools_budget_exhausted_total", "Calls refused by a trajectory's call budget")
 
 

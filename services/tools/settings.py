@@ -79,6 +79,15 @@ class ToolsSettings(CommonSettings):
     serper_api_key: SecretStr | None = None
     serper_concurrency: int = 32
     serper_rate_per_s: float | None = 50.0
+    serper_max_num: int = Field(
+        default=10,
+        ge=1,
+        le=100,
+        description="results asked of Serper a search at most, whatever num the agent asks for: more "
+        "than 10 is billed 2 credits a query (Serper's pricing as others report it; each reply's "
+        "`credits` is counted in pbsd_tools_serper_credits_total), and Google has served at most "
+        "10 a page since late 2025",
+    )
     jina_url: str = "https://r.jina.ai"
     jina_api_key: SecretStr | None = None
     use_jina: bool = True

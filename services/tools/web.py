@@ -70,15 +70,18 @@ class SerperSearch:
         base_url: str,
         api_key: SecretStr,
         blocked_hosts: tuple[str, ...] = (),
+        max_num: int = 10,
     ) -> None:
         self.http = http
         self.upstream = upstream
+        self.max_num = max_num
         self.url = base_url.rstrip("/") + "/search"
         self.api_key = api_key
         self.blocked_hosts = tuple(h.lower() for h in blocked_hosts)
 
     async def search(self, args: GoogleSearchArgs) -> dict[str, Any]:
         body = args.model_dump(exclude_none=True)
+        body["num"] = min(body.get("num", 10), self.max_num)
         headers = {"X-API-KEY": self.api_key.get_secret_value(), "Content-Type": "application/json"}
         response = await self.upstream.call(lambda: self.http.post(self.url, json=body, headers=headers))
         try:
@@ -88,6 +91,9 @@ class SerperSearch:
                 raise TypeError("organic is not a list")
         except (ValueError, TypeError, AttributeError) as exc:
             raise UpstreamError("serper", f"malformed search response ({exc})") from None
+        credits = data.get("credits")
+        if type(credits) in (int, float) and 0 <= credits < 1e6:  # what the search cost, as Serper says
+            metrics.SERPER_CREDITS.inc(credits)
         results = []
         for item in organic:
             if not isinstance(item, dict) or not item.get("link") or self.blocked(item["link"]):
@@ -112,7 +118,11 @@ class SerperSearch:
 
 
 class JinaReader:
-    """``GET {base}/{url}`` with a bearer key and Reader option headers; JSON or text replies."""
+    """``POST {base}/`` with the page's address as the form field ``url`` and a bearer key; JSON or
+    text replies. Not ``GET {base}/{url}``, as MiroThinker and Tongyi call it: the Reader decodes
+    that path once (jina-ai/reader, src/api/crawler.ts), so an escaped ``?``, ``&``, ``=`` or ``/``
+    in the address (``wiki/What%3F``, ``?q=AT%26T``) reaches it unescaped and names another page,
+    and a ``#`` route never leaves the client. Its README gives the form body for such addresses."""
 
     def __init__(
         self,
@@ -137,14 +147,16 @@ class JinaReader:
         headers = {"Accept": "application/json"}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
-        response = await self.upstream.call(lambda: self._get(f"{self.base_url}/{url}", headers))
+        response = await self.upstream.call(lambda: self._post(url, headers))
         return _parse_jina(url, response)
 
-    async def _get(self, url: str, headers: dict[str, str]) -> httpx.Response:
+    async def _post(self, url: str, headers: dict[str, str]) -> httpx.Response:
         """The reply with at most ``max_bytes`` of its body read: a page of hundreds of MB (a hostile
         one) costs the gateway no more memory than the plain fetcher's cap. A JSON reply cut short
         no longer parses, and the read falls back to the plain fetch, capped as well."""
-        async with self.http.stream("GET", url, headers=headers) as response:
+        async with self.http.stream(
+            "POST", f"{self.base_url}/", data={"url": url}, headers=headers
+        ) as response:
             body = bytearray()
             async for chunk in response.aiter_bytes():  # decompressed: the cap is on what is held
                 body += chunk
