@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from proto.data import CorpusDocument
 from services.search.corpus import OfflineCorpus, _scores
 from services.search.extractive import passages, terms
 from worldgen.build import build_world
@@ -88,3 +89,15 @@ def test_the_cut_follows_the_corpus_order_on_a_generated_world(corpus):
         assert index.top_k(q, k) == expected, (q, k)
         cut_ties += k < len(order) and scores[order[k - 1]] == scores[order[k]] > 0
     assert cut_ties >= 10  # the cases where the rule matters were exercised
+
+
+def test_a_corpus_whose_titles_hold_no_word_still_serves():
+    """Titles of one letter (or of stopwords only) leave the title field with no word to index:
+    bm25s raised on building it, and the gateway failed to start."""
+    docs = [
+        CorpusDocument(url="http://a.example/x", title="t", text="The Danube flows through Vienna."),
+        CorpusDocument(url="http://a.example/y", title="u", text="the a"),
+    ]
+    corpus = OfflineCorpus(docs)
+    assert [i for i, _ in corpus.top_k("danube vienna", 5)] == [0]
+    assert corpus.top_k("t", 5) == []

@@ -71,9 +71,14 @@ class SearchHit:
     score: float
 
 
-def _bm25(texts: list[str]) -> bm25s.BM25:
+def _bm25(texts: list[str]) -> bm25s.BM25 | None:
+    """The field's index; None when no text has a word it keeps (titles of one letter, bodies of
+    stopwords): bm25s cannot build an index of no words, and such a field matches no query."""
+    tokens = bm25s.tokenize(texts, stopwords=sorted(STOPWORDS), show_progress=False)
+    if not tokens.vocab:
+        return None
     index = bm25s.BM25()  # the "lucene" variant: a document's score is a sum over the query's words
-    index.index(bm25s.tokenize(texts, stopwords=sorted(STOPWORDS), show_progress=False), show_progress=False)
+    index.index(tokens, show_progress=False)
     return index
 
 
@@ -117,11 +122,14 @@ class OfflineCorpus:
     def __len__(self) -> int:
         return len(self.documents)
 
+    def _field(self, index: bm25s.BM25 | None, query: str) -> np.ndarray:
+        return np.zeros(len(self.documents), dtype=np.float32) if index is None else _scores(index, query)
+
     def top_k(self, query: str, k: int) -> list[tuple[int, float]]:
         """(document index, score) of the ``k`` best matches, best first; ties by corpus order."""
         if not terms(query):
             return []
-        scores = _scores(self._body, query) + self.title_weight * _scores(self._title, query)
+        scores = self._field(self._body, query) + self.title_weight * self._field(self._title, query)
         # only documents sharing a word with the query can rank: usually a small fraction of them
         matches = np.flatnonzero(scores > 0)
         if k < len(matches):
