@@ -118,6 +118,8 @@ CASES = [
     ("runs cancel: no trainer", lambda f: ["runs", "cancel", "r1", "--url", f.closed], "no trainer at", 1),
     ("runs delete: no trainer", lambda f: ["runs", "delete", "r1", "--url", f.closed], "no trainer at", 1),
     ("runs list: not a URL", lambda f: ["runs", "list", "--url", "trainer:8000"], "not a usable URL", 1),
+    ("runs list: a port past 65535", lambda f: ["runs", "list", "--url", "http://127.0.0.1:99999"], "is not a URL (Port out of range", 1),
+    ("runs list: port 0", lambda f: ["runs", "list", "--url", "http://127.0.0.1:0"], "is not a URL (port 0)", 1),
     ("runs submit: no trainer", lambda f: ["runs", "submit", str(f.tmp / "spec.yaml"), "--url", f.closed], "--url", 1),
     ("runs submit: not a spec", lambda f: ["runs", "submit", str(f.tmp / "not-a-spec.yaml"), "--url", f.closed], "not a run specification: model: Field required; data: Field required; rollout.group_size", 1),
     ("runs submit: missing spec", lambda f: ["runs", "submit", str(f.missing)], "does not exist", 2),
@@ -267,6 +269,20 @@ def test_the_tool_gateway_refuses_a_corpus_with_no_document_in_a_line(monkeypatc
     monkeypatch.setenv("PBSD_TOOLS_CORPUS", str(corpus))
     _one_line_error(
         runner.invoke(app, ["serve", "tools"]), "PBSD_TOOLS_CORPUS: " + f"{corpus}: no usable rows", 2
+    )
+
+
+@pytest.mark.parametrize("via", ["--host", "PBSD_TRAINER_HOST"])
+def test_a_bind_address_no_resolver_knows_is_named_where_it_came_from(via, monkeypatch):
+    """uvicorn said only "[Errno -2] Name or service not known" and exited 3."""
+    monkeypatch.setenv("PBSD_TRAINER_LOCAL_MODE", "1")
+    args = ["serve", "trainer"]
+    if via == "--host":
+        args += ["--host", "no-such-host.invalid"]
+    else:
+        monkeypatch.setenv(via, "no-such-host.invalid")
+    _one_line_error(
+        runner.invoke(app, args), f"Invalid value for {via}: cannot bind to 'no-such-host.invalid'", 2
     )
 
 

@@ -30,17 +30,27 @@ _TIMEOUT_S = 30.0
 def _api(url: str, token: str | None) -> Iterator:
     """A client of the trainer at ``url``; a trainer that cannot be reached is a user error
     that names the URL tried and the ways to point at one."""
+    from urllib.parse import urlsplit
+
     import httpx
 
+    def wrong(why: str) -> UserError:  # nothing was tried: the URL is wrong
+        return UserError(
+            f"{url} is {why}: give the trainer's URL as http://HOST:PORT with --url or PBSD_TRAINER_URL"
+        )
+
+    try:
+        port = urlsplit(url).port  # httpx takes a port past 65535, and the connection is refused
+    except ValueError as exc:
+        raise wrong(f"not a URL ({exc})") from None
+    if port == 0:
+        raise wrong("not a URL (port 0)")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S) as client:
             yield client
-    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:  # nothing was tried: the URL is wrong
-        raise UserError(
-            f"{url} is {transport_reason(exc)}: give the trainer's URL as http://HOST:PORT with --url or "
-            "PBSD_TRAINER_URL"
-        ) from None
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+        raise wrong(transport_reason(exc)) from None
     except httpx.TransportError as exc:
         raise UserError(
             f"no trainer at {url}: {transport_reason(exc)}; start one with `pbsd serve trainer`, "

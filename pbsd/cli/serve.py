@@ -30,7 +30,7 @@ def serve_tools(
     # would format a line for every call of the hot path
     uvicorn.run(
         create_app(settings),
-        host=host or settings.host,
+        host=_bind_host(host, settings.host, "PBSD_TOOLS_HOST"),
         port=port or settings.port,
         log_level="warning",
         access_log=False,
@@ -54,7 +54,7 @@ def serve_rollout(
     from services.rollout.app import create_app
 
     uvicorn.run(
-        create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
+        create_app(settings), host=_bind_host(host, settings.host, "PBSD_ROLLOUT_HOST"), port=port or settings.port, log_level="warning"
     )
 
 
@@ -74,7 +74,7 @@ def serve_scorer(
     from services.scorer.app import create_app
 
     uvicorn.run(
-        create_app(settings), host=host or settings.host, port=port or settings.port, log_level="warning"
+        create_app(settings), host=_bind_host(host, settings.host, "PBSD_SCORER_HOST"), port=port or settings.port, log_level="warning"
     )
 
 
@@ -91,6 +91,23 @@ def _service_settings(cls):
             where = f"{prefix}{'_'.join(map(str, error['loc'])).upper()}: " if error["loc"] else ""
             typer.echo(f"error: {where}{error['msg'].removeprefix('Value error, ')}", err=True)
         raise typer.Exit(2) from None
+
+
+def _bind_host(option: str | None, setting: str, variable: str) -> str:
+    """The address to bind, the option's or the setting's, refused in a line naming where it came
+    from when the resolver does not know it: uvicorn says only "[Errno -2] Name or service not
+    known" and exits 3."""
+    import socket
+
+    host = option or setting
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise typer.BadParameter(
+            f"cannot bind to {host!r}: {why}", param_hint="--host" if option else variable
+        ) from None
+    return host
 
 
 def _loopback(host: str) -> bool:
@@ -141,7 +158,7 @@ def serve_trainer(
 
     if save_groups is not None:  # the flag, either way, over the environment
         settings = settings.model_copy(update={"save_groups": save_groups})
-    host = host or settings.host
+    host = _bind_host(host, settings.host, "PBSD_TRAINER_HOST")
     if settings.api_token is None and not _loopback(host):
         raise typer.BadParameter(
             f"an API without a token (PBSD_TRAINER_LOCAL_MODE) binds to loopback only, not {host}: "
