@@ -44,6 +44,12 @@ def f(tiny_world, tmp_path_factory, checkpoint_stub):
     (tmp / "not-a-spec.yaml").write_text("name: x\nrollout: {group_size: 0}\n")
     (tmp / "nan-spec.yaml").write_text("name: x\ntrainer: {lr: .nan}\n")
     (tmp / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    bomb, below = "a: &a [x, x, x, x, x, x, x, x, x]\n", "a"  # 9**9 values once expanded
+    for name in "bcdefghi":
+        bomb, below = bomb + f"{name}: &{name} [{', '.join(['*' + below] * 9)}]\n", name
+    (tmp / "alias-bomb.yaml").write_text(bomb)
+    (tmp / "holds-itself.yaml").write_text("name: &a [1, *a]\n")
+    (tmp / "deep.yaml").write_text("[" * 20_000 + "]" * 20_000 + "\n")
     (tmp / "long-number.jsonl").write_text('{"messages": ' + "1" * 5000 + "}\n")
     (tmp / "questions.jsonl").write_text(
         "".join(json.dumps({"id": f"q{i}", "question": f"Q{i}?", "answer": "A"}) + "\n" for i in range(3))
@@ -125,6 +131,10 @@ CASES = [
     ("runs submit: missing spec", lambda f: ["runs", "submit", str(f.missing)], "does not exist", 2),
     ("runs submit: a directory", lambda f: ["runs", "submit", str(f.tmp)], "is a directory", 2),
     ("runs submit: not YAML", lambda f: ["runs", "submit", str(f.tmp / "not-yaml.yaml")], "not valid YAML", 1),
+    ("runs submit: an alias bomb", lambda f: ["runs", "submit", str(f.tmp / "alias-bomb.yaml"), "--url", f.closed], "its aliases expand it past 100,000 values", 1),
+    ("runs submit: a value inside itself", lambda f: ["runs", "submit", str(f.tmp / "holds-itself.yaml"), "--url", f.closed], "an alias names a value that holds it", 1),
+    ("runs submit: nested too deep", lambda f: ["runs", "submit", str(f.tmp / "deep.yaml"), "--url", f.closed], "nested too deep to read", 1),
+    ("compare: an alias bomb", lambda f: ["compare", "--out", str(f.missing), "--config", str(f.tmp / "alias-bomb.yaml")], "its aliases expand it past", 1),
     ("runs submit: NaN", lambda f: ["runs", "submit", str(f.tmp / "nan-spec.yaml"), "--url", f.closed], "cannot be sent as JSON", 1),
     ("world build: too few entities", lambda f: ["world", "build", "--out", str(f.missing), "--entities", "50"], "at least 100", 2),
     ("world demo-questions: no world", lambda f: ["world", "demo-questions", "--world", str(f.missing), "--out", str(f.missing)], "does not exist", 2),

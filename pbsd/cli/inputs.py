@@ -236,16 +236,54 @@ def conversations_file(path: Path | None) -> Path | None:
     return path
 
 
+_MAX_VALUES = 100_000  # a run spec holds about a hundred; a DeepSpeed config inline, a few hundred
+
+
 def read_document(path: Path) -> Any:
-    """The content of a YAML or JSON file (JSON is YAML)."""
+    """The content of a YAML or JSON file (JSON is YAML). YAML's aliases share a value where they
+    point, so nine aliases of nine aliases, nine levels deep, load as a few kilobytes and expand to
+    387 million values in whatever reads them next (the JSON of a request, a spec's validation,
+    which ran for good); an alias can also name the value it is in. Both are refused here."""
     import yaml
 
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a text file") from None
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: not valid YAML or JSON: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise UserError(f"{path}: nested too deep to read") from None
+    if (why := _expansion_problem(document)) is not None:
+        raise UserError(f"{path}: {why}")
+    return document
+
+
+def _expansion_problem(document: Any) -> str | None:
+    """What is wrong with ``document`` once its aliases are expanded (too many values, or a value
+    inside itself), else None; in time linear in the values it loaded, each shared one sized once."""
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(document, False)]
+    while stack:
+        node, children_sized = stack.pop()
+        if not isinstance(node, dict | list) or id(node) in sizes:
+            continue
+        children = [
+            c for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, dict | list)
+        ]
+        if children_sized:
+            open_ids.discard(id(node))
+            sizes[id(node)] = len(node) + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > _MAX_VALUES:
+                return f"its aliases expand it past {_MAX_VALUES:,} values"
+            continue
+        if id(node) in open_ids:
+            return "an alias names a value that holds it (the value would hold itself)"
+        open_ids.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return None
 
 
 def demo_settings(path: Path | None, **overrides: object):

@@ -54,7 +54,10 @@ def serve_rollout(
     from services.rollout.app import create_app
 
     uvicorn.run(
-        create_app(settings), host=_bind_host(host, settings.host, "PBSD_ROLLOUT_HOST"), port=port or settings.port, log_level="warning"
+        create_app(settings),
+        host=_bind_host(host, settings.host, "PBSD_ROLLOUT_HOST"),
+        port=port or settings.port,
+        log_level="warning",
     )
 
 
@@ -74,7 +77,10 @@ def serve_scorer(
     from services.scorer.app import create_app
 
     uvicorn.run(
-        create_app(settings), host=_bind_host(host, settings.host, "PBSD_SCORER_HOST"), port=port or settings.port, log_level="warning"
+        create_app(settings),
+        host=_bind_host(host, settings.host, "PBSD_SCORER_HOST"),
+        port=port or settings.port,
+        log_level="warning",
     )
 
 
