@@ -49,6 +49,10 @@ def f(tiny_world, tmp_path_factory, checkpoint_stub):
         bomb, below = bomb + f"{name}: &{name} [{', '.join(['*' + below] * 9)}]\n", name
     (tmp / "alias-bomb.yaml").write_text(bomb)
     (tmp / "holds-itself.yaml").write_text("name: &a [1, *a]\n")
+    omap, below = "a: &a [x, x, x, x, x, x, x, x, x]\n", "a"  # the same inside !!omap pairs (tuples)
+    for name in "bcdefghi":
+        omap, below = omap + f"{name}: !!omap [{{k: &{name} [{', '.join(['*' + below] * 9)}]}}]\n", name
+    (tmp / "omap-bomb.yaml").write_text(omap)
     (tmp / "deep.yaml").write_text("[" * 20_000 + "]" * 20_000 + "\n")
     (tmp / "long-number.jsonl").write_text('{"messages": ' + "1" * 5000 + "}\n")
     (tmp / "questions.jsonl").write_text(
@@ -131,10 +135,11 @@ CASES = [
     ("runs submit: missing spec", lambda f: ["runs", "submit", str(f.missing)], "does not exist", 2),
     ("runs submit: a directory", lambda f: ["runs", "submit", str(f.tmp)], "is a directory", 2),
     ("runs submit: not YAML", lambda f: ["runs", "submit", str(f.tmp / "not-yaml.yaml")], "not valid YAML", 1),
-    ("runs submit: an alias bomb", lambda f: ["runs", "submit", str(f.tmp / "alias-bomb.yaml"), "--url", f.closed], "its aliases expand it past 100,000 values", 1),
+    ("runs submit: an alias bomb", lambda f: ["runs", "submit", str(f.tmp / "alias-bomb.yaml"), "--url", f.closed], "it holds more than 100,000 values once its aliases are expanded", 1),
+    ("runs submit: an alias bomb in pairs", lambda f: ["runs", "submit", str(f.tmp / "omap-bomb.yaml"), "--url", f.closed], "once its aliases are expanded", 1),
     ("runs submit: a value inside itself", lambda f: ["runs", "submit", str(f.tmp / "holds-itself.yaml"), "--url", f.closed], "an alias names a value that holds it", 1),
     ("runs submit: nested too deep", lambda f: ["runs", "submit", str(f.tmp / "deep.yaml"), "--url", f.closed], "nested too deep to read", 1),
-    ("compare: an alias bomb", lambda f: ["compare", "--out", str(f.missing), "--config", str(f.tmp / "alias-bomb.yaml")], "its aliases expand it past", 1),
+    ("compare: an alias bomb", lambda f: ["compare", "--out", str(f.missing), "--config", str(f.tmp / "alias-bomb.yaml")], "once its aliases are expanded", 1),
     ("runs submit: NaN", lambda f: ["runs", "submit", str(f.tmp / "nan-spec.yaml"), "--url", f.closed], "cannot be sent as JSON", 1),
     ("world build: too few entities", lambda f: ["world", "build", "--out", str(f.missing), "--entities", "50"], "at least 100", 2),
     ("world demo-questions: no world", lambda f: ["world", "demo-questions", "--world", str(f.missing), "--out", str(f.missing)], "does not exist", 2),

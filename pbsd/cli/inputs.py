@@ -205,7 +205,10 @@ def scored_with(tok, group, model: Path, where: Path) -> None:
     wrote it."""
     ids = group.trajectories[0].prompt_ids
     fits = not len(ids) or int(ids.max()) < tok.vocab_size
-    if not fits or " ".join(group.question.split()) not in " ".join(tok.decode(ids).split()):
+    # the question as this tokenizer gives it back: one that normalises (NFC, spaces before
+    # punctuation) changes it the same way in the prompt
+    question = " ".join(tok.decode(tok.encode_text(group.question)).split())
+    if not fits or question not in " ".join(tok.decode(ids).split()):
         raise UserError(
             f"{where}: these groups were not written with {model}'s tokenizer (a prompt does not "
             "decode to its question); give the checkpoint of the run that scored them",
@@ -267,16 +270,19 @@ def _expansion_problem(document: Any) -> str | None:
     stack: list[tuple[Any, bool]] = [(document, False)]
     while stack:
         node, children_sized = stack.pop()
-        if not isinstance(node, dict | list) or id(node) in sizes:
+        # tuples too: YAML's !!omap and !!pairs load as lists of (key, value) pairs
+        if not isinstance(node, dict | list | tuple) or id(node) in sizes:
             continue
         children = [
-            c for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, dict | list)
+            c
+            for c in (node.values() if isinstance(node, dict) else node)
+            if isinstance(c, dict | list | tuple)
         ]
         if children_sized:
             open_ids.discard(id(node))
             sizes[id(node)] = len(node) + sum(sizes[id(c)] for c in children)
             if sizes[id(node)] > _MAX_VALUES:
-                return f"its aliases expand it past {_MAX_VALUES:,} values"
+                return f"it holds more than {_MAX_VALUES:,} values once its aliases are expanded"
             continue
         if id(node) in open_ids:
             return "an alias names a value that holds it (the value would hold itself)"
