@@ -266,29 +266,40 @@ class PolicyWorker(abc.ABC):
             await self._see(*latest)
         ends = await self.bus.newest(RUN_ENDS, self.remembered_ends)
         self.ended.update(event.run_id for _, event in ends)
+        # the followers go on while the consumers finish what they hold after a stop: a handler
+        # waiting for weights would otherwise wait out the grace, and one of an ended run sample on
+        following = asyncio.Event()
         followers = [
             asyncio.create_task(
                 self.bus.follow_for_good(
-                    WEIGHTS, latest[0] if latest else heads[0], self._see, stop, reader=self.name
+                    WEIGHTS, latest[0] if latest else heads[0], self._see, following, reader=self.name
                 )
             ),
             asyncio.create_task(
                 self.bus.follow_for_good(
-                    RUN_ENDS, ends[-1][0] if ends else heads[1], self._end, stop, reader=self.name
+                    RUN_ENDS, ends[-1][0] if ends else heads[1], self._end, following, reader=self.name
                 )
             ),
         ]
         self.ready.set()
-        try:
-            await asyncio.gather(
-                *(
-                    self.bus.consume(
-                        self.stream, f"{self.name}-{i}", self._unless_ended, options=self.options, stop=stop
-                    )
-                    for i in range(self.concurrency)
-                )
+        names = [f"{self.name}-{i}" for i in range(self.concurrency)]
+        consumers = [
+            asyncio.create_task(
+                self.bus.consume(self.stream, name, self._unless_ended, options=self.options, stop=stop)
             )
+            for name in names
+        ]
+        try:
+            await asyncio.gather(*consumers)
         finally:
+            for consumer in consumers:  # the grace ran out, or one failed: the others stop too
+                consumer.cancel()
+            await asyncio.wait(consumers)
+            # what they still hold goes to another worker now, not once its takeover time has
+            # passed: a group cut off by a scale-down waited 50 s before anyone sampled it again
+            with contextlib.suppress(*REDIS_DOWN):
+                for name in names:
+                    await self.bus.release(self.stream, name)
             for follower in followers:
                 await cancel_and_wait(follower)
 

@@ -111,7 +111,7 @@ class WorkerSettings(ConsumerSettings):
         default=30.0,
         gt=0,
         description="on SIGTERM, how long the messages in hand may take to finish before the worker "
-        "is cancelled (unacknowledged ones are redelivered to another worker)",
+        "is cancelled; what it could not finish is handed back to the other workers at once",
     )
 
 

@@ -262,3 +262,72 @@ async def test_consumers_long_gone_are_forgotten_and_none_that_holds_an_entry(bu
     assert await names() == {"holder", "new-pod"}  # old-pod is gone; the holder keeps its entry
     assert (await bus.redis.xpending(key, "rollout"))["pending"] == 1
     await bus.commit(held)
+
+
+async def test_a_leaving_consumer_hands_back_what_it_holds_at_once(bus: Bus):
+    """A worker stopped mid-handler (a scale-down past its grace) left its entry to wait out the
+    takeover time (ten heartbeats, 50 s by default) before another sampled it again. Released, the
+    entry goes to the next live consumer within a heartbeat, counted as its second delivery; a
+    release after someone else took it changes nothing."""
+    options = ConsumerOptions(block_ms=50, heartbeat_ms=500, trim_interval_s=0.0)  # takeover after 5 s
+    task = ex.example_task()
+    await bus.publish(PROMPTS, task)
+    started = asyncio.Event()
+
+    async def stuck(msg, delivery):
+        started.set()
+        await asyncio.sleep(3600)
+
+    leaving = asyncio.create_task(bus.consume(PROMPTS, "leaving", stuck, options=options))
+    await asyncio.wait_for(started.wait(), 10)
+    leaving.cancel()
+    await asyncio.wait({leaving})
+    assert await bus.release(PROMPTS, "leaving") == [(await _pending_ids(bus))[0]]
+    got = []
+
+    async def handler(msg, delivery):
+        got.append(delivery)
+
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await _run_until(bus, PROMPTS, handler, lambda: got, consumer="staying", options=options, timeout=4.0)
+    assert loop.time() - began < 2.0  # one heartbeat's scan, not the 5 s of a takeover
+    assert got[0].deliveries == 2 and got[0].consumer == "staying"
+    assert await bus.release(PROMPTS, "leaving") == []
+    assert await bus.release(PROMPTS, "nobody", group="no-such-group") == []
+
+
+async def test_a_stopped_consumer_starts_nothing_it_reads_after_the_stop(bus: Bus):
+    """A read that was blocked when the stop came returns the entry published meanwhile: it was
+    handled, so a worker told to leave started a group it had no time to finish. It is left
+    pending now, for the release to hand on."""
+    await bus.ensure_group(PROMPTS)
+    handled = []
+
+    async def handler(msg, delivery):
+        handled.append(msg)
+
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(
+        bus.consume(PROMPTS, "leaving", handler, options=ConsumerOptions(block_ms=1000), stop=stop)
+    )
+    await asyncio.sleep(0.3)  # inside its blocking read
+    stop.set()
+    await bus.publish(PROMPTS, ex.example_task())
+    await asyncio.wait_for(consumer, 5)
+    assert handled == []
+    await bus.release(PROMPTS, "leaving")
+    got = []
+    await _run_until(bus, PROMPTS, lambda msg, delivery: _append(got, msg), lambda: got, consumer="staying")
+    assert len(got) == 1
+
+
+async def _append(into: list, item) -> None:
+    into.append(item)
+
+
+async def _pending_ids(bus: Bus) -> list[str]:
+    pending = await bus.redis.xpending_range(bus.key(PROMPTS), "rollout", "-", "+", 10)
+    return [
+        p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"] for p in pending
+    ]

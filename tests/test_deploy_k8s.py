@@ -73,6 +73,10 @@ def test_k8s_workloads_have_probes_resources_and_wiring(rendered):
             "kind": "Deployment",
             "name": "rollout",
         }
+        # a scale-down takes one worker's groups in flight at a time, not every pod's at once
+        assert hpa["spec"]["behavior"]["scaleDown"]["policies"] == [
+            {"type": "Pods", "value": 1, "periodSeconds": 300}
+        ]
         for doc in docs:
             if doc["kind"] not in ("Deployment", "StatefulSet"):
                 continue

@@ -8,7 +8,12 @@ import time
 
 import pytest
 
-from services.policy_worker import worker_app
+from proto import examples as ex
+from proto.messages import WeightsPublished
+from proto.streams import PROMPTS, WEIGHTS
+from services.bus import ConsumerOptions
+from services.policy_worker import PolicyWorker, worker_app
+from tests.test_bus import _run_until
 
 
 class FakeWorker:
@@ -126,3 +131,59 @@ async def test_a_worker_that_failed_says_how_by_type_only_and_logs_the_rest(capl
                     assert answer.status_code == 503
                     assert answer.json() == {"status": "stopped", "error": "ConnectionError"}
     assert "pbsd test stopped: Error 111 connecting to redis.internal:6379" in caplog.text
+
+
+class _Waiting(PolicyWorker):
+    """A worker whose handler waits for version 2 of the weights, or (``stuck``) for good."""
+
+    stream = PROMPTS
+
+    def __init__(self, bus, stuck: bool) -> None:
+        super().__init__(bus, name="leaving", options=ConsumerOptions(block_ms=50, heartbeat_ms=500))
+        self._version, self.stuck, self.entered, self.done = 1, stuck, asyncio.Event(), []
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def load_weights(self, event: WeightsPublished) -> None:
+        self._version = event.version
+
+    async def handle(self, message, delivery) -> None:
+        self.entered.set()
+        while self.stuck or self._version < 2:
+            await asyncio.sleep(0.02)
+        self.done.append(message.message_id)
+
+
+async def test_a_stopping_worker_still_sees_weights_and_hands_back_what_it_could_not_finish(bus):
+    """During the grace after a stop the worker followed no weights any more: a handler waiting for
+    a version waited out the grace. What it still held when cut off waited out the takeover time
+    (ten heartbeats) before another worker sampled it again; it is handed back at once now."""
+    first, second = ex.example_task(0), ex.example_task(1)
+    await bus.publish(PROMPTS, first)
+    finishing = _Waiting(bus, stuck=False)
+    stop = asyncio.Event()
+    running = asyncio.create_task(finishing.run(stop))
+    await asyncio.wait_for(finishing.entered.wait(), 10)
+    stop.set()
+    await bus.publish(WEIGHTS, WeightsPublished(run_id="run-1", version=2, step=2, path="/w/2"))
+    await asyncio.wait_for(running, 10)
+    assert finishing.done == [first.message_id]
+
+    await bus.publish(PROMPTS, second)
+    stuck = _Waiting(bus, stuck=True)
+    running = asyncio.create_task(stuck.run(asyncio.Event()))
+    await asyncio.wait_for(stuck.entered.wait(), 10)
+    running.cancel()  # the grace ran out
+    await asyncio.wait({running})
+    got = []
+
+    async def handler(message, delivery):
+        got.append(message.message_id)
+
+    began = time.monotonic()
+    await _run_until(
+        bus, PROMPTS, handler, lambda: got, consumer="staying", options=stuck.options, timeout=4.0
+    )
+    assert got == [second.message_id] and time.monotonic() - began < 2.0  # not the 5 s takeover

@@ -85,6 +85,8 @@ class ConsumerGroups(Trimming):
             try:
                 batch = await self._fetch(stream, group, consumer, options, cursor, options.count)
                 for entry_id, fields, reclaimed in batch:
+                    if stop is not None and stop.is_set():  # a read that ended after the stop:
+                        break  # left pending, for release() to hand back
                     admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
                     if admitted is not None:
                         await self._handle(stream, group, consumer, entry_id, admitted, handler, options)
@@ -336,6 +338,55 @@ class ConsumerGroups(Trimming):
         """Reset the idle time of those of ``entry_ids`` that ``consumer`` still owns; returns them."""
         owned = await self.redis.eval(self._RENEW, 1, key, group, consumer, *entry_ids)
         return [as_text(i) for i in owned]
+
+    # Hand back what a leaving consumer still owns: each entry's idle time is set past any
+    # consumer's takeover threshold (heartbeats are at most 60 s apart, and an entry is taken over
+    # after ten missed ones), so a live consumer's next XAUTOCLAIM, within its heartbeat, takes it
+    # instead of waiting out the threshold. XPENDING names only the leaving consumer's entries, so
+    # one another consumer took over meanwhile stays where it is; JUSTID leaves the delivery count
+    # alone (the takeover counts the next delivery).
+    _RELEASE = """
+    local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[3]), ARGV[2])
+    local ids = {}
+    for _, p in ipairs(pending) do ids[#ids + 1] = p[1] end
+    if #ids > 0 then
+        local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+        for _, id in ipairs(ids) do args[#args + 1] = id end
+        args[#args + 1] = 'IDLE'
+        args[#args + 1] = ARGV[4]
+        args[#args + 1] = 'JUSTID'
+        redis.call(unpack(args))
+    end
+    return ids
+    """
+    RELEASED_IDLE_MS = 24 * 3600 * 1000
+
+    async def release(
+        self, stream: StreamDef, consumer: str, *, group: str | None = None, limit: int = 10_000
+    ) -> list[str]:
+        """Hand the entries ``consumer`` still holds pending to the group's other consumers at
+        once (a worker leaving, whose work in flight would otherwise wait out the takeover); call
+        it once the consumer's handlers have stopped, or their heartbeats claim the entries back.
+        Returns the ids handed back."""
+        group = group or stream.group
+        try:
+            ids = await self.redis.eval(
+                self._RELEASE, 1, self.key(stream), group, consumer, limit, self.RELEASED_IDLE_MS
+            )
+        except ResponseError as exc:
+            if missing(exc):  # no group (its run ended) or no stream: nothing to hand back
+                return []
+            raise
+        released = [as_text(i) for i in ids]
+        if released:
+            log.info(
+                "%s handed back %d %s entries as it left: %s",
+                consumer,
+                len(released),
+                stream.name,
+                released[:10],
+            )
+        return released
 
     async def _heartbeat(
         self, key: str, group: str, consumer: str, entry_ids: list[str], options: ConsumerOptions
