@@ -5,6 +5,7 @@ scored group (stale, from the future, duplicate, another run's)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 
@@ -251,7 +252,10 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
     questions = [QuestionRecord(id=f"q{i}", question=f"question {i}?", answer=f"a{i}") for i in range(12)]
     spec = ex.example_run("grpo").model_copy(update={"name": "r"})
     before = PromptController(bus, run_id, spec, questions)  # the execution that died
-    controller = PromptController(bus, run_id, spec, questions, next_index=9, timeline="t2")
+    remember = functools.partial(store.add_copies, run_id)
+    controller = PromptController(
+        bus, run_id, spec, questions, next_index=9, timeline="t2", on_ahead=remember
+    )
     await controller.republish(republished, state.step)
     topped_up = []
 
@@ -259,13 +263,7 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
         topped_up.append(dropped)
 
     controller.top_up = top_up
-    run = SimpleNamespace(
-        id=run_id,
-        state=state,
-        controller=controller,
-        lost=asyncio.Event(),
-        republished=frozenset(republished),
-    )
+    run = SimpleNamespace(id=run_id, state=state, controller=controller, lost=asyncio.Event())
     executor = RunExecutor.__new__(RunExecutor)
     executor.store = store
 
@@ -295,6 +293,18 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
     ):
         await executor._dead_lettered(run, 5, letter(stream, old, entry))
         assert state.dropped == 0 and not topped_up and outstanding(controller, state) == 5, stream  # 4-8
+    # a second crash before a checkpoint: the store's dropped set is the checkpoint's again, so 5
+    # is not published a third time; its second copy is in flight, and the first letter, read again
+    # from the stream's start, counted it dropped (the copies the earlier execution published, kept
+    # in the run store, say which copy is in flight)
+    third = PromptController(
+        bus, run_id, spec, questions, next_index=9, timeline="t3", copies=await store.copies(run_id)
+    )
+    third.top_up = top_up
+    again = TrainState(step=1, version=1, next_index=8, trained_prompts=4)
+    resumed = SimpleNamespace(id=run_id, state=again, controller=third, lost=asyncio.Event())
+    await executor._dead_lettered(resumed, 5, letter("prompts", old, "1-0"))
+    assert again.dropped == 0 and not topped_up
     # the copy published again is lost too: that letter counts, once
     for _ in range(2):
         await executor._dead_lettered(run, 5, letter("scored", new, "2-0"))

@@ -50,8 +50,12 @@ class PromptController:
         next_index: int = 0,
         timeline: str = "",
         on_published: Callable[[int], Awaitable[None]] | None = None,
+        on_ahead: Callable[[dict[str, int]], Awaitable[None]] | None = None,
+        copies: dict[str, int] | None = None,
     ) -> None:
-        """``on_published(n)``: told after every publication that the first ``n`` prompts are out."""
+        """``on_published(n)``: told after every publication that the first ``n`` prompts are out;
+        ``on_ahead(copies)``: told before copies go out ahead of the queue (message id -> index);
+        ``copies``: those an earlier execution of the run published."""
         if not questions:
             raise ValueError("the run has no questions")
         self.bus = bus
@@ -61,10 +65,13 @@ class PromptController:
         self.next_index = next_index
         self.timeline = timeline
         self.on_published = on_published
-        # the message ids of the copies published ahead of the queue since the run opened, and of
-        # their groups: a dead letter about any other copy of such a prompt lost a copy this
-        # opening replaced (see RunExecutor._dead_lettered)
-        self.copies: set[str] = set()
+        self.on_ahead = on_ahead
+        # the message ids of the copies published ahead of the queue, and of their groups, in this
+        # execution of the run and the ones before it, and the prompts they are copies of: a dead
+        # letter about any other copy of such a prompt lost a copy that one replaced, and does not
+        # say the prompt's group will never come (see RunExecutor._dead_lettered)
+        self.copies: set[str] = set(copies or {})
+        self.ahead: set[int] = set((copies or {}).values())
         self._orders: dict[int, np.ndarray] = {}
 
     @property
@@ -122,7 +129,11 @@ class PromptController:
         await self._ahead([self.task(index, step, again=cause)])
 
     async def _ahead(self, tasks: list[PromptTask]) -> None:
-        self.copies.update(i for t in tasks for i in (t.message_id, group_message_id(t.message_id)))
+        copies = {i: t.index for t in tasks for i in (t.message_id, group_message_id(t.message_id))}
+        if self.on_ahead is not None:  # before they go out: a crash after must find them
+            await self.on_ahead(copies)
+        self.copies.update(copies)
+        self.ahead.update(copies.values())
         await self.bus.publish_ahead(PROMPTS, tasks)
 
     async def top_up(self, step: int, dropped: int) -> int:

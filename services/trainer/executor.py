@@ -352,10 +352,12 @@ class RunExecutor:
         if index in state.dropped_indices or index >= run.controller.next_index:
             return
         lost = lost_task(letter)
-        if index in run.republished and (lost is None or lost.message_id not in run.controller.copies):
+        copies = run.controller
+        if index in copies.ahead and (lost is None or lost.message_id not in copies.copies):
             # the letters are read from the stream's start at each opening: this one lost a copy
-            # from before the crash (dead-lettered then, or since: one still queued, or sampled
-            # as the trainer died), and the copy the resume published is in flight and counted so
+            # that one published ahead of the queue replaced (after a crash, in this execution or
+            # an earlier one; or for a group sampled with discarded weights), and that copy is in
+            # flight and counted so
             return
         if any(await self.store.trained(run.id, [f"{run.id}:{index}/0"])):
             return  # a copy of it was trained before a later delivery was given up on

@@ -77,9 +77,6 @@ class Run:
     # set when a prompt's group is known lost for good (dead-lettered): a batch waiting for the
     # data's last groups checks again whether any can still come
     lost: asyncio.Event = field(default_factory=asyncio.Event)
-    # the prompts a crash resume published again: a dead letter about a copy of one that this
-    # opening did not publish (``controller.copies``) lost a copy the resume replaced
-    republished: frozenset[int] = frozenset()
 
     def outstanding(self) -> int:
         return outstanding(self.controller, self.state)
@@ -182,6 +179,8 @@ async def open_run(
         next_index=state.next_index,
         timeline=timeline if crashed else "",
         on_published=functools.partial(store.set_published, run_id),
+        on_ahead=functools.partial(store.add_copies, run_id),
+        copies=await store.copies(run_id) if resume else None,
     )
     republished: list[int] = []
     if again is not None:
@@ -241,7 +240,6 @@ async def open_run(
         options=options,
         published=state.version,
         checkpointed=latest.name if latest else None,
-        republished=frozenset(republished),
     )
 
 

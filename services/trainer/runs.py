@@ -8,6 +8,8 @@
 {prefix}:run:{id}:trained     set of trajectory ids already trained on (duplicates are dropped)
 {prefix}:run:{id}:dropped     set of prompt indices whose groups were dropped and replaced (stale)
 {prefix}:run:{id}:timelines   hash: every weights timeline the run opened -> the version it opened at
+{prefix}:run:{id}:copies      hash: message id -> prompt index, of every prompt copy published ahead of the
+                              queue (after a crash, or for a group sampled with discarded weights) and its group
 
 The run's hash also counts the prompts published (``published``): with the trained and dropped
 sets, a resume after a crash tells the prompts still in flight from those the lost steps consumed.
@@ -246,6 +248,18 @@ class RunStore:
         found = await self.redis.hgetall(self._key(run_id, ":timelines"))
         return {_s(k): int(v) for k, v in found.items()}
 
+    async def add_copies(self, run_id: str, copies: dict[str, int]) -> None:
+        """Prompt copies published ahead of the queue (their and their groups' message ids, each
+        with its prompt's index): written before they go out, kept for the run's life."""
+        if copies:
+            await self.redis.hset(
+                self._key(run_id, ":copies"), mapping={k: str(v) for k, v in copies.items()}
+            )
+
+    async def copies(self, run_id: str) -> dict[str, int]:
+        found = await self.redis.hgetall(self._key(run_id, ":copies"))
+        return {_s(k): int(v) for k, v in found.items()}
+
     async def trained_ids(self, run_id: str) -> list[str]:
         return sorted(
             x.decode() if isinstance(x, bytes) else x
@@ -253,7 +267,7 @@ class RunStore:
         )
 
 
-_SERIES = ("", ":metrics", ":evals", ":trained", ":dropped", ":timelines")
+_SERIES = ("", ":metrics", ":evals", ":trained", ":dropped", ":timelines", ":copies")
 
 
 def _s(value: bytes | str | None) -> str | None:
