@@ -73,6 +73,10 @@ def test_k8s_workloads_have_probes_resources_and_wiring(rendered):
             "kind": "Deployment",
             "name": "rollout",
         }
+        for doc in docs:  # no walk over every checkpoint on the volume at each pod's start
+            if doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] != "sglang":
+                context = doc["spec"]["template"]["spec"]["securityContext"]
+                assert context.get("fsGroupChangePolicy") == "OnRootMismatch", doc["metadata"]["name"]
         # a scale-down takes one worker's groups in flight at a time, not every pod's at once
         assert hpa["spec"]["behavior"]["scaleDown"]["policies"] == [
             {"type": "Pods", "value": 1, "periodSeconds": 300}
