@@ -291,7 +291,7 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
         ("trajectories", "99999999999999-0"),
         ("prompts", "99999999999999-1"),
     ):
-        await executor._dead_lettered(run, 5, letter(stream, old, entry))
+        await _lose(executor, run, letter(stream, old, entry))
         assert state.dropped == 0 and not topped_up and outstanding(controller, state) == 5, stream  # 4-8
     # a second crash before a checkpoint: the store's dropped set is the checkpoint's again, so 5
     # is not published a third time; its second copy is in flight, and the first letter, read again
@@ -303,9 +303,18 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
     third.top_up = top_up
     again = TrainState(step=1, version=1, next_index=8, trained_prompts=4)
     resumed = SimpleNamespace(id=run_id, state=again, controller=third, lost=asyncio.Event())
-    await executor._dead_lettered(resumed, 5, letter("prompts", old, "1-0"))
+    await _lose(executor, resumed, letter("prompts", old, "1-0"))
     assert again.dropped == 0 and not topped_up
     # the copy published again is lost too: that letter counts, once
     for _ in range(2):
-        await executor._dead_lettered(run, 5, letter("scored", new, "2-0"))
+        await _lose(executor, run, letter("scored", new, "2-0"))
     assert state.dropped == 1 and state.dropped_indices == [5] and topped_up == [1]
+
+
+async def _lose(executor, run, letter) -> None:
+    """What the executor's dead-letter follower does with ``letter``."""
+    from services.trainer.dead_letters import lost_prompt
+
+    lost = lost_prompt(letter, run.id)
+    assert lost is not None and lost.index == 5
+    await executor._dead_lettered(run, lost, letter)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from proto.base import decode
 from proto.messages import DeadLetter, PromptTask, ScoredGroup, TrajectoryGroup
@@ -32,7 +32,7 @@ from services.trainer.checkpoints import prompt_index
 
 K = TypeVar("K")  # what a letter is lost as: a prompt index, a validation question's position
 
-__all__ = ["follow_dead_letters", "lost_prompt", "lost_task"]
+__all__ = ["LostPrompt", "follow_dead_letters", "lost_prompt", "lost_task"]
 
 # the streams whose messages carry a prompt task (a ScoredGroup carries it in its group)
 _CARRIERS = {s.name: s.model for s in (PROMPTS, TRAJECTORIES, SCORED, EVALS)}
@@ -52,15 +52,21 @@ def lost_task(letter: DeadLetter) -> PromptTask | TrajectoryGroup | None:
     return message.group if isinstance(message, ScoredGroup) else message
 
 
-def lost_prompt(letter: DeadLetter, run_id: str) -> int | None:
-    """The index of run ``run_id``'s training prompt that ``letter`` loses, else None (another run's
-    message, a validation prompt or group, a stream without prompts, or an undecodable payload)."""
+class LostPrompt(NamedTuple):
+    index: int  # the prompt's place in the run's data order
+    message_id: str  # of the message lost: the prompt's copy, or the group that answers it
+
+
+def lost_prompt(letter: DeadLetter, run_id: str) -> LostPrompt | None:
+    """Run ``run_id``'s training prompt that ``letter`` loses, else None (another run's message, a
+    validation prompt or group, a stream without prompts, or an undecodable payload)."""
     task = lost_task(letter) if letter.stream in _TRAINING else None
     if task is None or task.run_id != run_id:
         return None
     if isinstance(task, PromptTask) and task.purpose != "train":
         return None
-    return prompt_index(task.task_id)
+    index = prompt_index(task.task_id)
+    return None if index is None else LostPrompt(index, task.message_id)
 
 
 async def follow_dead_letters(

@@ -48,7 +48,7 @@ from services.trainer.checkpoints import (
     save_groups,
     write_checkpoint,
 )
-from services.trainer.dead_letters import follow_dead_letters, lost_prompt, lost_task
+from services.trainer.dead_letters import LostPrompt, follow_dead_letters, lost_prompt
 from services.trainer.dynamics import batch_metrics
 from services.trainer.opening import Run, open_run
 from services.trainer.run_groups import forget_ended_runs, forget_run, scored_group
@@ -345,15 +345,13 @@ class RunExecutor:
             path / "model", run.state.version
         )  # what a consumer that missed a broadcast loads
 
-    async def _dead_lettered(self, run: Run, index: int, letter: DeadLetter) -> None:
-        """Prompt ``index``'s message was dead-lettered: its group will never come. Count it as a
-        dropped group and publish a replacement, unless it was counted or trained already."""
-        state = run.state
+    async def _dead_lettered(self, run: Run, lost: LostPrompt, letter: DeadLetter) -> None:
+        """A message of prompt ``lost.index`` was dead-lettered: its group will never come. Count it
+        as a dropped group and publish a replacement, unless it was counted or trained already."""
+        state, index, copies = run.state, lost.index, run.controller
         if index in state.dropped_indices or index >= run.controller.next_index:
             return
-        lost = lost_task(letter)
-        copies = run.controller
-        if index in copies.ahead and (lost is None or lost.message_id not in copies.copies):
+        if index in copies.ahead and lost.message_id not in copies.copies:
             # the letters are read from the stream's start at each opening: this one lost a copy
             # that one published ahead of the queue replaced (after a crash, in this execution or
             # an earlier one; or for a group sampled with discarded weights), and that copy is in
