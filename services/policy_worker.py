@@ -44,6 +44,7 @@ class PolicyWorker(abc.ABC):
     load_retry_delays_s: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 32.0)
     load_retry_max_s: float = 60.0
     remembered_ends: int = 10_000  # the newest run ends read at start (older runs left nothing behind)
+    release_timeout_s: float = 10.0  # how long handing back what a leaving worker holds may take
 
     def __init__(
         self, bus: Bus, *, name: str, concurrency: int = 1, options: ConsumerOptions | None = None
@@ -296,10 +297,11 @@ class PolicyWorker(abc.ABC):
                 consumer.cancel()
             await asyncio.wait(consumers)
             # what they still hold goes to another worker now, not once its takeover time has
-            # passed: a group cut off by a scale-down waited 50 s before anyone sampled it again
-            with contextlib.suppress(*REDIS_DOWN):
-                for name in names:
-                    await self.bus.release(self.stream, name)
+            # passed: a group cut off by a scale-down waited 50 s before anyone sampled it again.
+            # Bounded: with Redis gone, the takeover hands it on once Redis is back
+            with contextlib.suppress(*REDIS_DOWN, TimeoutError):
+                async with asyncio.timeout(self.release_timeout_s):
+                    await self.bus.release(self.stream, names)
             for follower in followers:
                 await cancel_and_wait(follower)
 

@@ -282,7 +282,7 @@ async def test_a_leaving_consumer_hands_back_what_it_holds_at_once(bus: Bus):
     await asyncio.wait_for(started.wait(), 10)
     leaving.cancel()
     await asyncio.wait({leaving})
-    assert await bus.release(PROMPTS, "leaving") == [(await _pending_ids(bus))[0]]
+    assert await bus.release(PROMPTS, ["leaving"]) == [(await _pending_ids(bus))[0]]
     got = []
 
     async def handler(msg, delivery):
@@ -293,8 +293,8 @@ async def test_a_leaving_consumer_hands_back_what_it_holds_at_once(bus: Bus):
     await _run_until(bus, PROMPTS, handler, lambda: got, consumer="staying", options=options, timeout=4.0)
     assert loop.time() - began < 2.0  # one heartbeat's scan, not the 5 s of a takeover
     assert got[0].deliveries == 2 and got[0].consumer == "staying"
-    assert await bus.release(PROMPTS, "leaving") == []
-    assert await bus.release(PROMPTS, "nobody", group="no-such-group") == []
+    assert await bus.release(PROMPTS, ["leaving"]) == []
+    assert await bus.release(PROMPTS, ["nobody"], group="no-such-group") == []
 
 
 async def test_a_stopped_consumer_starts_nothing_it_reads_after_the_stop(bus: Bus):
@@ -316,7 +316,7 @@ async def test_a_stopped_consumer_starts_nothing_it_reads_after_the_stop(bus: Bu
     await bus.publish(PROMPTS, ex.example_task())
     await asyncio.wait_for(consumer, 5)
     assert handled == []
-    await bus.release(PROMPTS, "leaving")
+    await bus.release(PROMPTS, ["leaving"])
     got = []
     await _run_until(bus, PROMPTS, lambda msg, delivery: _append(got, msg), lambda: got, consumer="staying")
     assert len(got) == 1

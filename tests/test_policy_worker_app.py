@@ -187,3 +187,25 @@ async def test_a_stopping_worker_still_sees_weights_and_hands_back_what_it_could
         bus, PROMPTS, handler, lambda: got, consumer="staying", options=stuck.options, timeout=4.0
     )
     assert got == [second.message_id] and time.monotonic() - began < 2.0  # not the 5 s takeover
+
+
+async def test_handing_back_is_one_bounded_command_for_all_of_a_workers_consumers(bus, monkeypatch):
+    """A release per consumer, each waiting out Redis's patience (60 s) when Redis is gone, would
+    have held a 32-slot worker's shutdown for half an hour: one command names them all, and it
+    gives up after release_timeout_s (the takeover hands the entries on once Redis is back)."""
+    calls = []
+
+    async def gone(stream, consumers, **kwargs):
+        calls.append(consumers)
+        await asyncio.sleep(3600)  # Redis out of reach, the client reconnecting
+
+    monkeypatch.setattr(bus, "release", gone)
+    worker = _Waiting(bus, stuck=True)
+    worker.concurrency, worker.release_timeout_s = 3, 0.2
+    running = asyncio.create_task(worker.run(asyncio.Event()))
+    await asyncio.wait_for(worker.ready.wait(), 10)
+    began = time.monotonic()
+    running.cancel()
+    await asyncio.wait_for(asyncio.wait({running}), 5)
+    assert time.monotonic() - began < 2.0
+    assert calls == [["leaving-0", "leaving-1", "leaving-2"]]

@@ -346,32 +346,41 @@ class ConsumerGroups(Trimming):
     # one another consumer took over meanwhile stays where it is; JUSTID leaves the delivery count
     # alone (the takeover counts the next delivery).
     _RELEASE = """
-    local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[3]), ARGV[2])
-    local ids = {}
-    for _, p in ipairs(pending) do ids[#ids + 1] = p[1] end
-    if #ids > 0 then
-        local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
-        for _, id in ipairs(ids) do args[#args + 1] = id end
-        args[#args + 1] = 'IDLE'
-        args[#args + 1] = ARGV[4]
-        args[#args + 1] = 'JUSTID'
-        redis.call(unpack(args))
+    local released = {}
+    for c = 4, #ARGV do
+        local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[2]), ARGV[c])
+        local ids = {}
+        for _, p in ipairs(pending) do ids[#ids + 1] = p[1] end
+        if #ids > 0 then
+            local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[c], 0}
+            for _, id in ipairs(ids) do
+                args[#args + 1] = id
+                released[#released + 1] = id
+            end
+            args[#args + 1] = 'IDLE'
+            args[#args + 1] = ARGV[3]
+            args[#args + 1] = 'JUSTID'
+            redis.call(unpack(args))
+        end
     end
-    return ids
+    return released
     """
     RELEASED_IDLE_MS = 24 * 3600 * 1000
 
     async def release(
-        self, stream: StreamDef, consumer: str, *, group: str | None = None, limit: int = 10_000
+        self, stream: StreamDef, consumers: list[str], *, group: str | None = None, limit: int = 10_000
     ) -> list[str]:
-        """Hand the entries ``consumer`` still holds pending to the group's other consumers at
+        """Hand the entries ``consumers`` still hold pending to the group's other consumers at
         once (a worker leaving, whose work in flight would otherwise wait out the takeover); call
-        it once the consumer's handlers have stopped, or their heartbeats claim the entries back.
-        Returns the ids handed back."""
+        it once the consumers' handlers have stopped, or their heartbeats claim the entries back.
+        One command for all of them: a Redis that is gone costs one command's patience. Returns
+        the ids handed back."""
         group = group or stream.group
+        if not consumers:
+            return []
         try:
             ids = await self.redis.eval(
-                self._RELEASE, 1, self.key(stream), group, consumer, limit, self.RELEASED_IDLE_MS
+                self._RELEASE, 1, self.key(stream), group, limit, self.RELEASED_IDLE_MS, *consumers
             )
         except ResponseError as exc:
             if missing(exc):  # no group (its run ended) or no stream: nothing to hand back
@@ -380,8 +389,8 @@ class ConsumerGroups(Trimming):
         released = [as_text(i) for i in ids]
         if released:
             log.info(
-                "%s handed back %d %s entries as it left: %s",
-                consumer,
+                "%s handed back %d %s entries as they left: %s",
+                ", ".join(consumers[:4]) + (", ..." if len(consumers) > 4 else ""),
                 len(released),
                 stream.name,
                 released[:10],
