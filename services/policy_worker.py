@@ -293,17 +293,27 @@ class PolicyWorker(abc.ABC):
         try:
             await asyncio.gather(*consumers)
         finally:
-            for consumer in consumers:  # the grace ran out, or one failed: the others stop too
-                consumer.cancel()
-            await asyncio.wait(consumers)
-            # what they still hold goes to another worker now, not once its takeover time has
-            # passed: a group cut off by a scale-down waited 50 s before anyone sampled it again.
-            # Bounded: with Redis gone, the takeover hands it on once Redis is back
-            with contextlib.suppress(*REDIS_DOWN, TimeoutError):
-                async with asyncio.timeout(self.release_timeout_s):
-                    await self.bus.release(self.stream, names)
-            for follower in followers:
-                await cancel_and_wait(follower)
+            try:
+                for consumer in consumers:  # the grace ran out, or one failed: the others stop too
+                    consumer.cancel()
+                await asyncio.wait(consumers)
+                await self._hand_back(names)
+            finally:  # however the hand-back ended, a second cancel included
+                for follower in followers:
+                    await cancel_and_wait(follower)
+
+    async def _hand_back(self, names: list[str]) -> None:
+        """What the consumers still hold goes to another worker now, not once its takeover time
+        has passed (a group cut off by a scale-down waited 50 s before anyone sampled it again).
+        Bounded, and never raised: with Redis gone the takeover hands it on once Redis is back,
+        and the error that stopped the worker, if any, is the one to report."""
+        try:
+            async with asyncio.timeout(self.release_timeout_s):
+                await self.bus.release(self.stream, names)
+        except (*REDIS_DOWN, TimeoutError):
+            log.warning("%s could not hand back what it held: the takeover will", self.name)
+        except Exception:
+            log.exception("%s could not hand back what it held: the takeover will", self.name)
 
 
 def _see_weights(held: dict[str, int], timeline: str, version: int) -> None:

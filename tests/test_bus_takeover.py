@@ -267,8 +267,10 @@ async def test_consumers_long_gone_are_forgotten_and_none_that_holds_an_entry(bu
 async def test_a_leaving_consumer_hands_back_what_it_holds_at_once(bus: Bus):
     """A worker stopped mid-handler (a scale-down past its grace) left its entry to wait out the
     takeover time (ten heartbeats, 50 s by default) before another sampled it again. Released, the
-    entry goes to the next live consumer within a heartbeat, counted as its second delivery; a
-    release after someone else took it changes nothing."""
+    entry goes to the next live consumer within a heartbeat, and its delivery count stays: a worker
+    that was stopped did not fail on it (a long group handed on through a rolling update reached
+    max_deliveries). A release after someone else took the entry changes nothing; an entry whose
+    message is gone from the stream is left for the takeover to dead-letter."""
     options = ConsumerOptions(block_ms=50, heartbeat_ms=500, trim_interval_s=0.0)  # takeover after 5 s
     task = ex.example_task()
     await bus.publish(PROMPTS, task)
@@ -292,9 +294,13 @@ async def test_a_leaving_consumer_hands_back_what_it_holds_at_once(bus: Bus):
     began = loop.time()
     await _run_until(bus, PROMPTS, handler, lambda: got, consumer="staying", options=options, timeout=4.0)
     assert loop.time() - began < 2.0  # one heartbeat's scan, not the 5 s of a takeover
-    assert got[0].deliveries == 2 and got[0].consumer == "staying"
+    assert got[0].deliveries == 1 and got[0].consumer == "staying"
     assert await bus.release(PROMPTS, ["leaving"]) == []
     assert await bus.release(PROMPTS, ["nobody"], group="no-such-group") == []
+    gone = await bus.publish(PROMPTS, ex.example_task(1))
+    await bus.redis.xreadgroup("rollout", "leaving", {bus.key(PROMPTS): ">"}, count=1)
+    await bus.redis.xdel(bus.key(PROMPTS), gone)
+    assert await bus.release(PROMPTS, ["leaving"]) == [] and await _pending_ids(bus) == [gone]
 
 
 async def test_a_stopped_consumer_starts_nothing_it_reads_after_the_stop(bus: Bus):

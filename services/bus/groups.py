@@ -343,24 +343,22 @@ class ConsumerGroups(Trimming):
     # consumer's takeover threshold (heartbeats are at most 60 s apart, and an entry is taken over
     # after ten missed ones), so a live consumer's next XAUTOCLAIM, within its heartbeat, takes it
     # instead of waiting out the threshold. XPENDING names only the leaving consumer's entries, so
-    # one another consumer took over meanwhile stays where it is; JUSTID leaves the delivery count
-    # alone (the takeover counts the next delivery).
+    # one another consumer took over meanwhile stays where it is. The delivery count is set one
+    # below what it is, since the takeover counts one: a worker that was stopped did not fail on
+    # the entry, and a long group handed on through a rolling update would otherwise reach
+    # max_deliveries and be dead-lettered. An entry whose message is gone from the stream is left
+    # for the takeover, which dead-letters it (XCLAIM would drop it without a word). One XCLAIM
+    # an entry: a consumer holds a few.
     _RELEASE = """
     local released = {}
     for c = 4, #ARGV do
         local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[2]), ARGV[c])
-        local ids = {}
-        for _, p in ipairs(pending) do ids[#ids + 1] = p[1] end
-        if #ids > 0 then
-            local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[c], 0}
-            for _, id in ipairs(ids) do
-                args[#args + 1] = id
-                released[#released + 1] = id
+        for _, p in ipairs(pending) do
+            if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
+                redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[c], 0, p[1],
+                           'IDLE', ARGV[3], 'RETRYCOUNT', math.max(p[4] - 1, 0), 'JUSTID')
+                released[#released + 1] = p[1]
             end
-            args[#args + 1] = 'IDLE'
-            args[#args + 1] = ARGV[3]
-            args[#args + 1] = 'JUSTID'
-            redis.call(unpack(args))
         end
     end
     return released
@@ -368,7 +366,7 @@ class ConsumerGroups(Trimming):
     RELEASED_IDLE_MS = 24 * 3600 * 1000
 
     async def release(
-        self, stream: StreamDef, consumers: list[str], *, group: str | None = None, limit: int = 10_000
+        self, stream: StreamDef, consumers: list[str], *, group: str | None = None, limit: int = 1_000
     ) -> list[str]:
         """Hand the entries ``consumers`` still hold pending to the group's other consumers at
         once (a worker leaving, whose work in flight would otherwise wait out the takeover); call
