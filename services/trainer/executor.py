@@ -348,10 +348,10 @@ class RunExecutor:
     async def _dead_lettered(self, run: Run, lost: LostPrompt, letter: DeadLetter) -> None:
         """A message of prompt ``lost.index`` was dead-lettered: its group will never come. Count it
         as a dropped group and publish a replacement, unless it was counted or trained already."""
-        state, index, copies = run.state, lost.index, run.controller
-        if index in state.dropped_indices or index >= run.controller.next_index:
+        state, index, controller = run.state, lost.index, run.controller
+        if index in state.dropped_indices or index >= controller.next_index:
             return
-        if index in copies.ahead and lost.message_id not in copies.copies:
+        if index in controller.ahead and lost.message_id not in controller.copies:
             # the letters are read from the stream's start at each opening: this one lost a copy
             # that one published ahead of the queue replaced (after a crash, in this execution or
             # an earlier one; or for a group sampled with discarded weights), and that copy is in
