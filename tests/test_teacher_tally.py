@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -92,3 +93,27 @@ async def test_groups_written_with_another_tokenizer_are_refused(
         wrong = CliRunner().invoke(app, [*args, str(moe_checkpoint)])
         assert wrong.exit_code == 2 and "not written with" in wrong.output, (command, wrong.output)
         assert CliRunner().invoke(app, [*args, str(tiny_checkpoint)]).exit_code == 0, command
+
+
+def test_a_tokenizer_that_normalises_still_reads_its_own_groups(tiny_checkpoint, tmp_path):
+    """Qwen's tokenizer normalises to NFC: a question written with a combining accent comes back
+    composed in the decoded prompt, and a comparison with the raw question refused the run's own
+    checkpoint. The question goes through the tokenizer before the comparison."""
+    import json as _json
+
+    from pbsd.cli.inputs import scored_with
+    from proto import examples as ex
+
+    folder = tmp_path / "nfc"
+    shutil.copytree(tiny_checkpoint, folder)
+    config = _json.loads((folder / "tokenizer.json").read_text())
+    config["normalizer"] = {"type": "NFC"}
+    (folder / "tokenizer.json").write_text(_json.dumps(config))
+    nfc = ChatTokenizer.from_pretrained(folder)
+    question = "Who founded Cafe\u0301 Nero?"
+    group = ex.example_group(1)
+    prompt = np.asarray(nfc.prompt_ids("You are a search agent.", question), dtype=np.int32)
+    trajectory = group.trajectories[0].model_copy(update={"prompt_ids": prompt})
+    group = group.model_copy(update={"question": question, "trajectories": (trajectory,)})
+    assert question not in nfc.decode(prompt)  # the case: the raw question is not in the prompt
+    scored_with(nfc, group, folder, tmp_path)  # and no refusal
