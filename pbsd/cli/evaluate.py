@@ -16,6 +16,7 @@ from pbsd.cli.inputs import (
     probability,
     questions_file,
     same_world,
+    write_output,
 )
 
 
@@ -107,8 +108,7 @@ def eval_cmd(
     except NotComparable as exc:  # raised before anything is sampled
         here = f"{questions}" + (f" with --limit {limit}" if limit is not None else "")
         raise typer.BadParameter(f"{compare_to}: {exc} ({here})", param_hint="--compare-to") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_output(out, json.dumps(report, indent=2))
     from agent.grounding import describe
 
     overall = report["accuracy"]["all"]

@@ -29,6 +29,7 @@ __all__ = [
     "scored_with",
     "share",
     "world_dir",
+    "write_output",
 ]
 
 
@@ -46,6 +47,12 @@ def output_file(path: Path | None) -> Path | None:
                 raise typer.BadParameter(f"{folder} is a file, so {path} cannot be written under it")
             break
     return path
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write a file :func:`output_file` let through, making the folders on its way."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def iso_date(value: str | None) -> str | None:

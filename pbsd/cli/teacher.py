@@ -28,6 +28,7 @@ from pbsd.cli.inputs import (
     same_world,
     scored_with,
     share,
+    write_output,
 )
 
 app = typer.Typer(
@@ -144,8 +145,7 @@ def check_cmd(
             model, questions, corpus, spec, limits, samples, limit, seed, concurrency, date, dtype, finals
         )
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_output(out, json.dumps(report, indent=2))
     if save_groups is not None:
         from services.trainer.checkpoints import save_groups as keep
 
@@ -156,8 +156,7 @@ def check_cmd(
 
         groups = [(0, g) for g in scored]
         rows = viewer_data(groups, ChatTokenizer.from_pretrained(model), limit=len(groups) * samples)
-        viewer.parent.mkdir(parents=True, exist_ok=True)
-        viewer.write_text(render_viewer(rows, f"Teacher check: {model}", sanity_summary(groups)))
+        write_output(viewer, render_viewer(rows, f"Teacher check: {model}", sanity_summary(groups)))
     typer.echo(describe(report) + f"\nreport in {out}")
     raise_if_failed(report["finish_reasons"], out)
     if strict and any(c["met"] is False for c in report["checks"]):
@@ -363,8 +362,7 @@ def drift_cmd(
     scored_with(tok, scored[0].group, model, groups)
     report = drift_anatomy(load_model(model), tok, scored)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+        write_output(out, json.dumps(report, indent=2))
     typer.echo(describe_drift(report))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pbsd.cli.errors import UserError
+from pbsd.cli.inputs import write_output
 
 __all__ = ["describe", "run_check"]
 
@@ -108,8 +109,7 @@ async def run_check(
         from services.scorer.finals import answer_room, final_turns
 
         rows = [row for g in scored for row in await final_turns(g, tokenizer, scorer)]
-        finals.parent.mkdir(parents=True, exist_ok=True)
-        finals.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_output(finals, "".join(json.dumps(row) + "\n" for row in rows))
         report["finals"] = {"file": str(finals)} | answer_room(
             rows, eps_pos=spec.eps_pos, eps_neg=spec.eps_neg
         )

@@ -11,7 +11,7 @@ import typer
 
 from agent.chat import ChatTokenizer
 from pbsd.cli.errors import UserError
-from pbsd.cli.inputs import scored_with
+from pbsd.cli.inputs import scored_with, write_output
 from pbsd.sanity import checks
 from proto.messages import ScoredGroup
 from proto.sanity import TeacherSanity
@@ -73,8 +73,7 @@ def tally(
         "as_stored": {k: v for k, v in stored.figures().items() if k in shown},
     }
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+        write_output(out, json.dumps(report, indent=2))
     f, old = report["figures"], report["as_stored"]
     typer.echo(f"{count} scored groups, deadband [-{eps_neg:g}, {eps_pos:g}]")
     for mark in report["checks"]:
