@@ -183,9 +183,14 @@ class DemoConfig(BaseModel):
         ``overrides`` that are not None (command-line options)."""
         import yaml
 
-        values = (yaml.safe_load(path.read_text()) or {}) if path is not None else {}
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return cls.merged((yaml.safe_load(path.read_text()) or {}) if path is not None else {}, **overrides)
+
+    @classmethod
+    def merged(cls, values: dict, *, defaults: dict | None = None, **overrides: object) -> DemoConfig:
+        """``values`` (a file's settings) over ``defaults`` (a command's own) over the class's, and
+        under the ``overrides`` that are not None (command-line options)."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return cls(**{**(defaults or {}), **values, **given})
 
     def settings_used(self) -> dict[str, object]:
         """The settings that take effect, as ``demo-config.json`` records them (``--config`` loads

@@ -119,6 +119,10 @@ def test_demo_settings_load_from_a_file_then_the_options_that_were_given(tmp_pat
     assert DemoConfig.load(tmp_path / "empty.yaml", group_size=2).group_size == 2
     with pytest.raises(ValueError, match="no_such_setting"):
         DemoConfig.load(None, no_such_setting=1)
+    # a command's own defaults (pbsd compare evaluates on 200 questions) sit under the file's
+    merged = DemoConfig.merged({"eval_questions": 9}, defaults={"eval_questions": 200, "eval_samples": 4})
+    assert (merged.eval_questions, merged.eval_samples) == (9, 4)
+    assert DemoConfig.merged({}, defaults={"eval_questions": 200}, eval_questions=7).eval_questions == 7
 
 
 def test_the_recorded_settings_are_those_used_and_load_again(tmp_path):

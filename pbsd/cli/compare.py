@@ -9,7 +9,7 @@ import typer
 from demo.variants import VARIANTS
 from pbsd.accuracy import signed
 from pbsd.cli.errors import UserError, problems
-from pbsd.cli.inputs import checkpoint_dir, demo_settings, positive, read_document
+from pbsd.cli.inputs import checkpoint_dir, demo_settings, positive
 
 # the comparison's own defaults where neither --config nor an option sets them
 EVAL_QUESTIONS = 200
@@ -79,16 +79,16 @@ def compare_cmd(
 
     from demo.compare import CompareConfig
 
-    given = (read_document(config) or {}) if config is not None else {}
     settings = demo_settings(
         config,
+        defaults={"eval_questions": EVAL_QUESTIONS, "eval_samples": EVAL_SAMPLES},
         steps=steps,
         prompts_per_step=prompts_per_step,
         group_size=group_size,
         max_turns=max_turns,
         max_tokens_per_turn=max_tokens_per_turn,
-        eval_questions=eval_questions or (None if "eval_questions" in given else EVAL_QUESTIONS),
-        eval_samples=eval_samples or (None if "eval_samples" in given else EVAL_SAMPLES),
+        eval_questions=eval_questions,
+        eval_samples=eval_samples,
         stall_timeout_s=stall_timeout,
         policy=str(policy.absolute()) if policy is not None else None,
     )

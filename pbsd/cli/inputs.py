@@ -299,16 +299,18 @@ def _expansion_problem(document: Any) -> str | None:
     return None
 
 
-def demo_settings(path: Path | None, **overrides: object):
-    """:meth:`demo.config.DemoConfig.load`, with a broken file or a wrong setting said in one line."""
+def demo_settings(path: Path | None, *, defaults: dict | None = None, **overrides: object):
+    """The demo's settings (:meth:`demo.config.DemoConfig.merged`) from the file at ``path``, read
+    once, with a broken file or a wrong setting said in one line."""
     from pydantic import ValidationError
 
     from demo.config import DemoConfig
 
-    if path is not None and not isinstance(read_document(path) or {}, dict):
+    values = (read_document(path) or {}) if path is not None else {}
+    if not isinstance(values, dict):
         raise UserError(f"{path}: not a mapping of demo settings (see demo/config.py)")
     try:
-        return DemoConfig.load(path, **overrides)
+        return DemoConfig.merged(values, defaults=defaults, **overrides)
     except ValidationError as exc:
         where = f"{path} and the options" if path is not None else "the options"
         raise UserError(f"demo settings ({where}): {problems(exc)}") from None
