@@ -273,29 +273,27 @@ def _expansion_problem(document: Any) -> str | None:
     """What is wrong with ``document`` once its aliases are expanded (too many values, or a value
     inside itself), else None; in time linear in the values it loaded, each shared one sized once."""
     sizes: dict[int, int] = {}
-    open_ids: set[int] = set()
-    stack: list[tuple[Any, bool]] = [(document, False)]
+    open_ids: set[int] = set()  # the values on the path from the top to the one in hand
+    # (value, None) on the way down; (value, its containers) once they are sized
+    stack: list[tuple[Any, list | None]] = [(document, None)]
     while stack:
-        node, children_sized = stack.pop()
-        # tuples too: YAML's !!omap and !!pairs load as lists of (key, value) pairs
-        if not isinstance(node, dict | list | tuple) or id(node) in sizes:
-            continue
-        children = [
-            c
-            for c in (node.values() if isinstance(node, dict) else node)
-            if isinstance(c, dict | list | tuple)
-        ]
-        if children_sized:
+        node, children = stack.pop()
+        if children is not None:
             open_ids.discard(id(node))
             sizes[id(node)] = len(node) + sum(sizes[id(c)] for c in children)
             if sizes[id(node)] > _MAX_VALUES:
                 return f"it holds more than {_MAX_VALUES:,} values once its aliases are expanded"
             continue
+        # tuples too: YAML's !!omap and !!pairs load as lists of (key, value) pairs
+        if not isinstance(node, dict | list | tuple) or id(node) in sizes:
+            continue
         if id(node) in open_ids:
             return "an alias names a value that holds it (the value would hold itself)"
         open_ids.add(id(node))
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if id(c) not in sizes)
+        items = node.values() if isinstance(node, dict) else node
+        children = [c for c in items if isinstance(c, dict | list | tuple)]
+        stack.append((node, children))
+        stack.extend((c, None) for c in children if id(c) not in sizes)
     return None
 
 

@@ -30,7 +30,7 @@ def serve_tools(
     # would format a line for every call of the hot path
     uvicorn.run(
         create_app(settings),
-        host=_bind_host(host, settings.host, "PBSD_TOOLS_HOST"),
+        host=_bind_host(host, settings),
         port=port or settings.port,
         log_level="warning",
         access_log=False,
@@ -55,7 +55,7 @@ def serve_rollout(
 
     uvicorn.run(
         create_app(settings),
-        host=_bind_host(host, settings.host, "PBSD_ROLLOUT_HOST"),
+        host=_bind_host(host, settings),
         port=port or settings.port,
         log_level="warning",
     )
@@ -78,7 +78,7 @@ def serve_scorer(
 
     uvicorn.run(
         create_app(settings),
-        host=_bind_host(host, settings.host, "PBSD_SCORER_HOST"),
+        host=_bind_host(host, settings),
         port=port or settings.port,
         log_level="warning",
     )
@@ -99,13 +99,14 @@ def _service_settings(cls):
         raise typer.Exit(2) from None
 
 
-def _bind_host(option: str | None, setting: str, variable: str) -> str:
-    """The address to bind, the option's or the setting's, refused in a line naming where it came
-    from when the resolver does not know it: uvicorn says only "[Errno -2] Name or service not
-    known" and exits 3."""
+def _bind_host(option: str | None, settings) -> str:
+    """The address to bind, the option's or the settings' (``PBSD_*_HOST``), refused in a line
+    naming where it came from when the resolver does not know it: uvicorn says only "[Errno -2]
+    Name or service not known" and exits 3."""
     import socket
 
-    host = option or setting
+    host = option or settings.host
+    variable = f"{settings.model_config.get('env_prefix', '')}HOST"
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
@@ -164,7 +165,7 @@ def serve_trainer(
 
     if save_groups is not None:  # the flag, either way, over the environment
         settings = settings.model_copy(update={"save_groups": save_groups})
-    host = _bind_host(host, settings.host, "PBSD_TRAINER_HOST")
+    host = _bind_host(host, settings)
     if settings.api_token is None and not _loopback(host):
         raise typer.BadParameter(
             f"an API without a token (PBSD_TRAINER_LOCAL_MODE) binds to loopback only, not {host}: "
