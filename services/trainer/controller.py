@@ -67,11 +67,10 @@ class PromptController:
         self.on_published = on_published
         self.on_ahead = on_ahead
         # the message ids of the copies published ahead of the queue, and of their groups, in this
-        # execution of the run and the ones before it, and the prompts they are copies of: a dead
+        # execution of the run and the ones before it, each with the prompt it is a copy of: a dead
         # letter about any other copy of such a prompt lost a copy that one replaced, and does not
         # say the prompt's group will never come (see RunExecutor._dead_lettered)
-        self.copies: set[str] = set(copies or {})
-        self.ahead: set[int] = set((copies or {}).values())
+        self.copies: dict[str, int] = dict(copies or {})
         self._orders: dict[int, np.ndarray] = {}
 
     @property
@@ -133,7 +132,6 @@ class PromptController:
         if self.on_ahead is not None:  # before they go out: a crash after must find them
             await self.on_ahead(copies)
         self.copies.update(copies)
-        self.ahead.update(copies.values())
         await self.bus.publish_ahead(PROMPTS, tasks)
 
     async def top_up(self, step: int, dropped: int) -> int:

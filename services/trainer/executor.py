@@ -351,7 +351,7 @@ class RunExecutor:
         state, index, controller = run.state, lost.index, run.controller
         if index in state.dropped_indices or index >= controller.next_index:
             return
-        if index in controller.ahead and lost.message_id not in controller.copies:
+        if lost.message_id not in controller.copies and index in controller.copies.values():
             # the letters are read from the stream's start at each opening: this one lost a copy
             # that one published ahead of the queue replaced (after a crash, in this execution or
             # an earlier one; or for a group sampled with discarded weights), and that copy is in
