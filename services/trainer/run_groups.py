@@ -3,12 +3,14 @@
 Each run reads the scored groups, and its validation groups, through consumer groups of its own.
 A new run makes them as it opens, before its first prompt goes out, at the streams' ends: nothing
 of its own can be in them yet, and what a run before it left (acknowledged groups not yet trimmed,
-up to a batch) is then never read and counted as foreign. A resumed run's groups hold its place; one
-that has none (a crash before they were made, groups an older pbsd named otherwise) reads from the
-streams' beginning, where its groups in flight may be. Redis keeps a group until it is destroyed, and a stream is trimmed only
-below the slowest group's position (:mod:`services.bus.trimming`): an ended run's group would keep
-every later entry of ``scored`` and ``evals`` in Redis for good, and with routing replay's routes
-a scored group is up to hundreds of MB. So a run's groups are destroyed when it ends, and the
+up to a batch) is then never read and counted as foreign. A resumed run's groups hold its place;
+one that has none (a crash before they were made, groups an older pbsd named otherwise) reads from
+the streams' beginning, where its groups in flight may be.
+
+Redis keeps a group until it is destroyed, and a stream is trimmed only below the slowest group's
+position (:mod:`services.bus.trimming`): an ended run's group would keep every later entry of
+``scored`` and ``evals`` in Redis for good, and with routing replay's routes a scored group is up
+to hundreds of MB. So a run's groups are destroyed when it ends, and the
 trainer, as it starts, destroys those of runs that ended while it could not (a crash between the
 end and the destruction, a run deleted, groups an older pbsd left).
 """
