@@ -17,7 +17,7 @@ import redis
 
 from proto import examples as ex
 from proto.streams import PROMPTS
-from services.bus import Bus, ConsumerOptions
+from services.bus import Bus, ConsumerOptions, metrics
 from tests.test_bus import FAST, _run_until, _yes
 
 
@@ -26,7 +26,7 @@ async def _kill_mid_handler(redis_url: str, key_prefix: str, task, consumer: str
     inside its handler."""
     script = textwrap.dedent(f"""
         import asyncio
-        from services.bus import Bus, ConsumerOptions
+        from services.bus import Bus, ConsumerOptions, metrics
         from proto.streams import PROMPTS
         async def main():
             bus = Bus.from_url({redis_url!r}, prefix={key_prefix!r})
@@ -262,6 +262,47 @@ async def test_consumers_long_gone_are_forgotten_and_none_that_holds_an_entry(bu
     assert await names() == {"holder", "new-pod"}  # old-pod is gone; the holder keeps its entry
     assert (await bus.redis.xpending(key, "rollout"))["pending"] == 1
     await bus.commit(held)
+
+
+async def test_a_consumer_whose_entry_was_taken_over_stops_working_it(bus: Bus, caplog):
+    """A consumer that missed its heartbeats (a loop blocked, Redis out of its reach) lost its
+    entry to another consumer and worked on regardless: a long group sampled twice, the second
+    result a duplicate for the dedupe to drop. Its next heartbeat now finds the entry gone and
+    stops the handler, leaves the entry to the consumer that has it, and goes on to the next."""
+    key = bus.key(PROMPTS)
+    await bus.publish(PROMPTS, ex.example_task(0))
+    started, stopped, handled = asyncio.Event(), asyncio.Event(), []
+
+    async def handler(msg, delivery):
+        if msg.index == 0:
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                stopped.set()
+                raise
+        handled.append(msg.index)
+
+    before = metrics.TAKEN_OVER.labels(PROMPTS.name, "rollout")._value.get()
+    stop = asyncio.Event()
+    slow = asyncio.create_task(bus.consume(PROMPTS, "slow", handler, options=FAST, stop=stop))
+    try:
+        await asyncio.wait_for(started.wait(), 5)
+        [entry] = await _pending_ids(bus)
+        await bus.redis.xclaim(key, "rollout", "taker", 0, [entry])  # what a takeover does
+        with caplog.at_level(logging.WARNING, logger="services.bus.groups"):
+            await asyncio.wait_for(stopped.wait(), 5)
+            await bus.publish(PROMPTS, ex.example_task(1))
+            async with asyncio.timeout(5):
+                while handled != [1]:
+                    await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.wait_for(slow, 5)
+    [row] = await bus.redis.xpending_range(key, "rollout", "-", "+", 10)
+    assert row["consumer"] == b"taker" and (await _pending_ids(bus)) == [entry]  # neither acked nor lost
+    assert metrics.TAKEN_OVER.labels(PROMPTS.name, "rollout")._value.get() == before + 1
+    assert f"slow stopped handling prompts entry {entry}: another consumer took it over" in caplog.text
 
 
 async def test_a_leaving_consumer_hands_back_what_it_holds_at_once(bus: Bus):

@@ -150,12 +150,16 @@ def pipeline() -> dict:
             ),
             panel(
                 "Handler errors, reclaims and duplicates",
-                "Retries in progress (errors), entries taken over from silent consumers, and "
-                "redeliveries absorbed by idempotency.",
+                "Retries in progress (errors), entries taken over from silent consumers, handlers "
+                "stopped because their entry was taken over, and redeliveries absorbed by idempotency.",
                 [
                     ("sum(rate(pbsd_bus_handler_errors_total[5m])) by (stream)", "errors {{stream}}"),
                     ("sum(rate(pbsd_bus_reclaimed_total[5m])) by (stream)", "reclaimed {{stream}}"),
                     ("sum(rate(pbsd_bus_duplicates_total[5m])) by (stream)", "duplicates {{stream}}"),
+                    (
+                        "sum(rate(pbsd_bus_taken_over_total[5m])) by (stream)",
+                        "taken over while held {{stream}}",
+                    ),
                 ],
                 unit="ops",
             ),

@@ -18,6 +18,11 @@ DUPLICATES = Counter(
 RECLAIMED = Counter(
     "pbsd_bus_reclaimed_total", "Entries claimed from a consumer that stopped answering", ["stream", "group"]
 )
+TAKEN_OVER = Counter(
+    "pbsd_bus_taken_over_total",
+    "Handlers stopped because another consumer took their entry over (this one missed its heartbeats)",
+    ["stream", "group"],
+)
 HANDLER_ERRORS = Counter(
     "pbsd_bus_handler_errors_total",
     "Handler failures (the entry stays pending for a retry)",
@@ -45,7 +50,7 @@ def consumer_series(stream: str, group: str) -> None:
     """A consumer group's counters, at zero from its first read: a panel of errors or dead letters
     shows 0 instead of "no data", and rate() sees the first one happen (a series that appears at
     1 has no earlier sample to rise from)."""
-    for counter in (CONSUMED, DUPLICATES, RECLAIMED, HANDLER_ERRORS):
+    for counter in (CONSUMED, DUPLICATES, RECLAIMED, TAKEN_OVER, HANDLER_ERRORS):
         counter.labels(stream, group)
     for reason in DEAD_LETTER_REASONS:
         DEAD_LETTERED.labels(stream, group, reason)
@@ -54,7 +59,7 @@ def consumer_series(stream: str, group: str) -> None:
 def forget_series(stream: str, group: str) -> None:
     """Drop a destroyed group's series: each run's trainer groups go with the run, and their series
     would otherwise pile up in the trainer's exporter, a dozen a run, for as long as it lives."""
-    for metric in (CONSUMED, DUPLICATES, RECLAIMED, HANDLER_ERRORS, HANDLER_SECONDS):
+    for metric in (CONSUMED, DUPLICATES, RECLAIMED, TAKEN_OVER, HANDLER_ERRORS, HANDLER_SECONDS):
         with contextlib.suppress(KeyError):
             metric.remove(stream, group)
     for reason in DEAD_LETTER_REASONS:
