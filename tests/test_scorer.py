@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -321,6 +322,31 @@ async def test_a_group_that_waited_out_a_broadcast_that_failed_waits_for_whole_w
     await scorer.hold()
     await scorer.release(4)  # the next copy, whole
     assert (await asyncio.wait_for(waiting, 30)).scorer_policy_version == 4
+
+
+async def test_a_cancelled_pass_keeps_the_model_until_its_thread_ends(tok, model):
+    """A pass runs in a thread that no cancellation stops. A cancelled call (its scorer stopping,
+    its group taken over by another scorer) let go of the model's lock at once: a second pass or
+    a weight load could then run beside the thread still scoring. It now lets go once the thread
+    has ended."""
+    scorer = LocalScorer(model)
+    running, gate = threading.Event(), threading.Event()
+
+    def slow(requests):
+        running.set()
+        gate.wait(10)
+        return [np.zeros(1, dtype=np.float32)]
+
+    scorer._score = slow
+    call = asyncio.create_task(scorer([(tok.encode("The Danube"), np.array([1]))]))
+    assert await asyncio.to_thread(running.wait, 10)
+    call.cancel()
+    await asyncio.sleep(0.1)
+    assert not call.done() and scorer._lock.locked()  # the thread still has the model
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(call, 10)
+    assert not scorer._lock.locked()
 
 
 async def test_sglang_scorer_reads_prompt_logprobs(tok):

@@ -41,6 +41,22 @@ __all__ = ["LocalScorer", "SglangScorer"]
 log = logging.getLogger(__name__)
 
 
+async def _to_the_end(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a worker thread, which no cancellation stops. So a caller cancelled
+    meanwhile (its consumer stopped, or another took its group over) still waits for the thread
+    before it raises: what the caller holds, the model's lock, is let go only once the model is
+    free, and no second pass runs beside this one (twice the memory) and no weights are loaded
+    under it."""
+    thread = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(thread)
+    except asyncio.CancelledError:
+        await asyncio.wait({thread})
+        if not thread.cancelled():
+            thread.exception()  # retrieved: its result goes nowhere now
+        raise
+
+
 class LocalScorer:
     """Packed, chunked passes through a local model (see :mod:`services.scorer.logprobs`). Every call
     takes the one :class:`KernelPath` fixed here, so student and teacher always share it."""
@@ -72,7 +88,7 @@ class LocalScorer:
         self._check_ids(ids for ids, _ in requests)
         async with self._whole_weights():  # the version is the one these passes ran with
             try:
-                return LogProbs(await asyncio.to_thread(self._score, requests), self.version)
+                return LogProbs(await _to_the_end(self._score, requests), self.version)
             except BackendCompilerFailed as exc:
                 if self.path.attention != "flex_attention":
                     raise
@@ -85,7 +101,7 @@ class LocalScorer:
                 log.warning(
                     "flex attention failed to compile (%s); scoring kernel path now %s", exc, self.path
                 )
-                return LogProbs(await asyncio.to_thread(self._score, requests), self.version)
+                return LogProbs(await _to_the_end(self._score, requests), self.version)
 
     @contextlib.asynccontextmanager
     async def _whole_weights(self) -> AsyncIterator[None]:
@@ -129,14 +145,14 @@ class LocalScorer:
         """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
         self._check_ids(r[0] for r in requests)
         async with self._whole_weights():
-            values = await asyncio.to_thread(
+            values = await _to_the_end(
                 replayed_logprobs, self.model, requests, chunk_size=self.chunk_size, head=self.path.head
             )
             return LogProbs(values, self.version)
 
     async def update_weights(self, path: str, version: int) -> None:
         async with self._lock:
-            await asyncio.to_thread(load_weights_into, self.model, path)
+            await _to_the_end(load_weights_into, self.model, path)
             self.version = version
             self._whole.set()
 
