@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -265,3 +267,24 @@ async def test_new_weights_wait_for_the_running_turn(setup, tmp_path):
     assert old.weight_version == 0 and len(old.output_ids) == 60
     new = await engine.generate(GenerationRequest(prompt, 5, seed=1, session="r"))
     assert new.weight_version == 7 and new.cached_tokens == 0  # caches went with the old weights
+
+
+async def test_a_request_whose_caller_is_gone_decodes_no_further(setup):
+    """A cancelled request (a worker stopping, a prompt another worker took over) went on decoding
+    to the end of its turn, up to max_tokens_per_turn steps of nobody's work; it now leaves the
+    batch at the next step, and the engine goes on serving."""
+    model, tok = setup
+    engine = InProcessEngine(model)
+    prompt = tok.prompt_ids("You search.", "Which river?")
+    call = asyncio.create_task(engine.generate(GenerationRequest(prompt, 1_000, seed=1)))
+    async with asyncio.timeout(10):
+        while engine.decode_steps < 3:
+            await asyncio.sleep(0.005)
+    call.cancel()
+    await asyncio.sleep(0.2)
+    steps = engine.decode_steps
+    await asyncio.sleep(0.3)
+    assert engine.decode_steps == steps < 1_000
+    after = await engine.generate(GenerationRequest(prompt, 5, seed=2))
+    assert len(after.output_ids) == 5
+    await engine.aclose()

@@ -340,11 +340,12 @@ class InProcessEngine:
                 j.finish = "length"
 
     def _retire(self, jobs: list[Job]) -> list[Job]:
-        """Deliver the jobs that finished; the ones still generating."""
+        """Deliver the jobs that finished; the ones still generating. A job whose caller is gone
+        (cancelled: its worker stopping, or its prompt taken over by another) decodes no further."""
         for j in jobs:
             if j.finish is not None:
                 self._finish(j)
-        return [j for j in jobs if j.finish is None]
+        return [j for j in jobs if j.finish is None and not j.future.cancelled()]
 
     def _finish(self, job: Job) -> None:
         r = job.request
