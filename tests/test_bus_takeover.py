@@ -26,7 +26,7 @@ async def _kill_mid_handler(redis_url: str, key_prefix: str, task, consumer: str
     inside its handler."""
     script = textwrap.dedent(f"""
         import asyncio
-        from services.bus import Bus, ConsumerOptions, metrics
+        from services.bus import Bus, ConsumerOptions
         from proto.streams import PROMPTS
         async def main():
             bus = Bus.from_url({redis_url!r}, prefix={key_prefix!r})
@@ -283,26 +283,62 @@ async def test_a_consumer_whose_entry_was_taken_over_stops_working_it(bus: Bus, 
                 raise
         handled.append(msg.index)
 
+    async def taker_alive(entry: str) -> None:  # its heartbeat: else "slow" could take the entry back
+        while True:
+            await bus.redis.xclaim(key, "rollout", "taker", 0, [entry], justid=True)
+            await asyncio.sleep(0.02)
+
     before = metrics.TAKEN_OVER.labels(PROMPTS.name, "rollout")._value.get()
     stop = asyncio.Event()
     slow = asyncio.create_task(bus.consume(PROMPTS, "slow", handler, options=FAST, stop=stop))
+    taker = None
     try:
         await asyncio.wait_for(started.wait(), 5)
         [entry] = await _pending_ids(bus)
         await bus.redis.xclaim(key, "rollout", "taker", 0, [entry])  # what a takeover does
+        taker = asyncio.create_task(taker_alive(entry))
         with caplog.at_level(logging.WARNING, logger="services.bus.groups"):
             await asyncio.wait_for(stopped.wait(), 5)
             await bus.publish(PROMPTS, ex.example_task(1))
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(10):
                 while handled != [1]:
                     await asyncio.sleep(0.02)
     finally:
         stop.set()
-        await asyncio.wait_for(slow, 5)
+        await asyncio.wait_for(slow, 10)
+        if taker is not None:
+            taker.cancel()
     [row] = await bus.redis.xpending_range(key, "rollout", "-", "+", 10)
     assert row["consumer"] == b"taker" and (await _pending_ids(bus)) == [entry]  # neither acked nor lost
     assert metrics.TAKEN_OVER.labels(PROMPTS.name, "rollout")._value.get() == before + 1
-    assert f"slow stopped handling prompts entry {entry}: another consumer took it over" in caplog.text
+    assert f"slow stopped handling prompts entry {entry}: it is no longer this consumer's" in caplog.text
+
+
+async def test_a_consumer_cancelled_twice_leaves_no_heartbeat_behind(bus: Bus):
+    """A consumer cancelled again while its handler was still unwinding left the handler's
+    heartbeat running: it renewed the entry for as long as the process lived, so neither the
+    hand-back nor a takeover could give it to anyone else."""
+    key = bus.key(PROMPTS)
+    await bus.publish(PROMPTS, ex.example_task(0))
+    started = asyncio.Event()
+
+    async def slow_to_stop(msg, delivery):
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.5)  # unwinding: closing sessions, writing a log
+
+    consumer = asyncio.create_task(bus.consume(PROMPTS, "twice", slow_to_stop, options=FAST))
+    await asyncio.wait_for(started.wait(), 5)
+    consumer.cancel()
+    await asyncio.sleep(0.05)
+    consumer.cancel()
+    await asyncio.wait({consumer}, timeout=5)
+    assert consumer.done()
+    await asyncio.sleep(0.6)  # twenty heartbeats, and the handler has ended
+    [row] = await bus.redis.xpending_range(key, "rollout", "-", "+", 10)
+    assert row["consumer"] == b"twice" and row["time_since_delivered"] >= 500  # nobody renews it
 
 
 async def test_a_leaving_consumer_hands_back_what_it_holds_at_once(bus: Bus):

@@ -281,10 +281,25 @@ async def test_a_request_whose_caller_is_gone_decodes_no_further(setup):
         while engine.decode_steps < 3:
             await asyncio.sleep(0.005)
     call.cancel()
-    await asyncio.sleep(0.2)
     steps = engine.decode_steps
-    await asyncio.sleep(0.3)
-    assert engine.decode_steps == steps < 1_000
     after = await engine.generate(GenerationRequest(prompt, 5, seed=2))
     assert len(after.output_ids) == 5
+    # the step in flight at the cancel, then the new request's 4 decode steps (its first token
+    # comes from its prefill): nothing more, where the cancelled request had ~990 steps to go
+    assert engine.decode_steps - steps <= 1 + 4
+
+    async def cost() -> int:  # tokens fed for a one-token request (the prompt's cache is warm)
+        fed = engine.tokens_fed
+        await engine.generate(GenerationRequest(prompt, 1, seed=4))
+        return engine.tokens_fed - fed
+
+    alone = await cost()
+    queued = [
+        asyncio.create_task(engine.generate(GenerationRequest(prompt, 1_000, seed=3))) for _ in range(2)
+    ]
+    await engine.hold()  # the engine parked: the requests wait in its queue
+    for q in queued:
+        q.cancel()
+    await engine.release(None)
+    assert await cost() == alone  # the cancelled ones were never prefilled
     await engine.aclose()

@@ -282,32 +282,20 @@ class ConsumerGroups(Leases, Trimming):
     ) -> None:
         message, deliveries = admitted
         delivery = Delivery(stream.name, group, consumer, entry_id, deliveries)
-        # The handler runs as a task of its own, so that a heartbeat that finds the entry taken
-        # over (this consumer missed its beats: a loop blocked, Redis out of its reach) stops it:
-        # the other consumer works the entry now, and this one's result could only be a duplicate.
-        work = asyncio.create_task(handler(message, delivery))
-        taken = asyncio.Event()
-
-        def lost() -> None:
-            taken.set()
-            work.cancel()
-
-        heartbeat = asyncio.create_task(
-            self._heartbeat(self.key(stream), group, consumer, [entry_id], options, on_lost=lost)
-        )
         started = time.perf_counter()
         try:
-            await asyncio.wait({work})
-            if work.cancelled() and taken.is_set():
+            if not await self._work_held(
+                stream, group, consumer, entry_id, handler(message, delivery), options
+            ):
                 metrics.TAKEN_OVER.labels(stream.name, group).inc()
                 log.warning(
-                    "%s stopped handling %s entry %s: another consumer took it over",
+                    "%s stopped handling %s entry %s: it is no longer this consumer's (another took it "
+                    "over, or Redis lost it)",
                     consumer,
                     stream.name,
                     entry_id,
                 )
                 return
-            work.result()
         except asyncio.CancelledError:
             raise
         except MessageTooLarge as exc:  # what it made cannot be sent, this time or the next
@@ -323,13 +311,50 @@ class ConsumerGroups(Leases, Trimming):
             )
             return
         finally:
-            if not work.done():  # this consumer was stopped: its handler goes with it
-                work.cancel()
-                await asyncio.wait({work})
-            await cancel_and_wait(heartbeat)
             metrics.HANDLER_SECONDS.labels(stream.name, group).observe(time.perf_counter() - started)
         await self._commit(stream, group, [(entry_id, message)], options)
         metrics.CONSUMED.labels(stream.name, group).inc()
+
+    async def _work_held(
+        self,
+        stream: StreamDef,
+        group: str,
+        consumer: str,
+        entry_id: str,
+        work: Awaitable[None],
+        options: ConsumerOptions,
+    ) -> bool:
+        """Run ``work`` (the handler's) while a heartbeat keeps the entry this consumer's; raises what
+        it raised. The handler runs as a task of its own, so that a heartbeat that finds the entry
+        gone (this consumer missed its beats: a loop blocked, Redis out of its reach) stops it: the
+        other consumer works the entry now, and this one's result could only be a duplicate. False
+        then, whatever the handler did or raised as it stopped."""
+        task = asyncio.ensure_future(work)
+        taken = False
+
+        def lost() -> None:
+            nonlocal taken
+            taken = True
+            task.cancel()
+
+        heartbeat = asyncio.create_task(
+            self._heartbeat(self.key(stream), group, consumer, [entry_id], options, on_lost=lost)
+        )
+        try:
+            try:
+                await asyncio.wait({task})
+            finally:
+                if not task.done():  # this consumer was stopped: its handler goes with it
+                    task.cancel()
+                    await asyncio.wait({task})
+        finally:  # a second cancellation above still ends the heartbeat: it would renew the entry
+            await cancel_and_wait(heartbeat)
+        if taken:
+            if not task.cancelled():
+                task.exception()  # retrieved: moot now
+            return False
+        task.result()
+        return True
 
     async def _commit(
         self, stream: StreamDef, group: str, items: list[tuple[str, Message]], options: ConsumerOptions

@@ -239,6 +239,8 @@ class InProcessEngine:
     def _admit(self, jobs: list[Job]) -> list[Job]:
         ready, logits = [], []
         for j in jobs:
+            if j.future.cancelled():  # its caller left while it queued
+                continue
             r = j.request
             j.version = self.weight_version
             j.generator = torch.Generator(device="cpu")

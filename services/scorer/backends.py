@@ -43,18 +43,21 @@ log = logging.getLogger(__name__)
 
 async def _to_the_end(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` in a worker thread, which no cancellation stops. So a caller cancelled
-    meanwhile (its consumer stopped, or another took its group over) still waits for the thread
-    before it raises: what the caller holds, the model's lock, is let go only once the model is
-    free, and no second pass runs beside this one (twice the memory) and no weights are loaded
-    under it."""
+    meanwhile (its consumer stopped, or another took its group over), once or more, still waits
+    for the thread before it raises: what the caller holds, the model's lock, is let go only once
+    the model is free, and no second pass runs beside this one (twice the memory) and no weights
+    are loaded under it."""
     thread = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
-    try:
-        return await asyncio.shield(thread)
-    except asyncio.CancelledError:
-        await asyncio.wait({thread})
-        if not thread.cancelled():
-            thread.exception()  # retrieved: its result goes nowhere now
-        raise
+    cancelled = None
+    while not thread.done():
+        try:
+            await asyncio.wait({thread})
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        thread.exception()  # retrieved: its result goes nowhere now
+        raise cancelled
+    return thread.result()
 
 
 class LocalScorer:
