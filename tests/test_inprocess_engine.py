@@ -303,3 +303,28 @@ async def test_a_request_whose_caller_is_gone_decodes_no_further(setup):
     await engine.release(None)
     assert await cost() == alone  # the cancelled ones were never prefilled
     await engine.aclose()
+
+
+async def test_a_hold_or_a_load_given_up_leaves_the_engine_serving(setup, tmp_path):
+    """A weight follower cancelled while its hold or its load waited behind a running turn (a
+    worker stopping) cancelled the future the engine's thread settles: the thread died of the
+    refused result, and every request after it hung until the next one started a new thread.
+    The engine now skips what its caller gave up, and goes on serving."""
+    model, tok = setup
+    engine = InProcessEngine(model)
+    prompt = tok.prompt_ids("You search.", "Which river?")
+    save_checkpoint(model, tmp_path / "same")
+    for give_up in (engine.hold, lambda: engine.update_weights(str(tmp_path / "same"), 9)):
+        running = asyncio.create_task(engine.generate(GenerationRequest(prompt, 200, seed=1)))
+        async with asyncio.timeout(10):
+            while engine.decode_steps == 0:
+                await asyncio.sleep(0.005)
+        waiting = asyncio.create_task(give_up())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # behind the running turn
+        waiting.cancel()
+        await running
+        after = await asyncio.wait_for(engine.generate(GenerationRequest(prompt, 3, seed=2)), 10)
+        assert len(after.output_ids) == 3 and await engine.health()
+        assert engine.weight_version == 0  # the load given up was not made
+    await engine.aclose()

@@ -101,7 +101,9 @@ def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:
         socket_connect_timeout=5.0,  # a host that is gone (not refusing) must not hang a try
     )
     pool = client.connection_pool  # no connection made yet: each is made of this class
-    pool.connection_class = _KEEPING.get(pool.connection_class, pool.connection_class)
+    if pool.connection_class not in _KEEPING:
+        raise ValueError(f"no connection class that keeps cancellations for {pool.connection_class}")
+    pool.connection_class = _KEEPING[pool.connection_class]
     return client
 
 

@@ -330,6 +330,9 @@ class ConsumerGroups(Leases, Trimming):
         other consumer works the entry now, and this one's result could only be a duplicate. False
         then, whatever the handler did or raised as it stopped."""
         task = asyncio.ensure_future(work)
+        # what it raises is read below, or is moot: this consumer stopped (the entry goes to the
+        # next one) or lost the entry; never "Task exception was never retrieved"
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         taken = False
 
         def lost() -> None:
@@ -350,8 +353,6 @@ class ConsumerGroups(Leases, Trimming):
         finally:  # a second cancellation above still ends the heartbeat: it would renew the entry
             await cancel_and_wait(heartbeat)
         if taken:
-            if not task.cancelled():
-                task.exception()  # retrieved: moot now
             return False
         task.result()
         return True

@@ -200,7 +200,8 @@ class InProcessEngine:
             return []
 
     def _park(self, hold: Hold) -> None:
-        hold.parked.set_result(None)
+        if not set_result(hold.parked, None):  # its holder gave up: no one would resume the engine
+            return
         hold.resume.wait()
         if hold.version is not None:
             self._new_weights(hold.version)
@@ -217,18 +218,20 @@ class InProcessEngine:
             if isinstance(item, Job):
                 item.loop.call_soon_threadsafe(set_exception, item.future, EngineError("engine closed"))
             elif isinstance(item, Reload):
-                item.done.set_exception(EngineError("engine closed"))
+                set_exception(item.done, EngineError("engine closed"))
             elif isinstance(item, Hold):
-                item.parked.set_exception(EngineError("engine closed"))
+                set_exception(item.parked, EngineError("engine closed"))
 
     def _reload(self, reload: Reload) -> None:
+        if reload.done.cancelled():  # its caller gave up (a worker stopping): the weights stay
+            return
         try:
             load_weights_into(self.model, reload.path)
         except Exception as exc:  # the caller gets it
-            reload.done.set_exception(exc)
+            set_exception(reload.done, exc)
             return
         self._new_weights(reload.version)
-        reload.done.set_result(None)
+        set_result(reload.done, None)
 
     def _new_weights(self, version: int) -> None:
         self.weight_version = version

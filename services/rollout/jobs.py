@@ -62,14 +62,31 @@ class Hold:  # the worker parks: a broadcast writes into the model (services.wei
     version: int | None = None  # what the model holds afterwards (None: unchanged; TORN: half-written)
 
 
-def set_result(future: asyncio.Future, result) -> None:
-    if not future.done():
-        future.set_result(result)
+_SETTLED = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 
 
-def set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+def set_result(future: asyncio.Future | concurrent.futures.Future, result) -> bool:
+    """Settle ``future`` unless it is settled already: its caller cancelled it, perhaps from the
+    event loop's thread as the worker gets here (a concurrent future then refuses the result, and
+    the worker thread would die of it). Whether it was settled here."""
+    try:
+        if not future.done():
+            future.set_result(result)
+            return True
+    except _SETTLED:
+        pass
+    return False
+
+
+def set_exception(future: asyncio.Future | concurrent.futures.Future, exc: BaseException) -> bool:
+    """As :func:`set_result`, with an exception."""
+    try:
+        if not future.done():
+            future.set_exception(exc)
+            return True
+    except _SETTLED:
+        pass
+    return False
 
 
 def crop_routes(routes: list[np.ndarray], length: int) -> list[np.ndarray]:

@@ -78,7 +78,10 @@ class PlainFetcher:
 
     async def fetch(self, url: str) -> FetchedPage:
         try:
-            return await asyncio.wait_for(self._fetch(url), timeout=self.timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that comes
+            # as the fetch completes (CPython gh-86296), and the request it belonged to runs on
+            async with asyncio.timeout(self.timeout_s):
+                return await self._fetch(url)
         except FetchError:
             raise
         except TimeoutError:
