@@ -1,12 +1,12 @@
-"""Ending asyncio tasks a service started beside its main work (heartbeats, followers, watchers), and
-saying how a service's main task ended."""
+"""Ending asyncio tasks a service started beside its main work (heartbeats, followers, watchers),
+saying how a service's main task ended, and work in a thread that a cancellation cannot end."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-__all__ = ["cancel_and_wait", "main_task", "stopped", "within"]
+__all__ = ["cancel_and_wait", "main_task", "stopped", "thread_to_the_end", "within"]
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +58,23 @@ async def cancel_and_wait(task: asyncio.Task) -> None:
     await asyncio.wait({task})
     if not task.cancelled() and (exc := task.exception()) is not None:
         raise exc
+
+
+async def thread_to_the_end(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a worker thread, which no cancellation stops. So a caller cancelled
+    meanwhile (its consumer stopped, or another took its work over), once or more, still waits for
+    the thread before it raises: what the caller holds while the thread uses the model (a scorer's
+    lock, a held engine) is let go only once the model is free, and no second pass runs beside
+    this one (twice the memory), no weights are loaded under it and no engine resumes on weights
+    still being written."""
+    thread = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    cancelled = None
+    while not thread.done():
+        try:
+            await asyncio.wait({thread})
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        thread.exception()  # retrieved: its result goes nowhere now
+        raise cancelled
+    return thread.result()

@@ -1,7 +1,7 @@
 """What a consumer does with a broadcast publication: nothing when it was in the group, the disk copy
 when it missed the version and the copy is newer than what it holds; SGLang servers that missed it
 reload the copy, one by one; a model a broken broadcast left torn serves nothing until a whole copy
-is in; a hold that no /continue_generation ends runs out."""
+is in (the receiver's own calls: test_weights_receiver.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from services.rollout.engine import GenerationRequest
 from services.rollout.inprocess import InProcessEngine
 from services.rollout.sglang import SglangEngine
 from services.scorer.backends import LocalScorer, SglangScorer
-from services.weights.receiver import TORN, WeightReceiver
+from services.weights.receiver import TORN
 from tests.servers import serve
 from tests.sglang_fake import make_sglang
 
@@ -194,83 +194,6 @@ async def test_the_engine_parks_for_a_broadcast_and_defers_requests_while_torn(m
         assert (await asyncio.wait_for(pending, 60)).weight_version == 6
     finally:
         await engine.aclose()
-
-
-class Held:
-    """A model server that records holds and releases."""
-
-    model = None
-    weights_version = 0
-
-    def __init__(self) -> None:
-        self.calls: list = []
-
-    async def hold(self) -> None:
-        self.calls.append("hold")
-
-    async def release(self, version) -> None:
-        self.calls.append(("release", version))
-
-
-async def test_a_pause_without_a_continue_runs_out():
-    target = Held()
-    receiver = WeightReceiver(lambda: target, lease_s=0.1)
-    await receiver.pause()
-    await asyncio.sleep(0.4)
-    assert target.calls == ["hold", ("release", None)]  # nothing was written: the weights are as they were
-    await receiver.resume()  # a late continue changes nothing
-    assert len(target.calls) == 2
-
-
-async def test_a_group_name_is_taken_while_its_members_are_still_joining(monkeypatch):
-    """Opening a group waits for every rank, outside the control lock; a second init of the same
-    name meanwhile is refused, not sent into the same rendezvous under the same rank."""
-    import threading
-
-    from services.weights import receiver as module
-
-    joined, opened = threading.Event(), []
-
-    def open_group(**kwargs):
-        opened.append(kwargs["name"])
-        joined.wait(5)  # the other ranks take their time
-        return object()
-
-    monkeypatch.setattr(module, "open_group", open_group)
-    receiver = WeightReceiver(lambda: Held())
-    body = {
-        "master_address": "127.0.0.1",
-        "master_port": 1,
-        "rank_offset": 1,
-        "world_size": 2,
-        "backend": "gloo",
-    }
-    first = asyncio.create_task(receiver.init_group(body))
-    while not opened:
-        await asyncio.sleep(0.01)
-    assert await receiver.init_group(body) == (False, "group weight_update_group already exists")
-    assert not (await receiver.destroy_group({}))[0]  # not yet open: it would come back once open
-    joined.set()
-    assert (await first)[0] and opened == ["weight_update_group"]
-    assert not (await receiver.init_group(body))[0]  # and once it is open
-    monkeypatch.setattr(module, "close_group", lambda group: None)
-    assert (await receiver.destroy_group({}))[0] and (await receiver.init_group(body))[0]
-
-
-async def test_the_receiver_keeps_sglangs_weight_update_session():
-    """As SGLang 0.5.23: an update outside a begin/end session is refused before anything is
-    received or held; a second begin, and an end without a begin, are refused."""
-    target = Held()
-    receiver = WeightReceiver(lambda: target)
-    body = {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}
-    ok, message = await receiver.update(body)
-    assert not ok and "between begin_weight_update() and end_weight_update()" in message
-    assert target.calls == []  # the model was not held
-    assert receiver.end() == (False, "no weight-update session is open; call begin_weight_update() first")
-    assert receiver.begin()[0] and not receiver.begin()[0]
-    ok, message = await receiver.update(body)  # in a session: on to the group check
-    assert not ok and "Group g not in []" in message
-    assert receiver.end()[0] and not receiver.end()[0]
 
 
 def test_settings_refuse_a_broadcast_nobody_can_take(moe_checkpoint):

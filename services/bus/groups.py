@@ -296,8 +296,6 @@ class ConsumerGroups(Leases, Trimming):
                     entry_id,
                 )
                 return
-        except asyncio.CancelledError:
-            raise
         except MessageTooLarge as exc:  # what it made cannot be sent, this time or the next
             await self._dead_letter(
                 stream, group, entry_id, encode(message), str(exc), deliveries, "too_large"

@@ -69,20 +69,18 @@ def set_result(future: asyncio.Future | concurrent.futures.Future, result) -> bo
     """Settle ``future`` unless it is settled already: its caller cancelled it, perhaps from the
     event loop's thread as the worker gets here (a concurrent future then refuses the result, and
     the worker thread would die of it). Whether it was settled here."""
-    try:
-        if not future.done():
-            future.set_result(result)
-            return True
-    except _SETTLED:
-        pass
-    return False
+    return _settle(future, future.set_result, result)
 
 
 def set_exception(future: asyncio.Future | concurrent.futures.Future, exc: BaseException) -> bool:
     """As :func:`set_result`, with an exception."""
+    return _settle(future, future.set_exception, exc)
+
+
+def _settle(future, settle, value) -> bool:
     try:
         if not future.done():
-            future.set_exception(exc)
+            settle(value)
             return True
     except _SETTLED:
         pass

@@ -33,31 +33,13 @@ from services.sglang_control import (
     tag_version,
     unguarded,
 )
+from services.tasks import thread_to_the_end
 from services.upstream import RetryPolicy, UpstreamError, http_client, send_with_retries
 from services.weights.receiver import TORN
 
 __all__ = ["LocalScorer", "SglangScorer"]
 
 log = logging.getLogger(__name__)
-
-
-async def _to_the_end(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` in a worker thread, which no cancellation stops. So a caller cancelled
-    meanwhile (its consumer stopped, or another took its group over), once or more, still waits
-    for the thread before it raises: what the caller holds, the model's lock, is let go only once
-    the model is free, and no second pass runs beside this one (twice the memory) and no weights
-    are loaded under it."""
-    thread = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
-    cancelled = None
-    while not thread.done():
-        try:
-            await asyncio.wait({thread})
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    if cancelled is not None:
-        thread.exception()  # retrieved: its result goes nowhere now
-        raise cancelled
-    return thread.result()
 
 
 class LocalScorer:
@@ -91,7 +73,7 @@ class LocalScorer:
         self._check_ids(ids for ids, _ in requests)
         async with self._whole_weights():  # the version is the one these passes ran with
             try:
-                return LogProbs(await _to_the_end(self._score, requests), self.version)
+                return LogProbs(await thread_to_the_end(self._score, requests), self.version)
             except BackendCompilerFailed as exc:
                 if self.path.attention != "flex_attention":
                     raise
@@ -104,7 +86,7 @@ class LocalScorer:
                 log.warning(
                     "flex attention failed to compile (%s); scoring kernel path now %s", exc, self.path
                 )
-                return LogProbs(await _to_the_end(self._score, requests), self.version)
+                return LogProbs(await thread_to_the_end(self._score, requests), self.version)
 
     @contextlib.asynccontextmanager
     async def _whole_weights(self) -> AsyncIterator[None]:
@@ -148,14 +130,14 @@ class LocalScorer:
         """The same with each request's MoE routes forced (the ``evidence_routing`` replay ablation)."""
         self._check_ids(r[0] for r in requests)
         async with self._whole_weights():
-            values = await _to_the_end(
+            values = await thread_to_the_end(
                 replayed_logprobs, self.model, requests, chunk_size=self.chunk_size, head=self.path.head
             )
             return LogProbs(values, self.version)
 
     async def update_weights(self, path: str, version: int) -> None:
         async with self._lock:
-            await _to_the_end(load_weights_into, self.model, path)
+            await thread_to_the_end(load_weights_into, self.model, path)
             self.version = version
             self._whole.set()
 

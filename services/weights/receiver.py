@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from torch import nn
 
+from services.tasks import thread_to_the_end
 from services.weights.group import DTYPES, broadcast, close_group, open_group
 from services.weights.layout import HubLayout
 
@@ -197,7 +198,7 @@ class WeightReceiver:
         await self.pause()
         try:
             try:
-                error = await asyncio.to_thread(self._receive, *self.groups[name], names, dtypes, shapes)
+                error = await thread_to_the_end(self._receive, *self.groups[name], names, dtypes, shapes)
             except Exception as exc:  # a receive cut off (the sender died, a timeout): part of it is in
                 error = repr(exc)
             self._failed = self._failed or error is not None
@@ -243,7 +244,7 @@ class WeightReceiver:
             if not self._held:  # held by a broadcast: the model is still, and stays held afterwards
                 await target.hold()
             try:
-                digest = await asyncio.to_thread(lambda: self.layout(target.model).digest(target.model))
+                digest = await thread_to_the_end(lambda: self.layout(target.model).digest(target.model))
             finally:
                 if not self._held:
                     await target.release(None)
