@@ -248,6 +248,8 @@ async def test_a_failed_run_releases_its_trainer(pipeline, tiny_world, tiny_chec
     p.serve()
     done = await p.until(record.id, finished)
     assert done.state == "failed" and "No space left" in done.error
+    # the state is recorded before the release; serving ends only after the run's clean-up
+    await p.shutdown()
     assert trainers and trainers[0].stopped
 
 
