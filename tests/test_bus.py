@@ -197,6 +197,24 @@ async def test_failing_handler_is_retried_then_dead_lettered(bus: Bus):
     assert letter.deliveries == 4
 
 
+async def test_a_handler_cancelled_from_elsewhere_fails_its_delivery_not_its_consumer(bus: Bus):
+    """A handler awaiting what another task cancels (a pool's job withdrawn) ended cancelled, and its
+    consumer took that for its own stop: the loop ended, and the entry waited for a takeover."""
+    await bus.publish(PROMPTS, ex.example_task())
+    attempts = []
+
+    async def withdrawn_once(msg, delivery):
+        attempts.append(delivery.deliveries)
+        if delivery.deliveries == 1:
+            job = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(job.cancel)
+            await job
+
+    await _run_until(bus, PROMPTS, withdrawn_once, lambda: len(attempts) == 2)
+    assert attempts == [1, 2]
+    assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+
+
 async def test_redelivery_and_republish_are_processed_once(bus: Bus):
     """A producer retry (same message id, new entry) and a redelivered pending entry whose
     message was already processed both reach the handler at most once."""

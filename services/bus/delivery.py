@@ -46,6 +46,13 @@ MISSED_BEATS = 10
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 
 
+class HandlerCancelled(RuntimeError):
+    """A handler that ended cancelled while its consumer ran on and still held the entry: it awaited
+    something another task cancelled (a pool's job withdrawn as it shut down, a future dropped).
+    A failure of that delivery, retried as any other, not the end of the consumer: a bare
+    CancelledError would have passed for the consumer's own stop and ended its loop."""
+
+
 class MessageTooLarge(ValueError):
     """A message whose encoding is past the bus's limit: refused before anything is sent. Sending it
     again would be refused again, so a consumer whose handler raises it dead-letters what it was

@@ -22,7 +22,16 @@ from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, refusing
-from services.bus.delivery import ConsumerOptions, Cursor, Delivery, Handler, Held, MessageTooLarge, Outage
+from services.bus.delivery import (
+    ConsumerOptions,
+    Cursor,
+    Delivery,
+    Handler,
+    HandlerCancelled,
+    Held,
+    MessageTooLarge,
+    Outage,
+)
 from services.bus.leases import Leases
 from services.bus.trimming import Trimming
 from services.tasks import cancel_and_wait
@@ -352,6 +361,8 @@ class ConsumerGroups(Leases, Trimming):
             await cancel_and_wait(heartbeat)
         if taken:
             return False
+        if task.cancelled():  # this consumer was not stopped (that raised above): the handler was
+            raise HandlerCancelled(f"the handler of {stream.name} entry {entry_id} was cancelled")
         task.result()
         return True
 
