@@ -163,3 +163,47 @@ async def test_a_validation_question_lost_to_the_dead_letters_counts_wrong_and_n
     assert record["accuracy"]["all"]["mean@1"] == pytest.approx(2 / 3)
     evaluator.stop.set()
     await asyncio.wait_for(evaluator.task, 5)
+
+
+async def test_a_round_is_waited_for_until_it_is_stored(
+    bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """The round left ``pending`` before it was stored, so ``wait`` (which wakes twice a second)
+    could return while the store's writes were still out; the run then stopped the validation
+    consumer, and the last round was lost or half written."""
+    from proto.data import QuestionRecord
+    from proto.runs import GrpoSpec, RunSpec
+    from services.trainer.evaluation import Evaluator
+
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))
+    spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"eval_samples": 1})})
+    store = RunStore(bus.redis, key_prefix)
+    add_metrics = store.add_metrics
+
+    async def slow_add_metrics(*args, **kwargs):
+        await asyncio.sleep(1.2)  # a loaded Redis: longer than ``wait``'s half-second wake-up
+        return await add_metrics(*args, **kwargs)
+
+    store.add_metrics = slow_add_metrics
+    question = QuestionRecord(id="q", question="Question?", answer="a")
+    evaluator = Evaluator(bus, store, "r", spec, [question], tmp_path, nonce="n")
+    evaluator.start(ConsumerOptions(block_ms=50))
+    await evaluator.start_round(0, 0)
+    group = TrajectoryGroup(
+        run_id="r",
+        task_id="r:eval:n:0:0",
+        question_id="q",
+        question=question.question,
+        answer="a",
+        policy_version=0,
+        algorithm=GrpoSpec(),
+        trajectories=(_one_token("r:eval:n:0:0/0", reward=1.0),),
+    )
+    await bus.publish(EVALS, group)
+    assert await asyncio.wait_for(evaluator.wait(asyncio.Event()), 20)
+    evaluator.stop.set()
+    evaluator.task.cancel()  # as the run stops it, once the last round is in
+    await asyncio.wait({evaluator.task})
+    [stored] = await store.metrics("r", series="evals")
+    assert stored["version"] == 0 and (tmp_path / "evals.jsonl").read_text().count("\n") == 1
+    assert not evaluator.pending and evaluator.steps == {}

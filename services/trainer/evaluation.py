@@ -95,6 +95,7 @@ class Evaluator:
         # version -> question index -> its group, or None for a question lost to the dead letters
         self.pending: dict[int, dict[int, TrajectoryGroup | None]] = {}
         self.steps: dict[int, int] = {}  # version -> the step it was taken after
+        self.recording: set[int] = set()  # complete rounds being stored (still pending)
         self.done = asyncio.Event()  # set when a round is recorded
         self.recorded: list[dict[str, Any]] = []
         self.task: asyncio.Task | None = None
@@ -166,8 +167,15 @@ class Evaluator:
         if round_ is None or (group is None and index in round_):
             return  # a round recorded already, or a question whose group came before its copy died
         round_[index] = group  # by position: a validation file may repeat an id
-        if len(round_) == len(self.questions):
-            await self._record(version, self.pending.pop(version))
+        if len(round_) == len(self.questions) and version not in self.recording:
+            # the round stays pending until it is stored: ``wait`` returning on a round still being
+            # written let the run stop the consumer mid-write, and the last round was lost
+            self.recording.add(version)
+            try:
+                await self._record(version, round_)
+                del self.pending[version], self.steps[version]
+            finally:
+                self.recording.discard(version)
 
     async def _record(self, version: int, groups: dict[int, TrajectoryGroup | None]) -> None:
         k = self.spec.rollout.eval_samples
@@ -179,7 +187,7 @@ class Evaluator:
         lost = sorted(i for i, g in groups.items() if g is None)
         record = {
             "version": version,
-            "step": self.steps.pop(version),
+            "step": self.steps[version],
             "versions_used": sorted({t.policy_version for t in trajectories}),
             "samples": k,
             "questions": len(groups),
@@ -188,11 +196,11 @@ class Evaluator:
             "lost": lost,
             "mean_turns": statistics.fmean(t.num_turns for t in trajectories) if trajectories else 0.0,
         }
-        self.recorded.append(record)
         await self.store.add_metrics(self.run_id, record, series="evals")
         await self.store.update(self.run_id, latest_eval=record)
         with (self.out / "evals.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self.recorded.append(record)
         m.VAL_ACCURACY.set(record["accuracy"]["all"][f"mean@{k}"])
         log.info(
             "run %s: version %d scores mean@%d %.3f on %d questions",
