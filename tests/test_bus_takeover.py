@@ -20,6 +20,10 @@ from proto.streams import PROMPTS
 from services.bus import Bus, ConsumerOptions, metrics
 from tests.test_bus import FAST, _run_until, _yes
 
+# for tests where a stall of the shared event loop past FAST's 0.3 s claim-idle time would let a
+# peer take what a live consumer holds: 1 s
+STEADY = ConsumerOptions(block_ms=50, heartbeat_ms=100, max_deliveries=3, trim_interval_s=0.0)
+
 
 async def _kill_mid_handler(redis_url: str, key_prefix: str, task, consumer: str, options: str) -> None:
     """A consumer process (``ConsumerOptions(options)``) takes ``task`` and is killed (SIGKILL)
@@ -76,13 +80,14 @@ async def test_long_handler_is_not_stolen_while_alive(bus: Bus):
 
     async def slow(msg, delivery):
         calls.append(delivery.consumer)
-        await asyncio.sleep(1.2)  # four claim-idle periods
+        await asyncio.sleep(3.0)  # three claim-idle periods
 
     stop = asyncio.Event()
     tasks = [
-        asyncio.create_task(bus.consume(PROMPTS, name, slow, options=FAST, stop=stop)) for name in ("a", "b")
+        asyncio.create_task(bus.consume(PROMPTS, name, slow, options=STEADY, stop=stop))
+        for name in ("a", "b")
     ]
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(4.0)
     stop.set()
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert len(calls) == 1
@@ -95,12 +100,13 @@ async def test_collect_holds_messages_until_commit_and_acks_rejects(bus: Bus):
     async def accept(task):
         return task.index % 2 == 0  # odd ones are rejected (acknowledged at once)
 
-    held = await bus.collect(PROMPTS, "trainer", 3, accept, options=FAST)
+    held = await bus.collect(PROMPTS, "trainer", 3, accept, options=STEADY)
     assert sorted(m.index for m in held.messages) == [0, 2, 4]
     summary = await bus.redis.xpending(bus.key(PROMPTS), "rollout")
     assert summary["pending"] == 3  # held, not acknowledged
-    await asyncio.sleep(0.5)  # longer than claim_idle_ms: the heartbeat keeps them ours
-    rows = await bus.redis.xpending_range(bus.key(PROMPTS), "rollout", min="-", max="+", count=10, idle=300)
+    await asyncio.sleep(1.5)  # longer than claim_idle_ms: the heartbeat keeps them ours
+    idle = STEADY.claim_idle_ms
+    rows = await bus.redis.xpending_range(bus.key(PROMPTS), "rollout", min="-", max="+", count=10, idle=idle)
     assert rows == []
     await bus.commit(held)
     assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
@@ -185,7 +191,7 @@ async def test_a_replacement_of_another_name_takes_over_a_dead_consumers_entry_a
         await _run_until(bus, PROMPTS, handler, lambda: got, consumer="rollout-new-host-0")
     ((index, after),) = got
     assert index == 7 and after >= FAST.claim_idle_ms / 1000
-    assert after < FAST.claim_idle_ms / 1000 + 1.0  # a heartbeat's scan later, with slack for a busy machine
+    assert after < FAST.claim_idle_ms / 1000 + 3.0  # a heartbeat's scan later, with slack for a busy machine
     took = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
     assert len(took) == 1 and "rollout-new-host-0 took over 1 prompts entries" in took[0]
 

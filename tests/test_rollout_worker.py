@@ -114,7 +114,10 @@ async def test_staleness_waits_for_the_next_weights(bus, tok):
         await asyncio.sleep(0.8)
         assert await bus.read_all(TRAJECTORIES) == []  # held back, not sampled with version 0
         await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=1, step=1, path="/ckpt/v1"))
-        await asyncio.sleep(0.5)
+        async with asyncio.timeout(10):  # loaded before version 2 is out: a worker behind skips to it
+            while engine.weight_version != 1:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
         assert await bus.read_all(TRAJECTORIES) == []  # version 1 is still too old
         await bus.publish(WEIGHTS, WeightsPublished(run_id="r", version=2, step=2, path="/ckpt/v2"))
         (group,) = await _groups(bus, 1)

@@ -62,13 +62,13 @@ async def test_a_lock_is_held_by_one_and_kept_past_its_time_to_live_while_held(r
 
     async def hold(bus: Bus, name: str, for_s: float, after_s: float = 0.0) -> None:
         await asyncio.sleep(after_s)
-        async with bus.exclusive("load", ttl_s=0.3):
+        async with bus.exclusive("load", ttl_s=1.0):
             order.append(f"{name} in")
             await asyncio.sleep(for_s)
             order.append(f"{name} out")
 
-    # the first works for three times the lock's time to live: renewed, it stays the only holder
-    await asyncio.gather(hold(first, "a", 0.9), hold(second, "b", 0.0, after_s=0.1))
+    # the first works for 2.5 times the lock's time to live: renewed, it stays the only holder
+    await asyncio.gather(hold(first, "a", 2.5), hold(second, "b", 0.0, after_s=0.3))
     assert order == ["a in", "a out", "b in", "b out"]
     assert await first.redis.exists(f"{key_prefix}:lock:load") == 0  # released
     await first.close()

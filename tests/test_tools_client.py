@@ -45,17 +45,18 @@ async def test_a_call_waiting_for_a_connection_is_not_timed_out_for_it():
 
     @slow.post("/call")
     async def call():
-        await asyncio.sleep(0.6)
-        return {"ok": True, "text": "found", "cached": False, "latency_s": 0.6}
+        await asyncio.sleep(0.3)
+        return {"ok": True, "text": "found", "cached": False, "latency_s": 0.3}
 
     with serve(slow) as base:
-        client = GatewayClient(base, timeout_s=1.0, connections=1)  # three calls queue on one connection
-        replies = await asyncio.gather(*(client.call(*SEARCH, {"q": str(i)}) for i in range(3)))
+        # five calls queue on one connection for 1.5 s, past the timeout; each is answered well inside it
+        client = GatewayClient(base, timeout_s=1.0, connections=1)
+        replies = await asyncio.gather(*(client.call(*SEARCH, {"q": str(i)}) for i in range(5)))
         await client.aclose()
-        stuck = GatewayClient(base, timeout_s=0.3)  # an answer slower than the timeout still times out
+        stuck = GatewayClient(base, timeout_s=0.1)  # an answer slower than the timeout still times out
         late = await stuck.call(*SEARCH, {"q": "x"})
         await stuck.aclose()
-    assert [r.ok for r in replies] == [True] * 3
+    assert [r.ok for r in replies] == [True] * 5
     assert not late.ok and late.unreachable and "TimeoutError" in late.text
 
 
