@@ -8,7 +8,7 @@ import pytest
 from redis.exceptions import ResponseError
 
 from proto import examples as ex
-from proto.streams import DEAD_LETTERS, PROMPTS, TRAJECTORIES, WEIGHTS
+from proto.streams import DEAD_LETTERS, PROMPTS, TRAJECTORIES
 from services.bus import Bus, ConsumerOptions
 
 FAST = ConsumerOptions(block_ms=50, heartbeat_ms=30, max_deliveries=3, trim_interval_s=0.0)
@@ -271,36 +271,6 @@ async def test_a_heartbeat_does_not_take_back_an_entry_another_consumer_took_ove
     assert after["consumer"] == b"taker" and after["times_delivered"] == before["times_delivered"] == 2
 
 
-async def test_the_latest_entry_passes_over_undecodable_ones(bus):
-    """A worker reads the newest weights as it starts: a garbage entry on top once raised there, so
-    every worker failed to start until a good entry came, which needed the workers."""
-    assert await bus.latest(WEIGHTS) is None
-    await bus.publish(WEIGHTS, ex.example_weights(7))
-    await bus.redis.xadd(bus.key(WEIGHTS), {"data": b"\xc1 not msgpack"})
-    await bus.redis.xadd(bus.key(WEIGHTS), {"other": b"no data field"})
-    _, latest = await bus.latest(WEIGHTS)
-    assert latest.version == 7
-
-
-async def test_follow_sees_every_broadcast(bus: Bus):
-    await bus.publish(WEIGHTS, ex.example_weights(1))
-    seen = []
-    stop = asyncio.Event()
-
-    async def reader():
-        async for _id, msg in bus.follow(WEIGHTS, after="0-0", block_ms=50, stop=stop):
-            seen.append(msg.version)
-            if len(seen) == 3:
-                stop.set()
-
-    t = asyncio.create_task(reader())
-    await asyncio.sleep(0.1)
-    await bus.publish(WEIGHTS, ex.example_weights(2))
-    await bus.publish(WEIGHTS, ex.example_weights(3))
-    await asyncio.wait_for(t, 5)
-    assert seen == [1, 2, 3]
-
-
 async def test_dead_letter_stream_is_readable(bus: Bus):
     assert await bus.dead_letters() == []
     assert DEAD_LETTERS.group is None
@@ -342,49 +312,3 @@ async def _yes(message) -> bool:
 async def _lag(bus: Bus) -> int | None:
     (group,) = await bus.redis.xinfo_groups(bus.key(PROMPTS))
     return group["lag"]
-
-
-async def test_a_follower_for_good_rides_out_a_lost_connection_and_a_failed_handler(bus, monkeypatch):
-    """The trainer's dead-letter follower died with its connection: dead-lettered prompts were never
-    replaced after that, and a run whose last prompt was one waited for good."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    for v in range(4):
-        await bus.publish(WEIGHTS, ex.example_weights(v))
-    real, calls = bus.follow, []
-
-    async def flaky(stream, *, after, block_ms, stop):
-        calls.append(after)
-        async for entry, message in real(stream, after=after, block_ms=50, stop=stop):
-            yield entry, message
-            if len(calls) == 1:
-                raise RedisConnectionError("connection lost")
-
-    monkeypatch.setattr(bus, "follow", flaky)
-    seen, stop, failed = [], asyncio.Event(), []
-
-    async def see(entry, message):
-        if message.version == 2 and not failed:
-            failed.append(entry)
-            raise RuntimeError("a handler's bug")
-        seen.append(message.version)
-        if message.version == 3:
-            stop.set()
-
-    await asyncio.wait_for(bus.follow_for_good(WEIGHTS, "0-0", see, stop, reader="test"), 10)
-    assert seen == [0, 1, 2, 3]  # version 2's failure was followed again, not skipped
-    assert calls[0] == "0-0" and len(calls) == 3  # lost after 0; the handler failed at 2
-
-    tries, seen, stop = [], [], asyncio.Event()
-
-    async def stuck(entry, message):  # fails at version 1 every time
-        if message.version == 1:
-            tries.append(entry)
-            raise RuntimeError("a letter this reader cannot take")
-        seen.append(message.version)
-        if message.version == 3:
-            stop.set()
-
-    monkeypatch.setattr(bus, "follow", real)
-    await asyncio.wait_for(bus.follow_for_good(WEIGHTS, "0-0", stuck, stop, reader="test", block_ms=50), 10)
-    assert len(tries) == 3 and seen == [0, 2, 3]  # tried three times, then passed over

@@ -15,7 +15,7 @@ from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, redis_client
-from services.bus.delivery import MAX_MESSAGE_BYTES, MessageTooLarge
+from services.bus.delivery import MAX_MESSAGE_BYTES, HandlerCancelled, MessageTooLarge
 from services.bus.groups import ConsumerGroups
 from services.bus.lock import Exclusive
 
@@ -201,7 +201,7 @@ class Bus(ConsumerGroups):
             try:
                 async for entry_id, message in self.follow(stream, after=after, block_ms=block_ms, stop=stop):
                     try:
-                        await see(entry_id, message)
+                        await _seen(see, stream, entry_id, message)
                     except Exception:
                         failures += 1
                         if failures < attempts:
@@ -233,3 +233,17 @@ class Bus(ConsumerGroups):
 
     async def dead_letters(self, count: int = 1000) -> list[DeadLetter]:
         return [m for _i, m in await self.read_all(DEAD_LETTERS, count=count)]
+
+
+async def _seen(
+    see: Callable[[str, M], Awaitable[None]], stream: StreamDef, entry_id: str, message: M
+) -> None:
+    """``see(entry_id, message)``; a CancelledError from inside it while this follower is not being
+    stopped (it awaited a job another task withdrew) is that entry's failure, tried again as any:
+    passed on bare, it ended the follower for good, and its reader with it."""
+    try:
+        await see(entry_id, message)
+    except asyncio.CancelledError as exc:
+        if asyncio.current_task().cancelling():  # this follower is being stopped
+            raise
+        raise HandlerCancelled(f"seeing {stream.name} entry {entry_id} was cancelled") from exc
