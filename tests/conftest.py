@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -92,7 +93,13 @@ def api(redis_url, key_prefix, tmp_path, tmp_path_factory):
     from services.trainer.app import create_app
     from tests.servers import serve
 
-    with serve(create_app(trainer_settings(redis_url, key_prefix, tmp_path, tmp_path_factory))) as url:
+    app = create_app(trainer_settings(redis_url, key_prefix, tmp_path, tmp_path_factory))
+    with serve(app) as url:
+        # a run a test parks as "running" must come after the executor's resume pass, or it is resumed
+        deadline = time.monotonic() + 10
+        while not app.state.executor.taking_queued:
+            assert time.monotonic() < deadline, "the executor did not start"
+            time.sleep(0.01)
         yield url
 
 

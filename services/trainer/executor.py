@@ -84,6 +84,7 @@ class RunExecutor:
         self.save_groups = save_groups
         self.current: str | None = None
         self._trainer = None  # the current run's, released when the run ends however it ends
+        self.taking_queued = False  # past resuming what was interrupted: runs come from the queue
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Resume interrupted runs, then run queued ones, one at a time, until ``stop``. Redis
@@ -96,7 +97,7 @@ class RunExecutor:
                     await self.store.requeue_orphans()
                     for run_id in await self.store.in_state("running", "cancelling"):
                         await self.execute(run_id, resume=True, stop=stop)
-                    resumed = True
+                    resumed = self.taking_queued = True
                 run_id = await self.store.next_queued()
                 delay = 0.5
                 if run_id is None:
@@ -105,7 +106,7 @@ class RunExecutor:
                 await self.execute(run_id, stop=stop)
             except REDIS_DOWN as exc:
                 log.warning("Redis is unreachable (%s); trying again in %.1f s", exc, delay)
-                resumed = False  # a run the outage cut off is still "running": resume it
+                resumed = self.taking_queued = False  # a run the outage cut off is still "running": resume it
                 await within(delay, stop.wait())
                 delay = min(delay * 2, 10.0)
 
