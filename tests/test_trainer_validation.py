@@ -207,3 +207,53 @@ async def test_a_round_is_waited_for_until_it_is_stored(
     [stored] = await store.metrics("r", series="evals")
     assert stored["version"] == 0 and (tmp_path / "evals.jsonl").read_text().count("\n") == 1
     assert not evaluator.pending and evaluator.steps == {}
+
+
+async def test_a_round_whose_storing_failed_is_stored_once_when_its_arrival_is_tried_again(
+    bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """The last question of a round came as a dead letter and storing the round failed: the
+    follower's retry of the letter was taken for a question already in, and the round stayed
+    pending for good (the run waited for it). A retry after the file write failed listed it twice."""
+    from proto.data import QuestionRecord
+    from proto.runs import GrpoSpec, RunSpec
+    from services.trainer.evaluation import Evaluator
+
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))
+    spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"eval_samples": 1})})
+    store = RunStore(bus.redis, key_prefix)
+    questions = [QuestionRecord(id=f"q{i}", question=f"Question {i}?", answer="a") for i in range(2)]
+    evaluator = Evaluator(bus, store, "r", spec, questions, tmp_path, nonce="n")
+    await evaluator.start_round(0, 0)
+    group = TrajectoryGroup(
+        run_id="r",
+        task_id="r:eval:n:0:0",
+        question_id="q0",
+        question=questions[0].question,
+        answer="a",
+        policy_version=0,
+        algorithm=GrpoSpec(),
+        trajectories=(_one_token("r:eval:n:0:0/0", reward=1.0),),
+    )
+    await evaluator._arrived(0, 0, group)
+    add_eval = store.add_eval
+
+    async def unreachable(*args, **kwargs):
+        raise ConnectionError("Redis went away")
+
+    store.add_eval = unreachable
+    with pytest.raises(ConnectionError):
+        await evaluator._arrived(0, 1, None)  # question 1 dead-lettered
+    assert 0 in evaluator.pending and not evaluator.recorded
+    store.add_eval = add_eval
+    (tmp_path / "evals.jsonl").mkdir()  # the file cannot be written either
+    with pytest.raises(IsADirectoryError):
+        await evaluator._arrived(0, 1, None)  # the follower tries the letter again
+    (tmp_path / "evals.jsonl").rmdir()
+    await evaluator._arrived(0, 1, None)
+    assert not evaluator.pending and [r["version"] for r in evaluator.recorded] == [0]
+    [stored] = await store.metrics("r", series="evals")
+    assert stored["lost"] == [1]
+    assert json.loads(await bus.redis.hget(f"{key_prefix}:run:r", "latest_eval")) == stored
+    assert (tmp_path / "evals.jsonl").read_text().count("\n") == 1
+    assert await asyncio.wait_for(evaluator.wait(asyncio.Event()), 5)

@@ -96,6 +96,7 @@ class Evaluator:
         self.pending: dict[int, dict[int, TrajectoryGroup | None]] = {}
         self.steps: dict[int, int] = {}  # version -> the step it was taken after
         self.recording: set[int] = set()  # complete rounds being stored (still pending)
+        self.stored: set[int] = set()  # rounds in the run's store
         self.done = asyncio.Event()  # set when a round is recorded
         self.recorded: list[dict[str, Any]] = []
         self.task: asyncio.Task | None = None
@@ -164,9 +165,11 @@ class Evaluator:
 
     async def _arrived(self, version: int, index: int, group: TrajectoryGroup | None) -> None:
         round_ = self.pending.get(version)
-        if round_ is None or (group is None and index in round_):
-            return  # a round recorded already, or a question whose group came before its copy died
-        round_[index] = group  # by position: a validation file may repeat an id
+        if round_ is None:
+            return  # a round recorded already
+        if group is not None or index not in round_:  # a question's group came before its copy died
+            round_[index] = group  # by position: a validation file may repeat an id
+        # complete, it is stored here; an arrival tried again after storing failed stores it then
         if len(round_) == len(self.questions) and version not in self.recording:
             # the round stays pending until it is stored: ``wait`` returning on a round still being
             # written let the run stop the consumer mid-write, and the last round was lost
@@ -196,8 +199,9 @@ class Evaluator:
             "lost": lost,
             "mean_turns": statistics.fmean(t.num_turns for t in trajectories) if trajectories else 0.0,
         }
-        await self.store.add_metrics(self.run_id, record, series="evals")
-        await self.store.update(self.run_id, latest_eval=record)
+        if version not in self.stored:  # its file write failed after it: not listed twice
+            await self.store.add_eval(self.run_id, record)
+            self.stored.add(version)
         with (self.out / "evals.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.recorded.append(record)

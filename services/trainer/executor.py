@@ -84,7 +84,7 @@ class RunExecutor:
         self.save_groups = save_groups
         self.current: str | None = None
         self._trainer = None  # the current run's, released when the run ends however it ends
-        self.taking_queued = False  # past resuming what was interrupted: runs come from the queue
+        self.taking_queued = False  # past resuming what was interrupted (the tests wait for it)
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Resume interrupted runs, then run queued ones, one at a time, until ``stop``. Redis

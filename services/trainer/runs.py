@@ -174,6 +174,14 @@ class RunStore:
         """Append to one of the run's series: ``metrics`` (one record a step) or ``evals`` (a round)."""
         await self.redis.rpush(self._key(run_id, f":{series}"), json.dumps(record))
 
+    async def add_eval(self, run_id: str, record: dict[str, Any]) -> None:
+        """Append a validation round to the ``evals`` series and make it the run's latest, at once:
+        a round stored again after one of the two failed would be listed twice."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.rpush(self._key(run_id, ":evals"), json.dumps(record))
+            pipe.hset(self._key(run_id), mapping=_mapping({"latest_eval": record}))
+            await pipe.execute()
+
     async def delete(self, run_id: str) -> None:
         """Forget a run: its record, metrics, validation rounds and trained set (files stay)."""
         async with self.redis.pipeline(transaction=True) as pipe:
