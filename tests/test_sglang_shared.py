@@ -75,6 +75,37 @@ async def test_a_lock_is_held_by_one_and_kept_past_its_time_to_live_while_held(r
     await second.close()
 
 
+async def test_a_holder_cancelled_as_it_leaves_ends_and_lets_the_lock_go(redis_url, key_prefix, monkeypatch):
+    """Leaving swallowed a cancellation of the holder that came while its renewal ended (a worker's
+    weights follower, stopped during a load, ran on); the lock is released all the same."""
+    from services.bus.lock import Exclusive
+
+    async def slow_to_stop(self):
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(Exclusive, "_renew", slow_to_stop)
+    bus = Bus.from_url(redis_url, prefix=key_prefix)
+    inside, after = asyncio.Event(), []
+
+    async def holder():
+        async with bus.exclusive("load", ttl_s=30):
+            inside.set()
+            await asyncio.sleep(0.05)  # the renewal has started
+        after.append("went on")
+
+    task = asyncio.create_task(holder())
+    await asyncio.wait_for(inside.wait(), 5)
+    await asyncio.sleep(0.15)  # leaving: its renewal takes 0.3 s to end
+    task.cancel()
+    await asyncio.wait({task}, timeout=5)
+    assert task.done() and task.cancelled() and after == [], (task, after)
+    assert await bus.redis.exists(f"{key_prefix}:lock:load") == 0
+    await bus.close()
+
+
 async def test_a_set_sent_again_after_a_lost_reply_finds_the_lock_its_own(redis_url, key_prefix, bus):
     from services.bus.lock import _OwnRetryLock
 

@@ -15,7 +15,6 @@ while it still holds the holder's token), with these choices of ours:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -24,6 +23,7 @@ from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
 from services.bus.connection import REDIS_DOWN
+from services.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,14 @@ class Exclusive:
                 log.warning("%s could not be renewed (%s); trying again", self.key, exc)
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._renewing is not None:
-            self._renewing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewing
+        try:
+            if self._renewing is not None:
+                # not suppress(CancelledError): a cancellation of the holder landing here was lost
+                await cancel_and_wait(self._renewing)
+        finally:  # a holder cancelled just now still lets the others have the lock
+            await self._release()
+
+    async def _release(self) -> None:
         if not self._held:
             return
         try:
