@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-__all__ = ["cancel_and_wait", "main_task", "stopped", "thread_to_the_end", "within"]
+__all__ = ["cancel_and_wait", "gather_or_cancel", "main_task", "stopped", "thread_to_the_end", "within"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,21 @@ async def cancel_and_wait(task: asyncio.Task) -> None:
     await asyncio.wait({task})
     if not task.cancelled() and (exc := task.exception()) is not None:
         raise exc
+
+
+async def gather_or_cancel(*awaitables):
+    """``asyncio.gather(*awaitables)``, but the first failure cancels the others and waits for them
+    to end before it is raised, as it does when the caller is cancelled. With gather they ran on,
+    detached: a group whose one trajectory hit a bug went on sampling the rest on the engine while
+    its prompt was retried."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op on one that is done
+        if tasks:
+            await asyncio.wait(tasks)
 
 
 async def thread_to_the_end(fn, *args, **kwargs):

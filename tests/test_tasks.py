@@ -59,3 +59,27 @@ async def test_the_child_is_ended_and_its_failure_raised():
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="cleanup failed"):
         await cancel_and_wait(child)
+
+
+async def test_a_failure_among_gathered_work_ends_the_rest_before_it_is_raised():
+    """With asyncio.gather the others ran on, detached (a group's trajectories on the engine)."""
+    from services.tasks import gather_or_cancel
+
+    ended = []
+
+    async def long(i):
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.05)  # winding down
+            ended.append(i)
+
+    async def broken():
+        await asyncio.sleep(0.01)
+        raise RuntimeError("a bug in one trajectory")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        await gather_or_cancel(long(0), broken(), long(2))
+    assert sorted(ended) == [0, 2]
+    assert await gather_or_cancel(asyncio.sleep(0, 1), asyncio.sleep(0, 2)) == [1, 2]
+    assert await gather_or_cancel() == []

@@ -34,6 +34,7 @@ from services.policy_worker import PolicyWorker
 from services.rollout import metrics
 from services.rollout.agent import AgentLimits, run_trajectory
 from services.rollout.engine import Engine
+from services.tasks import gather_or_cancel
 from services.tools.client import Tools
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,9 @@ class RolloutWorker(PolicyWorker):
             return_routed_experts=r.return_routed_experts,
         )
         with self.holding() as held:
-            trajectories = await asyncio.gather(*(self._sample(task, i, limits) for i in range(r.group_size)))
+            trajectories = await gather_or_cancel(
+                *(self._sample(task, i, limits) for i in range(r.group_size))
+            )
         return TrajectoryGroup(
             message_id=group_message_id(task.message_id),
             run_id=task.run_id,
