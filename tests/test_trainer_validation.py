@@ -257,3 +257,44 @@ async def test_a_round_whose_storing_failed_is_stored_once_when_its_arrival_is_t
     assert json.loads(await bus.redis.hget(f"{key_prefix}:run:r", "latest_eval")) == stored
     assert (tmp_path / "evals.jsonl").read_text().count("\n") == 1
     assert await asyncio.wait_for(evaluator.wait(asyncio.Event()), 5)
+
+
+async def test_an_opening_cut_short_by_an_outage_leaves_no_validation_consumer_behind(
+    pipeline, tiny_world, tiny_checkpoint, monkeypatch
+):
+    """Redis out of reach past the client's patience while a run opened, after its validation
+    consumer had started: that consumer ran on beside the resumed execution's, took its groups for
+    another execution's and dropped them, and the run waited for its rounds for good."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from proto.runs import RunSpec
+    from services.trainer.controller import PromptController
+    from services.trainer.evaluation import Evaluator
+    from tests.trainer_pipeline import finished
+
+    top_up, failed = PromptController.top_up, []
+
+    async def out_of_reach_once(self, *args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise RedisConnectionError("Redis went away")
+        return await top_up(self, *args, **kwargs)
+
+    monkeypatch.setattr(PromptController, "top_up", out_of_reach_once)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=2)
+    spec["data"].update(
+        validation=str(tiny_world / "questions" / "validation.jsonl"), max_validation_questions=4
+    )
+    p = pipeline()
+    record = await p.store.create(RunSpec.model_validate(spec))
+    p.serve()
+    done = await p.until(record.id, finished)
+    assert failed and done.state == "completed", done.error
+    assert [e["version"] for e in await p.store.metrics(record.id, series="evals")] == [0, 2]
+    await p.shutdown()
+    collecting = [
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "cr_code", None) is Evaluator._collect.__code__
+    ]
+    assert [t for t in collecting if not t.done()] == []

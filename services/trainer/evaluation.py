@@ -37,7 +37,7 @@ from proto.messages import DeadLetter, TrajectoryGroup
 from proto.runs import RunSpec
 from proto.streams import EVALS, PROMPTS
 from services.bus import Bus, ConsumerOptions, Delivery
-from services.tasks import within
+from services.tasks import cancel_and_wait, within
 from services.trainer import metrics as m
 from services.trainer.controller import question_task
 from services.trainer.dead_letters import follow_dead_letters, lost_task
@@ -138,6 +138,13 @@ class Evaluator:
         """Collect validation groups, and the questions lost to dead letters, in ``self.task``,
         beside the training loop, until ``self.stop``."""
         self.task = asyncio.create_task(self._collect(options))
+
+    async def close(self) -> None:
+        """End the collecting task (``stop`` first: a cancellation can be lost in a Redis call);
+        raise what it failed with, if anything."""
+        self.stop.set()
+        if self.task is not None:
+            await cancel_and_wait(self.task)
 
     async def _collect(self, options: ConsumerOptions) -> None:
         consume = self.bus.consume(

@@ -181,7 +181,7 @@ class RunExecutor:
             await _stop_task(watcher, cancel)
             await _stop_task(dead, dead_stop)
             if run.evaluator is not None:
-                await _stop_task(run.evaluator.task, run.evaluator.stop)
+                await run.evaluator.close()
         return finished
 
     async def _collect(self, run: Run, cancel: asyncio.Event, stop: asyncio.Event) -> Held | None:

@@ -169,63 +169,74 @@ async def open_run(
     publisher = WeightPublisher(
         bus, run_id, out, keep=settings.keep_weights, broadcaster=broadcaster(settings)
     )
-    await publisher.announce(state, initial_weights)
+    evaluator: Evaluator | None = None
+    try:
+        await publisher.announce(state, initial_weights)
 
-    controller = PromptController(
-        bus,
-        run_id,
-        spec,
-        report.items,
-        next_index=state.next_index,
-        timeline=timeline if crashed else "",
-        on_published=functools.partial(store.set_published, run_id),
-        on_ahead=functools.partial(store.add_copies, run_id),
-        copies=await store.copies(run_id) if resume else None,
-    )
-    republished: list[int] = []
-    if again is not None:
-        republished, controller.next_index = again
-        what = "whose groups the lost steps consumed"
-    elif crashed and latest:  # the store does not say what is in flight: everything out again
-        trained = {prompt_index(t) for t in saved.get("trained_ids", [])}
-        done = trained | set(state.dropped_indices)
-        republished = [i for i in range(controller.next_index) if i not in done]
-        what = "out at the checkpoint"
-    if republished:
-        await controller.republish(republished, state.step)
-        log.info(
-            "run %s: %d prompts %s published again, ahead of the queue (%s); %d published in all",
-            run_id,
-            len(republished),
-            what,
-            republished[:20],
-            controller.next_index,
-        )
-    if resume:  # only now: a crash before the prompts went out again must find the same sets
-        await store.reset_consumed(run_id, saved.get("trained_ids", []), state.dropped_indices)
-    options = settings.consumer_options(block_ms=500)
-    evaluator = None
-    if spec.data.validation:
-        validation = load_questions(spec.data.validation)
-        validation.raise_if_empty(spec.data.validation)
-        evaluator = Evaluator(
+        controller = PromptController(
             bus,
-            store,
             run_id,
             spec,
-            validation.items,
-            out,
-            nonce=new_id()[:8],
+            report.items,
+            next_index=state.next_index,
+            timeline=timeline if crashed else "",
+            on_published=functools.partial(store.set_published, run_id),
+            on_ahead=functools.partial(store.add_copies, run_id),
+            copies=await store.copies(run_id) if resume else None,
         )
-        evaluator.recorded = await store.metrics(run_id, series="evals")  # the rounds of the weights kept
-        evaluator.start(options)
-        # the round of the step the run opens at: before the first step, or one a stop or a crash
-        # cut short (start_round passes over a version already recorded)
-        if state.step == 0 or evaluator.due(state.step):
-            await evaluator.start_round(state.version, state.step)
-    await controller.top_up(state.step, state.dropped)
-    if resume:
-        await store.set_published(run_id, controller.next_index)
+        republished: list[int] = []
+        if again is not None:
+            republished, controller.next_index = again
+            what = "whose groups the lost steps consumed"
+        elif crashed and latest:  # the store does not say what is in flight: everything out again
+            trained = {prompt_index(t) for t in saved.get("trained_ids", [])}
+            done = trained | set(state.dropped_indices)
+            republished = [i for i in range(controller.next_index) if i not in done]
+            what = "out at the checkpoint"
+        if republished:
+            await controller.republish(republished, state.step)
+            log.info(
+                "run %s: %d prompts %s published again, ahead of the queue (%s); %d published in all",
+                run_id,
+                len(republished),
+                what,
+                republished[:20],
+                controller.next_index,
+            )
+        if resume:  # only now: a crash before the prompts went out again must find the same sets
+            await store.reset_consumed(run_id, saved.get("trained_ids", []), state.dropped_indices)
+        options = settings.consumer_options(block_ms=500)
+        if spec.data.validation:
+            validation = load_questions(spec.data.validation)
+            validation.raise_if_empty(spec.data.validation)
+            evaluator = Evaluator(
+                bus,
+                store,
+                run_id,
+                spec,
+                validation.items,
+                out,
+                nonce=new_id()[:8],
+            )
+            evaluator.recorded = await store.metrics(run_id, series="evals")  # the rounds of the weights kept
+            evaluator.start(options)
+            # the round of the step the run opens at: before the first step, or one a stop or a crash
+            # cut short (start_round passes over a version already recorded)
+            if state.step == 0 or evaluator.due(state.step):
+                await evaluator.start_round(state.version, state.step)
+        await controller.top_up(state.step, state.dropped)
+        if resume:
+            await store.set_published(run_id, controller.next_index)
+    except BaseException:
+        # nothing of an opening that failed (an outage past the client's patience) runs on: a
+        # validation consumer left behind took the next execution's groups for another's and
+        # dropped them, and that execution waited for its rounds for good
+        try:
+            if evaluator is not None:
+                await evaluator.close()
+        finally:
+            await publisher.aclose()
+        raise
     return Run(
         id=run_id,
         spec=spec,
