@@ -8,7 +8,7 @@ import asyncio
 from prometheus_client import REGISTRY
 
 from proto import examples as ex
-from proto.streams import EVALS, SCORED
+from proto.streams import EVALS, RUN_ENDS, SCORED
 from services.trainer.run_groups import evals_group, forget_ended_runs, forget_run, scored_group
 from services.trainer.runs import RunStore
 from tests.test_bus import FAST, _yes
@@ -46,7 +46,7 @@ async def test_the_trainer_destroys_the_groups_of_runs_that_ended_while_it_could
     store = RunStore(bus.redis, key_prefix)
     spec = RunSpec.model_validate(ex.example_run().model_dump())
     ended, running = await store.create(spec), await store.create(spec)
-    await store.update(ended.id, state="completed")
+    await store.update(ended.id, state="completed", step=7)
     await store.update(running.id, state="running")
     for run_id in (ended.id, running.id, "deleted"):
         await bus.ensure_group(SCORED, scored_group(run_id))
@@ -60,6 +60,10 @@ async def test_the_trainer_destroys_the_groups_of_runs_that_ended_while_it_could
     )
     assert sorted(await bus.group_names(SCORED)) == sorted([scored_group(running.id), "someone-else"])
     assert await bus.group_names(EVALS) == [evals_group(running.id)]
+    # its end may never have been announced (Redis out of reach as it failed): the workers would
+    # sample its leftover prompts for no one; once, for both its groups
+    ends = [(m.run_id, m.state, m.step) for _, m in await bus.read_all(RUN_ENDS)]
+    assert ends == [(ended.id, "completed", 7)]
 
 
 async def test_a_run_an_older_pbsd_stored_does_not_stop_the_trainers_start(bus, key_prefix):

@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proto.base import derived_id
-from proto.messages import DeadLetter, RunEnded, ScoredGroup
-from proto.streams import RUN_ENDS, SCORED
+from proto.messages import DeadLetter, ScoredGroup
+from proto.streams import SCORED
 from services.bus import REDIS_DOWN, Bus, Held
 from services.tasks import cancel_and_wait, within
 from services.trainer import metrics as m
@@ -51,7 +50,7 @@ from services.trainer.checkpoints import (
 from services.trainer.dead_letters import LostPrompt, follow_dead_letters, lost_prompt
 from services.trainer.dynamics import batch_metrics
 from services.trainer.opening import Run, open_run
-from services.trainer.run_groups import forget_ended_runs, forget_run, scored_group
+from services.trainer.run_groups import announce_end, forget_ended_runs, scored_group
 from services.trainer.runs import RunStore
 from services.trainer.settings import TrainerSettings
 
@@ -122,7 +121,7 @@ class RunExecutor:
             log.exception("run %s failed", run_id)
             await self.store.update(run_id, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
             with contextlib.suppress(*REDIS_DOWN):  # without it, workers drop its prompts at the next run
-                await self._announce_end(run_id, "failed")
+                await announce_end(self.bus, run_id, "failed")
         finally:
             self.current = None
             trainer, self._trainer = self._trainer, None
@@ -307,13 +306,7 @@ class RunExecutor:
             meta={"run_id": run.id, "version": run.state.version, "step": run.state.step},
         )
         await self.store.update(run.id, state=finished)
-        await self._announce_end(run.id, finished, run.state.step)
-
-    async def _announce_end(self, run_id: str, state: str, step: int = 0) -> None:
-        """Tell the workers the run is over: its prompts and groups still on the bus are dropped on sight."""
-        ended = RunEnded(message_id=derived_id(run_id, "ended"), run_id=run_id, state=state, step=step)
-        await self.bus.publish(RUN_ENDS, ended)
-        await forget_run(self.bus, run_id)
+        await announce_end(self.bus, run.id, finished, run.state.step)
 
     async def _publish(self, run: Run) -> None:
         await run.publisher.publish(run.trainer, run.tokenizer, run.state)

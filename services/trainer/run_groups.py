@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import logging
 
-from proto.streams import EVALS, SCORED
+from proto.base import derived_id
+from proto.messages import RunEnded
+from proto.streams import EVALS, RUN_ENDS, SCORED
 from services.bus import Bus
 from services.trainer.runs import FINISHED, RunStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["evals_group", "forget_ended_runs", "forget_run", "open_groups", "scored_group"]
+__all__ = ["announce_end", "evals_group", "forget_ended_runs", "forget_run", "open_groups", "scored_group"]
 
 _PREFIX, _EVALS_SUFFIX = "trainer-", "-evals"
 
@@ -44,6 +46,14 @@ async def open_groups(bus: Bus, run_id: str) -> None:
     await bus.ensure_group(EVALS, evals_group(run_id), start="$")
 
 
+async def announce_end(bus: Bus, run_id: str, state: str, step: int = 0) -> None:
+    """Tell the workers the run is over (its prompts and groups still on the bus are dropped on
+    sight), then destroy its groups. Announced again, it is the same message (one id a run)."""
+    ended = RunEnded(message_id=derived_id(run_id, "ended"), run_id=run_id, state=state, step=step)
+    await bus.publish(RUN_ENDS, ended)
+    await forget_run(bus, run_id)
+
+
 async def forget_run(bus: Bus, run_id: str) -> None:
     """Destroy the run's consumer groups (what they held pending is dropped with them)."""
     await bus.destroy_group(SCORED, scored_group(run_id))
@@ -53,8 +63,11 @@ async def forget_run(bus: Bus, run_id: str) -> None:
 async def forget_ended_runs(bus: Bus, store: RunStore) -> list[str]:
     """Destroy the groups of every run that has ended or no longer exists, and the one group every
     run read through before runs had their own (named as the stream's, "trainer"; a run resumed
-    now reads its entries again through a group of its own); returns their names."""
-    gone = []
+    now reads its entries again through a group of its own); returns their names. A run that
+    ended is announced again: its groups are left only where its end could not be announced
+    (Redis out of reach as it failed, a crash between), and workers would sample, call tools for
+    and score its leftover prompts for no one."""
+    gone, ended = [], {}
     for stream, suffix in ((SCORED, ""), (EVALS, _EVALS_SUFFIX)):
         for group in await bus.group_names(stream):
             if group == stream.group:
@@ -66,9 +79,13 @@ async def forget_ended_runs(bus: Bus, store: RunStore) -> list[str]:
             run_id = group[len(_PREFIX) : len(group) - len(suffix)]
             # the summary, not the record: a spec an older pbsd stored may not validate any more
             record = await store.summary(run_id)
+            if record is not None and record.state in FINISHED:
+                ended[run_id] = record
             if record is None or record.state in FINISHED:
                 await bus.destroy_group(stream, group)
                 gone.append(group)
+    for run_id, record in ended.items():
+        await announce_end(bus, run_id, record.state, record.step)
     if gone:
         log.info("destroyed %d consumer groups of runs that have ended: %s", len(gone), ", ".join(gone[:10]))
     return gone
