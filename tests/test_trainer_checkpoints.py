@@ -200,3 +200,34 @@ async def test_a_crash_resume_keeps_one_validation_round_a_step(
         assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3, 4]
     finally:
         await p.close()
+
+
+async def test_what_a_checkpoint_and_a_runs_end_count_on_reaches_the_disk_first(
+    pipeline, tiny_world, tiny_checkpoint, monkeypatch
+):
+    """A resume keeps as many step records as its checkpoint has steps, and a completed run's
+    final weights are what it names: after a power loss the records were gone (written, never
+    flushed) and final/ could be torn, while the checkpoint after them was whole."""
+    import os
+
+    from services.trainer import checkpoints
+
+    flushed: list[str] = []
+    fsync = os.fsync
+
+    def recording(fd):
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(checkpoints.os, "fsync", recording)
+    p = pipeline()
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=1, checkpoint_every=1)
+    record = await p.store.create(RunSpec.model_validate(spec))
+    p.serve()
+    done = await p.until(record.id, finished)
+    assert done.state == "completed", done.error
+    out = str(p.settings.runs_dir / record.id)
+    first_checkpoint = next(i for i, f in enumerate(flushed) if "/checkpoints/" in f)
+    assert flushed.index(f"{out}/metrics.jsonl") < first_checkpoint
+    final = [f for f in flushed if f.startswith(f"{out}/final/")]
+    assert f"{out}/final/model.safetensors" in final and f"{out}/final/pbsd.json" in final

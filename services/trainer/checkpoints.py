@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "TrainState",
+    "flush_to_disk",
     "json_record",
     "keep_steps",
     "latest_checkpoint",
@@ -169,6 +170,18 @@ def _replace(path: Path, text: str | bytes) -> None:
         os.fsync(f.fileno())
     os.replace(fresh, path)
     _sync_dir(path.parent)
+
+
+def flush_to_disk(*paths: Path) -> None:
+    """Flush files and folders (what is under them too) to disk; a path that is not there is passed
+    over. What a checkpoint or a run's end counts on: a step's record before the checkpoint that a
+    resume keeps that many records by, the final weights before the run is marked completed."""
+    for path in paths:
+        if path.is_dir():
+            _sync(path)
+        elif path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
 
 
 def _sync(folder: Path) -> None:

@@ -44,6 +44,7 @@ from services.trainer.admission import accept, count_drop
 from services.trainer.batch import samples_from_groups
 from services.trainer.checkpoints import (
     TrainState,
+    flush_to_disk,
     save_groups,
     write_checkpoint,
 )
@@ -305,6 +306,7 @@ class RunExecutor:
             tokenizer=run.tokenizer,
             meta={"run_id": run.id, "version": run.state.version, "step": run.state.step},
         )
+        await asyncio.to_thread(flush_to_disk, run.out / "final")  # on disk before the run says done
         await self.store.update(run.id, state=finished)
         await announce_end(self.bus, run.id, finished, run.state.step)
 
@@ -324,6 +326,8 @@ class RunExecutor:
         # the folder of a checkpoint this opening wrote or loaded at this step holds these weights
         same = run.checkpointed == path.name
         trained_ids = await self.store.trained_ids(run.id)
+        # a resume keeps as many records as its checkpoint has steps: they reach the disk first
+        await asyncio.to_thread(flush_to_disk, run.out / "metrics.jsonl", run.out / "evals.jsonl")
         await asyncio.to_thread(
             write_checkpoint,
             path,
