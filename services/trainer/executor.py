@@ -175,7 +175,9 @@ class RunExecutor:
                 if run.published != state.version:  # the data ran out between two publications
                     await self._publish(run)
                 await run.evaluator.start_round(state.version, state.step)
-                if not await run.evaluator.wait(cancel):
+                async with self._catching_up(run):
+                    waited = await run.evaluator.wait(cancel)
+                if not waited:
                     finished = "interrupted" if stop.is_set() else "cancelled"
         finally:
             await _stop_task(watcher, cancel)
@@ -183,6 +185,11 @@ class RunExecutor:
             if run.evaluator is not None:
                 await run.evaluator.close()
         return finished
+
+    def _catching_up(self, run: Run):
+        """While the run waits (a receiver that lost the last broadcast gets it on disk)."""
+        every_s = self.settings.weights_catch_up_s
+        return run.publisher.catching_up(run.trainer, run.tokenizer, run.state, every_s)
 
     async def _collect(self, run: Run, cancel: asyncio.Event, stop: asyncio.Event) -> Held | None:
         """The next batch of scored groups, held (not yet acknowledged); None when there is nothing
@@ -228,9 +235,10 @@ class RunExecutor:
         mirror = asyncio.create_task(_mirror(cancel, halt))
         losses = asyncio.create_task(on_lost())
         try:
-            held = await self.bus.collect(
-                SCORED, "trainer", want, keep, group=scored_group(run.id), options=run.options, stop=halt
-            )
+            async with self._catching_up(run):
+                held = await self.bus.collect(
+                    SCORED, "trainer", want, keep, group=scored_group(run.id), options=run.options, stop=halt
+                )
         finally:
             mirror.cancel()
             losses.cancel()

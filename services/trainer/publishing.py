@@ -19,6 +19,7 @@ before they resume: :meth:`WeightBroadcaster.recover`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import socket
@@ -28,6 +29,7 @@ from pathlib import Path
 from proto.messages import WeightsPublished
 from proto.streams import WEIGHTS
 from services.bus import Bus
+from services.tasks import cancel_and_wait, thread_to_the_end
 from services.trainer import metrics as m
 from services.trainer.checkpoints import TrainState
 from services.weights.sender import BroadcastFailed, WeightBroadcaster
@@ -109,6 +111,44 @@ class WeightPublisher:
         path, version = self.disk
         await self._event(state, path, transport="broadcast", path_version=version)
 
+    async def catch_up(self, trainer, tokenizer, state: TrainState) -> bool:
+        """Write ``state.version``, broadcast and held by the trainer still, to disk and announce it
+        again, when a receiver has lost it (it restarted since): its worker would wait for the next
+        version to rejoin, and none may come while the run waits for that worker's groups (an
+        on-policy step, the last validation round). True when it did."""
+        if self.broadcaster is None or self.disk is None or self.disk[1] >= state.version:
+            return False
+        if self.broadcaster.sent != state.version or not (behind := await self.broadcaster.behind()):
+            return False
+        log.warning(
+            "version %d: %s lost it since the broadcast; writing it to disk for them", state.version, behind
+        )
+        self.saved(await self._write(trainer, tokenizer, state), state.version)
+        await self._event(state, self.disk[0], transport="broadcast", path_version=state.version)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def catching_up(self, trainer, tokenizer, state: TrainState, every_s: float):
+        """For the time of the block, in which no step changes the trainer's weights (the run waits
+        for groups, or for its last round): :meth:`catch_up` every ``every_s`` seconds."""
+        if self.broadcaster is None:
+            yield
+            return
+
+        async def every() -> None:
+            while True:
+                await asyncio.sleep(every_s)
+                try:
+                    await self.catch_up(trainer, tokenizer, state)
+                except Exception:  # the next try may reach the receivers; the run goes on meanwhile
+                    log.exception("version %d: catching the receivers up failed", state.version)
+
+        task = asyncio.create_task(every())
+        try:
+            yield
+        finally:
+            await cancel_and_wait(task)
+
     async def aclose(self) -> None:
         if self.broadcaster is not None:
             await self.broadcaster.aclose()
@@ -118,7 +158,9 @@ class WeightPublisher:
         await self.announce(state, str(path))
 
     async def _write(self, trainer, tokenizer, state: TrainState) -> Path:
-        path = await asyncio.to_thread(
+        # to the end even when cancelled: a catch-up's write stopped by the next step must not read
+        # the weights that step changes
+        path = await thread_to_the_end(
             trainer.save_weights,
             # the timeline in the name: a resume numbers its versions again from the checkpoint's,
             # and a server is passed over when it already serves a checkpoint's path and version

@@ -65,6 +65,12 @@ class TrainerSettings(ConsumerSettings):
     weights_timeout_s: float = Field(
         default=300.0, gt=0, description="how long a group formation or one bucket may take"
     )
+    weights_catch_up_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="with broadcast: how often a run waiting for groups asks the receivers which "
+        "version they serve; one that lost the last broadcast (it restarted since) gets it on disk",
+    )
     hub_models: bool = Field(
         default=False, description="accept model paths that are hub ids, not local directories"
     )

@@ -223,6 +223,14 @@ class WeightBroadcaster:
 
         return await self._each(self.members, begin)
 
+    async def behind(self) -> list[str]:
+        """The receivers that answer but serve another version than the one the group holds: they
+        restarted since the last broadcast, and the next one is theirs only if the run makes one."""
+        if self.sent is None:
+            return []
+        served = await asyncio.gather(*(self._served(u) for u in self.urls))
+        return [u for u, v in zip(self.urls, served, strict=True) if v is not None and v != str(self.sent)]
+
     # -- the group -----------------------------------------------------------------------------
     async def _ensure_group(self) -> None:
         served = dict(

@@ -1,0 +1,99 @@
+"""A receiver that lost the last broadcast version (it restarted since) while the run waits for
+its worker's groups: the trainer writes that version to disk and announces it again
+(``WeightPublisher.catch_up``), where the worker used to wait for a next version that an on-policy
+step, or the run's last validation round, never brings."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from proto.runs import RunSpec
+from proto.streams import WEIGHTS
+from services.trainer.publishing import WeightPublisher
+from services.weights.layout import digest
+from tests.test_trainer_service import _spec
+from tests.test_weights import Run, receivers  # noqa: F401
+from tests.trainer_pipeline import finished
+
+
+@pytest.fixture
+def checkpoint(moe_checkpoint) -> Path:
+    return moe_checkpoint
+
+
+async def test_a_receiver_restarted_after_a_broadcast_gets_that_version_on_disk(
+    receivers,  # noqa: F811
+    checkpoint,
+    bus,
+    tmp_path,
+):
+    receivers.start("engine")
+    run = Run(checkpoint, bus, tmp_path, [receivers.url("engine")])
+    await run.publisher.announce(run.state, str(checkpoint))
+    try:
+        event = await run.publish()
+        assert (event.transport, event.path_version) == ("broadcast", 0)
+        assert not await run.publisher.catch_up(run.trainer, None, run.state)  # it holds version 1
+        receivers.kill("engine")
+        receivers.start("engine")  # back at the checkpoint it starts from
+        assert await run.publisher.catch_up(run.trainer, None, run.state)
+        event = (await bus.latest(WEIGHTS))[1]
+        assert (event.transport, event.version, event.path_version) == ("broadcast", 1, 1)
+        assert digest(load_file(str(Path(event.path) / "model.safetensors")).items()) == run.trainer.digest()
+        assert not await run.publisher.catch_up(run.trainer, None, run.state)  # written once
+    finally:
+        await run.publisher.aclose()
+
+
+class _NoReceivers:
+    """A broadcaster whose receivers are all down: every version goes the disk way."""
+
+    members = ()
+
+    async def publish(self, model, version: int) -> list[str]:
+        return []
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_waiting_run_catches_up_only_while_it_waits(
+    pipeline, tiny_world, tiny_checkpoint, monkeypatch
+):
+    """Never while a step changes the weights it would write: only around the wait for groups (and
+    for the last validation round)."""
+    from services.trainer import opening
+    from services.trainer.executor import RunExecutor
+
+    stepping, calls = [], []
+    step = RunExecutor._step
+
+    async def marked_step(self, run, held):
+        stepping.append(True)
+        try:
+            await step(self, run, held)
+        finally:
+            stepping.pop()
+
+    async def catch_up(self, trainer, tokenizer, state):
+        calls.append((state.step, bool(stepping)))
+        return False
+
+    monkeypatch.setattr(RunExecutor, "_step", marked_step)
+    monkeypatch.setattr(WeightPublisher, "catch_up", catch_up)
+    monkeypatch.setattr(opening, "broadcaster", lambda settings: _NoReceivers())
+    p = pipeline(hold_after=2)  # step 1's two prompts are answered, then the run waits
+    p.settings.weights_catch_up_s = 0.05
+    record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=2)))
+    p.serve()
+    async with asyncio.timeout(60):
+        while not any(s == 1 for s, _ in calls):  # waiting for step 2's groups
+            await asyncio.sleep(0.05)
+    p.fake.release.set()
+    done = await p.until(record.id, finished)
+    assert done.state == "completed", done.error
+    assert {s for s, _ in calls} <= {0, 1} and not any(during for _, during in calls)
