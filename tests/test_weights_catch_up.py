@@ -49,6 +49,62 @@ async def test_a_receiver_restarted_after_a_broadcast_gets_that_version_on_disk(
         await run.publisher.aclose()
 
 
+async def test_a_caught_up_member_is_taken_into_a_new_group_at_the_next_version(
+    receivers,  # noqa: F811
+    checkpoint,
+    bus,
+    tmp_path,
+):
+    """Once it loaded the copy it serves the version sent last, as the members do: the group looked
+    intact, and the next broadcast waited on a peer that had left it (and went to disk, torn)."""
+    import httpx
+
+    receivers.start("sglang")
+    url = receivers.url("sglang")
+    run = Run(checkpoint, bus, tmp_path, [url])
+    await run.publisher.announce(run.state, str(checkpoint))
+    try:
+        await run.publish()
+        receivers.kill("sglang")
+        receivers.start("sglang")
+        assert await run.publisher.catch_up(run.trainer, None, run.state)
+        async with httpx.AsyncClient(timeout=30) as http:  # what its worker's load of the copy leaves
+            await http.post(f"{url}/update_weight_version", json={"new_version": "1"})
+        event = await run.publish()
+        assert event.transport == "broadcast" and await receivers.digests() == {"sglang": run.expected()}
+        async with httpx.AsyncClient(timeout=30) as http:
+            control = (await http.get(f"{url}/control")).json()
+    finally:
+        await run.publisher.aclose()
+    assert [route for route, _ in control].count("init_weights_update_group") == 1  # since its restart
+
+
+async def test_a_checkpoint_of_the_version_is_announced_without_writing_another(
+    receivers,  # noqa: F811
+    checkpoint,
+    bus,
+    tmp_path,
+):
+    """A checkpoint at the broadcast version is a disk copy, but no event names it: the catch-up
+    passed over a receiver that lost the version (the last step of a run always checkpoints)."""
+    receivers.start("engine")
+    run = Run(checkpoint, bus, tmp_path, [receivers.url("engine")])
+    await run.publisher.announce(run.state, str(checkpoint))
+    try:
+        await run.publish()
+        checkpointed = tmp_path / "checkpoints" / "step-000001" / "model"
+        run.trainer.save_weights(checkpointed)
+        run.publisher.saved(checkpointed, 1)  # as the executor's checkpoint does
+        receivers.kill("engine")
+        receivers.start("engine")
+        assert await run.publisher.catch_up(run.trainer, None, run.state)
+        event = (await bus.latest(WEIGHTS))[1]
+        assert (event.path, event.path_version) == (str(checkpointed), 1)
+        assert not list((tmp_path / "weights").iterdir())  # nothing written besides
+    finally:
+        await run.publisher.aclose()
+
+
 class _NoReceivers:
     """A broadcaster whose receivers are all down: every version goes the disk way."""
 

@@ -182,6 +182,7 @@ def flush_to_disk(*paths: Path) -> None:
         elif path.is_file():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
+            _sync_dir(path.parent)  # its entry too: the file may be new since the last flush
 
 
 def _sync(folder: Path) -> None:

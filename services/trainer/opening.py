@@ -234,6 +234,8 @@ async def open_run(
         try:
             if evaluator is not None:
                 await evaluator.close()
+        except Exception:  # the opening's own failure is the one raised (an outage resumes the run)
+            log.exception("run %s: the validation consumer failed as the opening was undone", run_id)
         finally:
             await publisher.aclose()
         raise

@@ -69,6 +69,7 @@ class WeightPublisher:
         self.keep = keep
         self.broadcaster = broadcaster
         self.disk: tuple[str, int] | None = None  # the newest full copy on disk and its version
+        self.announced_copy = -1  # the version of the copy the last event names
 
     async def announce(self, state: TrainState, path: str) -> None:
         """Tell consumers that ``state.version`` of ``state.timeline`` is at ``path``."""
@@ -112,18 +113,20 @@ class WeightPublisher:
         await self._event(state, path, transport="broadcast", path_version=version)
 
     async def catch_up(self, trainer, tokenizer, state: TrainState) -> bool:
-        """Write ``state.version``, broadcast and held by the trainer still, to disk and announce it
-        again, when a receiver has lost it (it restarted since): its worker would wait for the next
+        """Write ``state.version``, broadcast and held by the trainer still, to disk (unless a
+        checkpoint of it is there) and announce that copy, when a receiver has lost the version (it
+        restarted since, and the last event names an older copy): its worker would wait for the next
         version to rejoin, and none may come while the run waits for that worker's groups (an
         on-policy step, the last validation round). True when it did."""
-        if self.broadcaster is None or self.disk is None or self.disk[1] >= state.version:
+        if self.broadcaster is None or self.disk is None or self.announced_copy >= state.version:
             return False
         if self.broadcaster.sent != state.version or not (behind := await self.broadcaster.behind()):
             return False
         log.warning(
-            "version %d: %s lost it since the broadcast; writing it to disk for them", state.version, behind
+            "version %d: %s lost it since the broadcast; announcing it on disk", state.version, behind
         )
-        self.saved(await self._write(trainer, tokenizer, state), state.version)
+        if self.disk[1] < state.version:  # a checkpoint at this version is such a copy already
+            self.saved(await self._write(trainer, tokenizer, state), state.version)
         await self._event(state, self.disk[0], transport="broadcast", path_version=state.version)
         return True
 
@@ -185,6 +188,8 @@ class WeightPublisher:
                 **fields,
             ),
         )
+        copy = fields.get("path_version")
+        self.announced_copy = state.version if copy is None else copy
         m.POLICY_VERSION.set(state.version)
 
     def _prune(self) -> None:

@@ -80,11 +80,13 @@ async def forget_ended_runs(bus: Bus, store: RunStore) -> list[str]:
             # the summary, not the record: a spec an older pbsd stored may not validate any more
             record = await store.summary(run_id)
             if record is not None and record.state in FINISHED:
-                ended[run_id] = record
-            if record is None or record.state in FINISHED:
+                ended[run_id] = record  # its groups go once its end is announced, below
+                gone.append(group)
+            elif record is None:
                 await bus.destroy_group(stream, group)
                 gone.append(group)
     for run_id, record in ended.items():
+        # announced before its groups go: they are the only mark that the end may not have been
         await announce_end(bus, run_id, record.state, record.step)
     if gone:
         log.info("destroyed %d consumer groups of runs that have ended: %s", len(gone), ", ".join(gone[:10]))

@@ -111,6 +111,7 @@ class WeightBroadcaster:
         self.stranded: list[str] = []  # members a failed version left paused (see recover)
         self._benched: dict[str, int] = {}  # receivers that refused to join: publications to sit out
         self._unjoinable: set[str] = set()  # servers with data-parallel replicas: never in the group
+        self._restarted: set[str] = set()  # members found behind: out of the group, whatever they serve
 
     def layout(self, model: nn.Module) -> HubLayout:
         if self._layout is None or self._layout[0] != id(model):
@@ -229,7 +230,12 @@ class WeightBroadcaster:
         if self.sent is None:
             return []
         served = await asyncio.gather(*(self._served(u) for u in self.urls))
-        return [u for u, v in zip(self.urls, served, strict=True) if v is not None and v != str(self.sent)]
+        behind = [u for u, v in zip(self.urls, served, strict=True) if v is not None and v != str(self.sent)]
+        # a member that restarted left the group, but once it loads the version from disk it serves
+        # the version sent last, as the members do: the group would look intact, and the next
+        # broadcast would wait on a peer that is gone
+        self._restarted.update(u for u in behind if u in self.members)
+        return behind
 
     # -- the group -----------------------------------------------------------------------------
     async def _ensure_group(self) -> None:
@@ -239,7 +245,11 @@ class WeightBroadcaster:
         out = self._unjoinable | set(self._benched)
         reachable = [u for u in self.urls if served[u] is not None and u not in out]
         self._benched = {u: n - 1 for u, n in self._benched.items() if n > 1}
-        intact = self.sent is not None and all(served[u] == str(self.sent) for u in self.members)
+        intact = (
+            self.sent is not None
+            and not self._restarted
+            and all(served[u] == str(self.sent) for u in self.members)
+        )
         if self.group is not None and intact and reachable == self.members:
             return
         await self._teardown()
@@ -314,6 +324,7 @@ class WeightBroadcaster:
             return
         group, members, name = self.group, self.members, self.group_name
         self.group, self.members, self.sent = None, [], None
+        self._restarted.clear()  # out of the group now: the next one is formed from who answers
         await self._call_all("/destroy_weights_update_group", {"group_name": name}, only=members)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(close_group, group)
