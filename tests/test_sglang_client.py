@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 
@@ -192,3 +193,27 @@ async def test_a_restarted_server_samples_as_the_weights_it_started_with():
         r = await engine.generate(GenerationRequest([1, 2, 3], 16, stop_token_ids=(2,)))
         assert r.weight_version == 0
         await engine.http.aclose()
+
+
+async def test_a_failed_pair_ends_the_scoring_call_s_other_requests():
+    """One pair's server refused (a context too long): the other pairs' requests ran on, detached,
+    holding scoring slots and the servers while the group was retried."""
+    from services.upstream import UpstreamError
+
+    scorer, ended = SglangScorer(["http://127.0.0.1:9"]), []
+
+    async def one(url, ids, positions):
+        if ids[0] == 0:
+            await asyncio.sleep(0.01)
+            raise UpstreamError(f"sglang {url}", "400: the context is too long")
+        try:
+            await asyncio.sleep(30)
+        finally:
+            ended.append(ids[0])
+
+    scorer._one = one
+    requests = [([i, 1, 2], np.array([1, 2])) for i in range(3)]
+    with pytest.raises(UpstreamError, match="too long"):
+        await asyncio.wait_for(scorer(requests, pairs=[0, 1, 1]), 10)
+    assert sorted(ended) == [1, 2]  # ended before the failure was raised
+    await scorer.http.aclose()

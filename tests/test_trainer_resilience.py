@@ -364,3 +364,30 @@ async def test_a_resume_trains_no_discarded_weights_and_samples_each_prompt_once
     assert [(e.run_id, e.state, e.step) for _, e in await bus.read_all(RUN_ENDS)] == [
         (record.id, "completed", 6)
     ]
+
+
+async def test_a_cancel_is_acted_on_after_the_run_store_refused_a_read(pipeline, tiny_world, tiny_checkpoint):
+    """A refusal that is not an outage (MASTERDOWN, an ACL) ended the run's watcher: the cancel was
+    never seen, and stopping the run at its end raised the watcher's error before the other loops
+    beside the run were stopped."""
+    from redis.exceptions import ResponseError
+
+    p = pipeline()
+    get, refused = p.store.get, []
+
+    async def refusing(run_id):
+        code = getattr(asyncio.current_task().get_coro(), "cr_code", None)
+        if code is not None and code.co_name == "watch_for_cancel" and len(refused) < 3:
+            refused.append(run_id)
+            raise ResponseError(
+                "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."
+            )
+        return await get(run_id)
+
+    p.store.get = refusing
+    record = await p.store.create(RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint, max_steps=200)))
+    p.serve()
+    await p.until(record.id, lambda r: r.step >= 1 and len(refused) == 3)
+    await p.store.request_cancel(record.id)
+    done = await p.until(record.id, finished)
+    assert done.state == "cancelled" and done.step < 200, (done.state, done.step)

@@ -355,7 +355,7 @@ def test_the_run_watcher_ends_even_when_its_cancellation_is_lost():
     swallows the cancellation stands in for that call."""
     import contextlib
 
-    from services.trainer.executor import RunExecutor, _stop_task
+    from services.trainer.beside import stop_task, watch_for_cancel
 
     class SwallowingStore:
         calls = 0
@@ -367,12 +367,10 @@ def test_the_run_watcher_ends_even_when_its_cancellation_is_lost():
             return None
 
     async def scenario():
-        executor = RunExecutor.__new__(RunExecutor)
-        executor.store = SwallowingStore()
         cancel, stop = asyncio.Event(), asyncio.Event()
-        watcher = asyncio.create_task(executor._watch("run", cancel, stop))
+        watcher = asyncio.create_task(watch_for_cancel(SwallowingStore(), "run", cancel, stop))
         await asyncio.sleep(0.05)  # the watcher is inside store.get
-        await asyncio.wait_for(_stop_task(watcher, cancel), timeout=5)
+        await asyncio.wait_for(stop_task(watcher, cancel), timeout=5)
         assert watcher.done() and cancel.is_set() and SwallowingStore.calls == 1
 
     asyncio.run(scenario())

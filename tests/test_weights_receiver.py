@@ -112,3 +112,24 @@ async def test_a_cancelled_update_holds_the_model_until_its_receive_has_ended(mo
     gate.set()
     await asyncio.wait({update}, timeout=10)
     assert update.cancelled() and target.calls[-1][0] == "release"
+
+
+async def test_a_group_left_by_a_sender_that_is_gone_is_closed_when_the_next_forms(monkeypatch):
+    """A trainer killed mid-run never destroys its group; each resumed opening forms another under a
+    new name, and every receiver kept the old ones (a communicator each) for the life of its process."""
+    from services.weights import receiver as module
+
+    closed = []
+    monkeypatch.setattr(module, "open_group", lambda **kwargs: kwargs["name"])
+    monkeypatch.setattr(module, "close_group", closed.append)
+    receiver = WeightReceiver(lambda: Held())
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+    }
+    for name in ("pbsd-a", "pbsd-b"):
+        assert (await receiver.init_group({**body, "group_name": name}))[0]
+    assert list(receiver.groups) == ["pbsd-b"] and closed == ["pbsd-a"]

@@ -33,7 +33,7 @@ from services.sglang_control import (
     tag_version,
     unguarded,
 )
-from services.tasks import thread_to_the_end
+from services.tasks import gather_or_cancel, thread_to_the_end
 from services.upstream import RetryPolicy, UpstreamError, http_client, send_with_retries
 from services.weights.receiver import TORN
 
@@ -225,7 +225,7 @@ class SglangScorer:
     ) -> tuple[list[np.ndarray], str | None]:
         """The pair's log-probs, and the one weight version its answers named (None: none named)."""
         for _ in range(self.PAIR_ATTEMPTS):
-            answers = await asyncio.gather(*(self._one(url, ids, pos) for ids, pos in requests))
+            answers = await gather_or_cancel(*(self._one(url, ids, pos) for ids, pos in requests))
             versions = {v for _, v in answers if v is not None}
             if len(versions) <= 1:
                 return [values for values, _ in answers], next(iter(versions), None)
@@ -252,7 +252,8 @@ class SglangScorer:
             members.setdefault(pair, []).append(k)
         turn, self._calls = self._calls, self._calls + 1
         urls = [self.urls[(turn + n) % len(self.urls)] for n in range(len(members))]
-        answers = await asyncio.gather(
+        # a pair that fails ends the others: they held scoring slots and the servers, detached
+        answers = await gather_or_cancel(
             *(
                 self._pair(url, [requests[k] for k in ks])
                 for url, ks in zip(urls, members.values(), strict=True)

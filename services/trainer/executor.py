@@ -38,10 +38,11 @@ from typing import Any
 from proto.messages import DeadLetter, ScoredGroup
 from proto.streams import SCORED
 from services.bus import REDIS_DOWN, Bus, Held
-from services.tasks import cancel_and_wait, within
+from services.tasks import within
 from services.trainer import metrics as m
 from services.trainer.admission import accept, count_drop
 from services.trainer.batch import samples_from_groups
+from services.trainer.beside import mirror, stop_task, watch_for_cancel
 from services.trainer.checkpoints import (
     TrainState,
     flush_to_disk,
@@ -58,20 +59,6 @@ from services.trainer.settings import TrainerSettings
 log = logging.getLogger(__name__)
 
 __all__ = ["RunExecutor"]
-
-
-async def _mirror(source: asyncio.Event, target: asyncio.Event) -> None:
-    await source.wait()
-    target.set()
-
-
-async def _stop_task(task: asyncio.Task, stop: asyncio.Event) -> None:
-    """End a loop that runs beside the run (its watcher, the validation consumer). Setting its
-    ``stop`` event first matters: a task's cancellation can be lost inside a Redis call, leaving
-    the watcher polling twice a second for good; with the event set its loop ends on the next
-    turn whether or not the cancellation arrives."""
-    stop.set()
-    await cancel_and_wait(task)
 
 
 class RunExecutor:
@@ -149,7 +136,7 @@ class RunExecutor:
         """The step loop; returns how the run ended: completed, cancelled or interrupted."""
         spec, state = run.spec, run.state
         cancel = asyncio.Event()
-        watcher = asyncio.create_task(self._watch(run.id, cancel, stop))
+        watcher = asyncio.create_task(watch_for_cancel(self.store, run.id, cancel, stop))
         dead_stop = asyncio.Event()  # prompts a consumer gave up on: replaced, or the run waits for good
         on_lost = functools.partial(self._dead_lettered, run)
         pick = functools.partial(lost_prompt, run_id=run.id)
@@ -179,11 +166,15 @@ class RunExecutor:
                     waited = await run.evaluator.wait(cancel)
                 if not waited:
                     finished = "interrupted" if stop.is_set() else "cancelled"
-        finally:
-            await _stop_task(watcher, cancel)
-            await _stop_task(dead, dead_stop)
-            if run.evaluator is not None:
-                await run.evaluator.close()
+        finally:  # each stopped whatever stopping another raised: a loop left running outlives its run
+            try:
+                await stop_task(watcher, cancel)
+            finally:
+                try:
+                    await stop_task(dead, dead_stop)
+                finally:
+                    if run.evaluator is not None:
+                        await run.evaluator.close()
         return finished
 
     def _catching_up(self, run: Run):
@@ -232,7 +223,7 @@ class RunExecutor:
                 run.lost.clear()
                 check()
 
-        mirror = asyncio.create_task(_mirror(cancel, halt))
+        mirroring = asyncio.create_task(mirror(cancel, halt))
         losses = asyncio.create_task(on_lost())
         try:
             async with self._catching_up(run):
@@ -240,7 +231,7 @@ class RunExecutor:
                     SCORED, "trainer", want, keep, group=scored_group(run.id), options=run.options, stop=halt
                 )
         finally:
-            mirror.cancel()
+            mirroring.cancel()
             losses.cancel()
         m.WAIT_SECONDS.observe(time.perf_counter() - waited)
         if cancel.is_set() and len(held.items) < want:
@@ -375,18 +366,6 @@ class RunExecutor:
         await count_drop(self.store, run.id, state, "dead_lettered", index)
         await run.controller.top_up(state.step, state.dropped)
         run.lost.set()
-
-    async def _watch(self, run_id: str, cancel: asyncio.Event, stop: asyncio.Event) -> None:
-        """Set ``cancel`` when the run is cancelled or the trainer stops; ends once ``cancel`` is set."""
-        while not cancel.is_set():
-            try:
-                record = await self.store.get(run_id)
-            except REDIS_DOWN:
-                record = None  # the run's own calls meet the outage too; a cancel waits for Redis
-            if stop.is_set() or (record is not None and record.state == "cancelling"):
-                cancel.set()
-                return
-            await asyncio.sleep(0.5)
 
     async def _record(self, run_id: str, out: Path, state: TrainState, record: dict[str, Any]) -> None:
         await self.store.add_metrics(run_id, record)

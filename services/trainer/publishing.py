@@ -97,9 +97,13 @@ class WeightPublisher:
             log.exception("version %d: no broadcast; publishing it on disk", state.version)
             left_out = None
         if left_out is None or not self.broadcaster.members:
-            await self._write_and_announce(trainer, tokenizer, state)
-            if left_out is None:  # members paused with torn weights load the copy before they resume
-                await self.broadcaster.recover(*self.disk)
+            try:
+                await self._write_and_announce(trainer, tokenizer, state)
+            finally:  # members paused with torn weights load a whole copy before they resume: this
+                # version's, or, when writing it failed (a full disk, Redis gone), the last one; a
+                # server left paused holds its requests for good
+                if left_out is None:
+                    await self.broadcaster.recover(*self.disk)
             m.PUBLISH_SECONDS.labels("disk").observe(time.perf_counter() - started)
             return
         m.PUBLISH_SECONDS.labels("broadcast").observe(time.perf_counter() - started)

@@ -1,7 +1,8 @@
-"""A receiver that lost the last broadcast version (it restarted since) while the run waits for
-its worker's groups: the trainer writes that version to disk and announces it again
+"""The trainer's weight publisher when receivers come and go: a receiver that lost the last
+broadcast version (it restarted since) while the run waits for its worker's groups gets it on disk
 (``WeightPublisher.catch_up``), where the worker used to wait for a next version that an on-policy
-step, or the run's last validation round, never brings."""
+step, or the run's last validation round, never brings; and the members a broken broadcast paused
+are resumed even when its disk copy cannot be written."""
 
 from __future__ import annotations
 
@@ -153,3 +154,38 @@ async def test_a_waiting_run_catches_up_only_while_it_waits(
     done = await p.until(record.id, finished)
     assert done.state == "completed", done.error
     assert {s for s, _ in calls} <= {0, 1} and not any(during for _, during in calls)
+
+
+async def test_members_a_broken_broadcast_paused_resume_even_when_its_disk_copy_fails(bus, tmp_path):
+    """The members stay paused with torn weights until the disk copy is loaded; when writing it failed
+    (a full disk, Redis gone) they were never resumed, and a paused server holds its requests for good."""
+    from services.trainer.checkpoints import TrainState
+    from services.weights.sender import BroadcastFailed
+
+    class Broken:
+        members = ("http://sglang-0",)
+
+        def __init__(self) -> None:
+            self.recovered: list[tuple[str, int]] = []
+
+        async def publish(self, model, version: int) -> list[str]:
+            raise BroadcastFailed("a peer left half-way")
+
+        async def recover(self, path: str, version: int) -> None:
+            self.recovered.append((path, version))
+
+        async def aclose(self) -> None:
+            pass
+
+    class FullDisk:
+        model = None
+
+        def save_weights(self, path, **kwargs):
+            raise OSError(28, "No space left on device")
+
+    broadcaster = Broken()
+    publisher = WeightPublisher(bus, "run-f", tmp_path, keep=2, broadcaster=broadcaster)
+    await publisher.announce(TrainState(), "/ckpt/v0")
+    with pytest.raises(OSError, match="No space"):
+        await publisher.publish(FullDisk(), None, TrainState(step=1, version=1))
+    assert broadcaster.recovered == [("/ckpt/v0", 0)]  # the last whole copy
