@@ -93,6 +93,11 @@ class Message(Contract):
     schema_version: Literal[1] = SCHEMA_VERSION
     message_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
 
+    def without_bulk(self) -> Message:
+        """This message as a dead letter keeps it: without what is large and of no use there (a
+        group's routed experts, hundreds of MB with routing replay). Most messages keep it all."""
+        return self
+
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -199,6 +199,10 @@ class TrajectoryGroup(Message):
     def rewards(self) -> np.ndarray:
         return np.array([t.reward for t in self.trajectories], dtype=np.float64)
 
+    def without_bulk(self) -> TrajectoryGroup:
+        trajectories = tuple(t.model_copy(update={"routed_experts": None}) for t in self.trajectories)
+        return self.model_copy(update={"trajectories": trajectories})
+
     @model_validator(mode="after")
     def _unique(self):
         ids = [t.trajectory_id for t in self.trajectories]
@@ -246,6 +250,9 @@ class ScoredGroup(Message):
     scorer_policy_version: NonNegInt | None = None
     diagnostics: ScoreDiagnostics = ScoreDiagnostics()
     scoring_s: Annotated[float, Field(ge=0)] = 0.0
+
+    def without_bulk(self) -> ScoredGroup:
+        return self.model_copy(update={"group": self.group.without_bulk()})
 
     @model_validator(mode="after")
     def _shapes(self):
@@ -348,5 +355,11 @@ class DeadLetter(Message):
     entry_id: str
     cause: str
     deliveries: NonNegInt
-    payload: bytes = Field(description="the original payload, unchanged")
+    payload: bytes = Field(
+        description="the original payload; one past the bus's DEAD_LETTER_PAYLOAD_BYTES that decodes "
+        "is kept without its bulk (Message.without_bulk: a group's routed experts)"
+    )
+    payload_bytes: NonNegInt | None = Field(
+        default=None, description="the original payload's size, where the payload kept is slimmed"
+    )
     created_at: float = Field(default_factory=_now)

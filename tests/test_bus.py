@@ -215,6 +215,32 @@ async def test_a_handler_cancelled_from_elsewhere_fails_its_delivery_not_its_con
     assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
 
 
+async def test_an_entry_that_failed_then_came_again_as_a_duplicate_leaves_no_cause_behind(bus: Bus):
+    """Its handler's failure is recorded by entry; a copy of the same message processed meanwhile
+    made the entry a duplicate when it came back, acknowledged with the cause left in Redis for good."""
+    task, calls = ex.example_task(), []
+    await bus.publish(PROMPTS, task)
+    await bus.publish(PROMPTS, task)  # a producer's retry: the same message under a second entry
+
+    async def fails_once(msg, delivery):
+        calls.append(delivery.entry_id)
+        if len(calls) == 1:
+            raise RuntimeError("tool gateway unreachable")
+
+    async def settled():
+        return (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(bus.consume(PROMPTS, "c", fails_once, options=FAST, stop=stop))
+    async with asyncio.timeout(10):
+        while len(calls) < 2 or not await settled():
+            await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(consumer, 5)
+    assert len(calls) == 2 and calls[0] != calls[1]  # the failed entry, then the copy; the first came back
+    assert await bus.redis.hlen(bus._errors_key(PROMPTS, "rollout")) == 0
+
+
 async def test_redelivery_and_republish_are_processed_once(bus: Bus):
     """A producer retry (same message id, new entry) and a redelivered pending entry whose
     message was already processed both reach the handler at most once."""

@@ -1,4 +1,5 @@
-"""A message past Redis's bulk-length limit: refused before it is sent, and dead-lettered at once."""
+"""A message past Redis's bulk-length limit: refused before it is sent, and dead-lettered at once; and
+a dead letter of a large message is kept without its bulk."""
 
 from __future__ import annotations
 
@@ -108,3 +109,38 @@ def test_every_service_takes_the_limit_from_one_setting(monkeypatch):
     assert CommonSettings().bus().max_message_bytes == LIMIT
     monkeypatch.delenv("PBSD_BUS_MAX_MESSAGE_BYTES")
     assert CommonSettings().bus().max_message_bytes == 512 * 1024 * 1024  # Redis's default
+
+
+async def test_a_dead_letter_of_a_group_with_routes_keeps_it_without_them(bus: Bus):
+    """The letter kept the whole payload: with routing replay's routes a scored group is hundreds of
+    MB, the stream is trimmed by count only, and a hundred of them filled Redis."""
+    from proto.base import decode
+    from proto.messages import ScoredGroup
+    from proto.streams import SCORED
+    from services.bus.dead_lettering import DEAD_LETTER_PAYLOAD_BYTES
+
+    scored = ex.example_scored(ex.example_group(8, tokens=4096, routed_experts=(48, 8)))
+    whole = len(encode(scored))
+    assert whole > DEAD_LETTER_PAYLOAD_BYTES
+    await bus.publish(SCORED, scored)
+    task = ex.example_task()
+    await bus.publish(PROMPTS, task)  # a small one stays whole
+
+    async def failing(msg, delivery):
+        raise RuntimeError("the trainer cannot take it")
+
+    for stream in (SCORED, PROMPTS):
+        stop = asyncio.Event()
+        consumer = asyncio.create_task(bus.consume(stream, "c", failing, options=FAST, stop=stop))
+        async with asyncio.timeout(20):
+            while len(await bus.dead_letters()) < (1 if stream is SCORED else 2):
+                await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(consumer, 5)
+    big, small = await bus.dead_letters()
+    assert big.payload_bytes == whole and len(big.payload) < whole // 10
+    kept = decode(ScoredGroup, big.payload)
+    assert kept.group.task_id == scored.group.task_id and kept.message_id == scored.message_id
+    assert all(t.routed_experts is None for t in kept.group.trajectories)
+    assert (kept.group.trajectories[0].completion_ids == scored.group.trajectories[0].completion_ids).all()
+    assert small.payload_bytes is None and small.payload == encode(task)

@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
 from proto.base import Message, decode, encode
-from proto.messages import DeadLetter
-from proto.streams import DEAD_LETTERS, StreamDef
+from proto.streams import StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, refusing
+from services.bus.dead_lettering import MAX_CAUSE, DeadLettering
 from services.bus.delivery import (
     ConsumerOptions,
     Cursor,
@@ -42,7 +42,6 @@ __all__ = ["ConsumerGroups"]
 
 M = TypeVar("M", bound=Message)
 
-_MAX_CAUSE = 4000
 DEFAULT_OPTIONS = ConsumerOptions()
 
 
@@ -52,7 +51,7 @@ def _ids(entries: list[tuple]) -> str:
     return shown + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
 
 
-class ConsumerGroups(Leases, Trimming):
+class ConsumerGroups(DeadLettering, Leases, Trimming):
     """Reading streams for consumer groups. Mixed into :class:`services.bus.Bus`, whose ``redis``,
     ``prefix`` and ``maxlen`` it uses."""
 
@@ -235,9 +234,6 @@ class ConsumerGroups(Leases, Trimming):
         rows = await self.redis.xpending_range(key, group, min=entry_id, max=entry_id, count=1)
         return int(rows[0]["times_delivered"]) if rows else 1
 
-    def _errors_key(self, stream: StreamDef, group: str) -> str:
-        return f"{self.prefix}:errors:{stream.name}:{group}"
-
     def _done_key(self, stream: StreamDef, group: str, message_id: str) -> str:
         return f"{self.prefix}:done:{stream.name}:{group}:{message_id}"
 
@@ -275,7 +271,10 @@ class ConsumerGroups(Leases, Trimming):
             return None
         if await self.redis.exists(self._done_key(stream, group, message.message_id)):
             metrics.DUPLICATES.labels(stream.name, group).inc()
-            await self.redis.xack(key, group, entry_id)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xack(key, group, entry_id)
+                pipe.hdel(self._errors_key(stream, group), entry_id)  # a failure it had is moot now
+                await pipe.execute()
             return None
         return message, deliveries
 
@@ -314,7 +313,7 @@ class ConsumerGroups(Leases, Trimming):
             metrics.HANDLER_ERRORS.labels(stream.name, group).inc()
             log.exception("handler failed on %s entry %s (delivery %d)", stream.name, entry_id, deliveries)
             await self.redis.hset(
-                self._errors_key(stream, group), entry_id, f"{type(exc).__name__}: {exc}"[:_MAX_CAUSE]
+                self._errors_key(stream, group), entry_id, f"{type(exc).__name__}: {exc}"[:MAX_CAUSE]
             )
             return
         finally:
@@ -375,34 +374,3 @@ class ConsumerGroups(Leases, Trimming):
                 pipe.xack(self.key(stream), group, entry_id)
                 pipe.hdel(self._errors_key(stream, group), entry_id)
             await pipe.execute()
-
-    async def _dead_letter(
-        self,
-        stream: StreamDef,
-        group: str,
-        entry_id: str,
-        payload: bytes,
-        cause: str,
-        deliveries: int,
-        reason: str,
-    ) -> None:
-        letter = DeadLetter(
-            stream=stream.name,
-            group=group,
-            entry_id=entry_id,
-            cause=cause[:_MAX_CAUSE],
-            deliveries=deliveries,
-            payload=bytes(payload),
-        )
-        log.error("dead-lettering %s entry %s: %s", stream.name, entry_id, cause[:500])
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(
-                self.key(DEAD_LETTERS),
-                {b"type": b"DeadLetter", b"mid": letter.message_id, b"data": encode(letter)},
-                maxlen=self.maxlen,
-                approximate=True,
-            )
-            pipe.xack(self.key(stream), group, entry_id)
-            pipe.hdel(self._errors_key(stream, group), entry_id)
-            await pipe.execute()
-        metrics.DEAD_LETTERED.labels(stream.name, group, reason).inc()

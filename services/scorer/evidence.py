@@ -203,16 +203,24 @@ async def _likelihoods(
         raise ValueError(
             "evidence_routing 'replay' needs a scorer that can force MoE routes (the local backend)"
         )
-    routes: list[np.ndarray] = []
     for i in scored:
         t = group.trajectories[i]
         if t.routed_experts is None:
             raise ValueError(
                 f"evidence_routing 'replay': trajectory {t.trajectory_id} carries no routed experts"
             )
-        routes += context_routes(t.routed_experts, contexts[i], t.prompt_ids.size)
-    routes += [
-        routes_at(group.trajectories[i].routed_experts, np.arange(len(ids) - 1))
-        for i, (ids, _) in zip(nulls, requests[2 * len(scored) :], strict=True)
-    ]
+
+    def mapped() -> list[np.ndarray]:
+        routes: list[np.ndarray] = []
+        for i in scored:
+            t = group.trajectories[i]
+            routes += context_routes(t.routed_experts, contexts[i], t.prompt_ids.size)
+        return routes + [
+            routes_at(group.trajectories[i].routed_experts, np.arange(len(ids) - 1))
+            for i, (ids, _) in zip(nulls, requests[2 * len(scored) :], strict=True)
+        ]
+
+    # about a second and hundreds of MB a 64K-token trajectory: off the event loop, which keeps the
+    # group's heartbeat and the health probes
+    routes = await asyncio.to_thread(mapped)
     return await replayed([(ids, pos, r) for (ids, pos), r in zip(requests, routes, strict=True)])

@@ -80,7 +80,8 @@ async def follow_dead_letters(
     that died would leave the run waiting for good for a prompt it never replaced)."""
 
     async def see(_entry_id: str, letter: DeadLetter) -> None:
-        key = pick(letter)
+        # ``pick`` decodes the payload: a large one (a group's tokens) off the event loop
+        key = await asyncio.to_thread(pick, letter) if len(letter.payload) > 1 << 20 else pick(letter)
         if key is not None:
             await on_lost(key, letter)
 

@@ -28,12 +28,12 @@ import json
 import logging
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pbsd.accuracy import summarise
 from proto.base import derived_id
 from proto.data import QuestionRecord
-from proto.messages import DeadLetter, TrajectoryGroup
+from proto.messages import DeadLetter, Trajectory, TrajectoryGroup
 from proto.runs import RunSpec
 from proto.streams import EVALS, PROMPTS
 from services.bus import Bus, ConsumerOptions, Delivery
@@ -56,6 +56,19 @@ def lost_question(letter: DeadLetter, prefix: str) -> tuple[int, int] | None:
     if task is None or not task.task_id.startswith(prefix):
         return None
     return _position(task.task_id, prefix)
+
+
+class _Sample(NamedTuple):
+    """What a round's record takes of one validation trajectory."""
+
+    reward: float
+    finish_reason: str
+    num_turns: int
+    policy_version: int
+
+    @classmethod
+    def of(cls, t: Trajectory) -> _Sample:
+        return cls(t.reward, t.finish_reason, t.num_turns, t.policy_version)
 
 
 def _position(task_id: str, prefix: str) -> tuple[int, int]:
@@ -92,8 +105,8 @@ class Evaluator:
                 "max_staleness": 0,
             }
         )
-        # version -> question index -> its group, or None for a question lost to the dead letters
-        self.pending: dict[int, dict[int, TrajectoryGroup | None]] = {}
+        # version -> question index -> its samples, or None for a question lost to the dead letters
+        self.pending: dict[int, dict[int, tuple[_Sample, ...] | None]] = {}
         self.steps: dict[int, int] = {}  # version -> the step it was taken after
         self.recording: set[int] = set()  # complete rounds being stored (still pending)
         self.stored: set[int] = set()  # rounds in the run's store
@@ -175,7 +188,9 @@ class Evaluator:
         if round_ is None:
             return  # a round recorded already
         if group is not None or index not in round_:  # a question's group came before its copy died
-            round_[index] = group  # by position: a validation file may repeat an id
+            # by position: a validation file may repeat an id. What the record needs of each sample
+            # only: a round of hundreds of groups with their routes held tens of GB until it was in
+            round_[index] = None if group is None else tuple(map(_Sample.of, group.trajectories))
         # complete, it is stored here; an arrival tried again after storing failed stores it then
         if len(round_) == len(self.questions) and version not in self.recording:
             # the round stays pending until it is stored: ``wait`` returning on a round still being
@@ -187,13 +202,11 @@ class Evaluator:
             finally:
                 self.recording.discard(version)
 
-    async def _record(self, version: int, groups: dict[int, TrajectoryGroup | None]) -> None:
+    async def _record(self, version: int, groups: dict[int, tuple[_Sample, ...] | None]) -> None:
         k = self.spec.rollout.eval_samples
         # a lost question's k samples count as failed, as an error trajectory's does
-        results = {
-            str(i): [t.reward > 0 for t in g.trajectories] if g else [False] * k for i, g in groups.items()
-        }
-        trajectories = [t for g in groups.values() if g is not None for t in g.trajectories]
+        results = {str(i): [t.reward > 0 for t in g] if g else [False] * k for i, g in groups.items()}
+        trajectories = [t for g in groups.values() if g is not None for t in g]
         lost = sorted(i for i, g in groups.items() if g is None)
         record = {
             "version": version,
