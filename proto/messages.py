@@ -200,6 +200,8 @@ class TrajectoryGroup(Message):
         return np.array([t.reward for t in self.trajectories], dtype=np.float64)
 
     def without_bulk(self) -> TrajectoryGroup:
+        if all(t.routed_experts is None for t in self.trajectories):
+            return self
         trajectories = tuple(t.model_copy(update={"routed_experts": None}) for t in self.trajectories)
         return self.model_copy(update={"trajectories": trajectories})
 
@@ -252,7 +254,8 @@ class ScoredGroup(Message):
     scoring_s: Annotated[float, Field(ge=0)] = 0.0
 
     def without_bulk(self) -> ScoredGroup:
-        return self.model_copy(update={"group": self.group.without_bulk()})
+        slim = self.group.without_bulk()
+        return self if slim is self.group else self.model_copy(update={"group": slim})
 
     @model_validator(mode="after")
     def _shapes(self):

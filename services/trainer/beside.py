@@ -30,14 +30,17 @@ async def stop_task(task: asyncio.Task, stop: asyncio.Event) -> None:
 
 async def watch_for_cancel(store: RunStore, run_id: str, cancel: asyncio.Event, stop: asyncio.Event) -> None:
     """Set ``cancel`` when the run is cancelled or the trainer stops; ends once ``cancel`` is set."""
+    failing = False
     while not cancel.is_set():
         try:
             record = await store.get(run_id)
+            failing = False
         except REDIS_DOWN:
             record = None  # the run's own calls meet the outage too; a cancel waits for Redis
         except Exception:  # a refusal (MASTERDOWN, an ACL): a dead watcher would lose the cancel
-            log.exception("run %s: reading its state failed; trying again", run_id)
-            record = None
+            if not failing:  # once a streak, not twice a second for as long as it lasts
+                log.exception("run %s: reading its state failed; trying again until it reads", run_id)
+            failing, record = True, None
         if stop.is_set() or (record is not None and record.state == "cancelling"):
             cancel.set()
             return

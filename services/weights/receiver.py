@@ -100,9 +100,11 @@ class WeightReceiver:
             # one trainer sends, in one group at a time, and takes its group down before it forms
             # another: one still here is a dead trainer's (killed, never destroyed), and each held a
             # communicator (GPU buffers, threads, sockets) for the life of this process
-            for old in list(self.groups):
-                log.warning("weight group %s is left from a sender that is gone; closing it", old)
-                await asyncio.to_thread(close_group, self.groups.pop(old)[0])
+            async with self._lock:  # not under an update that still receives on it
+                for old in list(self.groups):
+                    log.warning("weight group %s is left from a sender that is gone; closing it", old)
+                    with contextlib.suppress(Exception):  # it is gone either way; the new one forms
+                        await asyncio.to_thread(close_group, self.groups.pop(old)[0])
             return await self._open(name, body)
         finally:
             self._opening.discard(name)
