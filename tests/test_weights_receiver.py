@@ -9,6 +9,15 @@ import threading
 
 from services.weights.receiver import WeightReceiver
 
+# an /init_weights_update_group body: this receiver is rank 1 of 2, the trainer rank 0
+_JOIN = {
+    "master_address": "127.0.0.1",
+    "master_port": 1,
+    "rank_offset": 1,
+    "world_size": 2,
+    "backend": "gloo",
+}
+
 
 class Held:
     """A model server that records holds and releases."""
@@ -52,13 +61,7 @@ async def test_a_group_name_is_taken_while_its_members_are_still_joining(monkeyp
 
     monkeypatch.setattr(module, "open_group", open_group)
     receiver = WeightReceiver(lambda: Held())
-    body = {
-        "master_address": "127.0.0.1",
-        "master_port": 1,
-        "rank_offset": 1,
-        "world_size": 2,
-        "backend": "gloo",
-    }
+    body = dict(_JOIN)
     first = asyncio.create_task(receiver.init_group(body))
     while not opened:
         await asyncio.sleep(0.01)
@@ -123,13 +126,6 @@ async def test_a_group_left_by_a_sender_that_is_gone_is_closed_when_the_next_for
     monkeypatch.setattr(module, "open_group", lambda **kwargs: kwargs["name"])
     monkeypatch.setattr(module, "close_group", closed.append)
     receiver = WeightReceiver(lambda: Held())
-    body = {
-        "master_address": "127.0.0.1",
-        "master_port": 1,
-        "rank_offset": 1,
-        "world_size": 2,
-        "backend": "gloo",
-    }
     for name in ("pbsd-a", "pbsd-b"):
-        assert (await receiver.init_group({**body, "group_name": name}))[0]
+        assert (await receiver.init_group({**_JOIN, "group_name": name}))[0]
     assert list(receiver.groups) == ["pbsd-b"] and closed == ["pbsd-a"]
