@@ -349,33 +349,6 @@ async def test_a_run_resumed_after_a_crash_trains_on_every_prompt(
     assert {0, 1, 2, 3, 4, 5} <= prompts and len(prompts) == 8 and len(trained) == len(set(trained)) == 16
 
 
-def test_the_run_watcher_ends_even_when_its_cancellation_is_lost():
-    """After the last step the executor stops its watcher; once, a demo run hung there for good
-    with the watcher still polling, its cancellation lost inside a Redis call. Here a store that
-    swallows the cancellation stands in for that call."""
-    import contextlib
-
-    from services.trainer.beside import stop_task, watch_for_cancel
-
-    class SwallowingStore:
-        calls = 0
-
-        async def get(self, run_id):
-            SwallowingStore.calls += 1
-            with contextlib.suppress(asyncio.CancelledError):  # lost: goes on as if never cancelled
-                await asyncio.sleep(0.2)
-            return None
-
-    async def scenario():
-        cancel, stop = asyncio.Event(), asyncio.Event()
-        watcher = asyncio.create_task(watch_for_cancel(SwallowingStore(), "run", cancel, stop))
-        await asyncio.sleep(0.05)  # the watcher is inside store.get
-        await asyncio.wait_for(stop_task(watcher, cancel), timeout=5)
-        assert watcher.done() and cancel.is_set() and SwallowingStore.calls == 1
-
-    asyncio.run(scenario())
-
-
 def test_batch_metrics_say_how_far_the_evidence_scorer_lagged(tiny_checkpoint):
     from proto.runs import PbsdSpec
     from services.trainer.dynamics import batch_metrics

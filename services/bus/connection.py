@@ -61,24 +61,11 @@ class _KeepsCancellation:
             raise asyncio.CancelledError
 
 
-class _Connection(_KeepsCancellation, aioredis.Connection):
-    pass
-
-
-class _SSLConnection(_KeepsCancellation, aioredis.SSLConnection):
-    pass
-
-
-class _UnixConnection(_KeepsCancellation, aioredis.UnixDomainSocketConnection):
-    pass
-
-
 # each scheme's class (TCP for redis://, TLS for rediss://, a socket file for unix://), keeping
 # cancellations
 _KEEPING: dict[type, type] = {
-    aioredis.Connection: _Connection,
-    aioredis.SSLConnection: _SSLConnection,
-    aioredis.UnixDomainSocketConnection: _UnixConnection,
+    base: type(f"Keeping{base.__name__}", (_KeepsCancellation, base), {})
+    for base in (aioredis.Connection, aioredis.SSLConnection, aioredis.UnixDomainSocketConnection)
 }
 
 

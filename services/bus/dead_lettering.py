@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
@@ -30,14 +31,13 @@ DEAD_LETTER_PAYLOAD_BYTES = 8 * 1024 * 1024
 
 
 class DeadLettering:
-    """Mixed into the bus's consumer groups, whose ``redis``, ``prefix``, ``maxlen`` and ``key`` it uses."""
+    """Mixed into the bus's consumer groups, whose ``redis``, ``prefix``, ``maxlen`` and ``key``
+    (:class:`services.bus.trimming.Trimming`'s) it uses."""
 
     redis: aioredis.Redis
     prefix: str
     maxlen: int
-
-    def key(self, stream: StreamDef) -> str:
-        return stream.key(self.prefix)
+    key: Callable[[StreamDef], str]
 
     def _errors_key(self, stream: StreamDef, group: str) -> str:
         return f"{self.prefix}:errors:{stream.name}:{group}"

@@ -12,7 +12,7 @@ from services.trainer.runs import RunStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["mirror", "stop_task", "watch_for_cancel"]
+__all__ = ["mirror", "stop_all", "stop_task", "watch_for_cancel"]
 
 
 async def mirror(source: asyncio.Event, target: asyncio.Event) -> None:
@@ -26,6 +26,19 @@ async def stop_task(task: asyncio.Task, stop: asyncio.Event) -> None:
     good; with the event set its loop ends on the next turn whether or not the cancellation arrives."""
     stop.set()
     await cancel_and_wait(task)
+
+
+async def stop_all(loops: list[tuple[asyncio.Task, asyncio.Event]]) -> None:
+    """:func:`stop_task` each ``(task, stop)``, whatever stopping another raised (a loop left running
+    outlives its run); then raise the first failure, a cancellation included."""
+    first: BaseException | None = None
+    for task, stop in loops:
+        try:
+            await stop_task(task, stop)
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 async def watch_for_cancel(store: RunStore, run_id: str, cancel: asyncio.Event, stop: asyncio.Event) -> None:

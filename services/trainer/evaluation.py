@@ -37,8 +37,9 @@ from proto.messages import DeadLetter, Trajectory, TrajectoryGroup
 from proto.runs import RunSpec
 from proto.streams import EVALS, PROMPTS
 from services.bus import Bus, ConsumerOptions, Delivery
-from services.tasks import cancel_and_wait, within
+from services.tasks import within
 from services.trainer import metrics as m
+from services.trainer.beside import stop_task
 from services.trainer.controller import question_task
 from services.trainer.dead_letters import follow_dead_letters, lost_task
 from services.trainer.run_groups import evals_group
@@ -153,11 +154,9 @@ class Evaluator:
         self.task = asyncio.create_task(self._collect(options))
 
     async def close(self) -> None:
-        """End the collecting task (``stop`` first: a cancellation can be lost in a Redis call);
-        raise what it failed with, if anything."""
-        self.stop.set()
+        """End the collecting task; raise what it failed with, if anything."""
         if self.task is not None:
-            await cancel_and_wait(self.task)
+            await stop_task(self.task, self.stop)
 
     async def _collect(self, options: ConsumerOptions) -> None:
         consume = self.bus.consume(

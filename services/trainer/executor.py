@@ -42,7 +42,7 @@ from services.tasks import within
 from services.trainer import metrics as m
 from services.trainer.admission import accept, count_drop
 from services.trainer.batch import samples_from_groups
-from services.trainer.beside import mirror, stop_task, watch_for_cancel
+from services.trainer.beside import mirror, stop_all, watch_for_cancel
 from services.trainer.checkpoints import (
     TrainState,
     flush_to_disk,
@@ -76,15 +76,15 @@ class RunExecutor:
     async def serve(self, stop: asyncio.Event) -> None:
         """Resume interrupted runs, then run queued ones, one at a time, until ``stop``. Redis
         out of reach for longer than the client waits: wait for it, then resume what it cut off."""
-        resumed, delay = False, 0.5
+        delay = 0.5
         while not stop.is_set():
             try:
-                if not resumed:
+                if not self.taking_queued:
                     await forget_ended_runs(self.bus, self.store)
                     await self.store.requeue_orphans()
                     for run_id in await self.store.in_state("running", "cancelling"):
                         await self.execute(run_id, resume=True, stop=stop)
-                    resumed = self.taking_queued = True
+                    self.taking_queued = True
                 run_id = await self.store.next_queued()
                 delay = 0.5
                 if run_id is None:
@@ -93,7 +93,7 @@ class RunExecutor:
                 await self.execute(run_id, stop=stop)
             except REDIS_DOWN as exc:
                 log.warning("Redis is unreachable (%s); trying again in %.1f s", exc, delay)
-                resumed = self.taking_queued = False  # a run the outage cut off is still "running": resume it
+                self.taking_queued = False  # a run the outage cut off is still "running": resume it
                 await within(delay, stop.wait())
                 delay = min(delay * 2, 10.0)
 
@@ -166,15 +166,11 @@ class RunExecutor:
                     waited = await run.evaluator.wait(cancel)
                 if not waited:
                     finished = "interrupted" if stop.is_set() else "cancelled"
-        finally:  # each stopped whatever stopping another raised: a loop left running outlives its run
-            try:
-                await stop_task(watcher, cancel)
-            finally:
-                try:
-                    await stop_task(dead, dead_stop)
-                finally:
-                    if run.evaluator is not None:
-                        await run.evaluator.close()
+        finally:
+            loops = [(watcher, cancel), (dead, dead_stop)]
+            if run.evaluator is not None and run.evaluator.task is not None:
+                loops.append((run.evaluator.task, run.evaluator.stop))
+            await stop_all(loops)
         return finished
 
     def _catching_up(self, run: Run):

@@ -229,8 +229,8 @@ class WeightBroadcaster:
         restarted since the last broadcast, and the next one is theirs only if the run makes one."""
         if self.sent is None:
             return []
-        served = await asyncio.gather(*(self._served(u) for u in self.urls))
-        behind = [u for u, v in zip(self.urls, served, strict=True) if v is not None and v != str(self.sent)]
+        served = await self._served_by_url()
+        behind = [u for u, v in served.items() if v is not None and v != str(self.sent)]
         # a member that restarted left the group, but once it loads the version from disk it serves
         # the version sent last, as the members do: the group would look intact, and the next
         # broadcast would wait on a peer that is gone
@@ -239,9 +239,7 @@ class WeightBroadcaster:
 
     # -- the group -----------------------------------------------------------------------------
     async def _ensure_group(self) -> None:
-        served = dict(
-            zip(self.urls, await asyncio.gather(*(self._served(u) for u in self.urls)), strict=True)
-        )
+        served = await self._served_by_url()
         out = self._unjoinable | set(self._benched)
         reachable = [u for u in self.urls if served[u] is not None and u not in out]
         self._benched = {u: n - 1 for u, n in self._benched.items() if n > 1}
@@ -330,6 +328,10 @@ class WeightBroadcaster:
             await asyncio.to_thread(close_group, group)
 
     # -- HTTP ----------------------------------------------------------------------------------
+    async def _served_by_url(self) -> dict[str, str | None]:
+        """The weight version each receiver serves (None: it does not answer)."""
+        return dict(zip(self.urls, await asyncio.gather(*map(self._served, self.urls)), strict=True))
+
     async def _served(self, url: str) -> str | None:
         """The weight version ``url`` serves (``/model_info``, ``/get_model_info`` on older SGLang);
         None when it does not answer."""
