@@ -14,12 +14,15 @@ from __future__ import annotations
 import hashlib
 import math
 import uuid
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
 
 from proto.arrays import arrays_equal
+
+if TYPE_CHECKING:
+    from proto.messages import TaskRef
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -97,6 +100,11 @@ class Message(Contract):
         """This message as a dead letter keeps it: without what is large and of no use there (a
         group's routed experts, hundreds of MB with routing replay). Most messages keep it all."""
         return self
+
+    def task_ref(self) -> TaskRef | None:
+        """The prompt task this message carries or answers, as a dead letter names it (whose run
+        and task it was, without decoding the payload again); None for a message of no task."""
+        return None
 
 
 M = TypeVar("M", bound=BaseModel)

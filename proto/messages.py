@@ -31,6 +31,7 @@ __all__ = [
     "RunEnded",
     "ScoreDiagnostics",
     "ScoredGroup",
+    "TaskRef",
     "ToolCall",
     "Trajectory",
     "TrajectoryGroup",
@@ -49,6 +50,17 @@ FinishReason = Literal["answer", "max_turns", "max_tokens", "max_context", "erro
 
 def _now() -> float:
     return time.time()
+
+
+class TaskRef(Contract):
+    """Whose work a message is: the prompt task it carries (a PromptTask) or answers (a group)."""
+
+    run_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+    message_id: str = Field(min_length=1, description="the message's own id: the task's copy, or the group")
+    purpose: Literal["train", "eval"] | None = Field(
+        default=None, description="a PromptTask's; None for a group (its stream tells)"
+    )
 
 
 class PromptTask(Message):
@@ -85,6 +97,11 @@ class PromptTask(Message):
         "the evals stream (to the trainer, unscored) instead of the trajectories stream",
     )
     created_at: float = Field(default_factory=_now)
+
+    def task_ref(self) -> TaskRef:
+        return TaskRef(
+            run_id=self.run_id, task_id=self.task_id, message_id=self.message_id, purpose=self.purpose
+        )
 
 
 class ToolCall(Contract):
@@ -205,6 +222,9 @@ class TrajectoryGroup(Message):
         trajectories = tuple(t.model_copy(update={"routed_experts": None}) for t in self.trajectories)
         return self.model_copy(update={"trajectories": trajectories})
 
+    def task_ref(self) -> TaskRef:
+        return TaskRef(run_id=self.run_id, task_id=self.task_id, message_id=self.message_id)
+
     @model_validator(mode="after")
     def _unique(self):
         ids = [t.trajectory_id for t in self.trajectories]
@@ -256,6 +276,9 @@ class ScoredGroup(Message):
     def without_bulk(self) -> ScoredGroup:
         slim = self.group.without_bulk()
         return self if slim is self.group else self.model_copy(update={"group": slim})
+
+    def task_ref(self) -> TaskRef:
+        return self.group.task_ref()
 
     @model_validator(mode="after")
     def _shapes(self):
@@ -358,11 +381,20 @@ class DeadLetter(Message):
     entry_id: str
     cause: str
     deliveries: NonNegInt
+    task: TaskRef | None = Field(
+        default=None,
+        description="the prompt task the message carries or answers, where it decodes to one: a "
+        "trainer tells its run's lost prompts by this, without decoding the payload",
+    )
     payload: bytes = Field(
-        description="the original payload; one past the bus's DEAD_LETTER_PAYLOAD_BYTES that decodes "
-        "is kept without its bulk (Message.without_bulk: a group's routed experts)"
+        description="the original payload, or past the bus's DEAD_LETTER_PAYLOAD_BYTES what payload_kept says"
+    )
+    payload_kept: Literal["whole", "without_bulk", "head"] = Field(
+        default="whole",
+        description="without_bulk: the message without a group's routed experts (Message.without_bulk), "
+        "which brought it under the limit; head: the payload's first DEAD_LETTER_PAYLOAD_BYTES",
     )
     payload_bytes: NonNegInt | None = Field(
-        default=None, description="the original payload's size, where the payload kept is slimmed"
+        default=None, description="the original payload's size, where the payload kept is not whole"
     )
     created_at: float = Field(default_factory=_now)

@@ -161,6 +161,7 @@ async def test_poison_payload_goes_to_dead_letters_with_cause(bus: Bus):
     assert "must be a map" in letters[0].cause
     assert "reward must be finite" in letters[1].cause
     assert letters[0].payload == b"\x93\x01\x02\x03" and letters[0].stream == "trajectories"
+    assert letters[0].task is None and letters[0].payload_kept == "whole"  # whose, it cannot say
     assert seen == [good]
     assert (await bus.redis.xpending(bus.key(TRAJECTORIES), "scorer"))["pending"] == 0
 

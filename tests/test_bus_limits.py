@@ -143,4 +143,59 @@ async def test_a_dead_letter_of_a_group_with_routes_keeps_it_without_them(bus: B
     assert kept.group.task_id == scored.group.task_id and kept.message_id == scored.message_id
     assert all(t.routed_experts is None for t in kept.group.trajectories)
     assert (kept.group.trajectories[0].completion_ids == scored.group.trajectories[0].completion_ids).all()
-    assert small.payload_bytes is None and small.payload == encode(task)
+    assert big.payload_kept == "without_bulk" and big.task == scored.task_ref()
+    assert small.payload_bytes is None and small.payload == encode(task) and small.payload_kept == "whole"
+    assert small.task == task.task_ref() and small.task.purpose == "train"
+
+
+async def test_a_dead_letter_past_the_limit_without_bulk_keeps_its_head_and_its_task(bus: Bus):
+    """A long group's tokens alone are several MB (16 x 32K tokens: about 5 MB), and a failure that
+    hits every group makes a letter of each: the stream, trimmed by count, held up to 100,000 of
+    them whole. Such a letter keeps the payload's first MiB, and names the task it answers, which is
+    all the trainer reads of it."""
+    from proto.streams import SCORED
+    from services.bus.dead_lettering import DEAD_LETTER_PAYLOAD_BYTES
+    from services.trainer.dead_letters import lost_prompt
+
+    group = ex.example_group(8, tokens=40_000).model_copy(update={"run_id": "r9", "task_id": "r9:3"})
+    scored = ex.example_scored(group)
+    whole = len(encode(scored))
+    assert whole > 2 * DEAD_LETTER_PAYLOAD_BYTES
+    await bus.publish(SCORED, scored)
+
+    async def failing(msg, delivery):
+        raise RuntimeError("the trainer cannot take it")
+
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(bus.consume(SCORED, "c", failing, options=FAST, stop=stop))
+    async with asyncio.timeout(20):
+        while not (letters := await bus.dead_letters()):
+            await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(consumer, 5)
+    (letter,) = letters
+    assert letter.payload_kept == "head" and letter.payload_bytes == whole
+    assert letter.payload == encode(scored)[:DEAD_LETTER_PAYLOAD_BYTES]
+    assert letter.task == scored.task_ref() and letter.task.message_id == group.message_id
+    lost = lost_prompt(letter, "r9")
+    assert lost is not None and lost.index == 3 and lost.message_id == group.message_id
+
+
+async def test_the_dead_letter_stream_keeps_fewer_letters_than_the_broadcasts(bus: Bus, monkeypatch):
+    """Trimmed to the bus's maxlen like the other broadcast streams (100,000 entries), the dead
+    letters could hold 100,000 MiB-sized payloads. They keep DEAD_LETTERS_KEPT (10,000; 50 here);
+    another broadcast stream keeps its maxlen. Redis trims whole nodes of 100 entries (approximate
+    MAXLEN), so the stream stays within a node of the bound."""
+    from proto.messages import DeadLetter, RunEnded
+    from proto.streams import DEAD_LETTERS, RUN_ENDS
+    from services.bus import dead_lettering
+
+    monkeypatch.setattr(dead_lettering, "DEAD_LETTERS_KEPT", 50)
+    for i in range(400):
+        letter = DeadLetter(
+            stream="prompts", group="g", entry_id=f"{i}-0", cause="x", deliveries=5, payload=b""
+        )
+        await bus.publish(DEAD_LETTERS, letter)
+        await bus.publish(RUN_ENDS, RunEnded(run_id=f"r{i}", state="completed"))
+    assert 50 <= await bus.stream_length(DEAD_LETTERS) <= 150
+    assert await bus.stream_length(RUN_ENDS) == 400

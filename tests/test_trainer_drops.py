@@ -19,10 +19,20 @@ from tests.test_trainer_service import FakePipeline, _finish, _spec
 
 
 async def _short_run(
-    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path, questions, max_steps, **fake
+    bus,
+    redis_url,
+    key_prefix,
+    tiny_world,
+    tiny_checkpoint,
+    tmp_path,
+    questions,
+    max_steps,
+    before=None,
+    **fake,
 ):
     """A GRPO run on the first ``questions`` of the tiny world, served by a FakePipeline(**fake) until
-    it completes; returns the store, the run's record and its final state."""
+    it completes (``await before(run_id)`` once it is queued); returns the store, the run's record
+    and its final state."""
     from proto.runs import RunSpec
 
     path = tmp_path / "questions.jsonl"
@@ -36,6 +46,8 @@ async def _short_run(
     spec = _spec(tiny_world, tiny_checkpoint, max_steps=max_steps)
     spec["data"]["train"] = str(path)
     record = await store.create(RunSpec.model_validate(spec))
+    if before is not None:
+        await before(record.id)
     pipeline, fake_stop = FakePipeline(bus, tok, **fake), asyncio.Event()
     fake_task = asyncio.create_task(pipeline.run(fake_stop))
     done = await _finish(RunExecutor(bus, store, settings), store, record.id, fake_task, fake_stop)
@@ -87,6 +99,32 @@ async def test_a_prompt_a_consumer_dead_letters_is_replaced_and_never_waited_for
     assert len(letters) == len(poison) and all(x.stream == "prompts" for x in letters)
     assert "crashes its worker" in letters[0].cause
     assert metrics.DROPPED.labels("dead_lettered")._value.get() == counted + len(poison)
+
+
+async def test_a_run_reads_only_the_dead_letters_written_since_it_first_opened(
+    bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """Every run's followers read the dead-letter stream from its start at every opening, decoding
+    each letter: up to the stream's 10,000 letters of a MiB each, the runs before it included. A
+    run now reads from where the stream stood as it first opened, which it keeps for its resumes;
+    a letter older than that (here one that names its prompt 0) is never read."""
+    from proto.messages import DeadLetter, TaskRef
+    from proto.streams import DEAD_LETTERS
+
+    older: list[str] = []
+
+    async def a_letter_before_the_opening(run_id: str) -> None:
+        lost = TaskRef(run_id=run_id, task_id=f"{run_id}:0", message_id="m", purpose="train")
+        letter = DeadLetter(
+            stream="prompts", group="rollout", entry_id="1-0", cause="x", deliveries=5, task=lost, payload=b""
+        )
+        older.append(await bus.publish(DEAD_LETTERS, letter))
+
+    fixtures = (bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path)
+    store, record, done = await _short_run(*fixtures, 4, 2, before=a_letter_before_the_opening)
+    assert done.step == 2 and await store.dropped(record.id) == set()
+    assert await store.letters_after(record.id) == older[0]
+    assert await store.letters_after("another") == "0-0"  # a run an older pbsd opened: from the start
 
 
 async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path):

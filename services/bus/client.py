@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from proto.base import Message, decode, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
-from services.bus.connection import REDIS_DOWN, as_text, redis_client
+from services.bus.connection import REDIS_DOWN, as_text, missing, redis_client
+from services.bus.dead_lettering import kept_entries
 from services.bus.delivery import MAX_MESSAGE_BYTES, HandlerCancelled, MessageTooLarge
 from services.bus.groups import ConsumerGroups
 from services.bus.lock import Exclusive
@@ -65,16 +67,16 @@ class Bus(ConsumerGroups):
     # -- publishing -----------------------------------------------------------------
     async def publish(self, stream: StreamDef[M], message: M) -> str:
         """XADD the message; returns the entry id. A broadcast stream (weights, run ends, dead
-        letters) is trimmed to about ``maxlen`` entries as it grows. A work stream is not: MAXLEN
-        removes entries whether or not a consumer group has read them, so a backlog past it would
-        lose work without a trace; its consumers trim what every group has acknowledged
+        letters) is trimmed to about ``maxlen`` entries as it grows (the dead letters to fewer:
+        :func:`kept_entries`). A work stream is not: MAXLEN removes entries whether or not a
+        consumer group has read them, so a backlog past it would lose work without a trace; its consumers trim what every group has acknowledged
         (:meth:`trim_acked`), and a Redis that runs out of memory refuses the XADD, loudly."""
         _check_type(stream, message)
         payload = self._encode(stream, message)
         entry_id = await self.redis.xadd(
             self.key(stream),
             {b"type": stream.model.__name__, b"mid": message.message_id, b"data": payload},
-            maxlen=self.maxlen if stream.group is None else None,
+            maxlen=kept_entries(stream, self.maxlen),
             approximate=True,
         )
         metrics.PUBLISHED.labels(stream.name).inc()
@@ -227,6 +229,17 @@ class Bus(ConsumerGroups):
         """The first ``count`` entries still on a stream (for inspection and tests)."""
         entries = await self.redis.xrange(self.key(stream), count=count)
         return [(as_text(i), decode(stream.model, f[b"data"])) for i, f in entries]
+
+    async def last_id(self, stream: StreamDef) -> str:
+        """The id of the last entry ever added to ``stream`` (trimmed or not), "0-0" for a stream
+        never written: a reader that follows from it sees exactly what is added afterwards."""
+        try:
+            info = await self.redis.xinfo_stream(self.key(stream))
+        except ResponseError as exc:
+            if missing(exc):
+                return "0-0"
+            raise
+        return as_text(info["last-generated-id"])
 
     async def stream_length(self, stream: StreamDef) -> int:
         return int(await self.redis.xlen(self.key(stream)))

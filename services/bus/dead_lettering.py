@@ -1,12 +1,14 @@
 """Dead letters: an entry a consumer gives up on (undecodable, delivered too often, or making a
 message past the bus's limit) moves to the dead-letter stream with its cause, acknowledged in the
 same transaction. The trainer follows the stream for the prompts whose groups will never come
-(services.trainer.dead_letters).
+(services.trainer.dead_letters), by the letter's ``task`` (whose run and task it was).
 
-A letter's payload past DEAD_LETTER_PAYLOAD_BYTES is kept without its bulk
-(``Message.without_bulk``: a group's routed experts). The stream is trimmed by count only, a
-scored group with routing replay's routes is hundreds of MB, and a hundred such letters filled
-Redis; every run's followers also read every letter as the run opens.
+The stream is bounded in memory, not only in count: a scored group with routing replay's routes is
+hundreds of MB, a long group's tokens several MB, and a failure that hits every group (a scorer
+that cannot take them) makes a letter of each. So a letter keeps its payload whole up to
+DEAD_LETTER_PAYLOAD_BYTES; past it, the message without its bulk (``Message.without_bulk``: a
+group's routed experts) where that fits, else the payload's head; and the stream keeps about
+DEAD_LETTERS_KEPT letters: at most about 10 GiB in all.
 """
 
 from __future__ import annotations
@@ -18,16 +20,25 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from proto.base import decode, encode
-from proto.messages import DeadLetter
+from proto.messages import DeadLetter, TaskRef
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 
-__all__ = ["DEAD_LETTER_PAYLOAD_BYTES", "MAX_CAUSE", "DeadLettering"]
+__all__ = ["DEAD_LETTERS_KEPT", "DEAD_LETTER_PAYLOAD_BYTES", "MAX_CAUSE", "DeadLettering", "kept_entries"]
 
 log = logging.getLogger(__name__)
 
 MAX_CAUSE = 4000  # characters of a cause kept (a handler's error, a validation report)
-DEAD_LETTER_PAYLOAD_BYTES = 8 * 1024 * 1024
+DEAD_LETTER_PAYLOAD_BYTES = 1024 * 1024
+DEAD_LETTERS_KEPT = 10_000  # letters, each under a MiB and its cause
+
+
+def kept_entries(stream: StreamDef, maxlen: int) -> int | None:
+    """About how many entries XADD keeps on ``stream``: a work stream is trimmed by its consumers
+    instead (None), a broadcast one to ``maxlen``, the dead letters to at most DEAD_LETTERS_KEPT."""
+    if stream.group is not None:
+        return None
+    return min(maxlen, DEAD_LETTERS_KEPT) if stream.name == DEAD_LETTERS.name else maxlen
 
 
 class DeadLettering:
@@ -53,22 +64,28 @@ class DeadLettering:
         reason: str,
     ) -> None:
         whole = bytes(payload)
-        kept = await asyncio.to_thread(_slimmed, stream, whole)
+        # decoding a large payload (a group's tokens and routes) stalls the loop: a thread does it
+        if len(whole) > _DECODE_INLINE_BYTES:
+            task, kept, how = await asyncio.to_thread(_kept, stream, whole)
+        else:
+            task, kept, how = _kept(stream, whole)
         letter = DeadLetter(
             stream=stream.name,
             group=group,
             entry_id=entry_id,
             cause=cause[:MAX_CAUSE],
             deliveries=deliveries,
+            task=task,
             payload=kept,
-            payload_bytes=len(whole) if kept is not whole else None,
+            payload_kept=how,
+            payload_bytes=len(whole) if how != "whole" else None,
         )
         log.error("dead-lettering %s entry %s: %s", stream.name, entry_id, cause[:500])
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(
                 self.key(DEAD_LETTERS),
                 {b"type": b"DeadLetter", b"mid": letter.message_id, b"data": encode(letter)},
-                maxlen=self.maxlen,
+                maxlen=kept_entries(DEAD_LETTERS, self.maxlen),
                 approximate=True,
             )
             pipe.xack(self.key(stream), group, entry_id)
@@ -77,14 +94,21 @@ class DeadLettering:
         metrics.DEAD_LETTERED.labels(stream.name, group, reason).inc()
 
 
-def _slimmed(stream: StreamDef, payload: bytes) -> bytes:
-    """``payload``, or past DEAD_LETTER_PAYLOAD_BYTES the message without its bulk (an undecodable
-    one, or one with no bulk to drop, stays whole)."""
-    if len(payload) <= DEAD_LETTER_PAYLOAD_BYTES:
-        return payload
+_DECODE_INLINE_BYTES = 64 * 1024
+
+
+def _kept(stream: StreamDef, payload: bytes) -> tuple[TaskRef | None, bytes, str]:
+    """The task the payload's message names (None: it names none, or does not decode), what of the
+    payload a letter keeps, and how (``DeadLetter.payload_kept``)."""
     try:
         message = decode(stream.model, payload)
     except ValueError:
-        return payload
-    slim = message.without_bulk()
-    return payload if slim is message else encode(slim)
+        message = None
+    task = message.task_ref() if message is not None else None
+    if len(payload) <= DEAD_LETTER_PAYLOAD_BYTES:
+        return task, payload, "whole"
+    if message is not None and (slim := message.without_bulk()) is not message:
+        slimmed = encode(slim)
+        if len(slimmed) <= DEAD_LETTER_PAYLOAD_BYTES:
+            return task, slimmed, "without_bulk"
+    return task, payload[:DEAD_LETTER_PAYLOAD_BYTES], "head"

@@ -11,9 +11,10 @@ dropped group: counted (``drops["dead_lettered"]``), marked in the run's dropped
 replaced by the next prompt of the data. Replaced, not retried: a message that failed five
 times is likely to fail again.
 
-The stream is read from its start each time a run executes, so a prompt dead-lettered while the
-trainer was down counts too; one already counted (in the checkpoint's dropped indices) is not
-counted twice. Validation questions lost the same way are the evaluator's
+Each execution of a run reads the stream from where it stood as the run first opened, before its
+first prompt went out (``RunStore.letters_after``), so a prompt dead-lettered while the trainer was
+down counts too, and the letters of every run before it are not read again; one already counted (in
+the checkpoint's dropped indices) is not counted twice. Validation questions lost the same way are the evaluator's
 (``services.trainer.evaluation``): counted wrong, never replaced. Both follow the stream with
 :func:`follow_dead_letters` and tell whose a letter is from :func:`lost_task`.
 """
@@ -25,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple, TypeVar
 
 from proto.base import decode
-from proto.messages import DeadLetter, PromptTask, ScoredGroup, TrajectoryGroup
+from proto.messages import DeadLetter, TaskRef
 from proto.streams import DEAD_LETTERS, EVALS, PROMPTS, SCORED, TRAJECTORIES
 from services.bus import Bus
 from services.trainer.checkpoints import prompt_index
@@ -34,22 +35,25 @@ K = TypeVar("K")  # what a letter is lost as: a prompt index, a validation quest
 
 __all__ = ["LostPrompt", "follow_dead_letters", "lost_prompt", "lost_task"]
 
-# the streams whose messages carry a prompt task (a ScoredGroup carries it in its group)
+# the streams whose messages carry a prompt task (a ScoredGroup carries it in its group): where a
+# letter an older pbsd made does not name its task, the payload tells
 _CARRIERS = {s.name: s.model for s in (PROMPTS, TRAJECTORIES, SCORED, EVALS)}
 _TRAINING = {PROMPTS.name, TRAJECTORIES.name, SCORED.name}  # EVALS carries validation groups only
 
 
-def lost_task(letter: DeadLetter) -> PromptTask | TrajectoryGroup | None:
-    """The prompt task (or the group that answers it) whose message ``letter`` holds, else None (a
-    stream without prompts, or a payload that does not decode: whose it was cannot be told)."""
+def lost_task(letter: DeadLetter) -> TaskRef | None:
+    """The prompt task whose message ``letter`` holds (the task's copy, or a group that answers
+    it), else None (a stream without prompts, or a payload that did not decode: whose it was
+    cannot be told)."""
     model = _CARRIERS.get(letter.stream)
     if model is None:
         return None
+    if letter.task is not None:
+        return letter.task
     try:
-        message = decode(model, letter.payload)
+        return decode(model, letter.payload).task_ref()
     except ValueError:
         return None
-    return message.group if isinstance(message, ScoredGroup) else message
 
 
 class LostPrompt(NamedTuple):
@@ -63,7 +67,7 @@ def lost_prompt(letter: DeadLetter, run_id: str) -> LostPrompt | None:
     task = lost_task(letter) if letter.stream in _TRAINING else None
     if task is None or task.run_id != run_id:
         return None
-    if isinstance(task, PromptTask) and task.purpose != "train":
+    if task.purpose not in (None, "train"):
         return None
     index = prompt_index(task.task_id)
     return None if index is None else LostPrompt(index, task.message_id)
@@ -74,15 +78,18 @@ async def follow_dead_letters(
     pick: Callable[[DeadLetter], K | None],
     on_lost: Callable[[K, DeadLetter], Awaitable[None]],
     stop: asyncio.Event,
+    *,
+    after: str,
 ) -> None:
     """Call ``on_lost(key, letter)`` for every dead letter that ``pick`` gives a key (not None), from
-    the stream's start, then as they arrive, until ``stop``; through lost connections (a follower
+    entry ``after`` on, then as they arrive, until ``stop``; through lost connections (a follower
     that died would leave the run waiting for good for a prompt it never replaced)."""
 
     async def see(_entry_id: str, letter: DeadLetter) -> None:
-        # ``pick`` decodes the payload: a large one (a group's tokens) off the event loop
-        key = await asyncio.to_thread(pick, letter) if len(letter.payload) > 1 << 20 else pick(letter)
+        # a letter an older pbsd made is decoded: a large one (a group's tokens) off the event loop
+        slow = letter.task is None and len(letter.payload) > 1 << 20
+        key = await asyncio.to_thread(pick, letter) if slow else pick(letter)
         if key is not None:
             await on_lost(key, letter)
 
-    await bus.follow_for_good(DEAD_LETTERS, "0-0", see, stop, reader="the trainer", block_ms=500)
+    await bus.follow_for_good(DEAD_LETTERS, after, see, stop, reader="the trainer", block_ms=500)

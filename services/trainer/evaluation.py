@@ -89,7 +89,9 @@ class Evaluator:
         out: Path,
         *,
         nonce: str,
+        letters_after: str = "0-0",
     ) -> None:
+        """``letters_after``: where the run's dead letters begin (RunStore.letters_after)."""
         if not questions:
             raise ValueError("the run's validation file has no questions")
         self.bus = bus
@@ -99,6 +101,7 @@ class Evaluator:
         self.questions = questions[: spec.data.max_validation_questions]
         self.out = out
         self.nonce = nonce
+        self.letters_after = letters_after
         self.rollout = spec.rollout.model_copy(
             update={
                 "group_size": spec.rollout.eval_samples,
@@ -163,7 +166,8 @@ class Evaluator:
             EVALS, "trainer", self._handle, group=evals_group(self.run_id), options=options, stop=self.stop
         )
         pick = functools.partial(lost_question, prefix=self.prefix)
-        await asyncio.gather(consume, follow_dead_letters(self.bus, pick, self._lost, self.stop))
+        follow = follow_dead_letters(self.bus, pick, self._lost, self.stop, after=self.letters_after)
+        await asyncio.gather(consume, follow)
 
     async def _lost(self, position: tuple[int, int], letter: DeadLetter) -> None:
         version, index = position

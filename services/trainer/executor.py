@@ -140,7 +140,9 @@ class RunExecutor:
         dead_stop = asyncio.Event()  # prompts a consumer gave up on: replaced, or the run waits for good
         on_lost = functools.partial(self._dead_lettered, run)
         pick = functools.partial(lost_prompt, run_id=run.id)
-        dead = asyncio.create_task(follow_dead_letters(self.bus, pick, on_lost, dead_stop))
+        dead = asyncio.create_task(
+            follow_dead_letters(self.bus, pick, on_lost, dead_stop, after=run.letters_after)
+        )
         run.last_step_end = time.perf_counter()
         finished = "completed"
         try:
@@ -345,7 +347,7 @@ class RunExecutor:
         if index in state.dropped_indices or index >= controller.next_index:
             return
         if lost.message_id not in controller.copies and index in controller.copies.values():
-            # the letters are read from the stream's start at each opening: this one lost a copy
+            # each opening reads the letters since the run's first: this one lost a copy
             # that one published ahead of the queue replaced (after a crash, in this execution or
             # an earlier one; or for a group sampled with discarded weights), and that copy is in
             # flight and counted so

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from agent.chat import ChatTokenizer
 from proto.base import new_id
 from proto.runs import RunSpec
+from proto.streams import DEAD_LETTERS
 from services.bus import Bus, ConsumerOptions
 from services.model.checkpoint import load_model
 from services.trainer.admission import outstanding
@@ -74,6 +75,7 @@ class Run:
     published: int = 0  # the newest version announced
     last_step_end: float = 0.0
     checkpointed: str | None = None  # the checkpoint folder that holds the weights as they are now
+    letters_after: str = "0-0"  # where its dead letters begin (RunStore.letters_after)
     # set when a prompt's group is known lost for good (dead-lettered): a batch waiting for the
     # data's last groups checks again whether any can still come
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -165,6 +167,9 @@ async def open_run(
     state.timeline = timeline
     if not resume:  # before its first prompt: see services.trainer.run_groups
         await open_groups(bus, run_id)
+        # no letter of the run's can be older (services.trainer.dead_letters)
+        await store.set_letters_after(run_id, await bus.last_id(DEAD_LETTERS))
+    letters_after = await store.letters_after(run_id)
     await store.add_timeline(run_id, timeline, state.version)  # known before anything is announced in it
     publisher = WeightPublisher(
         bus, run_id, out, keep=settings.keep_weights, broadcaster=broadcaster(settings)
@@ -217,6 +222,7 @@ async def open_run(
                 validation.items,
                 out,
                 nonce=new_id()[:8],
+                letters_after=letters_after,
             )
             evaluator.recorded = await store.metrics(run_id, series="evals")  # the rounds of the weights kept
             evaluator.start(options)
@@ -253,6 +259,7 @@ async def open_run(
         options=options,
         published=state.version,
         checkpointed=latest.name if latest else None,
+        letters_after=letters_after,
     )
 
 

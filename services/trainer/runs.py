@@ -248,6 +248,15 @@ class RunStore:
         value = await self.redis.hget(self._key(run_id), "published")
         return int(value) if value else None
 
+    async def set_letters_after(self, run_id: str, entry_id: str) -> None:
+        """The dead-letter stream's last entry as the run first opened: none after it is older."""
+        await self.redis.hset(self._key(run_id), "letters_after", entry_id)
+
+    async def letters_after(self, run_id: str) -> str:
+        """Where the run's dead letters begin; the stream's start for a run that never said."""
+        value = await self.redis.hget(self._key(run_id), "letters_after")
+        return _s(value) or "0-0"
+
     async def add_timeline(self, run_id: str, timeline: str, version: int) -> None:
         await self.redis.hset(self._key(run_id, ":timelines"), timeline, str(version))
 
