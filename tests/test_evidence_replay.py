@@ -42,11 +42,12 @@ def test_position_map_by_hand():
     routes = np.arange(12, dtype=np.uint8).reshape(3, 2, 2)
     got = routes_at(routes, np.array([2, -1, 0, 5]))
     assert (
-        got.dtype == np.int64
+        got.dtype == np.int16  # signed for the -1 rows, a quarter of int64's memory
         and got[0].tolist() == routes[2].tolist()
         and got[2].tolist() == routes[0].tolist()
     )
     assert (got[1] == -1).all() and (got[3] == -1).all()  # fresh: mapped nowhere, or never recorded
+    assert routes_at(routes.astype(np.int32) + 40_000, np.array([0])).dtype == np.int32  # kept wide
 
 
 def _forced_routes(model, n: int, first: int = 0) -> torch.Tensor:

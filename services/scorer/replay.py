@@ -66,9 +66,12 @@ def position_map(student_prompt: Sequence[int], teacher_prompt: Sequence[int], l
 
 
 def routes_at(routes: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """``routes[positions]`` as int64, with rows of -1 (fresh) where a position is -1 or unrecorded."""
+    """``routes[positions]``, with rows of -1 (fresh) where a position is -1 or unrecorded: in the
+    narrowest signed type that holds the recorded experts (int16 for SGLang's uint8), since a
+    64K-token context's routes at 48 layers and top-8 are 384 MiB as int64. The routers widen
+    each layer's column as they use it."""
     routes = np.asarray(routes)
-    out = np.full((positions.size, *routes.shape[1:]), -1, dtype=np.int64)
+    out = np.full((positions.size, *routes.shape[1:]), -1, dtype=np.promote_types(routes.dtype, np.int16))
     known = (positions >= 0) & (positions < routes.shape[0])
     out[known] = routes[positions[known]]
     return out

@@ -152,7 +152,9 @@ class PolicyTrainer:
         """R3: within the block the policy's routers use the experts the rollout engine chose."""
         if not replay:
             return contextlib.nullcontext()
-        routes = torch.as_tensor(np.asarray(sample.routes, dtype=np.int64), device=self.device)
+        # as recorded (uint8 to int32): the routers widen each layer's column as they use it, and
+        # a long sample's routes as int64 are hundreds of MB of device memory
+        routes = torch.as_tensor(np.asarray(sample.routes), device=self.device)
         return replay_routes(self.model, routes[: len(sample.input_ids)])
 
     def reference_logprobs(self, sample: TrainSample) -> torch.Tensor:
