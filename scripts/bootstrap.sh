@@ -19,29 +19,13 @@ if sys.version_info < (3, 11):
     sys.exit(f"pbsd needs Python >= 3.11, found {sys.version.split()[0]}; set PYTHON=python3.11")
 PY
 
-if [[ ! -x "$VENV/bin/python" ]]; then
-    echo "bootstrap: creating $VENV"
-    "$PYTHON" -m venv "$VENV"
-fi
-
-# Reinstall only when the project's requirements changed since the last install.
-stamp="$VENV/.pbsd-install-stamp"
-EXTRAS=${PBSD_EXTRAS:-dev}   # the slow tests add "gpu" (DeepSpeed, which also runs on the CPU accelerator)
-want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $TORCH_PIN $EXTRAS"
-if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-    echo "bootstrap: installing $TORCH_PIN and the project into $VENV"
-    pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-    "${pip[@]}" "$TORCH_PIN" 2>/dev/null \
-        || "${pip[@]}" --extra-index-url "$TORCH_CPU_INDEX" "$TORCH_PIN" 2>/dev/null \
-        || "${pip[@]}" "${TORCH_PIN%+cpu}"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
-    echo "$want" > "$stamp"
-fi
-
-# OS packages: redis-server (the bus, for the demo and the tests) and Chromium (the credit
-# viewer's browser test; PBSD_BROWSER=0, as `make demo` sets, leaves it out). Installed only when
-# missing.
+# OS packages: Python's venv module (Debian and Ubuntu ship it apart, as python3.X-venv),
+# redis-server (the bus, for the demo and the tests) and Chromium (the credit viewer's browser
+# test; PBSD_BROWSER=0, as `make demo` sets, leaves it out). Installed only when missing.
 missing=()
+if [[ ! -x "$VENV/bin/python" ]] && ! "$PYTHON" -c "import ensurepip, venv" >/dev/null 2>&1; then
+    missing+=("python$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv")
+fi
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 if [[ ${PBSD_BROWSER:-1} != 0 ]]; then
     command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
@@ -61,3 +45,23 @@ if ((${#missing[@]})); then
     # The packages may start system instances; the project always runs its own on free ports.
     command -v redis-server >/dev/null 2>&1 || { echo "bootstrap: redis-server still missing after install" >&2; exit 1; }
 fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "bootstrap: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+# Reinstall only when the project's requirements changed since the last install.
+stamp="$VENV/.pbsd-install-stamp"
+EXTRAS=${PBSD_EXTRAS:-dev}   # the slow tests add "gpu" (DeepSpeed, which also runs on the CPU accelerator)
+want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1) $TORCH_PIN $EXTRAS"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    echo "bootstrap: installing $TORCH_PIN and the project into $VENV"
+    pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+    "${pip[@]}" "$TORCH_PIN" 2>/dev/null \
+        || "${pip[@]}" --extra-index-url "$TORCH_CPU_INDEX" "$TORCH_PIN" 2>/dev/null \
+        || "${pip[@]}" "${TORCH_PIN%+cpu}"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
+    echo "$want" > "$stamp"
+fi
+
