@@ -16,6 +16,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_
 
 from pbsd import credit
 from proto.base import Contract, Message, unfit_value
+from proto.config_files import file_keys
 from proto.templates import (
     DEFAULT_TEACHER_TEMPLATE,
     TEACHER_TEMPLATES,
@@ -353,7 +354,16 @@ class TrainerSpec(_Spec):
     def _finite_config(cls, value):
         if isinstance(value, dict) and (problem := unfit_value(value, MAX_CONFIG_DEPTH)):
             raise ValueError(f"deepspeed_config {_CONFIG_PROBLEMS[problem]}")
+        if isinstance(value, dict) and (keys := file_keys(value)):
+            raise ValueError(deepspeed_files_refused(keys))
         return value
+
+
+def deepspeed_files_refused(keys: list[str]) -> str:
+    return (
+        f"deepspeed_config names files or folders ({', '.join(keys[:5])}), where DeepSpeed would "
+        "write outside the run's folder: leave them out (proto/config_files.py)"
+    )
 
 
 class RunSpec(Message):

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from proto.runs import TrainerSpec
+from proto.config_files import file_keys
+from proto.runs import TrainerSpec, deepspeed_files_refused
 
 __all__ = ["deepspeed_config", "enabled", "weight_decay_of"]
 
@@ -22,6 +23,8 @@ def deepspeed_config(spec: TrainerSpec, dtype: torch.dtype = torch.float32) -> d
     config = spec.deepspeed_config or {}
     if isinstance(config, str):
         config = json.loads(Path(config).read_text())
+    if keys := file_keys(config):  # a file checked at submission may have changed since
+        raise ValueError(deepspeed_files_refused(keys))
     config = json.loads(json.dumps(config))  # a copy: the defaults below must not reach the spec
     config.setdefault("train_micro_batch_size_per_gpu", 1)
     config["gradient_accumulation_steps"] = 1
