@@ -278,10 +278,12 @@ async def test_the_gateway_keeps_answering_while_redis_is_down(world):
     assert fallbacks("incr") == before + 3
     with LocalRedis(port=port) as server:
         assert server.port == port
-        back = await gw.call(*SEARCH, {"q": "festival"}, trajectory_id="t2")
+        near = await gw.call(*SEARCH, {"q": "festival"}, trajectory_id="t2")
+        assert near.ok and near.cached  # the near copy, for up to near_ttl_s
+        back = await gw.call(*SEARCH, {"q": "museum"}, trajectory_id="t2")
         assert back.ok and not back.cached  # Redis is the store again (and starts empty)
         assert await client.exists("down:tools:budget:t2")
-        assert await client.get("down:tools:budget:t2") == b"1"
+        assert await client.get("down:tools:budget:t2") == b"2"
     await client.aclose()
 
 

@@ -71,15 +71,25 @@ def terms(text: str) -> list[str]:
     return [w for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
-@functools.lru_cache(maxsize=1 << 16)  # snippets stem every word of every hit: most words recur
+# a page's "word" can be 60K letters long, and the cache keeps what it is given
+_CACHED_WORD = 48
+
+
 def stem(word: str) -> str:
     """A crude suffix stripper so "founded" matches "found" and "cities" matches "city"."""
+    return _stem_cached(word) if len(word) <= _CACHED_WORD else _stem(word)
+
+
+def _stem(word: str) -> str:
     if len(word) > 5 and word.endswith("ies"):
         return word[:-3] + "y"
     for suffix in ("ing", "ed", "es", "s"):
         if len(word) > len(suffix) + 3 and word.endswith(suffix) and not word.endswith("ss"):
             return word[: -len(suffix)]
     return word
+
+
+_stem_cached = functools.lru_cache(maxsize=1 << 16)(_stem)  # snippets stem every word of every hit
 
 
 def passages(text: str) -> list[str]:
@@ -141,9 +151,20 @@ def rank_passages(
     for _neg, i in scored[:limit]:
         if chosen and used + len(items[i]) > max_chars:
             break
-        chosen.append((items[i], i))
+        chosen.append((_cut(items[i], max_chars), i))
         used += len(items[i]) + 1
     return chosen
+
+
+# A page's passage, which is what lies between two full stops, can be the page: a hostile page
+# made each read 100,000 characters, cached for a week. The best passage is kept whole up to
+# this many times the extraction's budget (the embedded world's longest is under 2x).
+PASSAGE_BUDGETS = 4
+
+
+def _cut(passage: str, max_chars: int) -> str:
+    most = PASSAGE_BUDGETS * max_chars
+    return passage if len(passage) <= most else passage[:most] + " …"
 
 
 def extract(
@@ -151,7 +172,7 @@ def extract(
 ) -> Extraction:
     ranked = rank_passages(text, goal, idf, limit=limit, max_chars=max_chars)
     if not ranked:
-        first = passages(text)[:1]
+        first = [_cut(p, max_chars) for p in passages(text)[:1]]
         return Extraction(
             first, f"The page {title or ''} does not mention what was asked.".replace("  ", " "), found=False
         )

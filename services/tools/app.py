@@ -156,10 +156,12 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
                 client,
                 settings.stream_prefix,
                 near_items=settings.near_cache_items,
+                near_bytes=settings.near_cache_mb << 20,
                 near_ttl_s=settings.near_cache_ttl_s,
+                redis_share=settings.cache_redis_share,
             )
             if client
-            else MemoryStore()
+            else MemoryStore(max_bytes=settings.near_cache_mb << 20)
         )
         cpu = CpuPool(settings.cpu_workers, nice=settings.cpu_nice)
         backend = build_backend(settings, http, cpu)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import re
 import zlib
 from dataclasses import dataclass
 from urllib.parse import quote, urljoin, urlsplit, urlunsplit
@@ -170,17 +171,26 @@ def _page_text(body: bytes, content_type: str) -> tuple[str, str]:
     return html_to_text(text) if "html" in content_type else ("", text)
 
 
+_CHARSET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,39}")
+
+
 def _charset(content_type: str) -> str:
     """The declared charset when Python decodes pages with it, else UTF-8 (as browsers fall back)."""
     for part in content_type.split(";")[1:]:
         key, _, value = part.strip().partition("=")
-        if key == "charset" and value:
-            try:
-                codec = codecs.lookup(value.strip("\"' "))
-                if codec.name in _UNFIT_CHARSETS:
-                    break
-                "".encode(codec.name)  # LookupError for the bytes-to-bytes codecs (base64, zlib, ...)
-            except (LookupError, UnicodeError):
+        if key != "charset" or not value:
+            continue
+        name = value.strip("\"' ")
+        # Python caches every name it looks up, found or not: a name no charset has (IANA's run to
+        # 40 characters) is never looked up, or each hostile page would leave one in memory for good
+        if not _CHARSET_NAME.fullmatch(name):
+            break
+        try:
+            codec = codecs.lookup(name)
+            if codec.name in _UNFIT_CHARSETS:
                 break
-            return codec.name
+            "".encode(codec.name)  # LookupError for the bytes-to-bytes codecs (base64, zlib, ...)
+        except (LookupError, UnicodeError):
+            break
+        return codec.name
     return "utf-8"

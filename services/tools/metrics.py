@@ -14,8 +14,12 @@ CALL_SECONDS = Histogram(
 CACHE = Counter("pbsd_tools_cache_total", "Cache lookups by result (hit or miss)", ["tool", "result"])
 STORE_FALLBACKS = Counter(
     "pbsd_tools_store_fallbacks_total",
-    "Cache and budget operations served in process because Redis was unreachable",
+    "Cache and budget operations served in process because Redis was unreachable or refused writes",
     ["op"],
+)
+CACHE_WRITES_SKIPPED = Counter(
+    "pbsd_tools_cache_writes_skipped_total",
+    "Cache entries not written to Redis because it held PBSD_TOOLS_CACHE_REDIS_SHARE of its maxmemory",
 )
 MERGED = Counter("pbsd_tools_merged_total", "Calls answered by an identical call already in flight", ["tool"])
 UPSTREAM_REQUESTS = Counter(

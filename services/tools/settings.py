@@ -53,6 +53,16 @@ class ToolsSettings(CommonSettings):
         description="how much lower the CPU threads' OS priority is than the event loop's",
     )
     near_cache_items: int = Field(default=10_000, ge=0, description="cache entries kept in the process")
+    near_cache_mb: int = Field(
+        default=256, ge=0, description="the most the cache entries kept in the process may hold, in MiB"
+    )
+    cache_redis_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="cache entries are written to Redis only while it holds less than this share of its "
+        "maxmemory (none set: always): the bus shares it and runs without eviction",
+    )
     near_cache_ttl_s: float = Field(
         default=600.0, ge=0, description="how long a near copy may answer without asking Redis"
     )

@@ -6,15 +6,22 @@ is unreachable the Redis store falls back to an in-process one, so the gateway k
 answering (cache misses, budgets counted per replica) instead of failing every call.
 
 The Redis store keeps a near copy of the cache entries it reads and writes in the process
-(at most ``near_items``, each for at most ``near_ttl_s``): a repeated call is answered
-without a round trip to Redis, and a replica follows the shared cache (an entry an
+(at most ``near_items`` and ``near_bytes``, each for at most ``near_ttl_s``): a repeated call is
+answered without a round trip to Redis, and a replica follows the shared cache (an entry an
 operator deleted, say) within ``near_ttl_s``. A call with a budget costs one round trip:
 the count and the cache lookup travel together.
+
+The cache shares its Redis with the bus, which runs without eviction: entries that filled it
+would leave the bus refusing writes, and a refused write was a 500 for every call. So the store
+writes cache entries only while Redis is below ``redis_share`` of its ``maxmemory`` (looked at
+every ``ROOM_CHECK_S``), and a write Redis refuses anyway (out of memory, a read-only replica) is
+served in the process, as during an outage.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -23,6 +30,7 @@ from typing import Protocol, TypeVar
 import redis.asyncio as aioredis
 
 from services.bus import REDIS_DOWN
+from services.bus.connection import refusing
 from services.tools import metrics
 
 log = logging.getLogger(__name__)
@@ -43,6 +51,9 @@ class Store(Protocol):
         ...
 
 
+ROOM_CHECK_S = 10.0  # how often the store looks at Redis's memory
+
+
 class RedisStore:
     def __init__(
         self,
@@ -50,25 +61,36 @@ class RedisStore:
         prefix: str = "pbsd",
         *,
         near_items: int = 10_000,
+        near_bytes: int = 256 << 20,
         near_ttl_s: float = 600.0,
+        redis_share: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.redis = client
         self.prefix = f"{prefix}:tools:"
-        self.near = MemoryStore(max_items=near_items)  # copies of cache entries Redis holds
+        # copies of cache entries Redis holds
+        self.near = MemoryStore(max_items=near_items, max_bytes=near_bytes)
         self.near_ttl_s = near_ttl_s
-        self.local = MemoryStore(max_items=10_000)  # while Redis is out of reach
+        self.local = MemoryStore(max_items=10_000, max_bytes=near_bytes)  # while Redis is out of reach
+        self.redis_share = redis_share
+        self.clock = clock
         self._down = False
+        self._room_checked, self._room = -ROOM_CHECK_S, True
 
     async def _redis_or_local(
         self, op: str, remote: Callable[[], Awaitable[T]], local: Callable[[], Awaitable[T]]
     ) -> T:
         try:
             result = await remote()
-        except REDIS_DOWN as exc:
+        except Exception as exc:
+            if not isinstance(exc, REDIS_DOWN) and not refusing(exc):
+                raise
             metrics.STORE_FALLBACKS.labels(op).inc()
             if not self._down:
                 log.warning(
-                    "Redis is unreachable (%s): cache and budgets in this process until it is back", exc
+                    "Redis is unreachable or refuses writes (%s): cache and budgets in this process "
+                    "until it takes them again",
+                    exc,
                 )
                 self._down = True
             return await local()
@@ -89,11 +111,34 @@ class RedisStore:
         return await self._redis_or_local("get", remote, lambda: self.local.get(key))
 
     async def set(self, key: str, value: str, ttl_s: int) -> None:
+        # near first: an entry Redis has no room for, or refuses, still answers this replica
+        self.near.put(key, value, min(ttl_s, self.near_ttl_s))
+
         async def remote():
-            await self.redis.set(self.prefix + key, value, ex=ttl_s)
-            self.near.put(key, value, min(ttl_s, self.near_ttl_s))
+            if await self._has_room():
+                await self.redis.set(self.prefix + key, value, ex=ttl_s)
+            else:
+                metrics.CACHE_WRITES_SKIPPED.inc()
 
         await self._redis_or_local("set", remote, lambda: self.local.set(key, value, ttl_s))
+
+    async def _has_room(self) -> bool:
+        """Whether Redis is below ``redis_share`` of its maxmemory (none set: always), as last seen."""
+        now = self.clock()
+        if now - self._room_checked >= ROOM_CHECK_S:
+            self._room_checked = now
+            memory = await self.redis.info("memory")
+            most = int(memory.get("maxmemory", 0))
+            room = most <= 0 or int(memory.get("used_memory", 0)) < self.redis_share * most
+            if room != self._room:
+                log.warning(
+                    "Redis holds %d of its %d bytes: cache entries %s",
+                    int(memory.get("used_memory", 0)),
+                    most,
+                    "written again" if room else f"no longer written past {self.redis_share:.0%}",
+                )
+            self._room = room
+        return self._room
 
     async def incr(self, key: str, ttl_s: int) -> int:
         count, _ = await self._count(key, ttl_s, None)
@@ -129,11 +174,14 @@ class RedisStore:
 
 
 class MemoryStore:
-    """A bounded LRU with per-key expiry."""
+    """An LRU with per-key expiry, bounded in entries and in bytes: a read's result is up to
+    400 KB (100,000 characters outside the BMP), so ten thousand of them were 4 GB."""
 
-    def __init__(self, max_items: int = 100_000, clock=time.monotonic) -> None:
+    def __init__(self, max_items: int = 100_000, clock=time.monotonic, *, max_bytes: int = 256 << 20) -> None:
         self.items: OrderedDict[str, tuple[float, str | int]] = OrderedDict()
         self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.bytes = 0  # of the keys and values held
         self.clock = clock
 
     def _live(self, key: str):
@@ -141,16 +189,22 @@ class MemoryStore:
         if item is None:
             return None
         if item[0] <= self.clock():
-            del self.items[key]
+            self._drop(key)
             return None
         self.items.move_to_end(key)
         return item[1]
 
+    def _drop(self, key: str) -> None:
+        _expiry, value = self.items.pop(key)
+        self.bytes -= _size(key, value)
+
     def put(self, key: str, value: str | int, ttl_s: float) -> None:
+        if key in self.items:
+            self._drop(key)
         self.items[key] = (self.clock() + ttl_s, value)
-        self.items.move_to_end(key)
-        while len(self.items) > self.max_items:
-            self.items.popitem(last=False)
+        self.bytes += _size(key, value)
+        while self.items and (len(self.items) > self.max_items or self.bytes > self.max_bytes):
+            self._drop(next(iter(self.items)))
 
     def peek(self, key: str) -> str | None:
         """``get`` without a coroutine: the Redis store's near copies are read on every call."""
@@ -168,9 +222,14 @@ class MemoryStore:
         if value is None:
             self.put(key, 1, ttl_s)
             return 1
-        expiry = self.items[key][0]
-        self.items[key] = (expiry, int(value) + 1)
-        return int(value) + 1
+        expiry, count = self.items[key][0], int(value) + 1
+        self.items[key] = (expiry, count)
+        self.bytes += _size(key, count) - _size(key, value)
+        return count
 
     async def incr_and_get(self, counter: str, ttl_s: int, key: str) -> tuple[int, str | None]:
         return await self.incr(counter, ttl_s), self.peek(key)
+
+
+def _size(key: str, value: str | int) -> int:
+    return sys.getsizeof(key) + sys.getsizeof(value)
