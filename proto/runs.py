@@ -372,8 +372,14 @@ class RunSpec(Message):
     model_config = ConfigDict(allow_inf_nan=False)
 
     # no control characters: a name is logged and printed, where a newline forges a log line and an
-    # escape sequence drives the reader's terminal
-    name: str = Field(default="run", min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")
+    # escape sequence drives the reader's terminal. C1 controls (CSI, NEL) and the line separators
+    # do the same for terminals and readers that honour them, and bidi overrides reorder the line
+    name: str = Field(
+        default="run",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]+$",
+    )
     model: ModelSpec
     data: DataSpec
     rollout: RolloutSpec = RolloutSpec()

@@ -181,6 +181,10 @@ def test_run_spec_defaults_are_the_papers():
         ({"trainer": {"betas": [0.9, 1.0]}}, "trainer.betas"),  # torch's AdamW refuses it at the run's start
         ({"name": "run\n2026-11-29 INFO forged line"}, "name"),
         ({"name": "\x1b[2Jrun"}, "name"),
+        ({"name": "\x9b2Jrun"}, "name"),  # C1 CSI
+        ({"name": "run\x85forged"}, "name"),  # NEL: a line break to str.splitlines
+        ({"name": "run\u2028forged"}, "name"),
+        ({"name": "run\u202egpj.exe"}, "name"),  # right-to-left override
         # pydantic reads true as 1: a group of one sample, a deadband of 1 nat
         ({"rollout": {"group_size": True}}, "group_size: True holds a boolean"),
         ({"algorithm": {"name": "pbsd", "eps_pos": True}}, "eps_pos: True holds a boolean"),

@@ -69,6 +69,20 @@ async def test_summariser_shrinks_long_pages_and_retries_empty_answers():
     assert sizes[0] > sizes[1] > sizes[2]  # each retry sends a shorter page
 
 
+async def test_a_summary_of_brackets_nested_past_the_stack_is_text_not_a_failed_read():
+    """json.loads and json_repair both give up on 500 to 4,000 opening brackets (a RecursionError, a
+    ValueError "Input nesting exceeds"), which escaped: the read failed as an internal error and the
+    log took a traceback of about a thousand frames. A page can get a summariser to echo them."""
+    nested = "[" * 4000
+    llm_app = make_openai(['{"evidence": ' + "[" * 600, nested])
+    with serve(make_jina()) as jina, serve(llm_app) as llm:
+        async with httpx.AsyncClient() as http:
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina, summariser_base=llm)
+            out = await backend.read(ScrapeArgs(url="https://example.org/x", info_to_extract="goal"))
+    assert out["success"] and out["extracted_info"]["evidence"] == ""
+    assert out["extracted_info"]["summary"].startswith('{"evidence": [[[')
+
+
 async def test_a_null_summary_is_retried_and_the_temperature_can_be_left_out():
     """A reasoning model may answer null content: retried on a shorter page, as an empty answer is.
     With the temperature omitted the request carries none."""

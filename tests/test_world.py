@@ -237,3 +237,13 @@ def test_parquet_keeps_text_that_reads_as_json_and_columns_the_first_row_lacks(t
     assert [(q.question, q.answer) for q in report.items] == [("[1, 2]", "[0.10]"), ("q?", "x"), ("p?", "y")]
     assert report.items[1].support == ("a is x (page kb://a)",) and report.items[1].aliases == ("X",)
     assert report.items[0].support == () and [n for n, _ in report.problems] == [3]
+
+
+def test_a_file_of_junk_keeps_the_first_thousand_problems_and_counts_the_rest(tmp_path, caplog):
+    """A large file named as questions (a corpus, a checkpoint) held one problem per line."""
+    f = tmp_path / "junk.jsonl"
+    f.write_text('{"question": "a?", "answer": "b"}\n' + "junk\n" * 5000)
+    report = load_questions(f)
+    assert len(report.items) == 1 and len(report.problems) == 1000 and report.left_out == 5000
+    report.raise_if_empty(f)
+    assert "5000 rows left out, 1 kept" in caplog.text

@@ -60,10 +60,21 @@ def write_parquet(path: Path, rows: list[dict]) -> None:
     pq.write_table(pa.Table.from_pylist(flat), path)
 
 
+MAX_PROBLEMS = 1000
+
+
 @dataclass
 class LoadReport:
     items: list = field(default_factory=list)
-    problems: list[tuple[int, str]] = field(default_factory=list)  # (line number, what is wrong)
+    # (line number, what is wrong) of the first MAX_PROBLEMS rows left out: a file of junk (a
+    # checkpoint named as questions) has millions
+    problems: list[tuple[int, str]] = field(default_factory=list)
+    left_out: int = 0  # rows left out in all
+
+    def problem(self, line: int, what: str) -> None:
+        self.left_out += 1
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append((line, what))
 
     def first_problems(self, k: int = 5) -> str:
         return "; ".join(f"line {n}: {m}" for n, m in self.problems[:k])
@@ -79,7 +90,7 @@ class LoadReport:
             log.warning(
                 "%s: %d rows left out, %d kept (%s)",
                 path,
-                len(self.problems),
+                self.left_out,
                 len(self.items),
                 self.first_problems(),
             )
@@ -109,9 +120,9 @@ def _objects(path: Path, report: LoadReport) -> Iterator[tuple[int, dict]]:
     """The rows that are JSON objects; every other row becomes a problem in ``report``."""
     for n, row in json_rows(path):
         if isinstance(row, Exception):
-            report.problems.append((n, f"not valid JSON: {row}"))
+            report.problem(n, f"not valid JSON: {row}")
         elif not isinstance(row, dict):
-            report.problems.append((n, f"expected an object, got {type(row).__name__}"))
+            report.problem(n, f"expected an object, got {type(row).__name__}")
         else:
             yield n, row
 
@@ -154,7 +165,7 @@ def load_questions(path: str | Path, *, limit: int | None = None) -> LoadReport:
                 for k in ("question", "answer")
                 if k not in row
             ]
-            report.problems.append((n, f"missing field(s) {', '.join(missing)}"))
+            report.problem(n, f"missing field(s) {', '.join(missing)}")
             continue
         known = {
             k: row.pop(k)
@@ -169,16 +180,16 @@ def load_questions(path: str | Path, *, limit: int | None = None) -> LoadReport:
         # spelling ("None", "[1, 2]", "True", "nan"): a gold answer no one means
         finite = not isinstance(answer, float) or math.isfinite(answer)
         if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not finite:
-            report.problems.append((n, f"answer must be text or a finite number, got {answer!r:.80}"))
+            report.problem(n, f"answer must be text or a finite number, got {answer!r:.80}")
             continue
         known["answer"] = str(answer)
         try:
             record = QuestionRecord(**known, metadata=row)
         except ValidationError as exc:
-            report.problems.append((n, _validation_message(exc)))
+            report.problem(n, _validation_message(exc))
             continue
         if record.id in seen:
-            report.problems.append((n, f"duplicate id {record.id!r}"))
+            report.problem(n, f"duplicate id {record.id!r}")
             continue
         seen.add(record.id)
         report.items.append(record)
@@ -197,7 +208,7 @@ def load_corpus(path: str | Path, *, limit: int | None = None) -> LoadReport:
         try:
             report.items.append(CorpusDocument(**fields))
         except ValidationError as exc:
-            report.problems.append((n, _validation_message(exc)))
+            report.problem(n, _validation_message(exc))
     return report
 
 

@@ -145,7 +145,8 @@ async def eval_main(
     finally:
         if judge is not None:
             await judge.aclose()
-    result["bad_lines"] = [{"line": n, "problem": m} for n, m in report.problems]
+    result["bad_lines"] = [{"line": n, "problem": m} for n, m in report.problems]  # the first 1,000
+    result["bad_lines_total"] = report.left_out
     result["model"] = str(model)
     result["questions_file"] = str(questions)
     result["date"] = date

@@ -257,8 +257,11 @@ def _parse_summary(text: str) -> tuple[str, str]:
         raw = raw.strip("`").removeprefix("json").strip()
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError:
-        data = repair_json(raw, return_objects=True)
+    except (ValueError, RecursionError):  # RecursionError: brackets nested past Python's stack
+        try:
+            data = repair_json(raw, return_objects=True)
+        except (ValueError, RecursionError):  # json_repair gives up on such nesting too: the text
+            data = None
     if isinstance(data, dict):
         return _as_text(data.get("evidence")), _as_text(data.get("summary"))
     return "", text.strip()

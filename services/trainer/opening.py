@@ -106,10 +106,11 @@ async def open_run(
     spec = record.spec
     out = settings.runs_dir / run_id
     (out / "weights").mkdir(parents=True, exist_ok=True)
-    report = load_questions(spec.data.train)
+    # reading, loading and saving run off the event loop, which serves the API and its health
+    # probes: a question file can be millions of rows (or a large file named as one)
+    report = await asyncio.to_thread(load_questions, spec.data.train)
     report.raise_if_empty(Path(spec.data.train))
     require_support(spec.algorithm, report.items, spec.data.train)
-    # loading and saving run off the event loop, which serves the API and its health probes
     tokenizer = await asyncio.to_thread(
         AutoTokenizer.from_pretrained, spec.model.tokenizer or spec.model.path
     )
@@ -212,7 +213,7 @@ async def open_run(
             await store.reset_consumed(run_id, saved.get("trained_ids", []), state.dropped_indices)
         options = settings.consumer_options(block_ms=500)
         if spec.data.validation:
-            validation = load_questions(spec.data.validation)
+            validation = await asyncio.to_thread(load_questions, spec.data.validation)
             validation.raise_if_empty(spec.data.validation)
             evaluator = Evaluator(
                 bus,
