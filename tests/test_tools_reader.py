@@ -157,6 +157,12 @@ async def test_reads_of_internal_addresses_and_benchmark_leaks_never_reach_jina(
                 # a page the search results would never have shown: it would leak the answers
                 ("https://huggingface.co/datasets/openai/browsecomp", "leak"),
                 ("https://huggingface.co/spaces/some/leaderboard", "leak"),
+                # other spellings of that page passed a substring test of the link as written
+                ("https://huggingface.co:443/datasets/openai/browsecomp", "leak"),
+                ("https://huggingface.co./datasets/x", "leak"),
+                ("https://HuggingFace.co/%64atasets/x", "leak"),
+                ("https://huggingface.co//datasets/x", "leak"),
+                ("https://huggingface.co/models/../datasets/x", "leak"),
             ):
                 out = await backend.read(ScrapeArgs(url=url, info_to_extract="secrets"))
                 assert not out["success"] and why in out["error"], url

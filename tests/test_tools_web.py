@@ -108,6 +108,14 @@ async def test_serper_search_keeps_results_drops_leaks_and_sends_the_key():
     )
     assert "answerBox" not in await backend.search(GoogleSearchArgs(q="q"))
     await backend.searcher.http.aclose()
+    # nested, and spelt with a port: only the top level's values were looked at, as written
+    leaky["answerBox"] = {"answer": "x", "sources": [{"link": "https://huggingface.co:443/datasets/a"}]}
+    leaky["organic"] = [{"title": "t", "link": "https://huggingface.co./datasets/a"}]
+    backend.searcher.http = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, json=leaky))
+    )
+    assert await backend.search(GoogleSearchArgs(q="q")) == {"organic": []}
+    await backend.searcher.http.aclose()
     sent = app.state.requests[0]
     assert sent["headers"]["x-api-key"] == SERPER_KEY
     assert sent["body"] == {

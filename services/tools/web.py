@@ -25,6 +25,7 @@ from services.llm import ChatClient
 from services.search.extractive import IdfTable, extract
 from services.search.offline import read_result
 from services.tools import metrics
+from services.tools.blocklist import Blocklist
 from services.tools.cpu import CpuPool
 from services.tools.fetch import AddressRefused, EncodingRefused, FetchError, PlainFetcher
 from services.tools.resilience import Upstream
@@ -77,7 +78,7 @@ class SerperSearch:
         self.max_num = max_num
         self.url = base_url.rstrip("/") + "/search"
         self.api_key = api_key
-        self.blocked_hosts = tuple(h.lower() for h in blocked_hosts)
+        self.blocklist = Blocklist(blocked_hosts)
 
     async def search(self, args: GoogleSearchArgs) -> dict[str, Any]:
         body = args.model_dump(exclude_none=True)
@@ -104,17 +105,14 @@ class SerperSearch:
         out: dict[str, Any] = {"organic": results}
         for key in ("answerBox", "knowledgeGraph"):
             box = data.get(key)
-            # a box quoting a dataset page (its link or source) would leak as much as the page
-            if isinstance(box, dict) and not any(
-                isinstance(v, str) and self.blocked(v) for v in box.values()
-            ):
+            # a box quoting a dataset page (its link or source, at any depth) leaks as much as the page
+            if isinstance(box, dict) and not self.blocklist.blocks_any(box):
                 out[key] = box
         return out
 
     def blocked(self, link: str) -> bool:
         """Hosts that would leak benchmark answers (dataset pages): dropped from results, never read."""
-        target = link.lower()
-        return any(b in target for b in self.blocked_hosts)
+        return self.blocklist.blocks(link)
 
 
 class JinaReader:
