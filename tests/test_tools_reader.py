@@ -169,6 +169,26 @@ async def test_reads_of_internal_addresses_and_benchmark_leaks_never_reach_jina(
     assert jina_app.state.requests == []
 
 
+async def test_a_host_that_resolves_slowly_is_a_failed_read_within_the_fetch_time():
+    """The lookup before the read (so that not even Jina is asked for an internal address) had no
+    bound of its own: a slow resolver held the call to its 240 s deadline."""
+    import asyncio
+    import time
+
+    async with httpx.AsyncClient() as http:
+        backend = _backend(http, "http://127.0.0.1:9")
+        backend.fetcher.timeout_s = 0.2
+
+        async def slow(host, port):
+            await asyncio.sleep(30)
+
+        backend.fetcher.backend.resolve = slow
+        started = time.monotonic()
+        out = await backend.read(ScrapeArgs(url="https://slow-dns.example/x", info_to_extract="goal"))
+    assert time.monotonic() - started < 5
+    assert not out["success"] and "did not resolve in 0.2 s" in out["error"]
+
+
 async def test_a_short_link_that_lands_on_a_benchmark_page_is_not_read():
     with serve(make_jina(["landed:https://huggingface.co/datasets/openai/browsecomp"])) as jina:
         async with httpx.AsyncClient() as http:

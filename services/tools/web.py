@@ -307,11 +307,19 @@ class WebBackend:
             return read_result(args.url, error=f"refused to read {args.url}: it would leak benchmark answers")
         try:
             _scheme, host, port = check_url(args.url)
-            # Resolve and check here too, so that not even Jina is asked for an internal address.
-            await self.fetcher.backend.resolve(host, port)
+            # Resolve and check here too, so that not even Jina is asked for an internal address;
+            # within the fetch's time, as the fetch's own lookup is (a slow resolver held the call
+            # to its 240 s deadline, and a thread of the default executor with it)
+            async with asyncio.timeout(self.fetcher.timeout_s):
+                await self.fetcher.backend.resolve(host, port)
         except BlockedAddress as exc:
             metrics.SSRF_BLOCKED.inc()
             return read_result(args.url, error=f"refused to read {args.url}: {exc}")
+        except TimeoutError:
+            return read_result(
+                args.url,
+                error=f"cannot read {args.url}: its host did not resolve in {self.fetcher.timeout_s:g} s",
+            )
         except Exception as exc:  # unresolvable host: an unsuccessful read, not a tool failure
             return read_result(args.url, error=f"cannot read {args.url}: {exc}")
         page = await self._page(args.url)

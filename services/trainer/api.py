@@ -227,9 +227,16 @@ async def run_evals(
     return await _store(request).metrics(record.id, since, series="evals")
 
 
+# trajectories a page shows: every one shown is decoded at once, and at the paper's settings
+# (64K-token trajectories) each is about 600 KB of tokens and as much of page
+MAX_VIEWER_TRAJECTORIES = 2000
+
+
 @router.get("/runs/{run_id}/viewer", response_class=HTMLResponse)
 async def viewer(
-    record: Run, request: Request, limit: Annotated[int, Query(ge=1, le=100_000)] = 400
+    record: Run,
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=MAX_VIEWER_TRAJECTORIES)] = 400,
 ) -> HTMLResponse:
     html = await request.app.state.viewer_pages.page(record, limit)
     if html is None:
