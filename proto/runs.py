@@ -16,7 +16,6 @@ from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_
 
 from pbsd import credit
 from proto.base import Contract, Message, unfit_value
-from proto.config_files import file_keys
 from proto.templates import (
     DEFAULT_TEACHER_TEMPLATE,
     TEACHER_TEMPLATES,
@@ -354,16 +353,7 @@ class TrainerSpec(_Spec):
     def _finite_config(cls, value):
         if isinstance(value, dict) and (problem := unfit_value(value, MAX_CONFIG_DEPTH)):
             raise ValueError(f"deepspeed_config {_CONFIG_PROBLEMS[problem]}")
-        if isinstance(value, dict) and (keys := file_keys(value)):
-            raise ValueError(deepspeed_files_refused(keys))
         return value
-
-
-def deepspeed_files_refused(keys: list[str]) -> str:
-    return (
-        f"deepspeed_config names files or folders ({', '.join(keys[:5])}), where DeepSpeed would "
-        "write outside the run's folder: leave them out (proto/config_files.py)"
-    )
 
 
 class RunSpec(Message):
@@ -373,12 +363,13 @@ class RunSpec(Message):
 
     # no control characters: a name is logged and printed, where a newline forges a log line and an
     # escape sequence drives the reader's terminal. C1 controls (CSI, NEL) and the line separators
-    # do the same for terminals and readers that honour them, and bidi overrides reorder the line
+    # do the same for terminals and readers that honour them, and bidi embeddings, overrides and
+    # isolates reorder the line (the marks LRM, RLM and ALM, which right-to-left names use, stay)
     name: str = Field(
         default="run",
         min_length=1,
         max_length=128,
-        pattern=r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]+$",
+        pattern=r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]+$",
     )
     model: ModelSpec
     data: DataSpec

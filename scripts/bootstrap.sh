@@ -19,6 +19,13 @@ if sys.version_info < (3, 11):
     sys.exit(f"pbsd needs Python >= 3.11, found {sys.version.split()[0]}; set PYTHON=python3.11")
 PY
 
+# A .venv left by a `python -m venv` that failed for want of ensurepip has a python but no pip:
+# made again, once the OS packages below have brought the venv module.
+if [[ -x "$VENV/bin/python" ]] && ! "$VENV/bin/python" -c "import pip" >/dev/null 2>&1; then
+    echo "bootstrap: $VENV has no pip (made without Python's venv module): making it again"
+    rm -rf "$VENV"
+fi
+
 # OS packages: Python's venv module (Debian and Ubuntu ship it apart, as python3.X-venv),
 # redis-server (the bus, for the demo and the tests) and Chromium (the credit viewer's browser
 # test; PBSD_BROWSER=0, as `make demo` sets, leaves it out). Installed only when missing.

@@ -163,6 +163,7 @@ async def test_reads_of_internal_addresses_and_benchmark_leaks_never_reach_jina(
                 ("https://HuggingFace.co/%64atasets/x", "leak"),
                 ("https://huggingface.co//datasets/x", "leak"),
                 ("https://huggingface.co/models/../datasets/x", "leak"),
+                ("https://huggingface.co/%44ATASETS/x", "leak"),  # capitals once decoded
             ):
                 out = await backend.read(ScrapeArgs(url=url, info_to_extract="secrets"))
                 assert not out["success"] and why in out["error"], url

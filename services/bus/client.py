@@ -9,13 +9,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from proto.base import Message, decode, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
-from services.bus.connection import REDIS_DOWN, as_text, missing, redis_client
+from services.bus.connection import REDIS_DOWN, as_text, redis_client
 from services.bus.dead_lettering import kept_entries
 from services.bus.delivery import MAX_MESSAGE_BYTES, HandlerCancelled, MessageTooLarge
 from services.bus.groups import ConsumerGroups
@@ -229,17 +228,6 @@ class Bus(ConsumerGroups):
         """The first ``count`` entries still on a stream (for inspection and tests)."""
         entries = await self.redis.xrange(self.key(stream), count=count)
         return [(as_text(i), decode(stream.model, f[b"data"])) for i, f in entries]
-
-    async def last_id(self, stream: StreamDef) -> str:
-        """The id of the last entry ever added to ``stream`` (trimmed or not), "0-0" for a stream
-        never written: a reader that follows from it sees exactly what is added afterwards."""
-        try:
-            info = await self.redis.xinfo_stream(self.key(stream))
-        except ResponseError as exc:
-            if missing(exc):
-                return "0-0"
-            raise
-        return as_text(info["last-generated-id"])
 
     async def stream_length(self, stream: StreamDef) -> int:
         return int(await self.redis.xlen(self.key(stream)))

@@ -44,7 +44,8 @@ def canonical_link(link: str) -> str:
         path = decoded
     path = posixpath.normpath(_SLASHES.sub("/", path)) if path else ""
     query = unquote(parts.query)
-    return host + (path if path not in (".", "/") else "") + (f"?{query}" if query else "")
+    # in lower case once decoded too: %42rowse%43omp is BrowseComp
+    return (host + (path if path not in (".", "/") else "") + (f"?{query}" if query else "")).lower()
 
 
 class Blocklist:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import re
+import encodings
+import encodings.aliases
+import pkgutil
 import zlib
 from dataclasses import dataclass
 from urllib.parse import quote, urljoin, urlsplit, urlunsplit
@@ -171,7 +173,18 @@ def _page_text(body: bytes, content_type: str) -> tuple[str, str]:
     return html_to_text(text) if "html" in content_type else ("", text)
 
 
-_CHARSET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,39}")
+# the names Python's codec search knows (its aliases and the codec modules): it caches every name
+# it is asked for, found or not, so only these are ever looked up
+_KNOWN_CHARSETS = frozenset(encodings.aliases.aliases) | {
+    m.name for m in pkgutil.iter_modules(encodings.__path__)
+}
+
+
+def _known_charset(name: str) -> bool:
+    if len(name) > 64:
+        return False
+    key = encodings.normalize_encoding(name.lower())
+    return key in _KNOWN_CHARSETS or key.replace(".", "_") in _KNOWN_CHARSETS
 
 
 def _charset(content_type: str) -> str:
@@ -181,9 +194,9 @@ def _charset(content_type: str) -> str:
         if key != "charset" or not value:
             continue
         name = value.strip("\"' ")
-        # Python caches every name it looks up, found or not: a name no charset has (IANA's run to
-        # 40 characters) is never looked up, or each hostile page would leave one in memory for good
-        if not _CHARSET_NAME.fullmatch(name):
+        # a name Python does not know is never looked up: each hostile page would leave one in the
+        # codec registry's cache for good
+        if not _known_charset(name):
             break
         try:
             codec = codecs.lookup(name)

@@ -21,7 +21,7 @@ JINA_RATE_KEYLESS = 0.3
 
 # the version of what the tools answer for the same arguments and settings: a change of the code that
 # changes an answer (a read refused that was served) bumps it, so the cache stops serving the old ones
-ANSWERS_FORMAT = 2
+ANSWERS_FORMAT = 3  # 3: benchmark links matched in canonical form, a read's passages cut
 
 
 class ToolsSettings(CommonSettings):

@@ -74,29 +74,33 @@ class RedisStore:
         self.local = MemoryStore(max_items=10_000, max_bytes=near_bytes)  # while Redis is out of reach
         self.redis_share = redis_share
         self.clock = clock
-        self._down = False
-        self._room_checked, self._room = -ROOM_CHECK_S, True
+        # why operations are served in the process: "unreachable" ends with any answer from Redis,
+        # "refusing" (out of memory, read-only) only with a write it takes
+        self._trouble: str | None = None
+        self._room_checked, self._room, self._blind = -ROOM_CHECK_S, True, False
 
     async def _redis_or_local(
-        self, op: str, remote: Callable[[], Awaitable[T]], local: Callable[[], Awaitable[T]]
+        self,
+        op: str,
+        remote: Callable[[], Awaitable[T]],
+        local: Callable[[], Awaitable[T]],
+        *,
+        wrote: Callable[[T], bool] = lambda _result: False,
     ) -> T:
         try:
             result = await remote()
         except Exception as exc:
-            if not isinstance(exc, REDIS_DOWN) and not refusing(exc):
+            trouble = "unreachable" if isinstance(exc, REDIS_DOWN) else "refusing" if refusing(exc) else None
+            if trouble is None:
                 raise
             metrics.STORE_FALLBACKS.labels(op).inc()
-            if not self._down:
-                log.warning(
-                    "Redis is unreachable or refuses writes (%s): cache and budgets in this process "
-                    "until it takes them again",
-                    exc,
-                )
-                self._down = True
+            if self._trouble != trouble:
+                log.warning("Redis is %s (%s): cache and budgets in this process meanwhile", trouble, exc)
+                self._trouble = trouble
             return await local()
-        if self._down:
-            log.info("Redis is back: cache and budgets shared again")
-            self._down = False
+        if self._trouble == "unreachable" or (self._trouble == "refusing" and wrote(result)):
+            log.info("Redis takes the cache and budgets again")
+            self._trouble = None
         return result
 
     async def get(self, key: str) -> str | None:
@@ -114,20 +118,32 @@ class RedisStore:
         # near first: an entry Redis has no room for, or refuses, still answers this replica
         self.near.put(key, value, min(ttl_s, self.near_ttl_s))
 
-        async def remote():
-            if await self._has_room():
-                await self.redis.set(self.prefix + key, value, ex=ttl_s)
-            else:
+        async def remote() -> bool:
+            if not await self._has_room():
                 metrics.CACHE_WRITES_SKIPPED.inc()
+                return False
+            await self.redis.set(self.prefix + key, value, ex=ttl_s)
+            return True
 
-        await self._redis_or_local("set", remote, lambda: self.local.set(key, value, ttl_s))
+        local = lambda: self.local.set(key, value, ttl_s)  # noqa: E731
+        await self._redis_or_local("set", remote, local, wrote=bool)
 
     async def _has_room(self) -> bool:
         """Whether Redis is below ``redis_share`` of its maxmemory (none set: always), as last seen."""
         now = self.clock()
         if now - self._room_checked >= ROOM_CHECK_S:
             self._room_checked = now
-            memory = await self.redis.info("memory")
+            try:
+                memory = await self.redis.info("memory")
+            except Exception as exc:
+                if isinstance(exc, REDIS_DOWN) or refusing(exc):
+                    raise
+                # INFO refused (an ACL without @dangerous, a proxy, a renamed command): no share to
+                # keep, as where no maxmemory is set
+                if not self._blind:
+                    log.warning("Redis does not say how full it is (%s): cache entries written", exc)
+                    self._blind = True
+                memory = {}
             most = int(memory.get("maxmemory", 0))
             room = most <= 0 or int(memory.get("used_memory", 0)) < self.redis_share * most
             if room != self._room:
@@ -162,7 +178,7 @@ class RedisStore:
         async def local():
             return await self.local.incr(counter, ttl_s), await self.local.get(key) if key else None
 
-        return await self._redis_or_local("incr", remote, local)
+        return await self._redis_or_local("incr", remote, local, wrote=lambda _count: True)
 
     def _keep(self, key: str | None, value: bytes | str | None) -> str | None:
         """A value read from Redis, kept near for the next call."""
@@ -173,42 +189,56 @@ class RedisStore:
         return text
 
 
-class MemoryStore:
-    """An LRU with per-key expiry, bounded in entries and in bytes: a read's result is up to
-    400 KB (100,000 characters outside the BMP), so ten thousand of them were 4 GB."""
+class _Expiring:
+    """Keys with an expiry, least recently used first; at most ``max_items``, and ``max_bytes`` of
+    keys and values where given."""
 
-    def __init__(self, max_items: int = 100_000, clock=time.monotonic, *, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, max_items: int, max_bytes: int | None, clock: Callable[[], float]) -> None:
         self.items: OrderedDict[str, tuple[float, str | int]] = OrderedDict()
-        self.max_items = max_items
-        self.max_bytes = max_bytes
-        self.bytes = 0  # of the keys and values held
-        self.clock = clock
+        self.max_items, self.max_bytes, self.clock = max_items, max_bytes, clock
+        self.bytes = 0
 
-    def _live(self, key: str):
+    def get(self, key: str) -> str | int | None:
         item = self.items.get(key)
         if item is None:
             return None
         if item[0] <= self.clock():
-            self._drop(key)
+            self.drop(key)
             return None
         self.items.move_to_end(key)
         return item[1]
 
-    def _drop(self, key: str) -> None:
+    def put(self, key: str, value: str | int, ttl_s: float, *, expiry: float | None = None) -> None:
+        if key in self.items:
+            self.drop(key)
+        self.items[key] = (self.clock() + ttl_s if expiry is None else expiry, value)
+        self.bytes += _size(key, value)
+        while self.items and (
+            len(self.items) > self.max_items or (self.max_bytes is not None and self.bytes > self.max_bytes)
+        ):
+            self.drop(next(iter(self.items)))
+
+    def drop(self, key: str) -> None:
         _expiry, value = self.items.pop(key)
         self.bytes -= _size(key, value)
 
-    def put(self, key: str, value: str | int, ttl_s: float) -> None:
-        if key in self.items:
-            self._drop(key)
-        self.items[key] = (self.clock() + ttl_s, value)
-        self.bytes += _size(key, value)
-        while self.items and (len(self.items) > self.max_items or self.bytes > self.max_bytes):
-            self._drop(next(iter(self.items)))
+
+class MemoryStore:
+    """Cache entries and call budgets in the process, each with an expiry. Entries are bounded in
+    bytes too (``max_bytes``): a read's result is up to 400 KB (100,000 characters outside the
+    BMP), so ten thousand of them were 4 GB. Budgets are kept apart, so that no number of large
+    entries pushes a trajectory's count out and starts it again."""
+
+    def __init__(self, max_items: int = 100_000, clock=time.monotonic, *, max_bytes: int = 256 << 20) -> None:
+        self.cache = _Expiring(max_items, max_bytes, clock)
+        self.counts = _Expiring(max_items, None, clock)
+
+    def put(self, key: str, value: str, ttl_s: float) -> None:
+        self.cache.put(key, value, ttl_s)
 
     def peek(self, key: str) -> str | None:
         """``get`` without a coroutine: the Redis store's near copies are read on every call."""
-        value = self._live(key)
+        value = self.cache.get(key)
         return value if isinstance(value, str) else None
 
     async def get(self, key: str) -> str | None:
@@ -218,13 +248,9 @@ class MemoryStore:
         self.put(key, value, ttl_s)
 
     async def incr(self, key: str, ttl_s: int) -> int:
-        value = self._live(key)
-        if value is None:
-            self.put(key, 1, ttl_s)
-            return 1
-        expiry, count = self.items[key][0], int(value) + 1
-        self.items[key] = (expiry, count)
-        self.bytes += _size(key, count) - _size(key, value)
+        count = int(self.counts.get(key) or 0) + 1
+        expiry = self.counts.items[key][0] if count > 1 else None  # the window starts at the first call
+        self.counts.put(key, count, ttl_s, expiry=expiry)
         return count
 
     async def incr_and_get(self, counter: str, ttl_s: int, key: str) -> tuple[int, str | None]:

@@ -309,7 +309,7 @@ class WebBackend:
             _scheme, host, port = check_url(args.url)
             # Resolve and check here too, so that not even Jina is asked for an internal address;
             # within the fetch's time, as the fetch's own lookup is (a slow resolver held the call
-            # to its 240 s deadline, and a thread of the default executor with it)
+            # to its 240 s deadline; the executor's thread still waits for the resolver's answer)
             async with asyncio.timeout(self.fetcher.timeout_s):
                 await self.fetcher.backend.resolve(host, port)
         except BlockedAddress as exc:

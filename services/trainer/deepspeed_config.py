@@ -2,29 +2,107 @@
 (AdamW with its learning rate, betas and weight decay, gradient clipping, one micro-batch a backward:
 the trainer accumulates over its own token budget and marks the boundary itself), and made safe for
 the model's precision (:func:`_half_precision`). The engine that uses it is
-:mod:`services.trainer.distributed`."""
+:mod:`services.trainer.distributed`.
+
+DeepSpeed writes where its config says: the flops profiler's ``output_file`` (opened for writing,
+truncating what is there), the monitors' ``output_path`` and the ``job_name`` under it, NVMe
+offload's ``nvme_path``, autotuning's ``results_dir``, Nebula's ``persistent_storage_path``. A spec
+comes from a client of the REST API, and the trainer writes only under its runs folder, so a
+config that names a file or folder (:func:`file_keys`) is refused, at submission and again as the
+run opens (a file may have changed), unless the operator lets run specs name them
+(``PBSD_TRAINER_DEEPSPEED_PATHS``: every holder of the API token may then write where the trainer
+can). A config file is read by :func:`read_config_file` in both places."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from proto.config_files import file_keys
-from proto.runs import TrainerSpec, deepspeed_files_refused
+from proto.runs import TrainerSpec
 
-__all__ = ["deepspeed_config", "enabled", "weight_decay_of"]
+__all__ = [
+    "MAX_CONFIG_FILE_BYTES",
+    "checked_config",
+    "deepspeed_config",
+    "enabled",
+    "file_keys",
+    "read_config_file",
+    "weight_decay_of",
+]
+
+MAX_CONFIG_FILE_BYTES = 1 << 20  # a DeepSpeed config is a few KB
+
+# a key that names a file or folder (output_file, output_path, nvme_path, results_dir, ...), and one
+# whose value is joined under such a path (job_name)
+_PATH_KEY = re.compile(r"(path|paths|file|files|dir|dirs|directory|folder)$", re.IGNORECASE)
+_NAME_KEY = re.compile(r"name$", re.IGNORECASE)
+
+
+def file_keys(config: Any) -> list[str]:
+    """The dotted keys of ``config`` that name a file or folder: a ``*_path``, ``*_file``, ``*_dir``
+    or ``*_folder`` that is set, or a ``*name`` that holds a path separator or ``..``."""
+    found: list[str] = []
+    stack: list[tuple[str, Any]] = [("", config)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{key}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, str) and value.strip():
+            last = key.rsplit(".", 1)[-1]
+            if _PATH_KEY.search(last) or (
+                _NAME_KEY.search(last) and ("/" in value or "\\" in value or ".." in value)
+            ):
+                found.append(key)
+    return sorted(found)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config file, held to an inline config's rules (a JSON object of finite numbers, nested at
+    most MAX_CONFIG_DEPTH), at most MAX_CONFIG_FILE_BYTES; ValueError says what is wrong."""
+    try:
+        if path.stat().st_size > MAX_CONFIG_FILE_BYTES:
+            raise ValueError(f"{path.name} is larger than {MAX_CONFIG_FILE_BYTES} bytes")
+        config = json.loads(path.read_bytes())
+    except (OSError, RecursionError, UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{path.name} is not a readable JSON file") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    try:
+        TrainerSpec(deepspeed_config=config)
+    except ValidationError as exc:
+        raise ValueError(f"{path.name}: {exc.errors()[0]['msg']}") from None
+    return config
+
+
+def checked_config(spec: TrainerSpec, *, allow_paths: bool) -> TrainerSpec:
+    """``spec`` with its DeepSpeed config read (a file's, inline from now on: every rank trains
+    with what was checked) and refused where it names a file or folder and ``allow_paths`` is off."""
+    config = spec.deepspeed_config
+    if config is None:
+        return spec
+    if isinstance(config, str):
+        config = read_config_file(Path(config))
+    if not allow_paths and (keys := file_keys(config)):
+        raise ValueError(
+            f"deepspeed_config names files or folders ({', '.join(keys[:5])}), where DeepSpeed would "
+            "write outside the run's folder: leave them out, or let run specs name them "
+            "(PBSD_TRAINER_DEEPSPEED_PATHS)"
+        )
+    return spec.model_copy(update={"deepspeed_config": config})
 
 
 def deepspeed_config(spec: TrainerSpec, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The run's DeepSpeed config, completed from the run and made safe for a model of ``dtype``."""
     config = spec.deepspeed_config or {}
     if isinstance(config, str):
-        config = json.loads(Path(config).read_text())
-    if keys := file_keys(config):  # a file checked at submission may have changed since
-        raise ValueError(deepspeed_files_refused(keys))
+        config = read_config_file(Path(config))
     config = json.loads(json.dumps(config))  # a copy: the defaults below must not reach the spec
     config.setdefault("train_micro_batch_size_per_gpu", 1)
     config["gradient_accumulation_steps"] = 1

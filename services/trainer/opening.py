@@ -43,6 +43,7 @@ from services.trainer.checkpoints import (
     read_checkpoint,
 )
 from services.trainer.controller import PromptController
+from services.trainer.deepspeed_config import checked_config
 from services.trainer.distributed import make_trainer
 from services.trainer.evaluation import Evaluator
 from services.trainer.publishing import WeightPublisher, broadcaster
@@ -115,6 +116,9 @@ async def open_run(
         AutoTokenizer.from_pretrained, spec.model.tokenizer or spec.model.path
     )
 
+    # the DeepSpeed config read and checked as it is now (a file may have changed since the submission)
+    trainer_spec = checked_config(spec.trainer, allow_paths=settings.deepspeed_paths)
+
     latest = latest_checkpoint(out) if resume else None
     dtype = "float32" if settings.device == "cpu" else spec.model.dtype
     if not latest:  # a resumed run restores its checkpoint's RNG states instead
@@ -126,7 +130,7 @@ async def open_run(
     trainer = await asyncio.to_thread(
         make_trainer,
         model,
-        spec.trainer,
+        trainer_spec,
         model_path=str(model_path),
         chunk_size=settings.chunk_size,
         gradient_checkpointing=settings.gradient_checkpointing,
@@ -169,7 +173,7 @@ async def open_run(
     if not resume:  # before its first prompt: see services.trainer.run_groups
         await open_groups(bus, run_id)
         # no letter of the run's can be older (services.trainer.dead_letters)
-        await store.set_letters_after(run_id, await bus.last_id(DEAD_LETTERS))
+        await store.set_letters_after(run_id, await bus.head(DEAD_LETTERS))
     letters_after = await store.letters_after(run_id)
     await store.add_timeline(run_id, timeline, state.version)  # known before anything is announced in it
     publisher = WeightPublisher(

@@ -80,6 +80,12 @@ class TrainerSettings(ConsumerSettings):
     save_groups: bool = Field(
         default=False, description="keep every step's scored groups (reports, the credit viewer)"
     )
+    deepspeed_paths: bool = Field(
+        default=False,
+        description="let a run's DeepSpeed config name files and folders (NVMe offload's nvme_path, a "
+        "profiler's or monitor's output): every holder of the API token may then have the trainer "
+        "write wherever it can",
+    )
     shutdown_grace_s: float = Field(
         default=540.0,
         gt=0,

@@ -4,8 +4,8 @@ A question file (``data.train``, ``data.validation``) must lie under one of the 
 (``PBSD_TRAINER_DATA_ROOTS``); a checkpoint or tokenizer directory (``model.path``,
 ``model.tokenizer``) under one of the model roots (``PBSD_TRAINER_MODEL_ROOTS``) or the runs
 folder (a run may start from another's checkpoint); a DeepSpeed config file under any of them,
-held to the inline config's rules (no file or folder for DeepSpeed to write to:
-:mod:`proto.config_files`).
+held to the inline config's rules. Neither may name a file or folder for DeepSpeed to write to
+(:mod:`services.trainer.deepspeed_config`) unless the operator allows it.
 A path is resolved first (``..`` and symbolic links followed, relative to the trainer's working
 directory), so none of them leads out of a root. What lies outside is refused with the same
 words whether or not it exists: the error must not tell a client what is on the trainer's disk.
@@ -15,14 +15,12 @@ resolved, so the run reads exactly what was checked.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from proto.runs import RunSpec, TrainerSpec
+from proto.runs import RunSpec
 from services.settings import is_hub_id
+from services.trainer.deepspeed_config import checked_config
 from services.trainer.settings import TrainerSettings
 
 __all__ = ["SpecPathError", "resolve_spec_paths"]
@@ -86,31 +84,14 @@ def resolve_spec_paths(spec: RunSpec, settings: TrainerSettings) -> RunSpec:
             "tokenizer": checkpoint(tokenizer, ["model", "tokenizer"]) if tokenizer else None,
         }
     )
-    config = spec.trainer.deepspeed_config
+    config, loc = spec.trainer.deepspeed_config, ["trainer", "deepspeed_config"]
+    trainer = spec.trainer
     if isinstance(config, str):
-        loc = ["trainer", "deepspeed_config"]
         resolved = _resolve(config, loc, [*data, *models], "data or model roots", kind="file")
-        _check_deepspeed_file(Path(resolved), loc)
-        update["trainer"] = spec.trainer.model_copy(update={"deepspeed_config": resolved})
+        trainer = trainer.model_copy(update={"deepspeed_config": resolved})
+    try:
+        checked_config(trainer, allow_paths=settings.deepspeed_paths)  # checked again as the run opens
+    except ValueError as exc:
+        raise SpecPathError(loc, str(exc)) from None
+    update["trainer"] = trainer
     return spec.model_copy(update=update)
-
-
-MAX_DEEPSPEED_CONFIG_BYTES = 1 << 20  # a DeepSpeed config is a few KB
-
-
-def _check_deepspeed_file(path: Path, loc: list[str]) -> None:
-    """A config file is held to the inline config's rules (proto.runs.TrainerSpec): no files or
-    folders DeepSpeed would write to, finite numbers, bounded depth. Checked again as the run opens."""
-    try:
-        size = path.stat().st_size
-        config = json.loads(path.read_bytes()) if size <= MAX_DEEPSPEED_CONFIG_BYTES else None
-    except (OSError, ValueError):
-        raise SpecPathError(loc, f"{path.name} is not a readable JSON file") from None
-    if size > MAX_DEEPSPEED_CONFIG_BYTES:
-        raise SpecPathError(loc, f"{path.name} is larger than {MAX_DEEPSPEED_CONFIG_BYTES} bytes")
-    if not isinstance(config, dict):
-        raise SpecPathError(loc, f"{path.name} is not a JSON object")
-    try:
-        TrainerSpec(deepspeed_config=config)
-    except ValidationError as exc:
-        raise SpecPathError(loc, f"{path.name}: {exc.errors()[0]['msg']}") from None
