@@ -31,6 +31,22 @@ def test_k8s_manifests_validate_against_the_api_schemas(rendered):
     kubernetes_validate.validate(example, K8S_VERSION, strict=True)
 
 
+def test_every_resource_is_in_the_namespace_with_the_label(rendered):
+    """The base's namespace and labels reach only the base's resources: the gpu overlay's SGLang
+    went to the context's namespace (default), where its claim and the workers' URL are not."""
+    from tests.kustomize import CLUSTER_SCOPED
+
+    for overlay, docs in rendered.items():
+        for d in docs:
+            if d["kind"] not in CLUSTER_SCOPED:
+                where = f"{overlay}: {d['kind']}/{d['metadata']['name']}"
+                assert d["metadata"].get("namespace") == "pbsd", where
+                assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pbsd", where
+    claims = {o: _find(docs, "PersistentVolumeClaim", "pbsd-data") for o, docs in rendered.items()}
+    assert claims["gpu"]["spec"]["resources"]["requests"]["storage"] == "2Ti"  # a 30B run's checkpoints
+    assert claims["gpu"]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
 def test_k8s_validation_catches_mistakes(rendered):
     """The validator is strict: an unknown field and a wrong type both fail."""
     doc = json.loads(

@@ -96,3 +96,23 @@ def test_the_gateway_exports_every_tools_outcome_at_zero(tiny_world):
             REGISTRY.get_sample_value("pbsd_tools_cache_total", {"tool": spec.name, "result": "hit"})
             is not None
         )
+
+
+async def test_the_teachers_gauges_hold_no_figure_once_a_run_is_over(bus, key_prefix, tmp_path):
+    """A GRPO step has no teacher figures, so a PBSD run's last value stayed in its gauge: for the
+    next run, or for none, and the answer-free evidence alert fired for good about a run that was
+    over. As any execution ends (here one whose run is gone), they are NaN: no value to alert on."""
+    import math
+
+    from services.trainer.executor import RunExecutor
+    from services.trainer.runs import RunStore
+    from services.trainer.settings import TrainerSettings
+
+    trainer_metrics.ANSWER_FREE.set(-0.02)
+    trainer_metrics.WRONG_DISFAVOURED.set(0.9)
+    trainer_metrics.LOSS.set(0.5)
+    settings = TrainerSettings(local_mode=True, stream_prefix=key_prefix, runs_dir=tmp_path)
+    await RunExecutor(bus, RunStore(bus.redis, key_prefix), settings).execute("run-gone")
+    assert math.isnan(REGISTRY.get_sample_value("pbsd_trainer_answer_free_evidence_mean"))
+    assert math.isnan(trainer_metrics.WRONG_DISFAVOURED._value.get())
+    assert trainer_metrics.LOSS._value.get() == 0.5  # a figure every run has: the next step's

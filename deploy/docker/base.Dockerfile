@@ -71,7 +71,10 @@ USER pbsd
 WORKDIR /data
 
 FROM ${PYTHON_IMAGE} AS runtime-cuda
-RUN apt-get update && apt-get install -y --no-install-recommends redis-tools curl && rm -rf /var/lib/apt/lists/* \
+# gcc and libc6-dev: Triton compiles its kernels' launcher with the system's C compiler at their
+# first launch (the scorer's fused LM head, flex attention), and fails without one
+RUN apt-get update && apt-get install -y --no-install-recommends redis-tools curl gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 pbsd \
     && mkdir -p /data/world /data/runs /data/models /data/datasets && chown -R pbsd /data
 COPY --from=build-cuda /opt/venv /opt/venv

@@ -112,6 +112,7 @@ class RunExecutor:
                 await announce_end(self.bus, run_id, "failed")
         finally:
             self.current = None
+            m.forget_teacher_figures()
             trainer, self._trainer = self._trainer, None
             if trainer is not None and hasattr(trainer, "stop"):
                 # only now do the other DeepSpeed ranks leave this run's trainer: every save of

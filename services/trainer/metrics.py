@@ -145,6 +145,22 @@ for _action in ACTION_CLASSES:  # evidence_queries_grounded_mean_s -> {action="q
     )
 
 
+# the teacher's figures: a GRPO step has none, so a gauge left at a PBSD run's last value would speak
+# for the next run, or for none (an alert on answer-free evidence fired for good about a run that
+# was over)
+TEACHER_KEYS = frozenset(
+    k
+    for k in STEP_GAUGES
+    if k.startswith(("evidence_", "noise_", "correct_", "wrong_", "answer_free", "within_"))
+) | {"teacher_higher_frac", "mean_abs_gap", "filtered_frac"}
+
+
+def forget_teacher_figures() -> None:
+    """The teacher's gauges to NaN (no figure) as a run ends: Prometheus then has no value to alert on."""
+    for key in TEACHER_KEYS:
+        STEP_GAUGES[key].set(float("nan"))
+
+
 def export_step(record: dict[str, float]) -> None:
     """A step's record as the gauges, the step-time histogram and the skipped-update count."""
     for key, gauge in STEP_GAUGES.items():
