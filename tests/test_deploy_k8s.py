@@ -33,7 +33,8 @@ def test_k8s_manifests_validate_against_the_api_schemas(rendered):
 
 def test_every_resource_is_in_the_namespace_with_the_label(rendered):
     """The base's namespace and labels reach only the base's resources: the gpu overlay's SGLang
-    went to the context's namespace (default), where its claim and the workers' URL are not."""
+    went to the context's namespace (default), where its claim and the workers' URL are not. The
+    gpu overlay's volume holds a 30B run's checkpoints, and its GPU pods have Compose's /dev/shm."""
     from tests.kustomize import CLUSTER_SCOPED
 
     for overlay, docs in rendered.items():
@@ -45,6 +46,9 @@ def test_every_resource_is_in_the_namespace_with_the_label(rendered):
     claims = {o: _find(docs, "PersistentVolumeClaim", "pbsd-data") for o, docs in rendered.items()}
     assert claims["gpu"]["spec"]["resources"]["requests"]["storage"] == "2Ti"  # a 30B run's checkpoints
     assert claims["gpu"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    for kind, name in (("Deployment", "scorer"), ("StatefulSet", "trainer")):  # 64 MiB by default
+        (container,) = _find(rendered["gpu"], kind, name)["spec"]["template"]["spec"]["containers"]
+        assert "/dev/shm" in {m["mountPath"] for m in container["volumeMounts"]}, name
 
 
 def test_k8s_validation_catches_mistakes(rendered):
