@@ -68,8 +68,9 @@ class Bus(ConsumerGroups):
         """XADD the message; returns the entry id. A broadcast stream (weights, run ends, dead
         letters) is trimmed to about ``maxlen`` entries as it grows (the dead letters to fewer:
         :func:`kept_entries`). A work stream is not: MAXLEN removes entries whether or not a
-        consumer group has read them, so a backlog past it would lose work without a trace; its consumers trim what every group has acknowledged
-        (:meth:`trim_acked`), and a Redis that runs out of memory refuses the XADD, loudly."""
+        consumer group has read them, so a backlog past it would lose work without a trace; its
+        consumers trim what every group has acknowledged (:meth:`trim_acked`), and a Redis that runs
+        out of memory refuses the XADD, loudly."""
         _check_type(stream, message)
         payload = self._encode(stream, message)
         entry_id = await self.redis.xadd(

@@ -24,13 +24,23 @@ from proto.messages import DeadLetter, TaskRef
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 
-__all__ = ["DEAD_LETTERS_KEPT", "DEAD_LETTER_PAYLOAD_BYTES", "MAX_CAUSE", "DeadLettering", "kept_entries"]
+__all__ = [
+    "DEAD_LETTERS_KEPT",
+    "DEAD_LETTER_PAYLOAD_BYTES",
+    "DECODE_INLINE_BYTES",
+    "MAX_CAUSE",
+    "DeadLettering",
+    "kept_entries",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_CAUSE = 4000  # characters of a cause kept (a handler's error, a validation report)
 DEAD_LETTER_PAYLOAD_BYTES = 1024 * 1024
 DEAD_LETTERS_KEPT = 10_000  # letters, each under a MiB and its cause
+# a payload past this (a group's tokens and routes) is decoded in a thread: on the loop it stalls
+# the heartbeats and the health probes
+DECODE_INLINE_BYTES = 64 * 1024
 
 
 def kept_entries(stream: StreamDef, maxlen: int) -> int | None:
@@ -64,8 +74,7 @@ class DeadLettering:
         reason: str,
     ) -> None:
         whole = bytes(payload)
-        # decoding a large payload (a group's tokens and routes) stalls the loop: a thread does it
-        if len(whole) > _DECODE_INLINE_BYTES:
+        if len(whole) > DECODE_INLINE_BYTES:
             task, kept, how = await asyncio.to_thread(_kept, stream, whole)
         else:
             task, kept, how = _kept(stream, whole)
@@ -92,9 +101,6 @@ class DeadLettering:
             pipe.hdel(self._errors_key(stream, group), entry_id)
             await pipe.execute()
         metrics.DEAD_LETTERED.labels(stream.name, group, reason).inc()
-
-
-_DECODE_INLINE_BYTES = 64 * 1024
 
 
 def _kept(stream: StreamDef, payload: bytes) -> tuple[TaskRef | None, bytes, str]:

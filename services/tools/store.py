@@ -208,10 +208,14 @@ class _Expiring:
         self.items.move_to_end(key)
         return item[1]
 
-    def put(self, key: str, value: str | int, ttl_s: float, *, expiry: float | None = None) -> None:
+    def put(self, key: str, value: str | int, ttl_s: float, *, keep_expiry: bool = False) -> None:
+        """``keep_expiry``: a key held already keeps its expiry (a count's window)."""
+        expiry = self.clock() + ttl_s
         if key in self.items:
+            if keep_expiry:
+                expiry = self.items[key][0]
             self.drop(key)
-        self.items[key] = (self.clock() + ttl_s if expiry is None else expiry, value)
+        self.items[key] = (expiry, value)
         self.bytes += _size(key, value)
         while self.items and (
             len(self.items) > self.max_items or (self.max_bytes is not None and self.bytes > self.max_bytes)
@@ -248,9 +252,8 @@ class MemoryStore:
         self.put(key, value, ttl_s)
 
     async def incr(self, key: str, ttl_s: int) -> int:
-        count = int(self.counts.get(key) or 0) + 1
-        expiry = self.counts.items[key][0] if count > 1 else None  # the window starts at the first call
-        self.counts.put(key, count, ttl_s, expiry=expiry)
+        count = int(self.counts.get(key) or 0) + 1  # an expired count is gone: a new window
+        self.counts.put(key, count, ttl_s, keep_expiry=True)  # the window starts at the first call
         return count
 
     async def incr_and_get(self, counter: str, ttl_s: int, key: str) -> tuple[int, str | None]:

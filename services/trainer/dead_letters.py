@@ -13,9 +13,9 @@ times is likely to fail again.
 
 Each execution of a run reads the stream from where it stood as the run first opened, before its
 first prompt went out (``RunStore.letters_after``), so a prompt dead-lettered while the trainer was
-down counts too, and the letters of every run before it are not read again; one already counted (in
-the checkpoint's dropped indices) is not counted twice. Validation questions lost the same way are the evaluator's
-(``services.trainer.evaluation``): counted wrong, never replaced. Both follow the stream with
+down counts too, and the letters of every run before it are not read again; one already counted
+(in the checkpoint's dropped indices) is not counted twice. Validation questions lost the same way
+are the evaluator's (``services.trainer.evaluation``): counted wrong, never replaced. Both follow the stream with
 :func:`follow_dead_letters` and tell whose a letter is from :func:`lost_task`.
 """
 
@@ -29,6 +29,7 @@ from proto.base import decode
 from proto.messages import DeadLetter, TaskRef
 from proto.streams import DEAD_LETTERS, EVALS, PROMPTS, SCORED, TRAJECTORIES
 from services.bus import Bus
+from services.bus.dead_lettering import DECODE_INLINE_BYTES
 from services.trainer.checkpoints import prompt_index
 
 K = TypeVar("K")  # what a letter is lost as: a prompt index, a validation question's position
@@ -86,8 +87,8 @@ async def follow_dead_letters(
     that died would leave the run waiting for good for a prompt it never replaced)."""
 
     async def see(_entry_id: str, letter: DeadLetter) -> None:
-        # a letter an older pbsd made is decoded: a large one (a group's tokens) off the event loop
-        slow = letter.task is None and len(letter.payload) > 1 << 20
+        # a letter an older pbsd made is decoded, a large one off the event loop
+        slow = letter.task is None and len(letter.payload) > DECODE_INLINE_BYTES
         key = await asyncio.to_thread(pick, letter) if slow else pick(letter)
         if key is not None:
             await on_lost(key, letter)

@@ -173,8 +173,10 @@ async def open_run(
     if not resume:  # before its first prompt: see services.trainer.run_groups
         await open_groups(bus, run_id)
         # no letter of the run's can be older (services.trainer.dead_letters)
-        await store.set_letters_after(run_id, await bus.head(DEAD_LETTERS))
-    letters_after = await store.letters_after(run_id)
+        letters_after = await bus.head(DEAD_LETTERS)
+        await store.set_letters_after(run_id, letters_after)
+    else:
+        letters_after = await store.letters_after(run_id)
     await store.add_timeline(run_id, timeline, state.version)  # known before anything is announced in it
     publisher = WeightPublisher(
         bus, run_id, out, keep=settings.keep_weights, broadcaster=broadcaster(settings)
