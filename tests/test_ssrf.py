@@ -152,3 +152,76 @@ async def test_caps_on_redirects_size_time_type_and_encoding(sites):
             await fetcher.fetch(f"{site}/brotli")
     finally:
         await fetcher.aclose()
+
+
+class _SlowDns:
+    """A getaddrinfo that answers only when told to, counting the lookups that reach it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.answer = threading.Event()
+        self.asked: list[str] = []
+
+    def __call__(self, host, port, type=0):
+        self.asked.append(host)
+        self.answer.wait(10)
+        return [(2, 1, 6, "", ("93.184.215.14", port))]
+
+
+async def test_slow_lookups_hold_only_the_resolvers_threads_and_the_next_fails_at_once():
+    """A slow resolver keeps its thread past the read's timeout. In the loop's default executor a
+    stream of slow hosts filled every thread, stalling the process's other threaded work; the
+    resolver's own threads are bounded, and a lookup that finds them all waiting fails at once."""
+    import asyncio
+
+    import httpcore
+
+    from services.tools.ssrf import Resolver
+
+    dns = _SlowDns()
+    resolver = Resolver(threads=2, lookup=dns)
+    try:
+        for host in ("a.example", "b.example"):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await resolver.addresses(host, 443)
+        started = time.monotonic()
+        with pytest.raises(httpcore.ConnectError, match="all 2 lookups are still waiting"):
+            await resolver.addresses("c.example", 443)
+        assert time.monotonic() - started < 1
+        assert dns.asked == ["a.example", "b.example"]
+        # the loop's default executor is untouched
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 7), 2) == 7
+        dns.answer.set()
+        for _ in range(100):  # the threads finish and give their slots back
+            try:
+                assert await resolver.addresses("c.example", 443) == ["93.184.215.14"]
+                break
+            except httpcore.ConnectError:
+                await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the slots were never given back")
+    finally:
+        dns.answer.set()
+        resolver.close()
+
+
+async def test_concurrent_lookups_of_one_host_share_a_thread_and_one_giving_up_leaves_the_rest():
+    import asyncio
+
+    from services.tools.ssrf import Resolver
+
+    dns = _SlowDns()
+    resolver = Resolver(threads=1, lookup=dns)
+    try:
+        waiting = [asyncio.create_task(resolver.addresses("Same.example", 80)) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        waiting[0].cancel()
+        dns.answer.set()
+        rest = await asyncio.wait_for(asyncio.gather(*waiting[1:]), 5)
+        assert rest == [["93.184.215.14"]] * 4
+        assert dns.asked == ["Same.example"]
+    finally:
+        dns.answer.set()
+        resolver.close()

@@ -100,6 +100,7 @@ def build_backend(settings: ToolsSettings, http: httpx.AsyncClient, cpu: CpuPool
         max_bytes=settings.fetch_max_bytes,
         timeout_s=settings.fetch_timeout_s,
         cpu=cpu,
+        resolver_threads=settings.resolver_threads,
     )
     serper = SerperSearch(
         http,

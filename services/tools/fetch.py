@@ -25,7 +25,7 @@ import httpcore
 
 from services.tools.cpu import CpuPool
 from services.tools.html_text import html_to_text
-from services.tools.ssrf import BlockedAddress, GuardedNetworkBackend, check_url
+from services.tools.ssrf import BlockedAddress, GuardedNetworkBackend, Resolver, check_url
 
 __all__ = ["AddressRefused", "EncodingRefused", "FetchError", "FetchedPage", "PlainFetcher", "ascii_url"]
 
@@ -67,9 +67,10 @@ class PlainFetcher:
         max_redirects: int = 5,
         user_agent: str = "pbsd-tools/0.1 (+https://github.com/pbsd)",
         cpu: CpuPool | None = None,
+        resolver_threads: int = 16,
     ) -> None:
         self.cpu = cpu or CpuPool()
-        self.backend = GuardedNetworkBackend(allow)
+        self.backend = GuardedNetworkBackend(allow, resolver=Resolver(resolver_threads))
         self.pool = httpcore.AsyncConnectionPool(network_backend=self.backend, max_connections=64, retries=0)
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
@@ -78,6 +79,7 @@ class PlainFetcher:
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+        self.backend.resolver.close()
 
     async def fetch(self, url: str) -> FetchedPage:
         try:

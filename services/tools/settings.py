@@ -121,6 +121,12 @@ class ToolsSettings(CommonSettings):
     )
     fetch_max_bytes: int = 5_000_000
     fetch_timeout_s: float = 20.0
+    resolver_threads: int = Field(
+        default=16,
+        ge=1,
+        description="host lookups in flight at once, in threads of their own (a slow resolver holds "
+        "its thread past the read's timeout); a read that finds them all waiting fails at once",
+    )
     upstream_timeout_s: float = 60.0
     allow_hosts: list[str] = Field(
         default_factory=list, description="host:port pairs exempt from the SSRF address rules"

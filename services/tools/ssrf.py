@@ -24,13 +24,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpcore
 import httpx
 
-__all__ = ["BlockedAddress", "GuardedNetworkBackend", "address_problem", "check_url"]
+__all__ = ["BlockedAddress", "GuardedNetworkBackend", "Resolver", "address_problem", "check_url"]
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 # Refused whatever they embed (Python 3.11 calls both global): no public host uses the deprecated
@@ -105,24 +107,73 @@ def check_url(url: str) -> tuple[str, str, int]:
     return scheme, parts.hostname, port or (443 if scheme == "https" else 80)
 
 
+class Resolver:
+    """``getaddrinfo`` in threads of its own, at most ``threads`` lookups at a time.
+
+    A lookup cannot be cancelled: a slow resolver holds its thread until it answers, long after
+    the read that asked has timed out. In the event loop's default executor a stream of slow
+    hosts would fill every thread and stall the process's other lookups and threaded work (Redis's
+    connections included); here it fills only these threads, and a lookup that finds them all
+    taken fails at once. Concurrent lookups of the same host and port share one thread.
+    """
+
+    def __init__(self, threads: int = 16, lookup: Callable[..., list] = socket.getaddrinfo) -> None:
+        self.threads = threads
+        self._lookup = lookup
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pbsd-resolve")
+        self._slots = threading.BoundedSemaphore(threads)  # released by the thread as it finishes
+        self._pending: dict[tuple[str, int], Future] = {}
+
+    async def addresses(self, host: str, port: int) -> list[str]:
+        """Every address ``host:port`` resolves to, in the resolver's order, without repeats."""
+        key = (host.lower(), port)
+        pending = self._pending.get(key)
+        if pending is None:
+            if not self._slots.acquire(blocking=False):
+                raise httpcore.ConnectError(
+                    f"cannot resolve {host}: all {self.threads} lookups are still waiting on slow answers"
+                )
+            pending = self._pool.submit(self._lookup, host, port, type=socket.SOCK_STREAM)
+            self._pending[key] = pending
+            pending.add_done_callback(lambda _f: self._finished(key, pending))
+        # Shielded: a caller that gives up must not cancel a lookup others wait on. Its waiter then
+        # finishes unwatched, so its outcome is taken here rather than logged as never retrieved.
+        waiter = asyncio.wrap_future(pending)
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
+        infos = await asyncio.shield(waiter)
+        return list(dict.fromkeys(info[4][0] for info in infos))
+
+    def _finished(self, key: tuple[str, int], done: Future) -> None:
+        if self._pending.get(key) is done:
+            del self._pending[key]
+        self._slots.release()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
     """An httpcore network backend that resolves, checks, then connects to the checked address."""
 
-    def __init__(self, allow: Iterable[str] = (), inner: httpcore.AsyncNetworkBackend | None = None) -> None:
+    def __init__(
+        self,
+        allow: Iterable[str] = (),
+        inner: httpcore.AsyncNetworkBackend | None = None,
+        resolver: Resolver | None = None,
+    ) -> None:
         self.allow = {a.lower() for a in allow}
         self.inner = inner or httpcore.AnyIOBackend()
+        self.resolver = resolver or Resolver()
         self.blocked = 0
 
     async def resolve(self, host: str, port: int) -> str:
         """The address to connect to for ``host:port``, or BlockedAddress."""
         if f"{host.lower()}:{port}" in self.allow:
             return host
-        loop = asyncio.get_running_loop()
         try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            addresses = await self.resolver.addresses(host, port)
         except socket.gaierror as exc:
             raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from None
-        addresses = list(dict.fromkeys(info[4][0] for info in infos))
         for address in addresses:
             problem = address_problem(address)
             if problem:
