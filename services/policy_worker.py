@@ -59,7 +59,9 @@ class PolicyWorker(abc.ABC):
         self.newest: tuple[str, WeightsPublished] | None = None
         self.loaded_run: str | None = None
         self.loaded_timeline: str | None = None
-        self.ended: set[str] = set()  # runs whose end was announced
+        # runs whose end was announced, the newest remembered_ends of them (oldest first), as a
+        # restart would know them: a long-lived worker sees thousands of runs end
+        self.ended: dict[str, None] = {}
         self.weights_changed = asyncio.Condition()  # notified on every weights event and run end
         self._holding: list[dict[str, int]] = []
 
@@ -245,8 +247,14 @@ class PolicyWorker(abc.ABC):
                 return False
             await asyncio.sleep(min(1.0, left))
 
+    def _remember_end(self, run_id: str) -> None:
+        self.ended.pop(run_id, None)
+        self.ended[run_id] = None
+        while len(self.ended) > self.remembered_ends:
+            del self.ended[next(iter(self.ended))]
+
     async def _end(self, entry_id: str, event: RunEnded) -> None:
-        self.ended.add(event.run_id)
+        self._remember_end(event.run_id)
         async with self.weights_changed:
             self.weights_changed.notify_all()
 
@@ -266,7 +274,8 @@ class PolicyWorker(abc.ABC):
         if latest:
             await self._see(*latest)
         ends = await self.bus.newest(RUN_ENDS, self.remembered_ends)
-        self.ended.update(event.run_id for _, event in ends)
+        for _, event in ends:
+            self._remember_end(event.run_id)
         # the followers go on while the consumers finish what they hold after a stop: a handler
         # waiting for weights would otherwise wait out the grace, and one of an ended run sample on
         following = asyncio.Event()

@@ -44,3 +44,17 @@ async def test_a_group_in_flight_when_its_run_ends_stops_at_once(bus, tok):  # n
             stop.set()
             await task
             await engine.aclose()
+
+
+async def test_a_worker_remembers_only_the_newest_run_ends(bus, tok):  # noqa: F811
+    """A long-lived worker kept every run end it saw, a set that grew with every run; it keeps the
+    newest remembered_ends, as many as it reads back when it starts."""
+    from services.rollout.worker import RolloutWorker
+    from tests.test_rollout_worker import FAST, FixedTools
+
+    worker = RolloutWorker(bus, None, FixedTools(), tok, options=FAST)
+    worker.remembered_ends = 3
+    for i in range(5):
+        await worker._end(f"{i}-0", RunEnded(run_id=f"r{i}", state="completed"))
+    await worker._end("5-0", RunEnded(run_id="r2", state="completed"))  # seen again: newest now
+    assert list(worker.ended) == ["r3", "r4", "r2"]

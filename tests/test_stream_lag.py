@@ -92,3 +92,13 @@ async def test_the_monitor_loop_stops_when_asked(bus: Bus):
     await asyncio.sleep(0.15)
     stop.set()
     await asyncio.wait_for(task, 2)
+
+
+async def test_a_destroyed_group_leaves_no_forget_schedule_behind(bus: Bus):
+    """The bus remembers when it last forgot a group's idle consumers; a run's group, destroyed as
+    the run ends, left its entry for good."""
+    await bus.publish(SCORED, ex.example_scored())
+    await bus.commit(await bus.collect(SCORED, "trainer", 1, _yes, group="trainer-ended-run"))
+    assert ("scored", "trainer-ended-run") in bus._last_forget
+    await bus.destroy_group(SCORED, "trainer-ended-run")
+    assert ("scored", "trainer-ended-run") not in bus._last_forget

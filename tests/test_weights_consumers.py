@@ -308,7 +308,7 @@ async def test_a_worker_that_starts_under_undecodable_entries_follows_from_the_t
                 break
             await asyncio.sleep(0.05)
         assert worker.loads == [("/w/3", 3)]
-        assert worker.ended == {"new"}
+        assert list(worker.ended) == ["new"]
     finally:
         stop.set()
         await asyncio.wait_for(running, 10)

@@ -53,6 +53,7 @@ class Trimming:
         """Remove ``group`` and what it holds pending from ``stream``, with its handler-error counts
         and its series in this process's metrics; False if there was none."""
         metrics.forget_series(stream.name, group)
+        self._last_forget.pop((stream.name, group), None)
         await self.redis.delete(self._errors_key(stream, group))
         try:
             return bool(await self.redis.xgroup_destroy(self.key(stream), group))
