@@ -154,6 +154,17 @@ def test_run_spec_defaults_are_the_papers():
         65536,
     )
     assert (t.prompts_per_step, t.lr, t.warmup_steps, t.weight_decay) == (32, 3e-6, 8, 0.1)
+    # no KL and no entropy term, the token mean within a sequence and the mean over sequences
+    # (1/G sum 1/|tau_i|), s as the turn's mean log-ratio, the evidence with routing computed fresh,
+    # no importance correction beyond the clip; evaluation at top-p 0.95, mean@4
+    assert (a.kl_coef, a.loss_agg, a.reduce, a.evidence_routing, a.tis_cap) == (
+        0.0,
+        "seq-mean-token-mean",
+        "mean",
+        "fresh",
+        None,
+    )
+    assert (r.eval_top_p, r.eval_samples) == (0.95, 4)
     grpo = RunSpec.model_validate(
         {"model": {"path": "m"}, "data": {"train": "t"}, "algorithm": {"name": "grpo"}}
     )

@@ -127,7 +127,7 @@ def sft_cmd(
         1e-5, callback=positive, help="the paper's SFT learning rate (a tiny model wants ~1e-3)"
     ),
     batch_size: int = typer.Option(32, min=1, help="conversations per optimiser step"),
-    warmup_steps: int = typer.Option(10, min=0),
+    warmup_steps: int = typer.Option(0, min=0, help="0: the learning rate fixed, as the paper's SFT"),
     lr_decay: str = typer.Option("constant", help="after warm-up: constant, or cosine to lr/10 at the end"),
     micro_batch_tokens: int = typer.Option(16_384, min=1),
     max_tokens: int = typer.Option(65_536, min=1, help="longer conversations are skipped"),

@@ -59,7 +59,7 @@ LossOn = Literal["assistant", "turns"]
 class SftConfig:
     epochs: int = 2
     lr: float = 1e-5
-    warmup_steps: int = 10
+    warmup_steps: int = 0  # the paper's SFT: "the learning rate is fixed at 1e-5"
     lr_decay: LrDecay = "constant"
     weight_decay: float = 0.0
     batch_size: int = 32  # conversations per optimiser step (the paper's global batch)
