@@ -361,3 +361,71 @@ async def test_sglang_scorer_reads_prompt_logprobs(tok):
     body = app.state.requests[0]
     assert body["sampling_params"] == {"max_new_tokens": 0} and body["logprob_start_len"] == 2
     np.testing.assert_allclose(got, [prompt_logprob(ids[p], p) for p in positions], rtol=1e-6)
+
+
+def _stub_backend(contexts, bonus):
+    """A backend whose log-probs are chosen by hand: every student token at -1, every teacher token
+    at -1 plus ``bonus[i][k]``, k the turn of the student token it is aligned with."""
+    from services.scorer.evidence import LogProbs
+
+    async def logprobs(requests, pairs=None):
+        out, seen = [], set()
+        for (_ids, positions), i in zip(requests, pairs, strict=True):
+            if i not in seen:  # a trajectory's first request is its student pass
+                seen.add(i)
+                out.append(np.full(len(positions), -1.0))
+                continue
+            c = contexts[i]
+            turns = c.token_turns[c.phi >= 0]
+            assert len(turns) == len(positions)
+            out.append(np.array([-1.0 + bonus[i][k] for k in turns]))
+        return LogProbs(out, version=0)
+
+    return logprobs
+
+
+async def test_score_group_on_hand_chosen_logprobs_gives_the_papers_numbers(tok):
+    """Algorithm 1 end to end through the scorer, on numbers worked by hand: A from the rewards
+    (ddof 1), s_t the mean over the turn's aligned tokens of log p_T - log p_S, w_t = 1
+    with s_t inside [-eps-, eps+], else 1 + sign(A) clip(tanh(s / delta), -c, c)."""
+    # delta and clip apart, so that one taken for the other shows
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0, delta=0.05, clip=0.2)
+    group = _group(tok, spec)  # rewards 1, 0, 1; 2, 3 and 1 turns
+    bonus = {0: [0.05, 0.0005], 1: [-0.002, -0.005, 0.004], 2: [0.02]}
+    scored = await score_group(group, tok, _stub_backend(group_contexts(group, tok), bonus))
+    a = 1 / np.sqrt(3)  # mean 2/3, sample std sqrt(1/3)
+    np.testing.assert_allclose(scored.advantages, [a, -2 * a, a], rtol=1e-5)
+    for i in range(3):
+        np.testing.assert_allclose(scored.turn_evidence[i], bonus[i], atol=1e-7)
+    expected = [
+        [1.2, 1.0],  # tanh(1.0) = 0.76 clipped at 0.2; 0.0005 inside the deadband
+        [1.0, 1 - np.tanh(-0.1), 1 - np.tanh(0.08)],  # A < 0 flips the sign
+        [1.2],  # tanh(0.4) = 0.38 clipped
+    ]
+    for got, want in zip(scored.turn_weights, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    assert scored.diagnostics.filtered_frac == pytest.approx(2 / 6)
+
+
+async def test_a_cut_x_star_leaves_turns_without_phi_at_unit_weight(tok):
+    """With teacher_max_length the tokens past the cut have no phi: a turn with none left has no
+    evidence (NaN) and w = 1 (Algorithm 1's empty I), a turn cut part-way is the mean of what is
+    left."""
+    full = group_contexts(_group(tok, PbsdSpec(teacher_template=TEMPLATE)), tok)[1]
+    last = full.token_turns == 2
+    # the longest cut that leaves the last turn no aligned token and the turns before it some
+    cut = max(int(full.phi[last].min()) + 1, 1)
+    while (full.phi[~last] >= cut).any() or cut > full.phi[last].min():
+        cut -= 1
+    spec = PbsdSpec(teacher_template=TEMPLATE, noise_floor_samples=0, teacher_max_length=cut)
+    group = _group(tok, spec, rewards=(1.0, 0.0, 1.0))
+    contexts = group_contexts(group, tok)
+    c = contexts[1]
+    assert (c.phi[c.token_turns == 2] < 0).all() and (c.phi[c.token_turns < 2] >= 0).all()
+    bonus = {0: [0.05, 0.05], 1: [0.05, 0.05, 0.05], 2: [0.05]}
+    scored = await score_group(group, tok, _stub_backend(contexts, bonus))
+    s, w = scored.turn_evidence[1], scored.turn_weights[1]
+    assert np.isnan(s[2]) and w[2] == 1.0
+    np.testing.assert_allclose(s[:2], 0.05, atol=1e-7)
+    np.testing.assert_allclose(w[:2], 0.9, atol=1e-6)  # A < 0
+    assert scored.diagnostics.unaligned_tokens >= int(last.sum())
