@@ -231,3 +231,38 @@ async def test_what_a_checkpoint_and_a_runs_end_count_on_reaches_the_disk_first(
     assert flushed.index(f"{out}/metrics.jsonl") < first_checkpoint
     final = [f for f in flushed if f.startswith(f"{out}/final/")]
     assert f"{out}/final/model.safetensors" in final and f"{out}/final/pbsd.json" in final
+
+
+async def test_a_resumed_run_goes_on_with_its_schedule_and_its_optimisers_moments(
+    redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """A resume that skipped the optimiser's state (moments, schedule, step) passed every service
+    test: the unit test of a resume covers the trainer object alone. Across a clean stop in the
+    warm-up, each step's recorded lr is the schedule's for that step, and the last checkpoint's
+    AdamW has counted every step of the run."""
+    import torch
+
+    from services.trainer.policy import lr_factor
+
+    p = Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path)
+    try:
+        spec = _spec(tiny_world, tiny_checkpoint, max_steps=5, warmup_steps=4, checkpoint_every=100)
+        record = await p.store.create(RunSpec.model_validate(spec))
+        p.serve()
+        await p.until(record.id, lambda r: r.step >= 2)
+        await p.shutdown()  # SIGTERM in the warm-up: the interrupted checkpoint
+        assert 2 <= (await p.store.get(record.id)).step < 5
+        p.serve()
+        done = await p.until(record.id, finished)
+        assert done.state == "completed", done.error
+        steps = sorted(await p.store.metrics(record.id), key=lambda m: m["step"])
+        trainer_spec = TrainerSpec(**spec["trainer"])
+        assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+        assert [m["lr"] for m in steps] == pytest.approx(
+            [trainer_spec.lr * lr_factor(s, trainer_spec) for s in range(5)], rel=1e-9
+        )
+        last = latest_checkpoint(p.settings.runs_dir / record.id)
+        state = torch.load(last / "state.pt", weights_only=False)
+        assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {5}
+    finally:
+        await p.close()
