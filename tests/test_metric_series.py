@@ -86,12 +86,17 @@ def test_the_gateway_exports_every_tools_outcome_at_zero(tiny_world):
     from services.tools.gateway import ToolGateway
     from services.tools.store import MemoryStore
 
+    class Unseen(OfflineBackend):
+        name = "series-check"  # a backend label no other test makes: its series exist only if made here
+
     corpus = OfflineCorpus.from_jsonl(tiny_world / "corpus.jsonl")
-    gateway = ToolGateway(OfflineBackend(corpus), MemoryStore())
+    labels = {"tool": TOOLS[0].name, "backend": Unseen.name, "outcome": "ok"}
+    assert REGISTRY.get_sample_value("pbsd_tools_calls_total", labels) is None
+    ToolGateway(Unseen(corpus), MemoryStore())
     for spec in TOOLS:
         for outcome in ("ok", "error"):
-            labels = {"tool": spec.name, "backend": gateway.backend.name, "outcome": outcome}
-            assert REGISTRY.get_sample_value("pbsd_tools_calls_total", labels) is not None
+            labels = {"tool": spec.name, "backend": Unseen.name, "outcome": outcome}
+            assert REGISTRY.get_sample_value("pbsd_tools_calls_total", labels) == 0.0
         assert (
             REGISTRY.get_sample_value("pbsd_tools_cache_total", {"tool": spec.name, "result": "hit"})
             is not None

@@ -20,8 +20,23 @@ from tests.servers import serve
 async def test_service_turns_a_prompt_into_a_group(
     bus, redis_url, key_prefix, tiny_world, tiny_checkpoint, monkeypatch
 ):
+    from prometheus_client import REGISTRY
+
+    def counted() -> tuple[float, float, float]:
+        """Trajectories (every finish reason), generated tokens and validation groups so far."""
+        finished = sum(
+            s.value
+            for m in REGISTRY.collect()
+            if m.name == "pbsd_rollout_trajectories"
+            for s in m.samples
+            if s.name.endswith("_total")
+        )
+        tokens = REGISTRY.get_sample_value("pbsd_rollout_generated_tokens_total") or 0.0
+        return finished, tokens, REGISTRY.get_sample_value("pbsd_rollout_eval_groups_total") or 0.0
+
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.setenv("PBSD_STREAM_PREFIX", key_prefix)
+    before = counted()
     with serve(tools_app(ToolsSettings(corpus=tiny_world / "corpus.jsonl"))) as tools_url:
         settings = RolloutSettings(
             model=str(tiny_checkpoint), tools_url=tools_url, concurrency=1, seed=7, date="2025-06-01"
@@ -60,12 +75,17 @@ async def test_service_turns_a_prompt_into_a_group(
                 assert len(await bus.read_all(TRAJECTORIES)) == 1
                 assert evals[0][1].task_id == "r:eval:x:0:0" and len(evals[0][1].trajectories) == 2
                 metrics = (await http.get("/metrics")).text
+                after = counted()
     assert len(group.trajectories) == 2
     for t in group.trajectories:  # a random tiny model rambles until the per-turn budget
         assert t.finish_reason in ("max_tokens", "answer") and t.turn_spans[0][1] - t.turn_spans[0][0] <= 12
         assert t.loss_mask.sum() == sum(e - s for s, e in t.turn_spans)
-    assert "pbsd_rollout_trajectories_total" in metrics and "pbsd_rollout_generated_tokens_total" in metrics
-    assert "pbsd_rollout_eval_groups_total 1.0" in metrics
+    # what was sampled is what was counted, and the service exports it
+    trajectories = group.trajectories + evals[0][1].trajectories
+    assert after[0] - before[0] == len(trajectories) == 4
+    assert after[1] - before[1] == sum(int(t.loss_mask.sum()) for t in trajectories)
+    assert after[2] - before[2] == 1
+    assert f"pbsd_rollout_eval_groups_total {after[2]}" in metrics
 
 
 def test_pbsd_eval_cli(tiny_world, tiny_checkpoint, tmp_path):

@@ -24,12 +24,29 @@ async def _wait_for(bus, stream, n, timeout=60):
 
 
 async def test_scorer_service(bus, redis_url, key_prefix, tiny_checkpoint, tmp_path, monkeypatch):
+    """Groups in, scored groups out; published weights loaded (v1 is perturbed, so a scorer that
+    only took the version number scores as v0 did); the metrics count what was scored."""
+    import numpy as np
+    import torch
+    from prometheus_client import REGISTRY
+
     from agent.chat import ChatTokenizer
+    from services.scorer.backends import LocalScorer
+    from services.scorer.evidence import score_group
+
+    def sample(name, **labels) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
 
     tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.setenv("PBSD_STREAM_PREFIX", key_prefix)
-    v1 = save_checkpoint(load_model(tiny_checkpoint), tmp_path / "v1")
+    changed = load_model(tiny_checkpoint)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(torch.randn_like(p) * 0.05, alpha=1.0)
+    v1 = save_checkpoint(changed, tmp_path / "v1")
+    counted = sample("pbsd_scorer_groups_total", kind="scored"), sample("pbsd_scorer_evidence_count")
+    passed = sample("pbsd_scorer_groups_total", kind="passthrough")
     with serve(create_app(ScorerSettings(model=str(tiny_checkpoint)))) as url:
         async with httpx.AsyncClient(base_url=url) as http:
             for _ in range(100):
@@ -44,21 +61,21 @@ async def test_scorer_service(bus, redis_url, key_prefix, tiny_checkpoint, tmp_p
             async with asyncio.timeout(30):
                 while (await http.get("/health")).json().get("policy_version") != 1:
                     await asyncio.sleep(0.1)
-            metrics = (await http.get("/metrics")).text
+            again = _group(tok, PbsdSpec(teacher_template=TEMPLATE))  # the same trajectories
+            await bus.publish(TRAJECTORIES, again)
+            scored = await _wait_for(bus, SCORED, 3)
     by_task = {s.group.message_id: s for s in scored}
-    p, g = by_task[pbsd_group.message_id], by_task[grpo_group.message_id]
+    p, g, later = by_task[pbsd_group.message_id], by_task[grpo_group.message_id], by_task[again.message_id]
     assert p.scored and p.scorer_policy_version == 0 and p.diagnostics.scored_turns == 6
     assert not g.scored
-    for name in (
-        "pbsd_scorer_groups_total",
-        "pbsd_scorer_evidence_bucket",
-        "pbsd_scorer_teacher_higher_fraction",
-        "pbsd_scorer_mean_abs_gap",
-        "pbsd_scorer_filtered_fraction",
-        "pbsd_scorer_turn_weight_bucket",
-    ):
-        assert name in metrics
-    assert 'pbsd_scorer_groups_total{kind="passthrough"} 1.0' in metrics
+    assert later.scorer_policy_version == 1
+    direct = await score_group(again, tok, LocalScorer(changed))
+    for got, want, before in zip(later.turn_evidence, direct.turn_evidence, p.turn_evidence, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert not np.allclose(got, before, atol=1e-4)  # v1's evidence is not v0's
+    assert sample("pbsd_scorer_groups_total", kind="scored") == counted[0] + 2
+    assert sample("pbsd_scorer_evidence_count") == counted[1] + 12  # 6 scored turns a group
+    assert sample("pbsd_scorer_groups_total", kind="passthrough") == passed + 1
 
 
 async def test_groups_of_an_ended_run_are_dropped_unscored(bus, tiny_checkpoint):

@@ -145,23 +145,41 @@ async def test_budget_unknown_pages_and_gateway_down(gateway_url):
 
 
 async def test_metrics_are_exported(gateway_url):
+    """Two identical searches: two calls answered and timed, one cache miss then one hit. (Every
+    series exists at zero from the start, so their names alone prove nothing.)"""
+    from prometheus_client import REGISTRY
+
+    def counts() -> tuple[float, ...]:
+        tool = {"tool": "google_search"}
+        return tuple(
+            REGISTRY.get_sample_value(name, labels) or 0.0
+            for name, labels in (
+                ("pbsd_tools_calls_total", {**tool, "backend": "offline", "outcome": "ok"}),
+                ("pbsd_tools_call_seconds_count", {**tool, "backend": "offline"}),
+                ("pbsd_tools_cache_total", {**tool, "result": "miss"}),
+                ("pbsd_tools_cache_total", {**tool, "result": "hit"}),
+            )
+        )
+
+    before = counts()
     client = GatewayClient(gateway_url)
-    await client.call(*SEARCH, {"q": "river"})
-    await client.call(*SEARCH, {"q": "river"})
+    await client.call(*SEARCH, {"q": "a river no other test searches for"})
+    await client.call(*SEARCH, {"q": "a river no other test searches for"})
     await client.aclose()
+    assert [b - a for a, b in zip(before, counts(), strict=True)] == [2, 2, 1, 1]
     text = httpx.get(f"{gateway_url}/metrics").text
-    for name in ("pbsd_tools_calls_total", "pbsd_tools_call_seconds_bucket", "pbsd_tools_cache_total"):
-        assert name in text
-    assert 'pbsd_tools_cache_total{result="hit",tool="google_search"}' in text
+    assert f'pbsd_tools_cache_total{{result="hit",tool="google_search"}} {counts()[3]}' in text
 
 
 class SlowBackend(OfflineBackend):
     """The real offline backend, slowed down so that identical calls overlap."""
 
-    calls = 0
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0  # this backend's own: another test's calls must not count
 
     async def search(self, args):
-        SlowBackend.calls += 1
+        self.calls += 1
         await asyncio.sleep(0.3)
         return await super().search(args)
 
@@ -170,7 +188,7 @@ async def test_identical_calls_in_flight_are_merged(world):
     backend = SlowBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl"))
     gw = ToolGateway(backend, MemoryStore())
     outs = await asyncio.gather(*(gw.call(*SEARCH, {"q": "festival"}) for _ in range(5)))
-    assert SlowBackend.calls == 1
+    assert backend.calls == 1
     assert sum(o.merged for o in outs) == 4 and len({o.text for o in outs}) == 1
 
 
