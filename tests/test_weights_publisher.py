@@ -189,3 +189,29 @@ async def test_members_a_broken_broadcast_paused_resume_even_when_its_disk_copy_
     with pytest.raises(OSError, match="No space"):
         await publisher.publish(FullDisk(), None, TrainState(step=1, version=1))
     assert broadcaster.recovered == [("/ckpt/v0", 0)]  # the last whole copy
+
+
+async def test_only_the_newest_versions_stay_on_disk_and_the_announced_copy_with_them(
+    bus, tiny_checkpoint, tmp_path
+):
+    """keep_weights bounds a run's weights folder: with it unenforced a long run fills the disk,
+    and enforced blindly it deletes the copy the last announcement names, which a lagging or
+    restarted receiver then cannot load."""
+    from proto.runs import TrainerSpec
+    from services.model.checkpoint import load_model
+    from services.trainer.checkpoints import TrainState
+    from services.trainer.policy import PolicyTrainer
+
+    trainer = PolicyTrainer(load_model(tiny_checkpoint), TrainerSpec())
+    publisher = WeightPublisher(bus, "run-k", tmp_path, keep=2)
+    for version in range(1, 5):
+        await publisher.publish(trainer, None, TrainState(step=version, version=version))
+    kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert kept == ["v000003", "v000004"]
+    assert (await bus.latest(WEIGHTS))[1].path == str(tmp_path / "weights" / "v000004")
+    # the broadcast transport announces its newest disk copy, which may be older than every write
+    publisher.saved(tmp_path / "weights" / "v000003", 3)
+    for version in range(5, 7):
+        await publisher._write(trainer, None, TrainState(step=version, version=version))
+    kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert kept == ["v000003", "v000005", "v000006"]
