@@ -3,12 +3,15 @@ the pointer replaced by a rename, and a clean shutdown's mark good for one resum
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
 import pytest
+from redis.exceptions import ResponseError
 
 from proto.runs import RunSpec, TrainerSpec
+from proto.streams import SCORED
 from services.trainer.checkpoints import (
     TrainState,
     latest_checkpoint,
@@ -264,5 +267,47 @@ async def test_a_resumed_run_goes_on_with_its_schedule_and_its_optimisers_moment
         last = latest_checkpoint(p.settings.runs_dir / record.id)
         state = torch.load(last / "state.pt", weights_only=False)
         assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {5}
+    finally:
+        await p.close()
+
+
+async def test_a_clean_stop_while_a_batch_fills_leaves_its_groups_pending_for_the_resume(
+    redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """SIGTERM while the trainer holds part of a batch: the groups it holds stay pending (to
+    acknowledge them would lose them), the resumed run reads them back first, and every prompt is
+    sampled once and trained once. (Acknowledging them passed the suite: the one test that stopped
+    mid-run crashed afterwards, and the crash's resume published the prompts again.)"""
+    from services.trainer.run_groups import scored_group
+
+    p = Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path, hold_after=1)
+    try:
+        spec = _spec(tiny_world, tiny_checkpoint, max_steps=2, checkpoint_every=100)
+        spec["rollout"]["max_staleness"] = 0  # step 1's two prompts only, until step 1 is trained
+        record = await p.store.create(RunSpec.model_validate(spec))
+        p.serve()
+        group = scored_group(record.id)
+
+        async def pending() -> int:
+            try:
+                return (await p.bus.redis.xpending(p.bus.key(SCORED), group))["pending"]
+            except ResponseError:  # the run has not made its group yet
+                return 0
+
+        async with asyncio.timeout(30):  # the fake answered one prompt and holds the other
+            while await pending() < 1:
+                await asyncio.sleep(0.05)
+        await p.shutdown()
+        assert (await p.store.get(record.id)).step == 0
+        assert await pending() == 1  # held, not acknowledged
+        p.fake.release.set()
+        p.serve()
+        done = await p.until(record.id, finished)
+        assert done.state == "completed", done.error
+        sampled = [t.index for t in p.fake.tasks if t.purpose == "train"]
+        assert sorted(sampled) == [0, 1, 2, 3]  # each prompt once, none again, none past the last step
+        trained = [prompt_index(t) for t in await p.store.trained_ids(record.id)]
+        assert sorted(set(trained)) == [0, 1, 2, 3] and await p.store.dropped(record.id) == set()
+        assert await pending() == 0
     finally:
         await p.close()

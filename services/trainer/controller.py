@@ -111,9 +111,11 @@ class PromptController:
         )
 
     def allowed(self, step: int, dropped: int) -> int:
-        """How many prompts may be out by the time ``step`` trains."""
+        """How many prompts may be out by the time ``step`` trains: never more than the run's
+        last step trains on (the rollout would sample them for nothing as the run ends)."""
         per_step = self.spec.trainer.prompts_per_step
-        return min(self.total, (step + 1 + self.spec.rollout.max_staleness) * per_step + dropped)
+        ahead = min(step + 1 + self.spec.rollout.max_staleness, self.spec.trainer.max_steps)
+        return min(self.total, ahead * per_step + dropped)
 
     async def republish(self, indices: list[int], step: int) -> None:
         """After a crash, the prompts whose groups the lost steps consumed (trained on or dropped, and
