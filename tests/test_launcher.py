@@ -50,11 +50,27 @@ def test_a_service_dies_with_a_parent_that_is_killed():
     assert not _alive(child)
 
 
-def _api(step: int = 0, state: str = "running") -> httpx.Client:
-    record = {"step": step, "state": state, "latest_metrics": {}}
-    return httpx.Client(
-        base_url="http://trainer", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=record))
-    )
+@pytest.fixture
+def parked(api, redis_url, key_prefix, tiny_world, tiny_checkpoint):
+    """``parked(state, step)``: (a client of the trainer's API with its token, the id of a run
+    parked there in ``state`` at ``step``), as the demo follows its runs."""
+    import asyncio
+
+    from tests.conftest import TOKEN
+    from tests.test_trainer_api import _parked_run
+    from tests.test_trainer_service import _spec
+
+    clients = []
+
+    def make(state: str = "running", step: int = 0) -> tuple[httpx.Client, str]:
+        spec = _spec(tiny_world, tiny_checkpoint, max_steps=4)
+        run_id = asyncio.run(_parked_run(redis_url, key_prefix, spec, state, step))
+        clients.append(httpx.Client(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}))
+        return clients[-1], run_id
+
+    yield make
+    for client in clients:
+        client.close()
 
 
 def _service(cmd: list[str], tmp_path) -> ServiceProcess:
@@ -63,29 +79,29 @@ def _service(cmd: list[str], tmp_path) -> ServiceProcess:
     return service
 
 
-def test_follow_run_stops_a_stalled_run(tmp_path):
+def test_follow_run_stops_a_stalled_run(tmp_path, parked):
     service = _service(["sleep", "30"], tmp_path)
     try:
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="stalled: no training step for 1s after step 0"):
-            follow_run(_api(), "run-1", 4, "pbsd", [service], stall_timeout_s=1.0)
+            follow_run(*parked(), 4, "pbsd", [service], stall_timeout_s=1.0)
         assert time.monotonic() - started < 10
     finally:
         service.process.kill()
         service.process.wait()
 
 
-def test_follow_run_fails_when_a_service_exits(tmp_path):
+def test_follow_run_fails_when_a_service_exits(tmp_path, parked):
     service = _service([sys.executable, "-c", "raise SystemExit(3)"], tmp_path)
     service.process.wait()
     with pytest.raises(RuntimeError, match=r"rollout exited with code 3; see .*rollout\.log"):
-        follow_run(_api(), "run-1", 4, "pbsd", [service], stall_timeout_s=600.0)
+        follow_run(*parked(), 4, "pbsd", [service], stall_timeout_s=600.0)
 
 
-def test_follow_run_returns_a_completed_run(tmp_path):
+def test_follow_run_returns_a_completed_run(tmp_path, parked):
     service = _service(["sleep", "30"], tmp_path)
     try:
-        assert follow_run(_api(4, "completed"), "run-1", 4, "pbsd", [service], 600.0)["step"] == 4
+        assert follow_run(*parked("completed", 4), 4, "pbsd", [service], 600.0)["step"] == 4
     finally:
         service.process.kill()
         service.process.wait()

@@ -86,10 +86,19 @@ async def test_lag_is_nan_when_redis_cannot_count_it(bus: Bus):
     assert math.isnan(_value("pbsd_stream_lag", stream="trajectories", group="scorer"))
 
 
-async def test_the_monitor_loop_stops_when_asked(bus: Bus):
+async def test_the_monitor_loop_samples_until_asked_to_stop(bus: Bus):
+    """It samples again every interval (a length that changes shows up without a call), and stops
+    within one when asked."""
+    await bus.publish(TRAJECTORIES, ex.example_group(2, seed=0))
     stop = asyncio.Event()
-    task = asyncio.create_task(StreamLagMonitor(bus.redis, bus.prefix, interval_s=0.05).run(stop))
-    await asyncio.sleep(0.15)
+    monitor = StreamLagMonitor(bus.redis, bus.prefix, streams=(TRAJECTORIES,), interval_s=0.05)
+    task = asyncio.create_task(monitor.run(stop))
+    async with asyncio.timeout(5):
+        while REGISTRY.get_sample_value("pbsd_stream_length", {"stream": "trajectories"}) != 1:
+            await asyncio.sleep(0.02)
+        await bus.publish(TRAJECTORIES, ex.example_group(2, seed=1))
+        while REGISTRY.get_sample_value("pbsd_stream_length", {"stream": "trajectories"}) != 2:
+            await asyncio.sleep(0.02)
     stop.set()
     await asyncio.wait_for(task, 2)
 

@@ -56,9 +56,9 @@ async def test_cancel_a_queued_run(redis_url, key_prefix, tiny_world, tiny_check
     await client.aclose()
 
 
-async def _parked_run(redis_url, key_prefix, spec, state: str) -> str:
-    """A run in ``state`` that the api fixture's executor never starts: never on the queue (a run
-    queued and taken off again could be taken by the executor in between)."""
+async def _parked_run(redis_url, key_prefix, spec, state: str, step: int = 0) -> str:
+    """A run in ``state`` (at ``step``) that the api fixture's executor never starts: never on the
+    queue (a run queued and taken off again could be taken by the executor in between)."""
     import time
 
     import redis.asyncio as aioredis
@@ -74,6 +74,7 @@ async def _parked_run(redis_url, key_prefix, spec, state: str) -> str:
         id=f"run-{time.strftime('%Y%m%d-%H%M%S')}-{new_id()[:6]}",
         name="parked",
         state=state,
+        step=step,
         created_at=now,
         updated_at=now,
         spec=RunSpec.model_validate(spec),
