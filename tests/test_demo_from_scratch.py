@@ -13,7 +13,8 @@ import yaml
 
 from worldgen.build import world_fingerprint
 
-pytestmark = pytest.mark.slow
+# the suite's 300 s cut it short on a busy 2-core box (its subprocess allows an hour)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_from_scratch_rebuild(tmp_path):
