@@ -170,3 +170,18 @@ def test_the_reports_action_rows_come_from_the_scorers_tallies():
     ]
     assert got[0]["mean_s"] == pytest.approx(0.05) and got[0]["teacher_higher"] == 0.5
     assert got[3]["teacher_higher"] == 0.0  # s = 0 is not teacher > student
+
+
+def test_a_search_in_the_last_turn_keeps_its_verdict():
+    """The last turn's verdict is its boxed answer only when it calls no tool."""
+    from agent.grounding import turn_verdicts
+
+    call = _search("Danube delta")
+    assert turn_verdicts("Which river?", [(call, "result about Danube")], "Danube") == [("queries", False)]
+
+
+def test_a_blank_query_is_not_grounded():
+    from agent.grounding import judge
+
+    call = _search("  ")
+    assert judge("Which river?", [(call, "x")], None) == ([("queries", False)], None)

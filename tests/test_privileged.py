@@ -247,3 +247,13 @@ def test_the_demo_asks_for_a_teacher_pass_only_when_configured():
     assert on.teacher_formats == ((DEFAULT_TEACHER_TEMPLATE, 0.5), (SUPPORT_TEACHER_TEMPLATE, 0.25))
     assert (on.limit, on.epochs, on.lr, on.warmup_steps, on.teacher_contradict) == (800, 1, 1e-3, 5, 0.5)
     assert "teacher_sft_formats" in DemoConfig().warm_start()  # a changed setting builds anew
+
+
+def test_the_answer_is_never_one_of_the_hops():
+    from agent.privileged import hop_entities
+
+    support = [
+        "the river Vienna is on is Danube (page kb://danube)",
+        "the capital of Austria is Vienna (page kb://vienna)",
+    ]
+    assert hop_entities(support, "Danube") == {"Vienna"}

@@ -332,3 +332,19 @@ async def test_prompts_of_an_ended_run_are_dropped_on_sight_waiting_or_not(bus, 
     assert await bus.read_all(TRAJECTORIES) == [] and "r" in later.ended
     assert not [r for r in app.state.requests]  # nothing was generated for the ended run
     assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+
+
+async def test_a_group_is_as_old_as_its_oldest_trajectory(tok):
+    """The weights changed between the group's two samples (versions 1 and 2): it is a version-1
+    group, or the trainer's staleness check would take a stale group for a fresh one."""
+    app = make_sglang(scripted(tok, ["\\boxed{Danube}"]), script=["ok", "reload"], version=1)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        worker = RolloutWorker(None, engine, FixedTools(), tok, date="2025-06-01")
+        try:
+            await worker.prepare()
+            group = await worker.sample_group(_task(group_size=2))
+        finally:
+            await engine.aclose()
+    assert sorted(t.policy_version for t in group.trajectories) == [1, 2]
+    assert group.policy_version == 1

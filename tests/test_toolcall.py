@@ -178,3 +178,29 @@ def test_system_prompt_is_appendix_a_with_the_catalogue():
         "Your goal is to provide complete, accurate and well-reasoned answers using additional tools."
     )
     assert "{" not in text.split("Here are the functions")[0].replace('{\n"param1"', "")  # no unfilled fields
+
+
+def _block(arguments: str) -> str:
+    return (
+        "<use_mcp_tool>\n<server_name>s</server_name>\n<tool_name>t</tool_name>\n"
+        f"<arguments>\n{arguments}\n</arguments>\n</use_mcp_tool>"
+    )
+
+
+def test_broken_arguments_of_exactly_the_repair_budget_are_repaired():
+    arguments = '{"q": "' + "x" * 493  # 500 characters, without their closing quote and brace
+    assert len(arguments) == 500
+    (parsed,) = parse_tool_calls(_block(arguments))
+    assert parsed.call is not None and parsed.call.repaired
+
+
+def test_every_malformed_block_is_a_failed_call_of_its_own():
+    """The agent is told of each, as of each call it made."""
+    bad = "<use_mcp_tool><tool_name>t</tool_name></use_mcp_tool>"
+    parsed = parse_tool_calls(bad + "\n" + bad)
+    assert len(parsed) == 2 and all(p.call is None and "malformed" in p.error for p in parsed)
+
+
+def test_a_result_of_exactly_the_limit_is_not_cut():
+    assert format_tool_result("x" * 10, max_chars=10) == "x" * 10
+    assert format_tool_result("x" * 11, max_chars=10) == "x" * 10 + "\n... [Result truncated]"

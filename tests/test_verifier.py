@@ -77,3 +77,31 @@ def test_verify_end_to_end():
     assert (v.extracted, v.correct, v.f1, v.reward) == ("The Danube", True, 1.0, 1.0)
     v = verify("I could not find it.", "Danube")
     assert (v.extracted, v.correct, v.reward) == (None, False, 0.0)
+
+
+def test_the_box_that_opens_last_is_the_answer_even_inside_another():
+    assert extract_boxed(r"\boxed{Answer: \boxed{Danube}}") == "Danube"
+    assert verify(r"\boxed{Answer: \boxed{Danube}}", "Danube").reward == 1.0
+
+
+def test_an_unbalanced_escaped_brace_neither_opens_nor_closes_a_box():
+    assert extract_boxed(r"\boxed{\{3}") == r"\{3"
+    assert extract_boxed(r"\boxed{a \} b}") == r"a \} b"
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("3.0", "3", True),  # a whole fraction of zeros goes
+        ("3.05", "35", False),  # a fraction that is not all zeros stays
+        (r"\text{\textbf{Paris}}", "Paris", True),  # wrappers inside wrappers
+        ("12 3456", "123456", False),  # only groups of three digits are thousands
+        ("1 000 000", "1000000", True),
+    ],
+)
+def test_normalisation_keeps_apart_what_differs(a, b, same):
+    assert exact_match(a, b) is same
+
+
+def test_token_f1_is_the_best_over_the_answer_and_its_aliases():
+    assert token_f1("Danube River", "Danube River", ["Danube"]) == 1.0
