@@ -164,3 +164,20 @@ def test_a_bfloat16_models_log_probs_are_exact_past_its_last_hidden_state(tok, t
     assert np.abs(in_bfloat16 - exact).max() > 1e-3
     on_grid = torch.tensor(got).to(torch.bfloat16).float().numpy() == got
     assert not on_grid.all()  # not bfloat16 values
+
+
+def test_the_null_floor_of_a_cut_context_by_hand():
+    """x* cut after the sixth position: the null pass covers the first two loss tokens only, and
+    its differences are taken against the student's first two log-probs, in their turns."""
+    from services.scorer.noise import null_floor
+
+    c = Contexts(
+        student=list(range(10)),
+        teacher=list(range(8)),
+        loss_positions=np.array([6, 7, 8, 9]),
+        phi=np.array([6, 7, -1, -1]),
+        token_turns=np.array([0, 1, 1, 1]),
+    )
+    floor = null_floor(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0.1, 0.25]), c, PbsdSpec())
+    assert floor.tokens == 2 and floor.turns == 2
+    assert floor.sum_d == pytest.approx(0.05) and floor.max_abs_d == pytest.approx(0.05)

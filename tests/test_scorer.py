@@ -139,11 +139,14 @@ def test_phi_by_hand_and_truncation(tok):
     for s, p in zip(c.loss_positions, c.phi, strict=True):
         assert c.student[s] == c.teacher[p]  # phi maps each loss token onto the same token
     np.testing.assert_array_equal(c.token_turns, np.repeat([0, 1], [e - s for s, e in t.turn_spans]))
-    # cut x* three tokens into the second turn: those tokens and everything after lose phi
-    cut = int(c.phi[c.token_turns == 1][0]) + 3
+    # cut x* just after the second turn's first token: the turn's other tokens lose phi (the cut
+    # was three tokens in once, the turn's whole length, so nothing was cut)
+    first = int(np.flatnonzero(c.token_turns == 1)[0])
+    cut = int(c.phi[first]) + 1
+    assert cut < len(c.teacher)
     c2 = contexts_of(tok, t, teacher_max_length=cut)
-    assert len(c2.teacher) == cut
-    assert (c2.phi >= 0).sum() == (c.phi < cut).sum() and np.all(c2.phi[c.phi >= cut] == -1)
+    assert c2.teacher == c.teacher[:cut]
+    assert c2.phi.tolist() == c.phi[: first + 1].tolist() + [-1] * (len(c.phi) - first - 1)
 
 
 def test_a_trajectory_that_fills_its_context_keeps_a_teacher_position_for_every_token(tok):
@@ -429,3 +432,18 @@ async def test_a_cut_x_star_leaves_turns_without_phi_at_unit_weight(tok):
     np.testing.assert_allclose(s[:2], 0.05, atol=1e-7)
     np.testing.assert_allclose(w[:2], 0.9, atol=1e-6)  # A < 0
     assert scored.diagnostics.unaligned_tokens >= int(last.sum())
+
+
+def test_a_failed_trajectory_has_no_contexts_to_score(tok):
+    """Its advantage is 0, so w = 1 whatever s is, but its two passes cost as much as any, and its
+    turns would count in the group's figures."""
+    group = _group(tok, PbsdSpec(teacher_template=TEMPLATE), finishes=["answer", "answer", "error"])
+    assert [c is None for c in group_contexts(group, tok)] == [False, False, True]
+
+
+def test_the_support_template_gets_the_groups_facts(tok):
+    group = _group(tok, PbsdSpec(teacher_template="support")).model_copy(
+        update={"support": ("Vienna lies on the Danube (page kb://x)",)}
+    )
+    (c, *_) = group_contexts(group, tok)
+    assert "Vienna lies on the Danube" in tok.decode(c.teacher)

@@ -303,6 +303,9 @@ def test_checks_by_hand():
     assert got["grounded_minus_made_up_mean_s"][1] is False
     nothing = {c["figure"]: c["met"] for c in checks({}, eps_pos=0.001, eps_neg=0.003)}
     assert set(nothing.values()) == {None}  # no turns behind a figure: neither met nor missed
+    at_the_mark = {"correct_final_favoured_frac": 0.9, "wrong_final_disfavoured_frac": 0.9}
+    met = {c["figure"]: c["met"] for c in checks(at_the_mark, eps_pos=0.001, eps_neg=0.003)}
+    assert met["correct_final_favoured_frac"] is met["wrong_final_disfavoured_frac"] is True  # ">= 90%"
 
 
 async def test_the_scorer_counts_the_tallies_for_prometheus(tok):
@@ -341,3 +344,19 @@ async def test_the_scorer_counts_the_tallies_for_prometheus(tok):
     assert -negative == pytest.approx(sanity.wrong_final.sum_s)
     assert value("pbsd_scorer_noise_squared_difference_total") - squares == pytest.approx(0.001)
     assert value("pbsd_scorer_noise_turns_total", outcome="outside") - outside == 1  # null s = -0.01
+
+
+def test_a_turn_that_names_an_alias_bears_the_answer(tok):
+    """The answer is found by its aliases too: a turn that names one is not answer-free."""
+    from services.scorer.sanity import turn_kinds
+
+    t = _trajectory(tok, ["Searching the Donau pages.", "\\boxed{Danube}"], reward=1.0)
+    group = group_of([t], PbsdSpec(teacher_template=TEMPLATE)).model_copy(update={"aliases": ("Donau",)})
+    assert [kind for kind, _ in turn_kinds(group, tok)[0]] == ["answer_bearing", "correct_final"]
+
+
+def test_a_blank_box_is_an_unboxed_final(tok):
+    from services.scorer.sanity import final_kind
+
+    t = _trajectory(tok, ["\\boxed{ }"], reward=0.0).model_copy(update={"final_answer": "  "})
+    assert final_kind(t) == "unboxed_final"

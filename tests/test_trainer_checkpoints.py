@@ -75,6 +75,18 @@ def test_only_the_newest_checkpoints_are_kept_when_the_run_says_so(tmp_path):
         TrainerSpec(keep_checkpoints=1)  # the one before the newest may be what a lagging worker loads
 
 
+def test_a_checkpoint_without_its_optimiser_state_is_not_whole(tmp_path):
+    """One an older pbsd was writing in place, cut short: resuming from it would fail to load."""
+    two = _write(tmp_path, 2, "w2")
+    (_write(tmp_path, 3, "w3") / "state.pt").unlink()
+    assert latest_checkpoint(tmp_path) == two
+
+
+def test_a_checkpoint_records_the_data_position_it_is_given(tmp_path):
+    state, saved = read_checkpoint(_write(tmp_path, 3, "w3"))  # TrainState's own next_index is 0
+    assert state.next_index == saved["next_index"] == 6
+
+
 def test_a_checkpoint_is_renamed_into_place_whole_and_latest_follows(tmp_path):
     one = _write(tmp_path, 1, "w1")
     assert latest_checkpoint(tmp_path) == one and (one / "model" / "weights").read_text() == "w1"

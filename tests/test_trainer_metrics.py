@@ -35,3 +35,29 @@ def test_a_skipped_update_is_counted_for_prometheus():
     assert count() == before
     export_step({"step": 3.0, "step_s": 1.0, "skipped_update": 1.0})
     assert count() == before + 1
+
+
+def test_batch_metrics_by_hand(tiny_checkpoint):
+    """Accuracy over the trajectories that did not fail; staleness against the trainer's version;
+    the filtered fraction weighted by each group's scored turns."""
+    import numpy as np
+
+    from agent.chat import ChatTokenizer
+    from proto.messages import ScoreDiagnostics
+    from proto.runs import PbsdSpec
+    from services.trainer.dynamics import batch_metrics
+    from tests.test_scorer import _group
+    from tests.test_trainer_policy import _scored
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    g1 = _group(tok, PbsdSpec(), rewards=(1.0, 0.0, 0.0), finishes=["answer", "answer", "error"])
+    g2 = _group(tok, PbsdSpec(), rewards=(1.0, 1.0, 0.0))
+    evidence = np.zeros(0, np.float32)
+    one = ScoreDiagnostics(turns=6, scored_turns=1, filtered_frac=1.0, evidence=evidence)
+    three = ScoreDiagnostics(turns=6, scored_turns=3, filtered_frac=0.0, evidence=evidence)
+    s1 = _scored(g1).model_copy(update={"diagnostics": one})
+    s2 = _scored(g2).model_copy(update={"diagnostics": three})
+    out = batch_metrics([s1, s2], version=2)
+    assert out["accuracy"] == pytest.approx(3 / 5)  # the failed one left out
+    assert out["staleness_mean"] == pytest.approx(2.0)  # sampled at version 0, trained at 2
+    assert out["filtered_frac"] == pytest.approx(0.25)  # 1 of 4 scored turns

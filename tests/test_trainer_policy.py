@@ -268,6 +268,27 @@ def test_micro_batches_respect_the_token_budget(tok):
     assert sum(len(b) for b in batches) == len(samples)
     assert all(sum(s.tokens for s in b) <= max(sizes) + 1 or len(b) == 1 for b in batches)
     assert len(micro_batches(samples, 1)) == len(samples)  # each longer than the budget: alone
+    exact = samples[0].tokens + samples[1].tokens
+    assert len(micro_batches(samples[:2], exact)) == 1  # two that fill the budget exactly: one
+
+
+def test_a_turn_weighted_to_zero_leaves_its_trajectory_in_training(tok):
+    """At clip = 1 a saturated tanh weights a turn exactly 0; the trajectory's other turns still
+    train (a test for any zero advantage, not for all, dropped it whole)."""
+    group = _group(tok, PbsdSpec())
+    weights = [np.array([0.0, 1.5], np.float32), np.ones(3, np.float32), np.ones(1, np.float32)]
+    samples, _ = samples_from_groups([_scored(group, weights=weights, advantages=[1.0, -1.0, 0.5])])
+    assert len(samples) == 3
+    first = group.trajectories[0]
+    n = int(first.loss_mask[first.turn_spans[0][0] : first.turn_spans[0][1]].sum())
+    assert np.all(samples[0].advantages[:n] == 0.0) and np.all(samples[0].advantages[n:] == 1.5)
+
+
+def test_failed_trajectories_are_not_in_the_loss_normalisers(tok):
+    group = _group(tok, GrpoSpec(), rewards=(1.0, 0.0, 0.0), finishes=["answer", "answer", "error"])
+    _, counts = samples_from_groups([_scored(group, advantages=[1.0, -1.0, 0.0])])
+    assert counts.sequences == 2
+    assert counts.tokens == sum(int(t.loss_mask.sum()) for t in group.trajectories[:2])
 
 
 def test_checkpoint_then_resume_gives_identical_next_step(tok, tiny_checkpoint, tmp_path):
