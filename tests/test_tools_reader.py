@@ -111,12 +111,17 @@ async def test_a_summariser_400_that_is_not_about_length_fails_at_once():
 async def test_a_page_jina_could_not_load_is_not_summarised_as_read():
     """Jina answers 200 with the target's error page and a warning: the read falls back to a plain
     fetch (here the site is down too), so the agent sees a failed read, not a summary of a 404."""
+    # a page the backend may read: a refused address never reaches Jina, and this test read one
+    # (http://127.0.0.1:9/gone) and allowed Jina no request at all, so it never saw the warning
     jina_app = make_jina(["target-404"])
-    with serve(jina_app) as jina:
+    with serve(jina_app) as jina, serve(make_site()) as site:
         async with httpx.AsyncClient() as http:
-            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina)
-            out = await backend.read(ScrapeArgs(url="http://127.0.0.1:9/gone", info_to_extract="goal"))
-    assert len(jina_app.state.requests) <= 1 and not out["success"] and out["error"]
+            backend = _backend(http, "http://127.0.0.1:9", jina_base=jina, site=site)
+            out = await backend.read(ScrapeArgs(url=f"{site}/gone", info_to_extract="goal"))
+            await backend.aclose()
+    assert len(jina_app.state.requests) == 1  # the Reader was asked, and its answer refused
+    assert not out["success"] and out["error"]
+    assert "404 Not Found" not in json.dumps(out.get("extracted_info"))
 
 
 async def test_the_readers_text_form_warning_of_a_failed_target_is_seen():
