@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -121,7 +120,7 @@ class Resolver:
         self.threads = threads
         self._lookup = lookup
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pbsd-resolve")
-        self._slots = threading.BoundedSemaphore(threads)  # released by the thread as it finishes
+        # the lookups in flight, one a thread: each leaves as its thread finishes, however late
         self._pending: dict[tuple[str, int], Future] = {}
 
     async def addresses(self, host: str, port: int) -> list[str]:
@@ -129,24 +128,19 @@ class Resolver:
         key = (host.lower(), port)
         pending = self._pending.get(key)
         if pending is None:
-            if not self._slots.acquire(blocking=False):
+            if len(self._pending) >= self.threads:
                 raise httpcore.ConnectError(
                     f"cannot resolve {host}: all {self.threads} lookups are still waiting on slow answers"
                 )
             pending = self._pool.submit(self._lookup, host, port, type=socket.SOCK_STREAM)
             self._pending[key] = pending
-            pending.add_done_callback(lambda _f: self._finished(key, pending))
+            pending.add_done_callback(lambda _f: self._pending.pop(key, None))
         # Shielded: a caller that gives up must not cancel a lookup others wait on. Its waiter then
         # finishes unwatched, so its outcome is taken here rather than logged as never retrieved.
         waiter = asyncio.wrap_future(pending)
         waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
         infos = await asyncio.shield(waiter)
         return list(dict.fromkeys(info[4][0] for info in infos))
-
-    def _finished(self, key: tuple[str, int], done: Future) -> None:
-        if self._pending.get(key) is done:
-            del self._pending[key]
-        self._slots.release()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
