@@ -182,6 +182,41 @@ async def test_drop_rules(bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
     assert state.dropped == 2  # stale and future groups get replacement prompts
 
 
+async def test_a_prompt_dropped_and_then_trained_through_another_copy_counts_as_trained(
+    bus, key_prefix, tiny_world, tiny_checkpoint
+):
+    """After a crash two copies of a prompt can be out (one published again, one in flight); one
+    came stale and was dropped and replaced, the other was trained. Counted both ways, the run
+    ended at the data's end with the replacement's group still out (seen 1 in 37 runs of
+    test_a_crash_after_resuming_from_a_clean_stop_loses_no_prompt on a loaded box)."""
+    from proto.runs import RunSpec
+    from services.trainer.admission import accept
+    from services.trainer.checkpoints import TrainState
+
+    tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
+    store = RunStore(bus.redis, key_prefix)
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))  # max_staleness 1
+    fake = FakePipeline(bus, tok)
+
+    async def scored(version: int, index: int):
+        fake.version = version
+        task = PromptTask(
+            run_id="r1", task_id=f"r1:{index}", question_id="q", question="Q?", answer="A",
+            rollout=spec.rollout, algorithm=spec.algorithm,
+        )  # fmt: skip
+        await fake.handle(task, None)
+        return [g for _, g in await bus.read_all(SCORED)][-1]
+
+    state = TrainState(step=5, version=5, dropped=1, dropped_indices=[2])  # prompt 2: dropped before
+    await store.mark_dropped("r1", 2)
+    admit = functools.partial(accept, store, "r1", spec, state, batch_ids=set(), vocab=tok.vocab_size)
+    assert not await admit(await scored(3, 7))  # stale: dropped, and the next prompt replaces it
+    assert (state.dropped, state.dropped_indices, await store.dropped("r1")) == (2, [2, 7], {2, 7})
+    assert await admit(await scored(5, 7))  # the other copy, in time
+    assert (state.dropped, state.dropped_indices, await store.dropped("r1")) == (1, [2], {2})
+    assert state.drops == {"stale": 1}  # the dropped group is still counted as one
+
+
 async def test_a_group_that_cannot_be_trained_on_is_dropped_and_replaced(
     bus, key_prefix, tiny_world, tiny_checkpoint
 ):

@@ -6,7 +6,8 @@
 {prefix}:run:{id}:metrics     list of per-step metric records (JSON)
 {prefix}:run:{id}:evals       list of validation rounds (JSON; runs with data.validation)
 {prefix}:run:{id}:trained     set of trajectory ids already trained on (duplicates are dropped)
-{prefix}:run:{id}:dropped     set of prompt indices whose groups were dropped and replaced (stale)
+{prefix}:run:{id}:dropped     set of prompt indices whose groups were dropped and replaced (stale), and
+                              no other group of which was trained (a later copy that is unmarks it)
 {prefix}:run:{id}:timelines   hash: every weights timeline the run opened -> the version it opened at
 {prefix}:run:{id}:copies      hash: message id -> prompt index, of every prompt copy published ahead of the
                               queue (after a crash, or for a group sampled with discarded weights) and its group
@@ -235,6 +236,10 @@ class RunStore:
     async def mark_dropped(self, run_id: str, index: int) -> None:
         """Prompt ``index``'s group was dropped and the prompt replaced by another."""
         await self.redis.sadd(self._key(run_id, ":dropped"), index)
+
+    async def unmark_dropped(self, run_id: str, index: int) -> None:
+        """Another group of prompt ``index`` is trained: it is not dropped after all."""
+        await self.redis.srem(self._key(run_id, ":dropped"), index)
 
     async def dropped(self, run_id: str) -> set[int]:
         return {int(x) for x in await self.redis.smembers(self._key(run_id, ":dropped"))}
