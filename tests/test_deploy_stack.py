@@ -254,6 +254,16 @@ def test_every_service_is_healthy_and_the_secrets_are_not_in_the_images(stack):
         assert not [v for v in secrets_ if len(v) >= 24 and v in config_env], c.name
 
 
+def test_no_service_runs_as_root(stack):
+    """Redis ran as root: Compose replaces its image's entrypoint, which is what stepped down to
+    the image's "redis" user. The process each container started is read, not its configuration."""
+    for c in stack.containers():
+        code, out = c.exec_run(["cat", "/proc/1/status"])
+        assert code == 0, (c.name, out)
+        uids = next(line for line in out.decode().splitlines() if line.startswith("Uid:")).split()[1:]
+        assert "0" not in uids, (c.labels.get("com.docker.compose.service"), uids)
+
+
 def test_a_run_completes_through_the_api_with_a_crashed_rollout_worker(finished_run):
     run = finished_run["run"]
     assert run["state"] == "completed", run.get("error")
