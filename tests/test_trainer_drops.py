@@ -189,6 +189,8 @@ async def test_a_prompt_dropped_and_then_trained_through_another_copy_counts_as_
     came stale and was dropped and replaced, the other was trained. Counted both ways, the run
     ended at the data's end with the replacement's group still out (seen 1 in 37 runs of
     test_a_crash_after_resuming_from_a_clean_stop_loses_no_prompt on a loaded box)."""
+    from types import SimpleNamespace
+
     from proto.runs import RunSpec
     from services.trainer.admission import accept
     from services.trainer.checkpoints import TrainState
@@ -212,9 +214,15 @@ async def test_a_prompt_dropped_and_then_trained_through_another_copy_counts_as_
     admit = functools.partial(accept, store, "r1", spec, state, batch_ids=set(), vocab=tok.vocab_size)
     assert not await admit(await scored(3, 7))  # stale: dropped, and the next prompt replaces it
     assert (state.dropped, state.dropped_indices, await store.dropped("r1")) == (2, [2, 7], {2, 7})
-    assert await admit(await scored(5, 7))  # the other copy, in time
+    in_time = await scored(5, 7)  # the other copy
+    assert await admit(in_time)
+    executor = RunExecutor.__new__(RunExecutor)
+    executor.store = store
+    run = SimpleNamespace(id="r1", state=state, counting=asyncio.Lock())
+    await executor._mark_trained(run, [in_time])  # what a step does with its groups
     assert (state.dropped, state.dropped_indices, await store.dropped("r1")) == (1, [2], {2})
     assert state.drops == {"stale": 1}  # the dropped group is still counted as one
+    assert await store.trained("r1", [t.trajectory_id for t in in_time.group.trajectories]) == [True] * 2
 
 
 async def test_a_group_that_cannot_be_trained_on_is_dropped_and_replaced(
@@ -336,7 +344,9 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
         topped_up.append(dropped)
 
     controller.top_up = top_up
-    run = SimpleNamespace(id=run_id, state=state, controller=controller, lost=asyncio.Event())
+    run = SimpleNamespace(
+        id=run_id, state=state, controller=controller, lost=asyncio.Event(), counting=asyncio.Lock()
+    )
     executor = RunExecutor.__new__(RunExecutor)
     executor.store = store
 
@@ -375,13 +385,75 @@ async def test_a_prompt_dead_lettered_after_the_checkpoint_is_counted_once_throu
     )
     third.top_up = top_up
     again = TrainState(step=1, version=1, next_index=8, trained_prompts=4)
-    resumed = SimpleNamespace(id=run_id, state=again, controller=third, lost=asyncio.Event())
+    resumed = SimpleNamespace(
+        id=run_id, state=again, controller=third, lost=asyncio.Event(), counting=asyncio.Lock()
+    )
     await _lose(executor, resumed, letter("prompts", old, "1-0"))
     assert again.dropped == 0 and not topped_up
     # the copy published again is lost too: that letter counts, once
     for _ in range(2):
         await _lose(executor, run, letter("scored", new, "2-0"))
     assert state.dropped == 1 and state.dropped_indices == [5] and topped_up == [1]
+
+
+async def test_a_dead_letter_judged_while_a_step_trains_another_copy_does_not_count_it_dropped(
+    bus, key_prefix
+):
+    """The dead-letter follower runs beside the steps. It asked whether prompt 5 was trained (not
+    yet), a step then marked another copy of 5 trained, and the letter's answer, read before, had
+    5 counted dropped as well: the run ended with a prompt still out. The two are taken in turn."""
+    from types import SimpleNamespace
+
+    from proto import examples as ex
+    from proto.base import encode
+    from proto.data import QuestionRecord
+    from proto.messages import DeadLetter
+    from services.trainer.checkpoints import TrainState
+    from services.trainer.controller import PromptController
+
+    store, run_id = RunStore(bus.redis, key_prefix), "r1"
+    questions = [QuestionRecord(id=f"q{i}", question=f"question {i}?", answer=f"a{i}") for i in range(12)]
+    controller = PromptController(bus, run_id, ex.example_run("grpo"), questions, next_index=8)
+    topped_up = []
+
+    async def top_up(step: int, dropped: int) -> None:
+        topped_up.append(dropped)
+
+    controller.top_up = top_up
+    state = TrainState(step=1, version=1, next_index=8)
+    run = SimpleNamespace(
+        id=run_id, state=state, controller=controller, lost=asyncio.Event(), counting=asyncio.Lock()
+    )
+    executor = RunExecutor.__new__(RunExecutor)
+    executor.store = store
+    answered = asyncio.Event()
+    trained = store.trained
+
+    async def read_then_wait(*args):  # the reply is read, then the letter's task is kept waiting
+        reply = await trained(*args)
+        await answered.wait()
+        return reply
+
+    store.trained = read_then_wait
+    task = controller.task(5)
+    group = ex.example_group(2).model_copy(update={"run_id": run_id, "task_id": task.task_id})
+    letter = DeadLetter(
+        stream="prompts",
+        group="g",
+        entry_id="1-0",
+        cause="max deliveries",
+        deliveries=5,
+        payload=encode(task),
+    )
+    judging = asyncio.create_task(_lose(executor, run, letter))
+    await asyncio.sleep(0.05)
+    training = asyncio.create_task(executor._mark_trained(run, [ex.example_scored(group)]))
+    await asyncio.sleep(0.2)
+    answered.set()
+    await asyncio.gather(judging, training)
+    # counted, then the step's trained copy took it back; or not counted at all: never both
+    assert state.dropped == 0 and state.dropped_indices == [] and await store.dropped(run_id) == set()
+    assert topped_up in ([], [1])
 
 
 async def _lose(executor, run, letter) -> None:

@@ -9,8 +9,8 @@ trained on (``malformed``: :func:`services.trainer.batch.unfit`). A stale, futur
 group's prompt gets a replacement, as does a prompt whose message a consumer dead-lettered
 (:mod:`services.trainer.dead_letters`); a lost group's prompt is sampled again (published
 ahead of the queue), unless another copy of it was trained; a duplicate's was trained already,
-so a duplicate is told before the group's age is looked at. A prompt whose copy joins a batch
-after another copy was dropped and replaced is no longer counted dropped (:func:`uncount_drop`).
+so a duplicate is told before the group's age is looked at. A prompt whose copy is trained
+after another copy was dropped and replaced is no longer counted dropped (:func:`uncount_trained`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from services.trainer.timelines import lost_weights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REPLACED", "accept", "count_drop", "outstanding", "uncount_drop"]
+__all__ = ["REPLACED", "accept", "count_drop", "outstanding", "uncount_trained"]
 
 
 async def accept(
@@ -79,8 +79,6 @@ async def accept(
         batch_ids.update(ids)
         m.STALENESS.observe(state.version - group.policy_version)
         m.GROUPS.inc()
-        if index is not None and index in state.dropped_indices:
-            await uncount_drop(store, run_id, state, index)
         return True
     await count_drop(store, run_id, state, reason, index if reason in REPLACED else None)
     if reason != "lost":
@@ -107,15 +105,16 @@ async def count_drop(
             await store.mark_dropped(run_id, replaced)
 
 
-async def uncount_drop(store: RunStore, run_id: str, state: TrainState, index: int) -> None:
-    """A group of prompt ``index`` joins a batch after another of its groups was dropped and the
-    prompt replaced: several copies of it were out (the prompts a crash publishes again beside
-    those still in flight, a lost group's copy), one came stale and another in time. The prompt is
-    trained after all, so it stops counting as dropped; counted both ways, the run reckoned one
-    prompt fewer out than there was and ended with the replacement's group still to come."""
-    state.dropped -= 1
-    state.dropped_indices.remove(index)
-    await store.unmark_dropped(run_id, index)
+async def uncount_trained(store: RunStore, run_id: str, state: TrainState, indices: set[int]) -> None:
+    """Prompts whose groups a step just trained: any of them counted dropped stops counting so.
+    Several copies of a prompt can be out (the prompts a crash publishes again beside those still
+    in flight, a lost group's copy, a copy published twice); one came stale, or was dead-lettered,
+    and another was trained. Counted both ways, the run reckoned one prompt fewer out than there
+    was and ended with the replacement's group still to come. The replacement stays out."""
+    for index in sorted(indices & set(state.dropped_indices)):
+        state.dropped -= 1
+        state.dropped_indices.remove(index)
+        await store.unmark_dropped(run_id, index)
 
 
 def outstanding(controller: PromptController, state: TrainState) -> int:

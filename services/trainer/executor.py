@@ -40,12 +40,13 @@ from proto.streams import SCORED
 from services.bus import REDIS_DOWN, Bus, Held
 from services.tasks import within
 from services.trainer import metrics as m
-from services.trainer.admission import accept, count_drop
+from services.trainer.admission import accept, count_drop, uncount_trained
 from services.trainer.batch import samples_from_groups
 from services.trainer.beside import mirror, stop_all, watch_for_cancel
 from services.trainer.checkpoints import (
     TrainState,
     flush_to_disk,
+    prompt_index,
     save_groups,
     write_checkpoint,
 )
@@ -270,7 +271,7 @@ class RunExecutor:
             await self._publish(run)
         if eval_due and state.step < spec.trainer.max_steps:
             await run.evaluator.start_round(state.version, state.step)
-        await self.store.mark_trained(run.id, [t.trajectory_id for g in groups for t in g.group.trajectories])
+        await self._mark_trained(run, groups)
         await self.bus.commit(held)
         if self.save_groups:  # off the event loop too: a step's groups are up to hundreds of MB at scale
             await asyncio.to_thread(save_groups, run.out, state.step, groups)
@@ -292,6 +293,16 @@ class RunExecutor:
         if state.step % spec.trainer.checkpoint_every == 0:
             await self._checkpoint(run)
         await run.controller.top_up(state.step, state.dropped)
+
+    async def _mark_trained(self, run: Run, groups: list[ScoredGroup]) -> None:
+        """The groups' trajectories are trained, and their prompts not dropped (uncount_trained)."""
+        async with run.counting:
+            await self.store.mark_trained(
+                run.id, [t.trajectory_id for g in groups for t in g.group.trajectories]
+            )
+            await uncount_trained(
+                self.store, run.id, run.state, {prompt_index(g.group.task_id) for g in groups}
+            )
 
     # -- closing a run ----------------------------------------------------------------------
     async def _close(self, run: Run, finished: str) -> None:
@@ -345,24 +356,25 @@ class RunExecutor:
         """A message of prompt ``lost.index`` was dead-lettered: its group will never come. Count it
         as a dropped group and publish a replacement, unless it was counted or trained already."""
         state, index, controller = run.state, lost.index, run.controller
-        if index in state.dropped_indices or index >= controller.next_index:
-            return
-        if lost.message_id not in controller.copies and index in controller.copies.values():
-            # each opening reads the letters since the run's first: this one lost a copy
-            # that one published ahead of the queue replaced (after a crash, in this execution or
-            # an earlier one; or for a group sampled with discarded weights), and that copy is in
-            # flight and counted so
-            return
-        if any(await self.store.trained(run.id, [f"{run.id}:{index}/0"])):
-            return  # a copy of it was trained before a later delivery was given up on
-        log.warning(
-            "run %s: prompt %d was dead-lettered on %s (%s); the next prompt replaces it",
-            run.id,
-            index,
-            letter.stream,
-            letter.cause[:200],
-        )
-        await count_drop(self.store, run.id, state, "dead_lettered", index)
+        async with run.counting:  # a step marking another copy trained is not between check and count
+            if index in state.dropped_indices or index >= controller.next_index:
+                return
+            if lost.message_id not in controller.copies and index in controller.copies.values():
+                # each opening reads the letters since the run's first: this one lost a copy
+                # that one published ahead of the queue replaced (after a crash, in this execution or
+                # an earlier one; or for a group sampled with discarded weights), and that copy is in
+                # flight and counted so
+                return
+            if any(await self.store.trained(run.id, [f"{run.id}:{index}/0"])):
+                return  # a copy of it was trained before a later delivery was given up on
+            log.warning(
+                "run %s: prompt %d was dead-lettered on %s (%s); the next prompt replaces it",
+                run.id,
+                index,
+                letter.stream,
+                letter.cause[:200],
+            )
+            await count_drop(self.store, run.id, state, "dead_lettered", index)
         await run.controller.top_up(state.step, state.dropped)
         run.lost.set()
 

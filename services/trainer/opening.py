@@ -80,6 +80,9 @@ class Run:
     # set when a prompt's group is known lost for good (dead-lettered): a batch waiting for the
     # data's last groups checks again whether any can still come
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # held while a step marks its prompts trained and while a dead letter is judged: a letter about
+    # one copy of a prompt and a step training another are decided one after the other
+    counting: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def outstanding(self) -> int:
         return outstanding(self.controller, self.state)
