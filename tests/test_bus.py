@@ -351,3 +351,34 @@ async def _yes(message) -> bool:
 async def _lag(bus: Bus) -> int | None:
     (group,) = await bus.redis.xinfo_groups(bus.key(PROMPTS))
     return group["lag"]
+
+
+async def test_a_collector_does_not_take_back_what_it_holds(bus: Bus):
+    """After an outage longer than claim_idle_ms (the heartbeat's renewals failed), the collector's
+    own scan for abandoned entries found the ones it held: each was offered to ``accept`` again
+    (the trainer's says duplicate, and a rejected entry is acknowledged) or dead-lettered after
+    enough scans, so a stop before the batch filled lost a group it believed pending."""
+    await bus.publish(PROMPTS, ex.example_task(0))
+    seen: list[int] = []
+
+    async def accept(task):
+        seen.append(task.index)
+        return len(seen) == 1  # the trainer's: a second sight is a duplicate
+
+    options = ConsumerOptions(block_ms=20, heartbeat_ms=50, max_deliveries=3)
+    stop = asyncio.Event()
+    collecting = asyncio.create_task(bus.collect(PROMPTS, "trainer-o", 2, accept, options=options, stop=stop))
+    key = bus.key(PROMPTS)
+    async with asyncio.timeout(10):
+        while not seen:
+            await asyncio.sleep(0.01)
+    entry = (await bus.redis.xpending_range(key, "rollout", min="-", max="+", count=1))[0]["message_id"]
+    for _ in range(100):  # 1 s of missed beats, as in an outage: the entry looks abandoned
+        await bus.redis.xclaim(key, "rollout", "trainer-o", 0, [entry], idle=10**7, justid=True)
+        await asyncio.sleep(0.01)
+    stop.set()
+    held = await asyncio.wait_for(collecting, 5)
+    assert seen == [0] and [m.index for m in held.messages] == [0]
+    assert (await bus.redis.xpending(key, "rollout"))["pending"] == 1  # still held, not acknowledged
+    assert await bus.redis.xlen(bus.key(DEAD_LETTERS)) == 0
+    await bus.commit(held)
