@@ -129,6 +129,10 @@ class Held(Generic[M]):
         return entry_id in self._held
 
     @property
+    def ids(self) -> list[str]:
+        return list(self._ids)
+
+    @property
     def messages(self) -> list[M]:
         return [m for _, m in self.items]
 

@@ -130,7 +130,7 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
             while len(held.items) < want and (stop is None or not stop.is_set()):
                 try:
                     fetched = await self._fetch(
-                        stream, group, consumer, options, cursor, want - len(held.items)
+                        stream, group, consumer, options, cursor, want - len(held.items), holding=held.ids
                     )
                     outage.over()
                 except (*REDIS_DOWN, ResponseError) as exc:
@@ -172,8 +172,11 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
         options: ConsumerOptions,
         cursor: Cursor,
         count: int,
+        *,
+        holding: list[str] | None = None,
     ) -> list[tuple[str, dict, bool]]:
-        """Entries a dead consumer left behind (now and then), else new ones (blocking read)."""
+        """Entries a dead consumer left behind (now and then), else new ones (blocking read).
+        ``holding``: the entries this consumer holds, renewed as the scan for abandoned ones runs."""
         key = self.key(stream)
         if cursor.own is not None:
             reply = await self.redis.xreadgroup(group, consumer, {key: cursor.own}, count=count)
@@ -195,7 +198,7 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
         now = time.monotonic()
         if now >= cursor.next_claim:
             cursor.position, claimed = await self._autoclaim(
-                stream, group, consumer, options, cursor.position, count
+                stream, group, consumer, options, cursor.position, count, holding=holding
             )
             if cursor.position == "0-0":
                 cursor.next_claim = now + options.heartbeat_ms / 1000
@@ -214,11 +217,27 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
         return [(as_text(i), f, False) for _k, entries in reply or [] for i, f in entries]
 
     async def _autoclaim(
-        self, stream: StreamDef, group: str, consumer: str, options: ConsumerOptions, cursor: str, count: int
+        self,
+        stream: StreamDef,
+        group: str,
+        consumer: str,
+        options: ConsumerOptions,
+        cursor: str,
+        count: int,
+        *,
+        holding: list[str] | None = None,
     ) -> tuple[str, list[tuple[str, dict]]]:
-        reply = await self.redis.xautoclaim(
-            self.key(stream), group, consumer, options.claim_idle_ms, start_id=cursor, count=count
-        )
+        # XAUTOCLAIM claims from every consumer, this one too, and counts a delivery for each entry:
+        # what a collector holds, idle past the threshold after an outage stopped its heartbeat, was
+        # claimed by its own scan until enough counts had it dead-lettered after a restart. Renewed in
+        # the same transaction, it is not idle when the scan runs.
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if holding:
+                pipe.eval(self._RENEW, 1, self.key(stream), group, consumer, *holding)
+            pipe.xautoclaim(
+                self.key(stream), group, consumer, options.claim_idle_ms, start_id=cursor, count=count
+            )
+            reply = (await pipe.execute())[-1]
         next_cursor, entries = as_text(reply[0]), reply[1]
         # Entries trimmed away while pending (a backlog past MAXLEN) are gone: Redis 7 lists their
         # ids third and drops them from the pending list. Never silent: each is a dead letter.
