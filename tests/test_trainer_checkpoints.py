@@ -217,6 +217,41 @@ async def test_a_crash_resume_keeps_one_validation_round_a_step(
         await p.close()
 
 
+async def test_a_round_still_out_at_a_stop_is_evaluated_on_resume_and_the_file_follows_the_store(
+    redis_url, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """Rounds run beside the steps and can take longer than several: one still out when a clean
+    stop (or a crash after a checkpoint) came went with its execution's nonce, and the resume
+    started only its own step's round, so the run completed with a gap in its evals. And a round
+    in the store but not in evals.jsonl (a stop cut the file write short) stayed missing there."""
+    p = Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path)
+    try:
+        spec = _spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=100, eval_every=1)
+        spec["rollout"].update(eval_samples=1)
+        spec["data"].update(
+            validation=str(tiny_world / "questions" / "validation.jsonl"), max_validation_questions=1
+        )
+        record = await p.store.create(RunSpec.model_validate(spec))
+        p.fake.lose_evals = {1}  # round 1's question is taken and never answered
+        p.serve()
+        await p.until(record.id, lambda r: r.step >= 2 and (r.latest_eval or {}).get("step") == 2)
+        await p.shutdown()
+        evals = p.settings.runs_dir / record.id / "evals.jsonl"
+        lines = evals.read_text().splitlines(keepends=True)
+        steps = [json.loads(x)["step"] for x in lines]
+        assert steps[:2] == [0, 2] and 1 not in steps
+        evals.write_text("".join(lines[:-1]))  # the last round's line never written
+        p.fake.lose_evals = set()
+        p.serve()
+        done = await p.until(record.id, finished)
+        assert done.state == "completed", done.error
+        stored = await p.store.metrics(record.id, series="evals")
+        assert sorted(e["step"] for e in stored) == [0, 1, 2, 3, 4]
+        assert [json.loads(x) for x in evals.read_text().splitlines()] == stored
+    finally:
+        await p.close()
+
+
 async def test_what_a_checkpoint_and_a_runs_end_count_on_reaches_the_disk_first(
     pipeline, tiny_world, tiny_checkpoint, monkeypatch
 ):

@@ -90,6 +90,7 @@ class FakePipeline:
         # answer no task past the first ``hold_after`` until ``release`` is set
         self.hold_after, self.release = hold_after, asyncio.Event()
         self.poison = poison  # prompt indices whose every delivery fails (then dead-lettered)
+        self.lose_evals: set[int] = set()  # versions whose validation questions are taken, never answered
 
     async def run(self, stop: asyncio.Event) -> None:
         # with poison: failed deliveries come back after 10 heartbeats, and the third is given up on
@@ -106,6 +107,8 @@ class FakePipeline:
     async def handle(self, task: PromptTask, delivery) -> None:
         if task.purpose == "train" and task.index in self.poison:
             raise RuntimeError(f"prompt {task.index} crashes its worker")
+        if task.purpose == "eval" and task.step in self.lose_evals:
+            return
         if self.hold_after is not None and len(self.tasks) >= self.hold_after:
             await self.release.wait()
         self.tasks.append(task)

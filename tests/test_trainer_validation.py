@@ -181,13 +181,13 @@ async def test_a_round_is_waited_for_until_it_is_stored(
     spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))
     spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"eval_samples": 1})})
     store = RunStore(bus.redis, key_prefix)
-    add_metrics = store.add_metrics
+    add_eval = store.add_eval
 
-    async def slow_add_metrics(*args, **kwargs):
+    async def slow_add_eval(*args, **kwargs):
         await asyncio.sleep(1.2)  # a loaded Redis: longer than ``wait``'s half-second wake-up
-        return await add_metrics(*args, **kwargs)
+        return await add_eval(*args, **kwargs)
 
-    store.add_metrics = slow_add_metrics
+    store.add_eval = slow_add_eval
     question = QuestionRecord(id="q", question="Question?", answer="a")
     evaluator = Evaluator(bus, store, "r", spec, [question], tmp_path, nonce="n")
     evaluator.start(ConsumerOptions(block_ms=50))
@@ -260,6 +260,35 @@ async def test_a_round_whose_storing_failed_is_stored_once_when_its_arrival_is_t
     assert json.loads(await bus.redis.hget(f"{key_prefix}:run:r", "latest_eval")) == stored
     assert (tmp_path / "evals.jsonl").read_text().count("\n") == 1
     assert await asyncio.wait_for(evaluator.wait(asyncio.Event()), 5)
+
+
+async def test_a_complete_round_whose_storing_failed_is_stored_by_the_wait(
+    bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """The follower tries a letter three times, the consumer a group max_deliveries times: a round
+    whose storing failed each time (an outage that long, a full disk) had nothing left to arrive
+    and store it, and ``wait`` (the run's last round) waited for it for good."""
+    from proto.data import QuestionRecord
+    from proto.runs import RunSpec
+    from services.trainer.evaluation import Evaluator
+
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))
+    store = RunStore(bus.redis, key_prefix)
+    question = QuestionRecord(id="q", question="Question?", answer="a")
+    evaluator = Evaluator(bus, store, "r", spec, [question], tmp_path, nonce="n")
+    await evaluator.start_round(0, 0)
+    add_eval = store.add_eval
+
+    async def unreachable(*args, **kwargs):
+        raise ConnectionError("Redis went away")
+
+    store.add_eval = unreachable
+    with pytest.raises(ConnectionError):
+        await evaluator._arrived(0, 0, None)  # its last try: the letter is given up on
+    store.add_eval = add_eval
+    assert await asyncio.wait_for(evaluator.wait(asyncio.Event()), 5)
+    assert [r["version"] for r in evaluator.recorded] == [0]
+    assert [r["lost"] for r in await store.metrics("r", series="evals")] == [[0]]
 
 
 async def test_an_opening_cut_short_by_an_outage_leaves_no_validation_consumer_behind(

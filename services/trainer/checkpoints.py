@@ -41,6 +41,7 @@ __all__ = [
     "read_checkpoint",
     "save_groups",
     "write_checkpoint",
+    "write_records",
 ]
 
 
@@ -216,6 +217,13 @@ def keep_steps(path: Path, step: int) -> None:
         ]
         if len(kept) < len(lines):  # rewritten whole: a crash now leaves the old file, not half of it
             _replace(path, "".join(kept))
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """Make ``path`` the JSONL series ``records``, replaced whole (a crash leaves the old file)."""
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if not path.exists() or path.read_text() != text:
+        _replace(path, text)
 
 
 def json_record(line: str) -> dict | None:

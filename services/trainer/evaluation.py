@@ -123,6 +123,16 @@ class Evaluator:
         every = self.spec.trainer.eval_every
         return every > 0 and step % every == 0
 
+    def unrecorded(self, step: int) -> list[int]:
+        """The steps up to ``step`` whose rounds are due (before the first step, and every
+        ``eval_every``) and not recorded. An opening starts them all: besides its own step's round
+        (cut short by a stop or a crash), a round still out when the checkpoint was taken went with
+        the execution that published it (its task ids carry that execution's nonce)."""
+        every = self.spec.trainer.eval_every
+        due = [0, *range(every, step + 1, every)] if every > 0 else [0]
+        done = {r["step"] for r in self.recorded}
+        return [s for s in due if s <= step and s not in done]
+
     async def start_round(self, version: int, step: int) -> None:
         if version in self.pending or any(r["version"] == version for r in self.recorded):
             return
@@ -195,7 +205,12 @@ class Evaluator:
             # only: a round of hundreds of groups with their routes held tens of GB until it was in
             round_[index] = None if group is None else tuple(map(_Sample.of, group.trajectories))
         # complete, it is stored here; an arrival tried again after storing failed stores it then
-        if len(round_) == len(self.questions) and version not in self.recording:
+        await self._complete(version)
+
+    async def _complete(self, version: int) -> None:
+        """Store round ``version`` if every question of it is in (and no one is storing it now)."""
+        round_ = self.pending.get(version)
+        if round_ is not None and len(round_) == len(self.questions) and version not in self.recording:
             # the round stays pending until it is stored: ``wait`` returning on a round still being
             # written let the run stop the consumer mid-write, and the last round was lost
             self.recording.add(version)
@@ -250,4 +265,13 @@ class Evaluator:
                 raise RuntimeError("the validation consumer stopped with rounds outstanding") from error
             await within(0.5, self.done.wait())
             self.done.clear()
+            # a complete round whose storing failed as often as its arrival was tried (a long outage,
+            # a full disk) has nothing left to arrive and try again: it is tried from here
+            for version in list(self.pending):
+                try:
+                    await self._complete(version)
+                except Exception:
+                    log.warning(
+                        "run %s: storing round %d failed; trying again", self.run_id, version, exc_info=True
+                    )
         return True

@@ -41,6 +41,7 @@ from services.trainer.checkpoints import (
     mark_resumed,
     prompt_index,
     read_checkpoint,
+    write_records,
 )
 from services.trainer.controller import PromptController
 from services.trainer.deepspeed_config import checked_config
@@ -161,8 +162,10 @@ async def open_run(
             again = await _consumed_since(store, run_id, state, saved.get("trained_ids", []))
         await store.truncate_metrics(run_id, state.step)  # the steps lost with a crash
         await store.truncate_evals(run_id, state.step)  # and the rounds of their weights
-        for series in ("metrics.jsonl", "evals.jsonl"):
-            keep_steps(out / series, state.step)
+        keep_steps(out / "metrics.jsonl", state.step)
+        # the store's rounds are the run's (the API's, and what the evaluator goes on from): a round
+        # stored as a stop cut its file write short, or whose line a power loss took, is written again
+        write_records(out / "evals.jsonl", await store.metrics(run_id, series="evals"))
     # "cancelling" (asked for before a restart) stays; "cancelled" means it came while loading
     found = await store.start(run_id, output_dir=str(out), step=state.step, policy_version=state.version)
     if found not in ACTIVE:
@@ -236,10 +239,11 @@ async def open_run(
             )
             evaluator.recorded = await store.metrics(run_id, series="evals")  # the rounds of the weights kept
             evaluator.start(options)
-            # the round of the step the run opens at: before the first step, or one a stop or a crash
-            # cut short (start_round passes over a version already recorded)
-            if state.step == 0 or evaluator.due(state.step):
-                await evaluator.start_round(state.version, state.step)
+            # the rounds no execution recorded: before the first step, the step the run opens at (a
+            # stop or a crash cut it short), and any still out when the checkpoint was taken. One of
+            # an earlier step is answered by the weights as they are now (its record's versions_used)
+            for step in evaluator.unrecorded(state.step):
+                await evaluator.start_round(state.version - (state.step - step), step)
         await controller.top_up(state.step, state.dropped)
         if resume:
             await store.set_published(run_id, controller.next_index)
