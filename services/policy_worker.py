@@ -44,6 +44,7 @@ class PolicyWorker(abc.ABC):
     load_retry_delays_s: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 32.0)
     load_retry_max_s: float = 60.0
     remembered_ends: int = 10_000  # the newest run ends read at start (older runs left nothing behind)
+    recheck_s: float = 30.0  # how often servers that hold weights of their own are asked for them
     release_timeout_s: float = 10.0  # how long handing back what a leaving worker holds may take
 
     def __init__(
@@ -63,6 +64,7 @@ class PolicyWorker(abc.ABC):
         # restart would know them: a long-lived worker sees thousands of runs end
         self.ended: dict[str, None] = {}
         self.weights_changed = asyncio.Condition()  # notified on every weights event and run end
+        self._loading = asyncio.Lock()  # a publication's load and a recheck, one at a time
         self._holding: list[dict[str, int]] = []
 
     @property
@@ -184,19 +186,20 @@ class PolicyWorker(abc.ABC):
         see :meth:`follow_broadcast`); a failed load is logged and tried again until it loads or a
         newer version is published (:meth:`_load`), and never ends the following."""
         self.newest = (entry_id, event)
-        if event.transport == "broadcast":
-            await self.follow_broadcast(event)
-        elif (event.version, event.run_id, event.timeline) != (
-            self.version,
-            self.loaded_run,
-            self.loaded_timeline,
-        ):
-            if await self._superseded(entry_id, 0.0):  # a worker whose loads lag takes the newest only
-                log.info(
-                    "%s passes over policy version %d: a newer one is published", self.name, event.version
-                )
-            else:
-                await self._load(event, entry_id)
+        async with self._loading:
+            if event.transport == "broadcast":
+                await self.follow_broadcast(event)
+            elif (event.version, event.run_id, event.timeline) != (
+                self.version,
+                self.loaded_run,
+                self.loaded_timeline,
+            ):
+                if await self._superseded(entry_id, 0.0):  # a worker whose loads lag takes the newest only
+                    log.info(
+                        "%s passes over policy version %d: a newer one is published", self.name, event.version
+                    )
+                else:
+                    await self._load(event, entry_id)
         self.version_seen(self.version)
         async with self.weights_changed:
             self.weights_changed.notify_all()
@@ -247,6 +250,34 @@ class PolicyWorker(abc.ABC):
                 return False
             await asyncio.sleep(min(1.0, left))
 
+    async def _recheck(self) -> None:
+        """An SGLang server restarts on its own (a liveness probe, an OOM kill, a node drain) and
+        comes back serving the model it started with, and no publication says so: every answer it
+        gave was then tagged version 0 and its groups dropped as stale, and where it was the only
+        server no batch filled, so no step published the weights that would have reloaded it. Every
+        ``recheck_s`` a server that holds weights of its own (``server.recheck``) is asked whether
+        it still serves the newest loaded ones (one ``/model_info``), and loads them if not."""
+        recheck = getattr(self.server, "recheck", None)
+        if recheck is None:
+            return
+        while True:
+            await asyncio.sleep(self.recheck_s)
+            async with self._loading:
+                if self.newest is None:
+                    continue
+                event = self.newest[1]
+                if (event.run_id, event.timeline) != (self.loaded_run, self.loaded_timeline):
+                    continue  # not loaded (yet): the publication's own tries bring it
+                try:
+                    if event.transport == "broadcast":
+                        await self.follow_broadcast(event)  # a server that missed it loads the disk copy
+                    else:
+                        await recheck(event.path, event.version)
+                except Exception:
+                    log.warning(
+                        "%s could not check its servers' weights; trying again", self.name, exc_info=True
+                    )
+
     def _remember_end(self, run_id: str) -> None:
         self.ended.pop(run_id, None)
         self.ended[run_id] = None
@@ -290,6 +321,7 @@ class PolicyWorker(abc.ABC):
                     RUN_ENDS, ends[-1][0] if ends else heads[1], self._end, following, reader=self.name
                 )
             ),
+            asyncio.create_task(self._recheck()),
         ]
         self.ready.set()
         names = [f"{self.name}-{i}" for i in range(self.concurrency)]

@@ -185,7 +185,7 @@ async def load_each(
             except UpstreamError:
                 info = {}
             if served(info):
-                log.info("sglang %s already serves version %s (%s)", url, info.get("weight_version"), path)
+                log.debug("sglang %s already serves version %s (%s)", url, info.get("weight_version"), path)
                 continue
             await reload(url, path, version)
 

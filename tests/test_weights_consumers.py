@@ -332,3 +332,46 @@ async def test_an_undecodable_entry_on_top_supersedes_no_version(bus):
     finally:
         stop.set()
         await asyncio.wait_for(running, 10)
+
+
+class OnServers(Worker):
+    """A worker whose model lives on SGLang servers: its engine loads and rechecks them."""
+
+    def __init__(self, engine: SglangEngine) -> None:
+        super().__init__(0, None)
+        self.engine = engine
+
+    @property
+    def version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def server(self):
+        return self.engine
+
+    async def load_weights(self, event: WeightsPublished) -> None:
+        await self.engine.update_weights(event.path, event.version)
+
+
+async def test_a_restarted_sglang_server_loads_the_newest_weights_again():
+    """SGLang restarted by a liveness probe or an OOM kill comes back with the model it started
+    with, and no publication says so: its answers were tagged version 0 and dropped as stale, and
+    with one server no batch filled and no step published the weights that would reload it."""
+    app = make_sglang(lambda ids: [])
+    with serve(app) as url:
+        engine = SglangEngine([url])
+        worker = OnServers(engine)
+        worker.recheck_s = 0.05
+        event = WeightsPublished(run_id="r", version=5, step=5, path="/ckpt/v5", timeline="t")
+        worker.newest = ("1-0", event)
+        await worker.apply_weights(event)
+        rechecking = asyncio.create_task(worker._recheck())
+        await asyncio.sleep(0.3)  # several rechecks: a server that serves the weights is left alone
+        assert [route for route, _ in app.state.control].count("update_weights_from_disk") == 1
+        app.state.model_path, app.state.version = "/models/fake", 0  # restarted
+        async with asyncio.timeout(5):
+            while app.state.model_path != "/ckpt/v5":
+                await asyncio.sleep(0.05)
+        rechecking.cancel()
+        await engine.aclose()
+    assert app.state.version == 5 and engine.weight_version == 5

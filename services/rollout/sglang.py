@@ -238,6 +238,18 @@ class SglangEngine:
             self.weight_version = version
             self._context.clear()
 
+    async def recheck(self, path: str, version: int) -> None:
+        """Load the checkpoint on each server that no longer serves it: one restarted serves the
+        model it started with (``PolicyWorker._recheck``)."""
+        async with self._update_lock:
+            await load_each(
+                self.http, self.urls, path, version, self.retry, self._reload_restarted, self.guard
+            )
+
+    async def _reload_restarted(self, url: str, path: str, version: int) -> None:
+        self._context.pop(url, None)  # restarted, perhaps with another --context-length
+        await self._reload(url, path, version)
+
     async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
         """The trainer broadcast ``version`` to the servers in its weight group; the ones that missed
         it load the disk copy (``path``, ``disk_version``). The engine's version is the oldest served."""

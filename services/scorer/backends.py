@@ -270,6 +270,10 @@ class SglangScorer:
         await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
         self.version = version
 
+    async def recheck(self, path: str, version: int) -> None:
+        """As :meth:`SglangEngine.recheck`: a server restarted since loads the checkpoint again."""
+        await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
+
     async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
         """As :meth:`SglangEngine.follow_broadcast`: servers that missed ``version`` load the disk copy."""
         oldest = await follow_broadcast(
