@@ -84,6 +84,13 @@ class PromptTask(Message):
         description="the training step that will consume this prompt's group; "
         "rollout waits for policy version >= step - rollout.max_staleness",
     )
+    timeline: str = Field(
+        default="",
+        max_length=64,
+        description="the weights timeline of the trainer execution that published it, whose versions "
+        "``step`` counts: once a newer timeline of the run is announced (a resume), the label no longer "
+        "holds the prompt back",
+    )
     rollout: RolloutSpec = RolloutSpec()
     algorithm: AlgorithmSpec
     seed: Seed | None = Field(

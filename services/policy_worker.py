@@ -128,6 +128,19 @@ class PolicyWorker(abc.ABC):
             return False
         return newest.run_id != run_id or newest.timeline == self.loaded_timeline
 
+    def label_outdated(self, run_id: str, timeline: str) -> bool:
+        """Whether a prompt's step label counts the versions of a timeline other than the newest one
+        announced for its run: one a trainer published before it crashed and resumed. Its label
+        reaches past where the resumed timeline starts, which gets there only by training the
+        groups the prompts out can bring: the resume's own prompts came back stale while these
+        waited, the trainer counted them still to come and let no replacement out, and the run
+        waited for good. (One of a timeline announced a moment later is sampled with the weights
+        held, which the trainer takes or drops by its own checks.)"""
+        if not timeline or self.newest is None:
+            return False
+        newest = self.newest[1]
+        return newest.run_id == run_id and newest.timeline != timeline
+
     def run_is_over(self, run_id: str, published_at: str) -> bool:
         """Whether a message of ``run_id`` published at stream id ``published_at`` belongs to a run that
         has ended: its end was announced, or weights of another run were published after it. Runs

@@ -348,3 +348,31 @@ async def test_a_group_is_as_old_as_its_oldest_trajectory(tok):
             await engine.aclose()
     assert sorted(t.policy_version for t in group.trajectories) == [1, 2]
     assert group.policy_version == 1
+
+
+async def test_a_prompt_labelled_by_a_timeline_a_resume_replaced_is_not_held_back(bus, tok):
+    """A trainer that crashed at step 7 and resumed from step 4 left prompts labelled for step 7 of
+    its old timeline A; the resume's timeline B reaches version 7 only by training the groups the
+    prompts out can bring, and with max_staleness 0 the run waited for good (reproduced by a
+    review). Once B is announced such a prompt is sampled with B's weights, which the trainer
+    takes or drops by its own checks; a prompt B labelled still waits for its version."""
+    app = make_sglang(scripted(tok, ["\\boxed{Danube}"]), version=0)
+    with serve(app) as url:
+        engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
+        await bus.publish(WEIGHTS, _weights(7, "A"))
+        await bus.publish(WEIGHTS, _weights(4, "B"))
+        _worker, stop, task = await _start(bus, engine, tok)
+        ahead = _task(step=6, staleness=0, group_size=1).model_copy(update={"timeline": "B"})
+        old = _task(step=7, staleness=0, group_size=1).model_copy(update={"timeline": "A"})
+        await bus.publish(PROMPTS, ahead)
+        await bus.publish(PROMPTS, old)
+        (group,) = await _groups(bus, 1)
+        await asyncio.sleep(0.5)
+        assert len(await bus.read_all(TRAJECTORIES)) == 1  # B's step 6 waits for B's version 6
+        await bus.publish(WEIGHTS, _weights(6, "B"))
+        _, later = await _groups(bus, 2)
+        stop.set()
+        await task
+        await engine.aclose()
+    assert group.task_id == old.task_id and group.policy_timelines == {"B": 4}
+    assert later.task_id == ahead.task_id and later.policy_timelines == {"B": 6}

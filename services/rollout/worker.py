@@ -90,7 +90,9 @@ class RolloutWorker(PolicyWorker):
         version = task.step - task.rollout.max_staleness
 
         def ready() -> bool:
-            return self.holds_newest(task.run_id) and self.engine.weight_version >= version
+            if not self.holds_newest(task.run_id):
+                return False
+            return self.engine.weight_version >= version or self.label_outdated(task.run_id, task.timeline)
 
         def over() -> bool:
             return self.run_is_over(task.run_id, delivery.entry_id)

@@ -49,6 +49,7 @@ class PromptController:
         *,
         next_index: int = 0,
         timeline: str = "",
+        weights_timeline: str = "",
         on_published: Callable[[int], Awaitable[None]] | None = None,
         on_ahead: Callable[[dict[str, int]], Awaitable[None]] | None = None,
         copies: dict[str, int] | None = None,
@@ -64,6 +65,7 @@ class PromptController:
         self.questions = questions[: spec.data.max_questions] if spec.data.max_questions else questions
         self.next_index = next_index
         self.timeline = timeline
+        self.weights_timeline = weights_timeline  # the versions its step labels count (PromptTask.timeline)
         self.on_published = on_published
         self.on_ahead = on_ahead
         # the message ids of the copies published ahead of the queue, and of their groups, in this
@@ -105,6 +107,7 @@ class PromptController:
             epoch=epoch,
             index=index,
             step=min(step, current_step + slack),
+            timeline=self.weights_timeline,
             rollout=self.spec.rollout,
             algorithm=self.spec.algorithm,
             seed=self.spec.trainer.seed,

@@ -90,8 +90,10 @@ class Evaluator:
         *,
         nonce: str,
         letters_after: str = "0-0",
+        timeline: str = "",
     ) -> None:
-        """``letters_after``: where the run's dead letters begin (RunStore.letters_after)."""
+        """``letters_after``: where the run's dead letters begin (RunStore.letters_after);
+        ``timeline``: the execution's weights timeline, whose versions the rounds name."""
         if not questions:
             raise ValueError("the run's validation file has no questions")
         self.bus = bus
@@ -102,6 +104,7 @@ class Evaluator:
         self.out = out
         self.nonce = nonce
         self.letters_after = letters_after
+        self.timeline = timeline
         self.rollout = spec.rollout.model_copy(
             update={
                 "group_size": spec.rollout.eval_samples,
@@ -149,6 +152,7 @@ class Evaluator:
                     index=i,  # with the run's seed: each round samples question i with the same seeds
                     seed=self.spec.trainer.seed,
                     step=version,
+                    timeline=self.timeline,
                     rollout=self.rollout,
                     algorithm=self.spec.algorithm,
                     purpose="eval",

@@ -198,6 +198,7 @@ async def open_run(
             report.items,
             next_index=state.next_index,
             timeline=timeline if crashed else "",
+            weights_timeline=timeline,
             on_published=functools.partial(store.set_published, run_id),
             on_ahead=functools.partial(store.add_copies, run_id),
             copies=await store.copies(run_id) if resume else None,
@@ -236,6 +237,7 @@ async def open_run(
                 out,
                 nonce=new_id()[:8],
                 letters_after=letters_after,
+                timeline=timeline,
             )
             evaluator.recorded = await store.metrics(run_id, series="evals")  # the rounds of the weights kept
             evaluator.start(options)
