@@ -33,7 +33,7 @@ def _save(weights: str):
     return save
 
 
-def _write(out, step: int, weights: str, *, interrupted: bool = False, save=True, keep=None):
+def _write(out, step: int, weights: str, *, interrupted: bool = False, save=True, keep=None, announced=None):
     return write_checkpoint(
         out / "checkpoints" / f"step-{step:06d}",
         TrainState(step=step, version=step),
@@ -42,6 +42,7 @@ def _write(out, step: int, weights: str, *, interrupted: bool = False, save=True
         interrupted=interrupted,
         save=_save(weights) if save else None,
         keep=keep,
+        announced=announced,
     )
 
 
@@ -73,6 +74,23 @@ def test_only_the_newest_checkpoints_are_kept_when_the_run_says_so(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".*"))  # nothing half-removed left behind
     with pytest.raises(ValueError, match="greater than or equal to 2"):
         TrainerSpec(keep_checkpoints=1)  # the one before the newest may be what a lagging worker loads
+
+
+def test_the_checkpoint_the_newest_weights_event_names_is_kept(tmp_path):
+    """A broadcast's event names the last checkpoint as its disk copy (so does a resume's first
+    event): pruned before the next publication, a receiver that restarted had nothing to load."""
+    for step in (1, 2):
+        _write(tmp_path, step, f"w{step}", keep=2)
+    named = str(tmp_path / "checkpoints" / "step-000001" / "model")
+    _write(tmp_path, 3, "w3", keep=2, announced=named)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step-000001", "step-000002", "step-000003"]
+    _write(tmp_path, 4, "w4", keep=2, announced=str(tmp_path / "weights" / "v000004"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step-000003",
+        "step-000004",
+    ]
 
 
 def test_a_checkpoint_without_its_optimiser_state_is_not_whole(tmp_path):

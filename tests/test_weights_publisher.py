@@ -215,3 +215,52 @@ async def test_only_the_newest_versions_stay_on_disk_and_the_announced_copy_with
         await publisher._write(trainer, None, TrainState(step=version, version=version))
     kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert kept == ["v000003", "v000005", "v000006"]
+
+
+async def test_a_receiver_restarted_while_the_trainer_holds_an_unsent_version_gets_that_one(
+    receivers,  # noqa: F811
+    checkpoint,
+    bus,
+    tmp_path,
+):
+    """publish_every 2: version 1 was broadcast, step 2 trained and not published, and a receiver
+    restarted. The prompts of step 3 need version 2 at max_staleness 1, which no one had: the
+    catch-up passed over a trainer holding a version it had not sent, and a run whose only rollout
+    receiver that was waited for its groups for good (found by a review of the weight path)."""
+    receivers.start("engine")
+    run = Run(checkpoint, bus, tmp_path, [receivers.url("engine")])
+    await run.publisher.announce(run.state, str(checkpoint))
+    try:
+        await run.publish()
+        run.trainer.step()
+        run.state.step, run.state.version = 2, 2  # trained, not published
+        assert not await run.publisher.catch_up(run.trainer, None, run.state)  # no one lost version 1
+        receivers.kill("engine")
+        receivers.start("engine")
+        assert await run.publisher.catch_up(run.trainer, None, run.state)
+        event = (await bus.latest(WEIGHTS))[1]
+        assert (event.transport, event.version) == ("broadcast", 2) and run.publisher.announced == 2
+        assert await receivers.digests() == {"engine": run.expected()}  # it rejoined the group
+        assert not await run.publisher.catch_up(run.trainer, None, run.state)
+    finally:
+        await run.publisher.aclose()
+
+
+async def test_the_end_of_a_wait_lets_a_catch_up_under_way_finish(bus, tmp_path):
+    """A catch-up may broadcast now: cancelled as the batch came in, it left the members paused with
+    part of a version, and the step after it changed the weights it was reading."""
+    from services.trainer.checkpoints import TrainState
+
+    publisher = WeightPublisher(bus, "r", tmp_path, keep=2, broadcaster=object())
+    started, finished = asyncio.Event(), []
+
+    async def slow(trainer, tokenizer, state):
+        started.set()
+        await asyncio.sleep(0.3)
+        finished.append(state.version)
+        return True
+
+    publisher.catch_up = slow
+    async with publisher.catching_up(None, None, TrainState(version=3), every_s=0.01):
+        await started.wait()
+    assert finished == [3]

@@ -113,6 +113,7 @@ def write_checkpoint(
     interrupted: bool,
     save: Callable[[Path], None] | None,
     keep: int | None = None,
+    announced: str | None = None,
 ) -> Path:
     """Checkpoint ``path`` (``checkpoints/step-<n>``), then ``latest`` to it. ``save(folder)``
     writes the model and ``state.pt`` into a fresh folder; ``trainer.json`` goes in last, the
@@ -120,7 +121,8 @@ def write_checkpoint(
     discarded, is replaced). ``save`` None: ``path`` holds these very weights and optimiser state
     already (this opening wrote or loaded it, and took no step since), and only its
     ``trainer.json`` is replaced. ``keep``: then only the newest ``keep`` checkpoints stay (None:
-    every one); older ones go only once ``latest`` names the new one."""
+    every one); older ones go only once ``latest`` names the new one, but for the one holding
+    ``announced``, the copy the newest weights event names, which a receiver that restarts loads."""
     saved = {
         **asdict(state),
         "interrupted": interrupted,
@@ -148,7 +150,8 @@ def write_checkpoint(
         # latest_checkpoint's sight, then removed with the others
         older = [p for p in sorted(path.parent.glob("step-*")) if p.name <= path.name]
         for old in older[:-keep]:
-            old.rename(old.with_name(f".{old.name}.stale"))
+            if announced is None or not Path(announced).is_relative_to(old):
+                old.rename(old.with_name(f".{old.name}.stale"))
     for stale in path.parent.glob(".*.stale"):  # only once latest names the new one
         shutil.rmtree(stale, ignore_errors=True)
     return path

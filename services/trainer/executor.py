@@ -163,7 +163,7 @@ class RunExecutor:
                         held.stop_heartbeat()  # the run fails, and its groups go with it
                         raise
             if run.evaluator is not None and finished == "completed":  # the last round, then done
-                if run.published != state.version:  # the data ran out between two publications
+                if run.publisher.announced != state.version:  # the data ran out between two publications
                     await self._publish(run)
                 await run.evaluator.start_round(state.version, state.step)
                 async with self._catching_up(run):
@@ -321,7 +321,6 @@ class RunExecutor:
 
     async def _publish(self, run: Run) -> None:
         await run.publisher.publish(run.trainer, run.tokenizer, run.state)
-        run.published = run.state.version
 
     async def _checkpoint(self, run: Run, *, interrupted: bool = False) -> None:
         """``interrupted``: taken as the trainer shuts down, so nothing happened after it (a resume
@@ -346,6 +345,7 @@ class RunExecutor:
             interrupted=interrupted,
             save=None if same else save,
             keep=run.spec.trainer.keep_checkpoints,
+            announced=run.publisher.announced_path,
         )
         run.checkpointed = path.name
         run.publisher.saved(

@@ -74,7 +74,6 @@ class Run:
     publisher: WeightPublisher
     evaluator: Evaluator | None
     options: ConsumerOptions
-    published: int = 0  # the newest version announced
     last_step_end: float = 0.0
     checkpointed: str | None = None  # the checkpoint folder that holds the weights as they are now
     letters_after: str = "0-0"  # where its dead letters begin (RunStore.letters_after)
@@ -273,7 +272,6 @@ async def open_run(
         publisher=publisher,
         evaluator=evaluator,
         options=options,
-        published=state.version,
         checkpointed=latest.name if latest else None,
         letters_after=letters_after,
     )

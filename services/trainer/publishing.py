@@ -70,6 +70,8 @@ class WeightPublisher:
         self.broadcaster = broadcaster
         self.disk: tuple[str, int] | None = None  # the newest full copy on disk and its version
         self.announced_copy = -1  # the version of the copy the last event names
+        self.announced = -1  # the version the last event names (a catch-up may publish one)
+        self.announced_path: str | None = None  # the copy it names, kept from keep_checkpoints' pruning
 
     async def announce(self, state: TrainState, path: str) -> None:
         """Tell consumers that ``state.version`` of ``state.timeline`` is at ``path``."""
@@ -121,11 +123,24 @@ class WeightPublisher:
         checkpoint of it is there) and announce that copy, when a receiver has lost the version (it
         restarted since, and the last event names an older copy): its worker would wait for the next
         version to rejoin, and none may come while the run waits for that worker's groups (an
-        on-policy step, the last validation round). True when it did."""
+        on-policy step, the last validation round). A version trained but not yet published is
+        published. True when it did."""
         if self.broadcaster is None or self.disk is None or self.announced_copy >= state.version:
             return False
-        if self.broadcaster.sent != state.version or not (behind := await self.broadcaster.behind()):
+        if not (behind := await self.broadcaster.behind()):
             return False
+        if self.broadcaster.sent != state.version:
+            # steps trained since the last publication (publish_every > 1): the version a worker
+            # needs may be this one, which none has, so it is published whole (the restarted
+            # receiver rejoins the group, or loads the disk copy written for the ones left out)
+            log.warning(
+                "version %d: %s lost version %d; publishing this one",
+                state.version,
+                behind,
+                self.broadcaster.sent,
+            )
+            await self.publish(trainer, tokenizer, state)
+            return True
         log.warning(
             "version %d: %s lost it since the broadcast; announcing it on disk", state.version, behind
         )
@@ -145,8 +160,17 @@ class WeightPublisher:
         async def every() -> None:
             while True:
                 await asyncio.sleep(every_s)
+                attempt = asyncio.ensure_future(self.catch_up(trainer, tokenizer, state))
                 try:
-                    await self.catch_up(trainer, tokenizer, state)
+                    # the block's end waits for a catch-up under way: cut short, a broadcast leaves
+                    # its members paused with part of a version, and the step after the block
+                    # would change the weights a write or a broadcast is reading
+                    await asyncio.shield(attempt)
+                except asyncio.CancelledError:
+                    await asyncio.wait({attempt})
+                    if not attempt.cancelled() and (error := attempt.exception()) is not None:
+                        log.error("version %d: catching the receivers up failed: %r", state.version, error)
+                    raise
                 except Exception:  # the next try may reach the receivers; the run goes on meanwhile
                     log.exception("version %d: catching the receivers up failed", state.version)
 
@@ -194,6 +218,8 @@ class WeightPublisher:
         )
         copy = fields.get("path_version")
         self.announced_copy = state.version if copy is None else copy
+        self.announced = state.version
+        self.announced_path = path
         m.POLICY_VERSION.set(state.version)
 
     def _prune(self) -> None:
