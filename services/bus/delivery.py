@@ -173,8 +173,10 @@ class Outage:
                 self.stream.name,
             )
             with contextlib.suppress(*REDIS_DOWN):
-                await self.bus.ensure_group(self.stream, self.group)
-                return
+                if await self.bus.ensure_group(self.stream, self.group):
+                    return  # made again: read at once
+            # refused (a Redis full or read-only for now) or out of reach: waited out as an outage,
+            # where returning at once had the loop read, meet NOGROUP and ask again, without a pause
         else:
             log.warning(
                 "Redis is unreachable for %s (%s); trying again in %.1f s", self.stream.name, exc, self.delay

@@ -60,10 +60,10 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
     maxlen: int
 
     # -- consumer groups -------------------------------------------------------------
-    async def ensure_group(self, stream: StreamDef, group: str | None = None, *, start: str = "0") -> None:
+    async def ensure_group(self, stream: StreamDef, group: str | None = None, *, start: str = "0") -> bool:
         """Create the consumer group (and the stream) unless it exists; safe to call concurrently.
         ``start``: the entry after which a new group reads, the stream's beginning unless told
-        (``"$"``: only what comes from now on)."""
+        (``"$"``: only what comes from now on). False when Redis refuses the write for now."""
         group = group or stream.group
         if group is None:
             raise ValueError(f"stream {stream.name!r} has no consumer group")
@@ -72,8 +72,10 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
         except ResponseError as exc:
             if refusing(exc):  # full, or read-only for now: reading finds out (NOGROUP, or it refuses too)
                 log.warning("Redis refuses to make the group %s of %s for now: %s", group, stream.name, exc)
-            elif "BUSYGROUP" not in str(exc):
+                return False
+            if "BUSYGROUP" not in str(exc):
                 raise
+        return True
 
     async def consume(
         self,
