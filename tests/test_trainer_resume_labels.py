@@ -1,7 +1,8 @@
-"""Prompts a crashed execution labelled, after the resume: the step labels count the versions of the
-abandoned timeline, which the resumed one reaches only by training the groups the prompts out can
-bring. Workers sample such a prompt once the resume's timeline is announced (PromptTask.timeline,
-PolicyWorker.label_outdated), and the resumed run completes (found by a review, 2026-11-30)."""
+"""After a crash and a resume, what the crashed execution left out: prompts whose step labels count
+the versions of the abandoned timeline, which the resumed one reaches only by training the groups
+the prompts out can bring (workers sample such a prompt once the resume's timeline is announced:
+PromptTask.timeline, PolicyWorker.label_outdated), and validation questions answered with weights
+the resume discarded (asked again). Both found by reviews, 2026-11-30."""
 
 from __future__ import annotations
 
@@ -72,3 +73,39 @@ async def test_a_strictly_on_policy_run_completes_after_a_crash_past_its_checkpo
         await kill(serving)
         fake_stop.set()
         await kill(fake_task)
+
+
+async def test_a_validation_question_answered_with_discarded_weights_is_asked_again(
+    bus, key_prefix, tiny_world, tiny_checkpoint, tmp_path
+):
+    """A worker that had not yet heard of the resume (timeline B, from A's checkpoint at 2) answered
+    round 2's question with A's version 3: the round counted the discarded weights' answer."""
+    from proto.data import QuestionRecord
+    from proto.messages import TrajectoryGroup
+    from proto.runs import GrpoSpec
+    from proto.streams import PROMPTS
+    from services.trainer.evaluation import Evaluator
+    from tests.test_trainer_service import _one_token
+
+    spec = RunSpec.model_validate(_spec(tiny_world, tiny_checkpoint))
+    spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"eval_samples": 1})})
+    question = QuestionRecord(id="q", question="Question?", answer="a")
+    evaluator = Evaluator(
+        bus, RunStore(bus.redis, key_prefix), "r", spec, [question], tmp_path, nonce="n", timeline="B",
+        lineage={"A": 2},
+    )  # fmt: skip
+    await evaluator.start_round(2, 2)
+
+    def answered(timelines: dict[str, int]) -> TrajectoryGroup:
+        return TrajectoryGroup(
+            run_id="r", task_id="r:eval:n:2:0", question_id="q", question=question.question, answer="a",
+            policy_version=min(timelines.values()), policy_timelines=timelines, algorithm=GrpoSpec(),
+            trajectories=(_one_token("r:eval:n:2:0/0", policy_version=min(timelines.values()), reward=1.0),),
+        )  # fmt: skip
+
+    await evaluator._handle(answered({"A": 3}), None)
+    assert evaluator.pending == {2: {}} and not evaluator.recorded
+    asked = [t for _, t in await bus.read_all(PROMPTS)]
+    assert [t.task_id for t in asked] == ["r:eval:n:2:0"] * 2 and asked[0].message_id != asked[1].message_id
+    await evaluator._handle(answered({"A": 2, "B": 2}), None)  # A's 2 is B's checkpoint: kept
+    assert [r["version"] for r in evaluator.recorded] == [2]

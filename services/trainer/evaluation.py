@@ -44,6 +44,7 @@ from services.trainer.controller import question_task
 from services.trainer.dead_letters import follow_dead_letters, lost_task
 from services.trainer.run_groups import evals_group
 from services.trainer.runs import RunStore
+from services.trainer.timelines import lost_weights
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,11 @@ class Evaluator:
         nonce: str,
         letters_after: str = "0-0",
         timeline: str = "",
+        lineage: dict[str, int] | None = None,
     ) -> None:
         """``letters_after``: where the run's dead letters begin (RunStore.letters_after);
-        ``timeline``: the execution's weights timeline, whose versions the rounds name."""
+        ``timeline``, ``lineage``: the execution's weights timeline, whose versions the rounds name,
+        and the versions of earlier ones it goes on from (services.trainer.timelines)."""
         if not questions:
             raise ValueError("the run's validation file has no questions")
         self.bus = bus
@@ -105,6 +108,7 @@ class Evaluator:
         self.nonce = nonce
         self.letters_after = letters_after
         self.timeline = timeline
+        self.lineage = lineage or {}
         self.rollout = spec.rollout.model_copy(
             update={
                 "group_size": spec.rollout.eval_samples,
@@ -141,24 +145,25 @@ class Evaluator:
             return
         self.pending[version] = {}
         self.steps[version] = step
-        for i, q in enumerate(self.questions):
-            await self.bus.publish(
-                PROMPTS,
-                question_task(
-                    q,
-                    message_id=derived_id(self.run_id, "eval", self.nonce, str(version), str(i)),
-                    run_id=self.run_id,
-                    task_id=f"{self.run_id}:eval:{self.nonce}:{version}:{i}",
-                    index=i,  # with the run's seed: each round samples question i with the same seeds
-                    seed=self.spec.trainer.seed,
-                    step=version,
-                    timeline=self.timeline,
-                    rollout=self.rollout,
-                    algorithm=self.spec.algorithm,
-                    purpose="eval",
-                ),
-            )
+        for i in range(len(self.questions)):
+            await self.bus.publish(PROMPTS, self._task(version, i))
         log.info("run %s: evaluating version %d on %d questions", self.run_id, version, len(self.questions))
+
+    def _task(self, version: int, i: int, *again: str):
+        """Question ``i`` of round ``version``; ``again``: what makes a copy's message id its own."""
+        return question_task(
+            self.questions[i],
+            message_id=derived_id(self.run_id, "eval", self.nonce, str(version), str(i), *again),
+            run_id=self.run_id,
+            task_id=f"{self.run_id}:eval:{self.nonce}:{version}:{i}",
+            index=i,  # with the run's seed: each round samples question i with the same seeds
+            seed=self.spec.trainer.seed,
+            step=version,
+            timeline=self.timeline,
+            rollout=self.rollout,
+            algorithm=self.spec.algorithm,
+            purpose="eval",
+        )
 
     @property
     def prefix(self) -> str:
@@ -198,7 +203,23 @@ class Evaluator:
     async def _handle(self, group: TrajectoryGroup, delivery: Delivery) -> None:
         if not group.task_id.startswith(self.prefix):
             return  # another run's, or an earlier execution's: acknowledged and forgotten
-        await self._arrived(*_position(group.task_id, self.prefix), group)
+        version, index = _position(group.task_id, self.prefix)
+        lost = lost_weights(group.policy_timelines, current=self.timeline, lineage=self.lineage)
+        if lost is not None and version in self.pending and index not in self.pending[version]:
+            # sampled with weights a resume discarded (a worker that had not yet heard of it): the
+            # question is asked again, as the trainer asks a training prompt's again
+            log.warning(
+                "run %s: validation question %d of version %d was answered by version %d of timeline %s, "
+                "which a resume discarded; asking it again",
+                self.run_id,
+                index,
+                version,
+                lost[1],
+                lost[0],
+            )
+            await self.bus.publish(PROMPTS, self._task(version, index, "again", group.message_id))
+            return
+        await self._arrived(version, index, group)
 
     async def _arrived(self, version: int, index: int, group: TrajectoryGroup | None) -> None:
         round_ = self.pending.get(version)

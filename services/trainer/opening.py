@@ -237,6 +237,7 @@ async def open_run(
                 nonce=new_id()[:8],
                 letters_after=letters_after,
                 timeline=timeline,
+                lineage=state.lineage,
             )
             evaluator.recorded = await store.metrics(run_id, series="evals")  # the rounds of the weights kept
             evaluator.start(options)
