@@ -365,6 +365,8 @@ async def test_a_clean_stop_while_a_batch_fills_leaves_its_groups_pending_for_th
         await p.shutdown()
         assert (await p.store.get(record.id)).step == 0
         assert await pending() == 1  # held, not acknowledged
+        [entry] = await p.bus.redis.xpending_range(p.bus.key(SCORED), group, min="-", max="+", count=5)
+        assert entry["times_delivered"] == 0  # the read back counts 1: each stop added one before
         p.fake.release.set()
         p.serve()
         done = await p.until(record.id, finished)

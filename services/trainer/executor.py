@@ -237,8 +237,12 @@ class RunExecutor:
         if cancel.is_set() and len(held.items) < want:
             if stop.is_set():
                 # shutting down to resume: leave the groups pending, the restarted trainer reads
-                # them back first (acknowledging them would lose them)
+                # them back first (acknowledging them would lose them). Their delivery counts go
+                # back by one, as a leaving worker's do: the read back counts one, a stop did not
+                # fail on them, and a trainer stopped so often enough would have them dead-lettered
                 held.stop_heartbeat()
+                with contextlib.suppress(*REDIS_DOWN):  # then the read back counts one more
+                    await self.bus.release(SCORED, ["trainer"], group=scored_group(run.id))
             else:  # the run is cancelled: nothing will train on them
                 await self.bus.commit(held)
             return None
