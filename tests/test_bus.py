@@ -321,8 +321,8 @@ async def test_a_collector_does_not_take_back_what_it_holds(bus: Bus):
     """After an outage longer than claim_idle_ms (the heartbeat's renewals failed), the collector's
     own scan for abandoned entries found the ones it held: each was offered to ``accept`` again
     (the trainer's says duplicate, and a rejected entry is acknowledged), so a stop before the
-    batch filled lost a group it believed pending. Skipped, each scan still counted a delivery,
-    and the collector restarted after a stop dead-lettered the group as given up on."""
+    batch filled lost a group it believed pending; each claim also counted a delivery, and the
+    collector restarted after a stop dead-lettered the group as given up on."""
     await bus.publish(PROMPTS, ex.example_task(0))
     seen: list[int] = []
 

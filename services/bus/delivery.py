@@ -117,16 +117,11 @@ class Held(Generic[M]):
         self.stream, self.group, self.options = stream, group, options
         self.items: list[tuple[str, M]] = []
         self._ids: list[str] = []
-        self._held: set[str] = set()
         self._beat = asyncio.create_task(bus._heartbeat(bus.key(stream), group, consumer, self._ids, options))
 
     def add(self, entry_id: str, message: M) -> None:
         self.items.append((entry_id, message))
         self._ids.append(entry_id)
-        self._held.add(entry_id)
-
-    def holds(self, entry_id: str) -> bool:
-        return entry_id in self._held
 
     @property
     def ids(self) -> list[str]:

@@ -139,10 +139,6 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
                     await outage.wait(exc, stop)
                     continue
                 for entry_id, fields, reclaimed in fetched:
-                    if held.holds(entry_id):
-                        # its own, idle past claim_idle_ms while an outage stopped the heartbeat:
-                        # offered to ``accept`` again it is a duplicate, and a rejected one is acked
-                        continue
                     admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
                     if admitted is None:
                         continue

@@ -267,11 +267,12 @@ class SglangScorer:
         return LogProbs(out, min(named, default=held))
 
     async def update_weights(self, path: str, version: int) -> None:
-        await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
+        await self.recheck(path, version)
         self.version = version
 
     async def recheck(self, path: str, version: int) -> None:
-        """As :meth:`SglangEngine.recheck`: a server restarted since loads the checkpoint again."""
+        """Load the checkpoint on each server that does not serve it yet (also :meth:`SglangEngine.recheck`'s
+        case: one restarted since serves the model it started with)."""
         await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
 
     async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:

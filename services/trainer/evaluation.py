@@ -138,7 +138,7 @@ class Evaluator:
         every = self.spec.trainer.eval_every
         due = [0, *range(every, step + 1, every)] if every > 0 else [0]
         done = {r["step"] for r in self.recorded}
-        return [s for s in due if s <= step and s not in done]
+        return [s for s in due if s not in done]
 
     async def start_round(self, version: int, step: int) -> None:
         if version in self.pending or any(r["version"] == version for r in self.recorded):
