@@ -290,6 +290,15 @@ class TrainerSpec(_Spec):
     prompts_per_step: Annotated[int, Field(gt=0, le=65_536)] = Field(
         default=32, description="groups per optimiser step"
     )
+    updates_per_step: Annotated[int, Field(gt=0, le=65_536)] = Field(
+        default=1,
+        description="optimiser updates a step: the step's groups are split into this many "
+        "mini-batches of whole groups, each one update, as verl's ppo_mini_batch_size and slime's "
+        "num_steps_per_rollout do. Every update's ratio is against the same pi_old (the rollout's "
+        "log-probs, or with tis_cap the policy before the step's first update), so from the second "
+        "update on the clip range binds. The learning-rate schedule counts steps. At most "
+        "prompts_per_step",
+    )
     max_steps: PositiveInt = 100
     lr: PositiveFloat = 3e-6
     warmup_steps: Count = 8
@@ -354,6 +363,16 @@ class TrainerSpec(_Spec):
         if isinstance(value, dict) and (problem := unfit_value(value, MAX_CONFIG_DEPTH)):
             raise ValueError(f"deepspeed_config {_CONFIG_PROBLEMS[problem]}")
         return value
+
+    @model_validator(mode="after")
+    def _whole_groups(self):
+        # a mini-batch is whole groups: with more updates than groups some would train on nothing
+        if self.updates_per_step > self.prompts_per_step:
+            raise ValueError(
+                f"trainer.updates_per_step ({self.updates_per_step}) cannot exceed prompts_per_step "
+                f"({self.prompts_per_step}): each update trains on whole groups"
+            )
+        return self
 
 
 class RunSpec(Message):

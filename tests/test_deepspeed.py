@@ -84,7 +84,7 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     distributed = load_model(tmp_path / "weights")
 
     sys.path.insert(0, str(script.parent))
-    from deepspeed_dp import ALGORITHM, poisoned, samples
+    from deepspeed_dp import ALGORITHM, TWO_UPDATES, poisoned, samples, two_updates
 
     reference = PolicyTrainer(
         load_model(tiny_checkpoint),
@@ -95,18 +95,21 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     expected = [reference.train_step(poisoned(batch), counts, ALGORITHM)]
     expected += [reference.train_step(batch, counts, ALGORITHM) for _ in range(2)]
     reference.train_step([], counts, ALGORITHM)
+    expected.append(reference.train_batch(two_updates(batch, counts), TWO_UPDATES))
     mine = dict(distributed.named_parameters())
     for name, param in reference.model.named_parameters():
         torch.testing.assert_close(mine[name], param.detach(), rtol=rtol, atol=atol, msg=name)
     history = json.loads((tmp_path / "history.json").read_text())
-    assert len(history) == 4 and history[1]["grad_norm"] > 0 and history[3]["grad_norm"] == 0
-    assert [h["skipped_update"] for h in history] == [1.0, 0.0, 0.0, 0.0] and expected[0]["skipped_update"]
-    assert [h["lr"] for h in history[:3]] == pytest.approx(
-        [h["lr"] for h in expected]
-    )  # the schedule went on
+    assert len(history) == 5 and history[1]["grad_norm"] > 0 and history[3]["grad_norm"] == 0
+    assert [h["skipped_update"] for h in history] == [1.0, 0.0, 0.0, 0.0, 0.0] and expected[0][
+        "skipped_update"
+    ]
+    empty = history.pop(3)
+    assert [h["lr"] for h in history] == pytest.approx([h["lr"] for h in expected])  # the schedule went on
+    assert empty["lr"] == pytest.approx(expected[2]["lr"]) and history[3]["updates"] == 2.0
     assert history[1]["kl_ref"] < 1e-6 < history[2]["kl_ref"]  # the first update starts at the reference
     for got, want in zip(
-        history[1:], expected[1:], strict=False
+        history[1:], expected[1:], strict=True
     ):  # the whole batch's figures, every rank's share
         assert got["trained_tokens"] == want["trained_tokens"] == sum(s.targets.size for s in batch)
         # the norm before clipping: a loss scaled by a constant shows here, where AdamW hides it

@@ -310,7 +310,7 @@ async def test_a_resumed_run_goes_on_with_its_schedule_and_its_optimisers_moment
     AdamW has counted every step of the run."""
     import torch
 
-    from services.trainer.policy import lr_factor
+    from services.trainer.schedule import lr_factor
 
     p = Pipeline(redis_url, key_prefix, tiny_checkpoint, tmp_path)
     try:

@@ -11,7 +11,8 @@ from agent.chat import ChatTokenizer
 from proto.runs import GrpoSpec, TrainerSpec
 from services.model.checkpoint import load_model
 from services.trainer.batch import samples_from_groups
-from services.trainer.policy import PolicyTrainer, lr_factor
+from services.trainer.policy import PolicyTrainer
+from services.trainer.schedule import lr_factor
 from tests.test_scorer import _group
 from tests.test_trainer_policy import _on_policy, _scored
 

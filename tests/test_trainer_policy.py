@@ -17,7 +17,8 @@ from services.model.routing import RouteRecorder, moe_routers, replay_routes
 from services.rollout.engine import GenerationRequest
 from services.rollout.inprocess import InProcessEngine
 from services.trainer.batch import micro_batches, samples_from_groups
-from services.trainer.policy import PolicyTrainer, lr_factor, warmup_factor
+from services.trainer.policy import PolicyTrainer
+from services.trainer.schedule import lr_factor, warmup_factor
 from tests.test_scorer import _group, group_of
 
 

@@ -324,7 +324,7 @@ async def test_a_run_resumed_after_a_crash_trains_on_every_prompt(
     """The trainer dies after step 3 with its last checkpoint at step 2. Step 3's groups were
     trained and acknowledged, and the rollout would never sample their prompts again under the
     same ids: the resumed run publishes the prompts that were out at the checkpoint anew, so they
-    are trained on in the surviving timeline, not skipped."""
+    are trained on in the surviving timeline, not skipped. Each step is two updates of one group."""
     from proto.runs import RunSpec
 
     tok = ChatTokenizer.from_pretrained(tiny_checkpoint)
@@ -332,7 +332,7 @@ async def test_a_run_resumed_after_a_crash_trains_on_every_prompt(
         local_mode=True, redis_url=redis_url, stream_prefix=key_prefix, runs_dir=tmp_path / "runs"
     )
     store = RunStore(bus.redis, key_prefix)
-    spec = _spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=2)
+    spec = _spec(tiny_world, tiny_checkpoint, max_steps=4, checkpoint_every=2, updates_per_step=2)
     record = await store.create(RunSpec.model_validate(spec))
     fake, fake_stop = FakePipeline(bus, tok, hold_after=6), asyncio.Event()  # steps 1-3 only
     fake_task = asyncio.create_task(fake.run(fake_stop))
@@ -350,6 +350,8 @@ async def test_a_run_resumed_after_a_crash_trains_on_every_prompt(
     prompts = {int(t.split(":")[-1].split("/")[0]) for t in trained}
     # 4 and 5 were step 3's: trained again after the resume, not skipped for good
     assert {0, 1, 2, 3, 4, 5} <= prompts and len(prompts) == 8 and len(trained) == len(set(trained)) == 16
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and {r["updates"] for r in steps} == {2.0}
 
 
 def test_batch_metrics_say_how_far_the_evidence_scorer_lagged(tiny_checkpoint):

@@ -1,4 +1,5 @@
-"""From scored groups to training samples and token-budget micro-batches.
+"""From scored groups to training samples, a step's mini-batches (one optimiser update each) and
+token-budget micro-batches (one forward and backward each).
 
 A sample is one trajectory: its tokens but the last (the last token's hidden state
 predicts nothing), the positions of its loss tokens, and per loss token the rollout
@@ -10,13 +11,22 @@ over all G trajectories of a group) but not computed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from proto.messages import ScoredGroup
 
-__all__ = ["BatchCounts", "TrainSample", "micro_batches", "samples_from_groups", "unfit"]
+__all__ = [
+    "BatchCounts",
+    "MiniBatch",
+    "TrainSample",
+    "micro_batches",
+    "mini_batches",
+    "samples_from_groups",
+    "unfit",
+]
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,9 @@ class TrainSample:
     # the sampling temperature ``old_logprobs`` are under: the engine's log-probs are of
     # softmax(logits / T), so the trainer's must be too, or every ratio starts away from 1
     temperature: float = 1.0
+    # with tis_cap, pi_old is the policy before the step's first update; a later mini-batch's
+    # samples carry it, computed before that update (the first mini-batch's is its own forward)
+    policy_logprobs: np.ndarray | None = None
 
     @property
     def tokens(self) -> int:
@@ -43,6 +56,34 @@ class BatchCounts:
 
     sequences: int  # trajectories that count (every non-failed trajectory with loss tokens)
     tokens: int  # their loss tokens
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """One optimiser update: its samples and its own normalisers."""
+
+    samples: list[TrainSample]
+    counts: BatchCounts
+
+    def with_policy_logprobs(self, logprobs: list[np.ndarray | None]) -> MiniBatch:
+        """The same samples carrying pi_old as the policy before the step (None: left as it was)."""
+        samples = [
+            s if lp is None else replace(s, policy_logprobs=lp)
+            for s, lp in zip(self.samples, logprobs, strict=True)
+        ]
+        return MiniBatch(samples, self.counts)
+
+
+def mini_batches(groups: list[ScoredGroup], updates: int, *, seed: int, **how) -> list[MiniBatch]:
+    """A step's groups as ``updates`` mini-batches of whole groups, sizes within one of each other
+    (``how``: as :func:`samples_from_groups`). Which group lands where depends on the groups and
+    the seed, not on the order they came in: groups arrive shortest first, and in arrival order
+    the first update, the one nearest on-policy, would take the short trajectories every step."""
+    if updates == 1:
+        return [MiniBatch(*samples_from_groups(groups, **how))]
+    order = sorted(groups, key=lambda g: g.group.task_id)
+    random.Random(seed).shuffle(order)
+    return [MiniBatch(*samples_from_groups(order[i::updates], **how)) for i in range(updates)]
 
 
 def samples_from_groups(

@@ -32,7 +32,8 @@ What the run's config file leaves out is filled from the run: AdamW with the run
 learning rate, betas and weight decay, gradient clipping, one micro-batch
 per backward (the trainer accumulates over its own token budget and marks the
 accumulation boundary itself). The warm-up is the plain-torch trainer's own schedule
-(:func:`services.trainer.policy.lr_factor`), so both paths follow the same learning rates.
+(:func:`services.trainer.schedule.lr_factor`), so both paths follow the same learning rates; it
+counts steps, while a scheduler the config names steps once an update (``updates_per_step``).
 Ranks load the model in rank 0's dtype; mixed precision is the config's ``bf16`` section, which
 the trainer adds where a bfloat16 model would otherwise lose its updates (stage 0), and refuses a
 float16 model without an ``fp16`` section (:mod:`services.trainer.deepspeed_config`).
@@ -47,15 +48,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from proto.runs import AlgorithmSpec, TrainerSpec
 from services.model.checkpoint import dtype_name, save_checkpoint
-from services.trainer.batch import BatchCounts, TrainSample
+from services.trainer.batch import BatchCounts, MiniBatch, TrainSample
 from services.trainer.deepspeed_config import deepspeed_config, enabled, weight_decay_of
-from services.trainer.policy import PolicyTrainer, lr_factor, param_groups
+from services.trainer.policy import PolicyTrainer, param_groups
+from services.trainer.schedule import update_schedule
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             spec = self.spec
 
             def schedule(optimizer):
-                return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec))
+                return torch.optim.lr_scheduler.LambdaLR(optimizer, update_schedule(spec))
 
         _single_process_group()
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -176,6 +179,17 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
                 self._backward(self._policy_logprobs(samples[0]).sum() * 0.0)
         return self._all_ranks(metrics)
 
+    def _recompute(self, samples: list[TrainSample], *, replay: bool) -> list[np.ndarray | None]:
+        # this rank's share only (the one accumulate takes), every rank as many forwards as the
+        # busiest: ZeRO-3 gathers the parameters of every forward across all ranks
+        mine = super()._recompute(samples[self.rank :: self.world], replay=replay)
+        with torch.no_grad():
+            for _ in range(-(-len(samples) // self.world) - len(mine)):
+                self.sample_logprobs(samples[0], replay=replay)
+        out: list[np.ndarray | None] = [None] * len(samples)
+        out[self.rank :: self.world] = mine
+        return out
+
     def _all_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """The batch's metrics from every rank's share: sums add up, per-token means are re-weighted."""
         if self.world == 1:
@@ -205,10 +219,8 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.engine.set_gradient_accumulation_boundary(self._remaining <= 0)
         self.engine.backward(loss * self.world, scale_wrt_gas=False)
 
-    def apply(self) -> dict[str, float]:
+    def update(self) -> dict[str, float]:
         lr = self.optimizer.param_groups[0]["lr"]
-        self.step += 1
-        self.model.eval()
         if self._empty:  # as the plain optimiser does without gradients: no decay, no momentum
             self._schedule_without_update()
             return {"grad_norm": 0.0, "lr": lr, "skipped_update": 0.0}
@@ -233,10 +245,10 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             norm = float(norm) if norm is not None else 0.0
             skipped = not self.engine.was_step_applied()
             if skipped and self.engine.fp16_enabled():
-                log.warning("step %d: fp16 loss-scale overflow; DeepSpeed skipped the update", self.step)
+                log.warning("step %d: fp16 loss-scale overflow; DeepSpeed skipped the update", self.step + 1)
                 return {"grad_norm": norm, "lr": lr, "skipped_update": 1.0}
         if skipped:  # the plain trainer's schedule follows the steps, taken or not: so does this one
-            log.error("step %d: gradient norm %s; the update is skipped", self.step, norm)
+            log.error("step %d: gradient norm %s; the update is skipped", self.step + 1, norm)
             self._schedule_without_update()
         return {"grad_norm": norm, "lr": lr, "skipped_update": float(skipped)}
 
@@ -294,8 +306,11 @@ class Rank0Trainer:
             dist.broadcast_object_list([command], src=0)
 
     def train_step(self, samples, counts, algorithm, *, replay: bool = False):
-        self._announce("step", samples, counts, algorithm, replay)
-        return self.trainer.train_step(samples, counts, algorithm, replay=replay)
+        return self.train_batch([MiniBatch(samples, counts)], algorithm, replay=replay)
+
+    def train_batch(self, minis, algorithm, *, replay: bool = False):
+        self._announce("batch", minis, algorithm, replay)
+        return self.trainer.train_batch(minis, algorithm, replay=replay)
 
     def save_weights(self, path, *, tokenizer=None, meta=None):
         self._announce("save_weights", str(path))
@@ -344,9 +359,9 @@ def follow_rank0(device: str = "cuda") -> None:
             trainer = None
         elif trainer is None:
             raise RuntimeError(f"rank {dist.get_rank()} got {command[0]!r} before any trainer was built")
-        elif command[0] == "step":
-            _, samples, counts, algorithm, replay = command
-            trainer.train_step(samples, counts, algorithm, replay=replay)
+        elif command[0] == "batch":
+            _, minis, algorithm, replay = command
+            trainer.train_batch(minis, algorithm, replay=replay)
         elif command[0] == "save_weights":
             trainer.save_weights(Path(command[1]))
         elif command[0] == "save_state":

@@ -7,8 +7,9 @@
             groups of another run, groups sampled with weights a resume discarded (their
             prompts are published again), groups older than max_staleness versions, and
             trajectories already trained
-        one optimiser step; version += 1; publish the new weights (every publish_every
-            steps, and whenever a validation round is due)
+        one training step (updates_per_step optimiser updates, one a mini-batch of whole
+            groups); version += 1; publish the new weights (every publish_every steps, and
+            whenever a validation round is due)
         remember the trained trajectory ids, then acknowledge the groups
         every checkpoint_every steps a full checkpoint; metrics for the step
         every eval_every steps a validation round (services.trainer.evaluation)
@@ -41,7 +42,7 @@ from services.bus import REDIS_DOWN, Bus, Held
 from services.tasks import within
 from services.trainer import metrics as m
 from services.trainer.admission import accept, count_drop, uncount_trained
-from services.trainer.batch import samples_from_groups
+from services.trainer.batch import mini_batches
 from services.trainer.beside import mirror, stop_all, watch_for_cancel
 from services.trainer.checkpoints import (
     TrainState,
@@ -252,16 +253,18 @@ class RunExecutor:
         return held
 
     async def _step(self, run: Run, held: Held) -> None:
-        """One optimiser step on a held batch, then everything that follows from it."""
+        """One training step on a held batch, then everything that follows from it."""
         spec, state, groups = run.spec, run.state, held.messages
-        samples, counts = samples_from_groups(
+        minis = mini_batches(
             groups,
+            spec.trainer.updates_per_step,
+            seed=spec.trainer.seed * 1_000_003 + state.step,
             with_routes=spec.trainer.routing_replay,
             temperature=spec.rollout.temperature,
             keep_zero_advantage=spec.algorithm.kl_coef > 0,
         )
         step_metrics = await asyncio.to_thread(
-            run.trainer.train_step, samples, counts, spec.algorithm, replay=spec.trainer.routing_replay
+            run.trainer.train_batch, minis, spec.algorithm, replay=spec.trainer.routing_replay
         )
         state.trained_prompts = state.prompts_trained(spec.trainer.prompts_per_step) + len(groups)
         state.step += 1

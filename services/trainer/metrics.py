@@ -106,7 +106,7 @@ for _reason in DROP_REASONS:  # at zero from the start: a panel shows 0 drops, n
 GROUPS = Counter("pbsd_trainer_trained_groups_total", "Scored groups trained on")
 SKIPPED_UPDATES = Counter(
     "pbsd_trainer_skipped_updates_total",
-    "Optimiser steps whose update was skipped: the gradient was not finite (or, under DeepSpeed's fp16, "
+    "Optimiser updates skipped: the gradient was not finite (or, under DeepSpeed's fp16, "
     "the loss scale overflowed)",
 )
 
@@ -167,8 +167,8 @@ def export_step(record: dict[str, float]) -> None:
         if key in record:
             gauge.set(record[key])
     STEP_SECONDS.observe(record["step_s"])
-    if record.get("skipped_update"):
-        SKIPPED_UPDATES.inc()
+    if record.get("skipped_update"):  # a count: a step of several updates may skip more than one
+        SKIPPED_UPDATES.inc(record["skipped_update"])
 
 
 PUBLISH_SECONDS = Histogram(

@@ -1,23 +1,26 @@
 """The policy update: per-token log-probs with gradients, the clipped policy-gradient loss of
-:mod:`pbsd.losses`, gradient accumulation by token budget, AdamW with warm-up (and, if the
-spec asks, cosine decay).
+:mod:`pbsd.losses`, gradient accumulation by token budget, AdamW with the learning-rate schedule of
+:mod:`services.trainer.schedule`.
 
 The trainer is algorithm-blind: GRPO and PBSD batches differ only in the per-token
 advantages the scored groups carry, and cost the same here (PBSD's extra work is the
-scorer's). One optimiser step per batch of groups::
+scorer's). A training step is one optimiser update per mini-batch of its groups
+(``trainer.updates_per_step``, one by default)::
 
-    for each micro-batch (<= micro_batch_tokens tokens):
-        log pi_theta(token) at every loss position      (routing replay if the run uses R3)
-        loss_mb = sum_k c_k * l_k                        (c_k from the batch-wide normalisers)
-        backward
-    clip the gradient norm; AdamW step; learning-rate schedule step
+    for each mini-batch:
+        for each micro-batch (<= micro_batch_tokens tokens):
+            log pi_theta(token) at every loss position  (routing replay if the run uses R3)
+            loss_mb = sum_k c_k * l_k                    (c_k from the mini-batch's normalisers)
+            backward
+        clip the gradient norm; AdamW step; learning-rate schedule step
 
 Ratios are against the rollout log-probs (on-policy). With ``tis_cap`` the ratio is
-taken against the current policy instead and each token's term is weighted by the
-truncated importance ratio min(pi_theta / pi_rollout, C) (truncated importance
-sampling for the rollout-trainer mismatch and the staleness lag); with one optimiser step a
-batch that ratio is 1, so the clip range never binds and the truncated weight is the only
-correction. With ``kl_coef`` > 0 each token also pays
+taken against the trainer's own policy as the step found it instead, and each token's term is
+weighted by the truncated importance ratio min(pi_theta / pi_rollout, C) (truncated importance
+sampling for the rollout-trainer mismatch and the staleness lag); with one update a step that
+ratio is 1, so the clip range never binds and the truncated weight is the only correction. With
+several, pi_old of the later mini-batches is computed before the first update, and from the
+second update on the clip range binds in either case. With ``kl_coef`` > 0 each token also pays
 kl_coef * KL(pi_theta || pi_ref) (the spec's estimator, :func:`pbsd.losses.kl_penalty`)
 against a frozen reference policy, the run's initial weights, loaded beside the policy (a
 full copy on every rank, also under ZeRO-3); zero-advantage trajectories then still train,
@@ -47,30 +50,35 @@ from proto.runs import AlgorithmSpec, TrainerSpec
 from services.model.checkpoint import dtype_name, load_model, save_checkpoint
 from services.model.lm_head import chunk_logprobs, float32_output
 from services.model.routing import replay_routes
-from services.trainer.batch import BatchCounts, TrainSample, micro_batches
+from services.trainer.batch import BatchCounts, MiniBatch, TrainSample, micro_batches
 from services.trainer.precision import MasterWeights
+from services.trainer.schedule import update_schedule
 
-__all__ = ["PolicyTrainer", "lr_factor", "warmup_factor"]
+__all__ = ["PolicyTrainer", "merge_updates"]
 
 log = logging.getLogger(__name__)
 
 
-def warmup_factor(step: int, warmup_steps: int) -> float:
-    """Linear warm-up to the peak learning rate over ``warmup_steps`` optimiser steps, then constant."""
-    if warmup_steps <= 0:
-        return 1.0
-    return min(1.0, (step + 1) / warmup_steps)
-
-
-def lr_factor(step: int, spec: TrainerSpec) -> float:
-    """The learning-rate multiplier at optimiser step ``step``: the warm-up, then either constant or
-    a cosine from 1 down to ``min_lr_ratio`` at ``max_steps`` (held there if training goes on)."""
-    warm = warmup_factor(step, spec.warmup_steps)
-    if spec.lr_decay == "constant" or step < spec.warmup_steps:
-        return warm
-    span = max(1, spec.max_steps - spec.warmup_steps)
-    progress = min(1.0, (step - spec.warmup_steps) / span)
-    return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def merge_updates(parts: list[dict[str, float]]) -> dict[str, float]:
+    """A step's metrics from its updates': counts add, the loss and gradient norm are each update's
+    mean, per-token figures (clip_frac, ratio_mean, ...) are weighted by tokens, and
+    ``skipped_update`` counts the updates skipped."""
+    if len(parts) == 1:
+        return parts[0]
+    tokens = sum(p["trained_tokens"] for p in parts)
+    out = {
+        "loss": sum(p["loss"] for p in parts) / len(parts),
+        "trained_tokens": tokens,
+        "trained_sequences": sum(p["trained_sequences"] for p in parts),
+        "grad_norm": sum(p["grad_norm"] for p in parts) / len(parts),
+        "lr": parts[0]["lr"],
+        "skipped_update": sum(p["skipped_update"] for p in parts),
+        "updates": float(len(parts)),
+    }
+    for key in parts[0].keys() - out.keys():
+        weighted = sum(p.get(key, 0.0) * p["trained_tokens"] for p in parts)
+        out[key] = weighted / tokens if tokens else 0.0
+    return out
 
 
 def _float32_logits(model: nn.Module) -> nn.Module:
@@ -135,7 +143,7 @@ class PolicyTrainer:
             param_groups(model, self.spec.weight_decay, self.masters), lr=self.spec.lr, betas=self.spec.betas
         )
         spec = self.spec
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, spec))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, update_schedule(spec))
 
     # -- log-probs with gradients -------------------------------------------------------
     def sample_logprobs(self, sample: TrainSample, *, replay: bool) -> torch.Tensor:
@@ -183,7 +191,7 @@ class PolicyTrainer:
         ]
         return torch.cat(parts)
 
-    # -- one optimiser step -------------------------------------------------------------
+    # -- one training step: an optimiser update a mini-batch -----------------------------
     def train_step(
         self,
         samples: list[TrainSample],
@@ -192,9 +200,29 @@ class PolicyTrainer:
         *,
         replay: bool = False,
     ) -> dict[str, float]:
+        """A step of one update."""
+        return self.train_batch([MiniBatch(samples, counts)], algorithm, replay=replay)
+
+    def train_batch(
+        self, minis: list[MiniBatch], algorithm: AlgorithmSpec, *, replay: bool = False
+    ) -> dict[str, float]:
+        """A step: one update a mini-batch, in order, then the step count moves on by one."""
         started = time.perf_counter()
-        metrics = self.accumulate(samples, counts, algorithm, replay=replay)
-        metrics.update(self.apply())
+        if algorithm.tis_cap is not None and len(minis) > 1:
+            # every update's ratio is against the policy as the step found it: the later
+            # mini-batches' pi_old is taken now, before the first update moves the weights
+            minis = [
+                minis[0],
+                *(m.with_policy_logprobs(self._recompute(m.samples, replay=replay)) for m in minis[1:]),
+            ]
+        parts = []
+        for mini in minis:
+            metrics = self.accumulate(mini.samples, mini.counts, algorithm, replay=replay)
+            metrics.update(self.update())
+            parts.append(metrics)
+        self.step += 1
+        self.model.eval()
+        metrics = merge_updates(parts)
         metrics["train_s"] = time.perf_counter() - started
         metrics["train_tokens_per_s"] = (
             metrics["trained_tokens"] / metrics["train_s"] if metrics["train_s"] > 0 else 0.0
@@ -247,12 +275,20 @@ class PolicyTrainer:
             metrics[k] = sums[k] / tokens_done if tokens_done else 0.0
         return metrics
 
+    def _recompute(self, samples: list[TrainSample], *, replay: bool) -> list[np.ndarray | None]:
+        """The policy's log-probs of ``samples``' loss tokens, without gradients, in the mode and
+        layout :meth:`accumulate`'s forward uses (pi_old of a later mini-batch under tis_cap)."""
+        self.model.train()
+        with torch.no_grad():
+            return [self.sample_logprobs(s, replay=replay).float().cpu().numpy() for s in samples]
+
     def _loss(self, sample: TrainSample, logp: torch.Tensor, counts: BatchCounts, algorithm: AlgorithmSpec):
-        """The clipped surrogate of one sample's loss tokens, normalised over the whole batch."""
+        """The clipped surrogate of one sample's loss tokens, normalised over its mini-batch."""
         old = torch.as_tensor(sample.old_logprobs, device=self.device)
         rollout = old
-        if algorithm.tis_cap is not None:
-            old = logp.detach()
+        if algorithm.tis_cap is not None:  # the policy before the step's first update
+            mine = sample.policy_logprobs
+            old = logp.detach() if mine is None else torch.as_tensor(mine, device=self.device)
         n = logp.shape[0]
         return clipped_policy_loss(
             logp,
@@ -277,6 +313,13 @@ class PolicyTrainer:
         loss.backward()
 
     def apply(self) -> dict[str, float]:
+        """An update that is a whole step (SFT, the note pass)."""
+        metrics = self.update()
+        self.step += 1
+        self.model.eval()
+        return metrics
+
+    def update(self) -> dict[str, float]:
         """Clip the accumulated gradient, take the AdamW step, advance the schedule."""
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = (
@@ -295,8 +338,6 @@ class PolicyTrainer:
                 self.masters.write_back()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
-        self.step += 1
         return {"grad_norm": grad_norm, "lr": lr, "skipped_update": float(skipped)}
 
     def _schedule_without_update(self) -> None:

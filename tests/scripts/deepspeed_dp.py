@@ -1,7 +1,7 @@
 """Run by tests/test_deepspeed.py under ``deepspeed --num_gpus N`` (CPU accelerator), or as a plain
 process (a trainer started without the launcher, as Compose and Kubernetes start it): rank 0 leads a
-data-parallel ZeRO trainer through a step whose gradient is not finite, two steps and an empty one,
-the other ranks follow; rank 0 saves the weights (``weights``). Then a resume: the state is saved, a step taken and saved
+data-parallel ZeRO trainer through a step whose gradient is not finite, two steps, an empty one and
+a step of two updates whose pi_old is the policy the step found (``tis_cap``), the other ranks follow; rank 0 saves the weights (``weights``). Then a resume: the state is saved, a step taken and saved
 (``resumed-a``), the state loaded back and the same step taken again (``resumed-b``)."""
 
 import json
@@ -14,11 +14,18 @@ import torch.distributed as dist
 
 from proto.runs import GrpoSpec, TrainerSpec
 from services.model.checkpoint import load_model
-from services.trainer.batch import BatchCounts, TrainSample
+from services.trainer.batch import BatchCounts, MiniBatch, TrainSample
 from services.trainer.distributed import follow_rank0, make_trainer, release_followers
 
 # with a KL penalty, so that each rank's reference policy (loaded from the same path) takes part
 ALGORITHM = GrpoSpec(kl_coef=0.1)
+# the later mini-batch's pi_old is recomputed before the first update: 3 samples on 2 ranks, so
+# one rank pads that recompute with a forward of its own
+TWO_UPDATES = GrpoSpec(kl_coef=0.1, tis_cap=2.0)
+
+
+def two_updates(batch: list[TrainSample], counts: BatchCounts) -> list[MiniBatch]:
+    return [MiniBatch(batch[:2], counts), MiniBatch(batch[2:], counts)]
 
 
 def samples(vocab: int) -> tuple[list[TrainSample], BatchCounts]:
@@ -67,6 +74,7 @@ def main() -> None:
     history = [trainer.train_step(poisoned(batch), counts, ALGORITHM)]  # skipped, the schedule on
     history += [trainer.train_step(batch, counts, ALGORITHM) for _ in range(2)]
     history.append(trainer.train_step([], counts, ALGORITHM))  # nothing trainable: no update at all
+    history.append(trainer.train_batch(two_updates(batch, counts), TWO_UPDATES))
     trainer.save_weights(out / "weights")
     trainer.save_state(out / "written" / "state.pt")  # in a fresh folder, as the trainer writes checkpoints
     trainer.train_step(batch, counts, ALGORITHM)
