@@ -288,7 +288,7 @@ _CONFIG_PROBLEMS = {
 
 class TrainerSpec(_Spec):
     prompts_per_step: Annotated[int, Field(gt=0, le=65_536)] = Field(
-        default=32, description="groups per optimiser step"
+        default=32, description="groups per training step (one policy version)"
     )
     updates_per_step: Annotated[int, Field(gt=0, le=65_536)] = Field(
         default=1,
@@ -296,8 +296,8 @@ class TrainerSpec(_Spec):
         "mini-batches of whole groups, each one update, as verl's ppo_mini_batch_size and slime's "
         "num_steps_per_rollout do. Every update's ratio is against the same pi_old (the rollout's "
         "log-probs, or with tis_cap the policy before the step's first update), so from the second "
-        "update on the clip range binds. The learning-rate schedule counts steps. At most "
-        "prompts_per_step",
+        "update on the clip range binds. The learning-rate schedule counts steps (a scheduler a "
+        "deepspeed_config names counts updates). At most prompts_per_step",
     )
     max_steps: PositiveInt = 100
     lr: PositiveFloat = 3e-6

@@ -84,11 +84,11 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     distributed = load_model(tmp_path / "weights")
 
     sys.path.insert(0, str(script.parent))
-    from deepspeed_dp import ALGORITHM, TWO_UPDATES, poisoned, samples, two_updates
+    from deepspeed_dp import ALGORITHM, SPEC, TWO_UPDATES, poisoned, samples, two_updates
 
     reference = PolicyTrainer(
         load_model(tiny_checkpoint),
-        TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=on.get("weight_decay", 0.1), grad_clip=1.0),
+        TrainerSpec(**{**SPEC, "weight_decay": on.get("weight_decay", SPEC["weight_decay"])}),
         reference_path=str(tiny_checkpoint),
     )
     batch, counts = samples(reference.model.config.vocab_size)

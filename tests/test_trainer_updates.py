@@ -3,6 +3,8 @@ learning rate a step, every update's ratio against the pi_old the step started f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pydantic
 import pytest
@@ -12,7 +14,7 @@ from agent.chat import ChatTokenizer
 from proto.runs import GrpoSpec, TrainerSpec
 from services.model.checkpoint import load_model
 from services.trainer.batch import MiniBatch, mini_batches, samples_from_groups
-from services.trainer.policy import PolicyTrainer
+from services.trainer.policy import PolicyTrainer, merge_updates
 from services.trainer.schedule import lr_factor, update_schedule
 from tests.test_scorer import _group
 from tests.test_trainer_policy import _on_policy, _scored
@@ -73,10 +75,32 @@ def test_more_updates_than_groups_is_refused():
         TrainerSpec(prompts_per_step=4, updates_per_step=5)
 
 
-def test_the_schedule_counts_steps_not_updates():
-    spec = TrainerSpec(warmup_steps=3, updates_per_step=2)
+def test_the_schedule_counts_steps_not_updates(tiny_checkpoint, groups, tmp_path):
+    spec = TrainerSpec(lr=1e-3, warmup_steps=3, updates_per_step=2)
     assert [update_schedule(spec)(u) for u in range(8)] == [lr_factor(u // 2, spec) for u in range(8)]
     assert [round(update_schedule(spec)(u), 3) for u in range(6)] == [0.333, 0.333, 0.667, 0.667, 1, 1]
+    trainer = PolicyTrainer(load_model(tiny_checkpoint), spec)
+    seen = []
+    update = trainer.update
+
+    def recording():  # the rate each update steps with
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+        return update()
+
+    trainer.update = recording
+    minis = _minis(trainer, groups, 2)
+    records = [trainer.train_batch(minis, GrpoSpec())]
+    trainer.save_state(tmp_path / "state.pt")  # a resume mid-warm-up picks up the same rates
+    resumed = PolicyTrainer(load_model(tiny_checkpoint), spec)
+    resumed.load_state_file(tmp_path / "state.pt")
+    resumed.update = recording
+    records.append(resumed.train_batch(minis, GrpoSpec()))
+    records.append(resumed.train_batch(minis[:1], GrpoSpec()))  # fewer groups than updates: one
+    records.append(resumed.train_batch(minis, GrpoSpec()))  # ... and the next step's rate is its own
+    assert seen == pytest.approx([1e-3 * f for f in (1 / 3, 1 / 3, 2 / 3, 2 / 3, 1, 1, 1)])
+    assert [r["lr"] for r in records] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
+    with pytest.raises(ValueError, match="mini-batches"):
+        resumed.train_batch(minis * 2, GrpoSpec())
 
 
 def test_a_step_of_two_updates_is_two_steps_of_one(tiny_checkpoint, groups):
@@ -105,24 +129,62 @@ def test_with_tis_cap_every_update_is_against_the_policy_the_step_found(tiny_che
     algorithm = GrpoSpec(tis_cap=2.0)
     spec = TrainerSpec(lr=3e-3, warmup_steps=0, weight_decay=0.0, updates_per_step=2)
     trainers = [PolicyTrainer(load_model(tiny_checkpoint), spec) for _ in range(3)]
-    minis = _minis(trainers[0], groups, 2)
+    # the rollout's log-probs off the policy's (another engine, a lagging version): pi_old, the
+    # policy the step found, then differs from them, and the truncated weight is not 1
+    rng = np.random.default_rng(1)
+    minis = [
+        MiniBatch(
+            [
+                replace(
+                    s,
+                    old_logprobs=s.old_logprobs + rng.normal(0, 0.3, s.old_logprobs.shape).astype(np.float32),
+                )
+                for s in m.samples
+            ],
+            m.counts,
+        )
+        for m in _minis(trainers[0], groups, 2)
+    ]
     record = trainers[0].train_batch(minis, algorithm)
 
     # by hand: the second mini-batch's pi_old taken before the first update
     by_hand = trainers[1]
-    found = MiniBatch(_on_policy(by_hand, minis[1].samples), minis[1].counts)
-    found = minis[1].with_policy_logprobs([s.old_logprobs for s in found.samples])
+    found = minis[1].with_policy_logprobs([s.old_logprobs for s in _on_policy(by_hand, minis[1].samples)])
     by_hand.train_step(minis[0].samples, minis[0].counts, algorithm)
     by_hand.train_step(found.samples, found.counts, algorithm)
     assert _same(_weights(trainers[0]), _weights(by_hand))
 
-    # against the policy after the first update instead (pi_old recomputed per update): not the same
-    late = trainers[2]
+    # against the policy after the first update (pi_old recomputed per update), or against the
+    # rollout's log-probs: neither is the same
+    late = PolicyTrainer(load_model(tiny_checkpoint), TrainerSpec(lr=3e-3, warmup_steps=0, weight_decay=0.0))
     for m in minis:
         late.train_step(m.samples, m.counts, algorithm)
     assert not _same(_weights(trainers[0]), _weights(late))
+    rollout = trainers[2]
+    rollout.train_step(minis[0].samples, minis[0].counts, algorithm)
+    as_rolled = minis[1].with_policy_logprobs([s.old_logprobs for s in minis[1].samples])
+    rollout.train_step(as_rolled.samples, as_rolled.counts, algorithm)
+    assert not _same(_weights(trainers[0]), _weights(rollout))
     assert record["clip_frac"] > 0  # the ratio moves off 1 from the second update on
 
     single = PolicyTrainer(load_model(tiny_checkpoint), TrainerSpec(lr=3e-3, warmup_steps=0))
     one = single.train_step(*samples_from_groups(groups), algorithm)
     assert one["clip_frac"] == 0.0 and one["ratio_mean"] == pytest.approx(1.0)  # one update: rho = 1
+
+
+def test_a_steps_record_leaves_out_what_an_empty_or_skipped_update_lacks():
+    """An empty update (its groups' advantages all zero) reports no per-token figures under
+    DeepSpeed and trains nothing; a skipped one has no finite norm. Neither dilutes the step's."""
+    empty = {"loss": 0.0, "trained_tokens": 0.0, "trained_sequences": 0.0, "grad_norm": 0.0, "lr": 1.0}
+    full = {"loss": 2.0, "trained_tokens": 10.0, "trained_sequences": 2.0, "grad_norm": 3.0, "lr": 1.0}
+    skipped = {**full, "grad_norm": float("nan"), "loss": 4.0}
+    parts = [
+        {**empty, "skipped_update": 0.0},
+        {**full, "skipped_update": 0.0, "clip_frac": 0.5},
+        {**skipped, "skipped_update": 1.0, "clip_frac": 0.1},
+    ]
+    step = merge_updates(parts)
+    assert step["loss"] == 3.0 and step["grad_norm"] == 3.0 and step["skipped_update"] == 1.0
+    assert (
+        step["clip_frac"] == pytest.approx(0.3) and step["trained_tokens"] == 20.0 and step["updates"] == 3.0
+    )

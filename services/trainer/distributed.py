@@ -13,9 +13,10 @@ takes part in them, until rank 0 shuts down and releases it. A step's trajectori
 split across ranks (rank r takes every world-th sample); each rank's loss keeps the
 batch-wide normalisers and is scaled by the world size, because DeepSpeed averages the
 gradients it all-reduces, so the update equals the one a single process would make on
-the whole batch. Every pass goes through the engine's forward (ZeRO-3 counts its
-micro-steps there) and every rank runs as many passes as the busiest one; a batch with
-nothing to train takes no step at all, as in plain torch. Metrics are the whole batch's.
+the whole batch (each mini-batch of a step of several updates is such a batch). Every pass goes
+through the engine's forward (ZeRO-3 counts its micro-steps there) and every rank runs as many
+passes as the busiest one; a batch with nothing to train takes no optimiser step at all, as in
+plain torch, and its schedule goes on. Metrics are the whole batch's.
 
 Verified on the CPU accelerator (tests/test_deepspeed.py, slow): ZeRO stages 0, 1, 2 and 3 on
 two ranks with a batch that does not split evenly, and stage 2 on one, make exactly the
@@ -33,7 +34,8 @@ learning rate, betas and weight decay, gradient clipping, one micro-batch
 per backward (the trainer accumulates over its own token budget and marks the
 accumulation boundary itself). The warm-up is the plain-torch trainer's own schedule
 (:func:`services.trainer.schedule.lr_factor`), so both paths follow the same learning rates; it
-counts steps, while a scheduler the config names steps once an update (``updates_per_step``).
+counts steps, while a scheduler the config names counts updates (``updates_per_step`` of them a
+step; its step counts are the config's to scale).
 Ranks load the model in rank 0's dtype; mixed precision is the config's ``bf16`` section, which
 the trainer adds where a bfloat16 model would otherwise lose its updates (stage 0), and refuses a
 float16 model without an ``fp16`` section (:mod:`services.trainer.deepspeed_config`).
@@ -120,7 +122,8 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         dtype = next(model.parameters()).dtype
         config = deepspeed_config(self.spec, dtype)
         schedule = None
-        if "scheduler" not in config:
+        self._own_schedule = "scheduler" not in config
+        if self._own_schedule:
             spec = self.spec
 
             def schedule(optimizer):
@@ -189,6 +192,10 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         out: list[np.ndarray | None] = [None] * len(samples)
         out[self.rank :: self.world] = mine
         return out
+
+    def _align_schedule(self) -> None:
+        if self._own_schedule:  # a config's scheduler counts updates (the spec says so)
+            super()._align_schedule()
 
     def _all_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """The batch's metrics from every rank's share: sums add up, per-token means are re-weighted."""

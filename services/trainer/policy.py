@@ -60,22 +60,25 @@ log = logging.getLogger(__name__)
 
 
 def merge_updates(parts: list[dict[str, float]]) -> dict[str, float]:
-    """A step's metrics from its updates': counts add, the loss and gradient norm are each update's
-    mean, per-token figures (clip_frac, ratio_mean, ...) are weighted by tokens, and
-    ``skipped_update`` counts the updates skipped."""
+    """A step's metrics from its updates': counts add; the loss is the mean over the updates that
+    trained anything, the gradient norm over those whose norm is finite (``skipped_update`` counts
+    the others; all skipped, it is the first's); per-token figures (clip_frac, ratio_mean, ...) are
+    weighted by tokens, over every key any update reports (an empty one reports fewer)."""
     if len(parts) == 1:
         return parts[0]
     tokens = sum(p["trained_tokens"] for p in parts)
+    trained = [p for p in parts if p["trained_tokens"] > 0] or parts
+    finite = [p["grad_norm"] for p in trained if math.isfinite(p["grad_norm"])]
     out = {
-        "loss": sum(p["loss"] for p in parts) / len(parts),
+        "loss": sum(p["loss"] for p in trained) / len(trained),
         "trained_tokens": tokens,
         "trained_sequences": sum(p["trained_sequences"] for p in parts),
-        "grad_norm": sum(p["grad_norm"] for p in parts) / len(parts),
+        "grad_norm": sum(finite) / len(finite) if finite else trained[0]["grad_norm"],
         "lr": parts[0]["lr"],
         "skipped_update": sum(p["skipped_update"] for p in parts),
         "updates": float(len(parts)),
     }
-    for key in parts[0].keys() - out.keys():
+    for key in set().union(*parts) - out.keys():
         weighted = sum(p.get(key, 0.0) * p["trained_tokens"] for p in parts)
         out[key] = weighted / tokens if tokens else 0.0
     return out
@@ -207,6 +210,8 @@ class PolicyTrainer:
         self, minis: list[MiniBatch], algorithm: AlgorithmSpec, *, replay: bool = False
     ) -> dict[str, float]:
         """A step: one update a mini-batch, in order, then the step count moves on by one."""
+        if len(minis) > self.spec.updates_per_step:
+            raise ValueError(f"{len(minis)} mini-batches for {self.spec.updates_per_step} updates a step")
         started = time.perf_counter()
         if algorithm.tis_cap is not None and len(minis) > 1:
             # every update's ratio is against the policy as the step found it: the later
@@ -222,6 +227,7 @@ class PolicyTrainer:
             parts.append(metrics)
         self.step += 1
         self.model.eval()
+        self._align_schedule()
         metrics = merge_updates(parts)
         metrics["train_s"] = time.perf_counter() - started
         metrics["train_tokens_per_s"] = (
@@ -339,6 +345,15 @@ class PolicyTrainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr, "skipped_update": float(skipped)}
+
+    def _align_schedule(self) -> None:
+        """The schedule counts steps, and its scheduler updates: after a step of fewer updates than
+        ``updates_per_step`` (fewer groups than that, a direct call), or one DeepSpeed's fp16 held
+        back, it goes on to the next step's first update, so no step's updates straddle two rates.
+        With one update a step it is left alone: there a held-back overflow is DeepSpeed's meaning."""
+        n = self.spec.updates_per_step
+        for _ in range(self.step * n - self.scheduler.last_epoch if n > 1 else 0):
+            self._schedule_without_update()
 
     def _schedule_without_update(self) -> None:
         """The schedule follows the steps, taken or not (a skipped update, an empty batch): torch

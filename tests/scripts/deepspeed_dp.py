@@ -22,6 +22,8 @@ ALGORITHM = GrpoSpec(kl_coef=0.1)
 # the later mini-batch's pi_old is recomputed before the first update: 3 samples on 2 ranks, so
 # one rank pads that recompute with a forward of its own
 TWO_UPDATES = GrpoSpec(kl_coef=0.1, tis_cap=2.0)
+# two updates a step: the steps of one go on to the next step's rate (the schedule counts steps)
+SPEC = {"lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.1, "grad_clip": 1.0, "updates_per_step": 2}
 
 
 def two_updates(batch: list[TrainSample], counts: BatchCounts) -> list[MiniBatch]:
@@ -67,7 +69,7 @@ def main() -> None:
         return
     if not dist.is_initialized():  # and the config inline, the spec's other form
         config = json.loads(Path(config).read_text())
-    spec = TrainerSpec(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0, deepspeed_config=config)
+    spec = TrainerSpec(**SPEC, deepspeed_config=config)
     model = load_model(ckpt).to(device)
     trainer = make_trainer(model, spec, model_path=str(ckpt), reference_path=str(ckpt))
     batch, counts = samples(trainer.model.config.vocab_size)
