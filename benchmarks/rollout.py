@@ -75,7 +75,7 @@ class InstantEngine:
         out = self.answer if n >= self.turns else self.call
         return GenerationResult(out, [-0.1] * len(out), "stop", 0)
 
-    async def update_weights(self, path, version):
+    async def update_weights(self, path, version, timeline=""):
         self.weight_version = version
 
     async def health(self):

@@ -169,7 +169,7 @@ class PolicyWorker(abc.ABC):
             # not say it holds them (a resume's timeline, say), so it tries again as a load does
             copy = event.disk_copy()
             if await self._until_loaded(
-                lambda: follow(event.version, copy.path, copy.version), event.version
+                lambda: follow(event.version, copy.path, copy.version, event.timeline), event.version
             ):
                 self._received(event)
             return
@@ -285,7 +285,7 @@ class PolicyWorker(abc.ABC):
                     if event.transport == "broadcast":
                         await self.follow_broadcast(event)  # a server that missed it loads the disk copy
                     else:
-                        await recheck(event.path, event.version)
+                        await recheck(event.path, event.version, event.timeline)
                 except Exception:
                     log.warning(
                         "%s could not check its servers' weights; trying again", self.name, exc_info=True

@@ -16,6 +16,10 @@ values would otherwise go on serving new requests. For any other 400 the served 
 (``/model_info``, or ``/get_model_info`` on servers older than 0.5.23, where the new route is
 missing) tells whether the weights are in: the caller must not keep believing in the old
 version while the server samples with the new one.
+
+Every version a server is told it serves is tagged with its timeline (``weight_version``
+``<version>@<timeline>``, :mod:`services.weights.tags`), so a server that kept a version a
+resume abandoned is not taken for one holding the new timeline's version of the same number.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from contextlib import AbstractAsyncContextManager
 import httpx
 
 from services.upstream import RetryPolicy, UpstreamError, send_with_retries
+from services.weights.tags import read_tag, same_timeline, weights_tag
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ class WeightsRefused(Exception):
 # ``guard(url)``: held while one server is checked and loaded, so that of the replicas sharing a
 # server one loads each version and the rest find it served (a lock on the bus, ``Bus.exclusive``)
 Guard = Callable[[str], AbstractAsyncContextManager[object]]
-Reload = Callable[[str, str, int], Awaitable[None]]
+Reload = Callable[[str, str, int, str], Awaitable[None]]  # (url, path, version, timeline)
 Served = Callable[[dict], bool]  # of a server's /model_info: whether it already serves what is wanted
 
 
@@ -86,12 +91,14 @@ async def model_info(http: httpx.AsyncClient, url: str, retry: RetryPolicy) -> d
 
 
 async def load_weights_from_disk(
-    http: httpx.AsyncClient, url: str, path: str, version: int, retry: RetryPolicy
+    http: httpx.AsyncClient, url: str, path: str, version: int, retry: RetryPolicy, *, timeline: str = ""
 ) -> bool:
-    """Load ``path`` as ``version`` on one server; raise WeightsRefused unless it then serves them.
-    True when the weights are in but their cache flush was refused: the caller lifts any pause it
-    holds (a paused server's queued requests never finish) and then calls :func:`settle_flush`."""
-    body = {"model_path": path, "weight_version": str(version), "flush_cache": True}
+    """Load ``path`` as ``version`` of ``timeline`` on one server; raise WeightsRefused unless it
+    then serves them. True when the weights are in but their cache flush was refused: the caller
+    lifts any pause it holds (a paused server's queued requests never finish) and then calls
+    :func:`settle_flush`."""
+    tag = weights_tag(version, timeline)
+    body = {"model_path": path, "weight_version": tag, "flush_cache": True}
     response = await send_with_retries(
         f"sglang {url}", lambda: http.post(f"{url}/update_weights_from_disk", json=body), retry
     )
@@ -107,14 +114,14 @@ async def load_weights_from_disk(
         return True
     if response.status_code in (200, 400):  # SGLang's own answer: ask what it serves now
         served = str((await model_info(http, url, retry)).get("weight_version"))
-        if served == str(version):
+        if served == tag:
             log.warning("sglang %s serves the weights at %s although it reported: %s", url, path, message)
             return False
     raise WeightsRefused(f"{url} refused the weights at {path}: HTTP {response.status_code} {message}")
 
 
 async def settle_flush(
-    http: httpx.AsyncClient, url: str, path: str, version: int, retry: RetryPolicy
+    http: httpx.AsyncClient, url: str, path: str, version: int, retry: RetryPolicy, *, timeline: str = ""
 ) -> None:
     """Weights in whose cache flush was refused: flush it once the server is idle, then name
     ``version`` as served; :class:`WeightsRefused` when the flush is refused again (the server
@@ -129,7 +136,7 @@ async def settle_flush(
             f"{url} loaded the weights at {path} but its cache could not be flushed within {FLUSH_WAIT_S:g} s: "
             f"HTTP {flushed.status_code} {flushed.text[:200]}"
         )
-    body = {"new_version": str(version), "abort_all_requests": False}
+    body = {"new_version": weights_tag(version, timeline), "abort_all_requests": False}
     named = await send_with_retries(
         f"sglang {url}", lambda: http.post(f"{url}/update_weight_version", json=body), retry
     )
@@ -139,12 +146,13 @@ async def settle_flush(
         )
 
 
-def _loaded(path: str, version: int) -> Served:
-    """Whether a server's ``/model_info`` says it serves the weights at ``path`` as ``version``: a
-    successful disk load moves both ``model_path`` and ``weight_version`` (0.5.23,
+def _loaded(path: str, version: int, timeline: str) -> Served:
+    """Whether a server's ``/model_info`` says it serves the weights at ``path`` as ``version`` of
+    ``timeline``: a successful disk load moves both ``model_path`` and ``weight_version`` (0.5.23,
     ``TokenizerManager._update_model_path_info``). Checkpoint paths name their run and version, so
     a version number alone, which every run counts again from 0, is not taken as proof."""
-    return lambda info: info.get("model_path") == path and str(info.get("weight_version")) == str(version)
+    tag = weights_tag(version, timeline)
+    return lambda info: info.get("model_path") == path and str(info.get("weight_version")) == tag
 
 
 def tag_version(tag: object) -> int | None:
@@ -154,12 +162,8 @@ def tag_version(tag: object) -> int | None:
     tag (a server that names none cannot be checked)."""
     if tag is None:
         return None
-    return int(tag) if str(tag).isdigit() else 0
-
-
-def _held(info: dict) -> int | None:
-    tag = str(info.get("weight_version"))
-    return int(tag) if tag.isdigit() else None
+    read = read_tag(tag)
+    return read[0] if read else 0
 
 
 async def load_each(
@@ -171,13 +175,15 @@ async def load_each(
     reload: Reload,
     guard: Guard = unguarded,
     served: Served | None = None,
+    *,
+    timeline: str = "",
 ) -> None:
-    """``reload(url, path, version)`` on each server that does not serve it yet (``served`` of its
-    ``/model_info``; by default, that it loaded ``path`` as ``version``), checked and loaded under
+    """``reload(url, path, version, timeline)`` on each server that does not serve it yet (``served``
+    of its ``/model_info``; by default, that it loaded ``path`` as ``version`` of ``timeline``), checked and loaded under
     ``guard(url)``. Every rollout replica (and every scorer replica) hears of each version, and
     replicas share their servers: without the check N replicas would pause and load each server N
     times a version, one after another. A server that does not answer is loaded: the load reports it."""
-    served = served or _loaded(path, version)
+    served = served or _loaded(path, version, timeline)
     for url in urls:
         async with guard(url):
             try:
@@ -187,7 +193,7 @@ async def load_each(
             if served(info):
                 log.debug("sglang %s already serves version %s (%s)", url, info.get("weight_version"), path)
                 continue
-            await reload(url, path, version)
+            await reload(url, path, version, timeline)
 
 
 async def follow_broadcast(
@@ -198,18 +204,23 @@ async def follow_broadcast(
     retry: RetryPolicy,
     reload: Reload,
     guard: Guard = unguarded,
+    *,
+    timeline: str = "",
 ) -> int | None:
-    """After the trainer broadcast ``version``: ``reload(url, path, disk_version)`` the disk copy
-    (``copy``: path, version) on every server that serves neither that version nor anything as new
-    as the copy (it restarted, or was left out of the weight group); the oldest version served then
-    (None: no server answers). A server that does not answer is left alone: the trainer brings it
-    back into the group once it is up again. The disk copy is loaded as :func:`load_each` loads it."""
+    """After the trainer broadcast ``version`` of ``timeline``: ``reload(url, path, disk_version,
+    timeline)`` the disk copy (``copy``: path, version) on every server that serves neither that
+    version nor anything of the timeline as new as the copy (it restarted, was left out of the
+    weight group, or holds a version of a timeline a resume abandoned); the oldest version served
+    then (None: no server answers). A server that does not answer is left alone: the trainer brings
+    it back into the group once it is up again. The disk copy is loaded as :func:`load_each` loads it."""
     path, disk_version = copy
-    copied = _loaded(path, disk_version)
+    copied = _loaded(path, disk_version, timeline)
 
     def current(info: dict) -> bool:  # checked again under the guard: another replica may have loaded it
-        held = _held(info)
-        return copied(info) or (held is not None and held >= min(version, disk_version + 1))
+        held = read_tag(info.get("weight_version"))
+        return copied(info) or (
+            held is not None and same_timeline(held, timeline) and held[0] >= min(version, disk_version + 1)
+        )
 
     behind, served = [], []
     for url in urls:
@@ -219,8 +230,8 @@ async def follow_broadcast(
             log.warning("sglang %s does not answer (%s)", url, exc)
             continue
         if current(info):
-            served.append(_held(info) or 0)
+            served.append((read_tag(info.get("weight_version")) or (0, ""))[0])
         else:
             behind.append(url)
-    await load_each(http, behind, path, disk_version, retry, reload, guard, current)
+    await load_each(http, behind, path, disk_version, retry, reload, guard, current, timeline=timeline)
     return min([*served, *([disk_version] if behind else [])], default=None)

@@ -96,8 +96,9 @@ def make_sglang(
     app = FastAPI()
     app.state.requests = []
     app.state.control = []
-    app.state.version = version
-    app.state.named = None  # the version /model_info names while it lags the scheduler's
+    app.state.version = version  # the number of the weights served (scripted reloads count it on)
+    app.state.tag = None  # the weight_version a load named, kept verbatim as SGLang keeps it (a str)
+    app.state.named = None  # the tag /model_info names while it lags the scheduler's
     app.state.stuck = False  # the cache cannot be flushed
     app.state.paused = False
     app.state.model_path = "/models/fake"
@@ -112,7 +113,7 @@ def make_sglang(
         if isinstance(item, int):
             return JSONResponse({"error": {"message": f"internal error {item}"}}, status_code=item)
         if item == "reload":
-            app.state.version += 1
+            app.state.version, app.state.tag = app.state.version + 1, None
         ids = body["input_ids"]
         sp = body.get("sampling_params", {})
         if unknown := set(sp) - SAMPLING_KEYS:
@@ -153,14 +154,14 @@ def make_sglang(
             "completion_tokens": len(out),
             "cached_tokens": max(0, len(ids) - 8),
             "e2e_latency": 0.001,
-            "weight_version": str(app.state.version),
-            "weight_versions": [{"version": str(app.state.version), "start": 0, "end": len(out)}],
+            "weight_version": served(app),
+            "weight_versions": [{"version": served(app), "start": 0, "end": len(out)}],
         }
         if item == "updated":
             half = len(out) // 2
             meta["weight_versions"] = [
                 {"version": str(app.state.version - 1), "start": 0, "end": half},
-                {"version": str(app.state.version), "start": half, "end": len(out)},
+                {"version": served(app), "start": half, "end": len(out)},
             ]
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[logprob, t, None] for t in out]
@@ -189,7 +190,7 @@ def make_sglang(
             "model_path": app.state.model_path,  # moved by a disk load that succeeded, as SGLang's
             "tokenizer_path": "/models/fake",
             "is_generation": True,
-            "weight_version": str(app.state.version if app.state.named is None else app.state.named),
+            "weight_version": served(app) if app.state.named is None else app.state.named,
         }
 
     app.get("/get_model_info")(model_info)
@@ -208,7 +209,8 @@ def make_sglang(
     async def name_version(request: Request):
         body = await request.json()
         app.state.control.append(("update_weight_version", body))
-        app.state.version, app.state.named = int(body["new_version"]), None
+        take_tag(app, body["new_version"])
+        app.state.named = None
         return {"success": True, "message": f"Weight version updated to {body['new_version']}", **body}
 
     @app.post("/pause_generation")
@@ -239,8 +241,9 @@ def make_sglang(
                 },
                 status_code=400,
             )
-        before, app.state.named = app.state.version, None
-        app.state.version = int(body.get("weight_version", app.state.version))
+        before, app.state.named = served(app), None
+        if body.get("weight_version") is not None:
+            take_tag(app, body["weight_version"])
         if "busy" in body["model_path"] or "stuck" in body["model_path"]:  # loaded, then the flush refused
             app.state.named, app.state.stuck = before, "stuck" in body["model_path"]
             return JSONResponse(
@@ -256,3 +259,22 @@ def make_sglang(
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     return app
+
+
+def served(app: FastAPI) -> str:
+    """The ``weight_version`` the server reports: the tag it was last given, or its number."""
+    return app.state.tag if app.state.tag is not None else str(app.state.version)
+
+
+def take_tag(app: FastAPI, tag: object) -> None:
+    """A load named ``tag`` (any string to SGLang): kept as given; its leading number, if any,
+    becomes the fake's count."""
+    app.state.tag = str(tag)
+    number = app.state.tag.partition("@")[0]
+    if number.isdigit():
+        app.state.version = int(number)
+
+
+def restart(app: FastAPI) -> None:
+    """The server restarted: it serves the model it started with, under no tag."""
+    app.state.model_path, app.state.version, app.state.tag = "/models/fake", 0, None

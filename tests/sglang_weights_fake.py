@@ -46,7 +46,7 @@ from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 from services.weights.layout import digest
-from tests.sglang_fake import make_sglang
+from tests.sglang_fake import make_sglang, served, take_tag
 
 INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size"}
 INIT_OPTIONAL = {"group_name", "backend"}
@@ -180,7 +180,7 @@ def make_app(
                 return answer(False, f"Failed to update parameter online: {tensor_name} does not fit.")
             app.state.weights[tensor_name] = tensor.to(held.dtype)
         if body.get("weight_version") is not None:
-            app.state.version = int(body["weight_version"])
+            take_tag(app, body["weight_version"])
         return answer(True, "Succeeded to update parameter online.")
 
     @app.post("/destroy_weights_update_group")
@@ -195,11 +195,11 @@ def make_app(
 
     @app.get("/server_info")
     async def server_info():
-        return {"tp_size": 1, "dp_size": 1, "weight_version": str(app.state.version)}
+        return {"tp_size": 1, "dp_size": 1, "weight_version": served(app)}
 
     @app.get("/weights_digest")
     async def weights_digest():
-        return {"weight_version": str(app.state.version), "sha256": digest(app.state.weights.items())}
+        return {"weight_version": served(app), "sha256": digest(app.state.weights.items())}
 
     @app.get("/control")
     async def control():

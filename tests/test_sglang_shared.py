@@ -12,7 +12,7 @@ from services.rollout.sglang import SglangEngine
 from services.scorer.backends import SglangScorer
 from services.sglang_control import shared_guard
 from tests.servers import serve
-from tests.sglang_fake import make_sglang
+from tests.sglang_fake import make_sglang, restart
 
 REPLICAS = 4
 
@@ -46,7 +46,7 @@ async def test_replicas_sharing_servers_load_each_version_once(redis_url, key_pr
         versions = [r.weight_version if kind == "rollout" else r.version for r in replicas]
         assert versions == [4] * REPLICAS
         # a server that restarted on its base model is loaded again by the next replica that hears
-        apps[1].state.model_path, apps[1].state.version = "/models/fake", 0
+        restart(apps[1])
         await replicas[0].update_weights("/runs/r2/weights/v4", 4)
         assert len(loads(apps[0])) == 2 and len(loads(apps[1])) == 3
         if kind == "rollout":

@@ -205,13 +205,13 @@ def receivers(checkpoint, redis_url, key_prefix):
 class Run:
     """The trainer's side of a run: its model, publisher and state."""
 
-    def __init__(self, checkpoint: Path, bus, out: Path, urls: list[str]) -> None:
+    def __init__(self, checkpoint: Path, bus, out: Path, urls: list[str], timeline: str = "") -> None:
         self.trainer = Trainer(checkpoint)
         self.bus = bus
         broadcaster = WeightBroadcaster(urls, master_address="127.0.0.1", bucket_bytes=32 << 10, timeout_s=60)
         self.publisher = WeightPublisher(bus, "run-w", out, keep=2, broadcaster=broadcaster)
         (out / "weights").mkdir()
-        self.state = TrainState()
+        self.state = TrainState(timeline=timeline)
 
     async def publish(self) -> WeightsPublished:
         self.trainer.step()
@@ -220,22 +220,29 @@ class Run:
         await self.publisher.publish(self.trainer, None, self.state)
         return (await self.bus.latest(WEIGHTS))[1]
 
-    def expected(self) -> tuple[str, str]:
-        return str(self.state.version), self.trainer.digest()
+    def expected(self, tagged: bool = False) -> tuple[str, str]:
+        """What a receiver reports: SGLang the tag it was sent, ours the bare number."""
+        version = f"{self.state.version}@{self.state.timeline}" if tagged else str(self.state.version)
+        return version, self.trainer.digest()
 
 
 async def test_versions_reach_the_sglang_stand_in_and_the_engine_bitwise(
     receivers, checkpoint, bus, tmp_path
 ):
     receivers.start("sglang", "engine")
-    run = Run(checkpoint, bus, tmp_path, [receivers.url("sglang"), receivers.url("engine")])
+    urls = [receivers.url("sglang"), receivers.url("engine")]
+    run = Run(checkpoint, bus, tmp_path, urls, timeline="t1")
     await run.publisher.announce(run.state, str(checkpoint))
     try:
         for _ in range(2):
             event = await run.publish()
             assert (event.transport, event.version) == ("broadcast", run.state.version)
             assert (event.path, event.path_version) == (str(checkpoint), 0)  # no new copy on disk
-            assert await receivers.digests() == dict.fromkeys(("sglang", "engine"), run.expected())
+            # each judged current by its own tag: the group stays as it was formed (one init, below)
+            assert await receivers.digests() == {
+                "sglang": run.expected(tagged=True),
+                "engine": run.expected(),
+            }
         async with httpx.AsyncClient(timeout=60) as http:
             generated = (await http.post(receivers.url("engine") + "/generate")).json()
             control = (await http.get(receivers.url("sglang") + "/control")).json()
@@ -257,7 +264,7 @@ async def test_versions_reach_the_sglang_stand_in_and_the_engine_bitwise(
         "end_weight_update",
         "continue_generation",
     ]
-    assert [u.get("weight_version") for u in updates] == [None] * (len(updates) - 1) + ["2"]
+    assert [u.get("weight_version") for u in updates] == [None] * (len(updates) - 1) + ["2@t1"]
     assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [True]
     assert {d for u in updates for d in u["dtypes"]} == {"float32"}
 

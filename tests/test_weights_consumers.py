@@ -19,7 +19,7 @@ from services.rollout.sglang import SglangEngine
 from services.scorer.backends import LocalScorer, SglangScorer
 from services.weights.receiver import TORN
 from tests.servers import serve
-from tests.sglang_fake import make_sglang
+from tests.sglang_fake import make_sglang, restart
 
 
 class Worker(PolicyWorker):
@@ -97,7 +97,7 @@ class Servers:
     def __init__(self, failures: int) -> None:
         self.failures, self.calls = failures, 0
 
-    async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
+    async def follow_broadcast(self, version: int, path: str, disk_version: int, timeline: str) -> None:
         self.calls += 1
         if self.calls <= self.failures:
             raise RuntimeError(f"sglang refused {path}")
@@ -350,7 +350,7 @@ class OnServers(Worker):
         return self.engine
 
     async def load_weights(self, event: WeightsPublished) -> None:
-        await self.engine.update_weights(event.path, event.version)
+        await self.engine.update_weights(event.path, event.version, event.timeline)
 
 
 async def test_a_restarted_sglang_server_loads_the_newest_weights_again():
@@ -368,7 +368,7 @@ async def test_a_restarted_sglang_server_loads_the_newest_weights_again():
         rechecking = asyncio.create_task(worker._recheck())
         await asyncio.sleep(0.3)  # several rechecks: a server that serves the weights is left alone
         assert [route for route, _ in app.state.control].count("update_weights_from_disk") == 1
-        app.state.model_path, app.state.version = "/models/fake", 0  # restarted
+        restart(app)
         async with asyncio.timeout(5):
             while app.state.model_path != "/ckpt/v5":
                 await asyncio.sleep(0.05)

@@ -111,7 +111,7 @@ class _NoReceivers:
 
     members = ()
 
-    async def publish(self, model, version: int) -> list[str]:
+    async def publish(self, model, version: int, timeline: str = "") -> list[str]:
         return []
 
     async def aclose(self) -> None:
@@ -168,10 +168,10 @@ async def test_members_a_broken_broadcast_paused_resume_even_when_its_disk_copy_
         def __init__(self) -> None:
             self.recovered: list[tuple[str, int]] = []
 
-        async def publish(self, model, version: int) -> list[str]:
+        async def publish(self, model, version: int, timeline: str = "") -> list[str]:
             raise BroadcastFailed("a peer left half-way")
 
-        async def recover(self, path: str, version: int) -> None:
+        async def recover(self, path: str, version: int, timeline: str = "") -> None:
             self.recovered.append((path, version))
 
         async def aclose(self) -> None:

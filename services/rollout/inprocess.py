@@ -100,9 +100,10 @@ class InProcessEngine:
         self._queue.put(job)
         return await job.future
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, path: str, version: int, timeline: str = "") -> None:
         """Load new weights once the sequences decoding now have finished their turn (requests
-        queued after this call wait for it); every cache is dropped."""
+        queued after this call wait for it); every cache is dropped. (The worker keeps
+        ``timeline``: in-process weights are its own to tell apart.)"""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._ensure_worker()
         self._queue.put(Reload(path, version, done))

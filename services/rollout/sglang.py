@@ -231,44 +231,63 @@ class SglangEngine:
             raise ValueError("set layers/top_k to decode routed_experts")
         return flat.reshape(positions, per // top_k, top_k)
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, path: str, version: int, timeline: str = "") -> None:
         """Pause each server that does not serve the checkpoint yet, load it, flush caches, continue."""
         async with self._update_lock:
-            await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
+            await load_each(
+                self.http, self.urls, path, version, self.retry, self._reload, self.guard, timeline=timeline
+            )
             self.weight_version = version
             self._context.clear()
 
-    async def recheck(self, path: str, version: int) -> None:
+    async def recheck(self, path: str, version: int, timeline: str = "") -> None:
         """Load the checkpoint on each server that no longer serves it: one restarted serves the
         model it started with (``PolicyWorker._recheck``)."""
         async with self._update_lock:
             await load_each(
-                self.http, self.urls, path, version, self.retry, self._reload_restarted, self.guard
+                self.http,
+                self.urls,
+                path,
+                version,
+                self.retry,
+                self._reload_restarted,
+                self.guard,
+                timeline=timeline,
             )
 
-    async def _reload_restarted(self, url: str, path: str, version: int) -> None:
+    async def _reload_restarted(self, url: str, path: str, version: int, timeline: str) -> None:
         self._context.pop(url, None)  # restarted, perhaps with another --context-length
-        await self._reload(url, path, version)
+        await self._reload(url, path, version, timeline)
 
-    async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
-        """The trainer broadcast ``version`` to the servers in its weight group; the ones that missed
-        it load the disk copy (``path``, ``disk_version``). The engine's version is the oldest served."""
+    async def follow_broadcast(self, version: int, path: str, disk_version: int, timeline: str = "") -> None:
+        """The trainer broadcast ``version`` of ``timeline`` to the servers in its weight group; the
+        ones that missed it load the disk copy (``path``, ``disk_version``). The engine's version is
+        the oldest served."""
         async with self._update_lock:
             oldest = await follow_broadcast(
-                self.http, self.urls, version, (path, disk_version), self.retry, self._reload, self.guard
+                self.http,
+                self.urls,
+                version,
+                (path, disk_version),
+                self.retry,
+                self._reload,
+                self.guard,
+                timeline=timeline,
             )
             if oldest is not None:
                 self.weight_version = oldest
 
-    async def _reload(self, url: str, path: str, version: int) -> None:
+    async def _reload(self, url: str, path: str, version: int, timeline: str) -> None:
         await self._post(url, "/pause_generation", {"mode": self.pause_mode})
         try:
             try:
-                unflushed = await load_weights_from_disk(self.http, url, path, version, self.retry)
+                unflushed = await load_weights_from_disk(
+                    self.http, url, path, version, self.retry, timeline=timeline
+                )
             finally:
                 await self._post(url, "/continue_generation", {})
             if unflushed:  # flushed once the requests the pause held have finished
-                await settle_flush(self.http, url, path, version, self.retry)
+                await settle_flush(self.http, url, path, version, self.retry, timeline=timeline)
         except WeightsRefused as exc:
             raise EngineError(str(exc)) from None
 

@@ -78,7 +78,7 @@ class RolloutWorker(PolicyWorker):
         self.system = system_prompt(await self.tools.catalogue(), self.date)
 
     async def load_weights(self, event: WeightsPublished) -> None:
-        await self.engine.update_weights(event.path, event.version)
+        await self.engine.update_weights(event.path, event.version, event.timeline)
 
     def version_seen(self, version: int) -> None:
         metrics.POLICY_VERSION.set(version)

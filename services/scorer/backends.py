@@ -135,7 +135,8 @@ class LocalScorer:
             )
             return LogProbs(values, self.version)
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, path: str, version: int, timeline: str = "") -> None:
+        """(The worker keeps ``timeline``: in-process weights are its own to tell apart.)"""
         async with self._lock:
             await thread_to_the_end(load_weights_into, self.model, path)
             self.version = version
@@ -266,26 +267,35 @@ class SglangScorer:
         named = [v for _, tag in answers if (v := tag_version(tag)) is not None]
         return LogProbs(out, min(named, default=held))
 
-    async def update_weights(self, path: str, version: int) -> None:
-        await self.recheck(path, version)
+    async def update_weights(self, path: str, version: int, timeline: str = "") -> None:
+        await self.recheck(path, version, timeline)
         self.version = version
 
-    async def recheck(self, path: str, version: int) -> None:
+    async def recheck(self, path: str, version: int, timeline: str = "") -> None:
         """Load the checkpoint on each server that does not serve it yet (also :meth:`SglangEngine.recheck`'s
         case: one restarted since serves the model it started with)."""
-        await load_each(self.http, self.urls, path, version, self.retry, self._reload, self.guard)
+        await load_each(
+            self.http, self.urls, path, version, self.retry, self._reload, self.guard, timeline=timeline
+        )
 
-    async def follow_broadcast(self, version: int, path: str, disk_version: int) -> None:
+    async def follow_broadcast(self, version: int, path: str, disk_version: int, timeline: str = "") -> None:
         """As :meth:`SglangEngine.follow_broadcast`: servers that missed ``version`` load the disk copy."""
         oldest = await follow_broadcast(
-            self.http, self.urls, version, (path, disk_version), self.retry, self._reload, self.guard
+            self.http,
+            self.urls,
+            version,
+            (path, disk_version),
+            self.retry,
+            self._reload,
+            self.guard,
+            timeline=timeline,
         )
         if oldest is not None:
             self.version = oldest
 
-    async def _reload(self, url: str, path: str, version: int) -> None:
+    async def _reload(self, url: str, path: str, version: int, timeline: str) -> None:
         try:
-            if await load_weights_from_disk(self.http, url, path, version, self.retry):
-                await settle_flush(self.http, url, path, version, self.retry)
+            if await load_weights_from_disk(self.http, url, path, version, self.retry, timeline=timeline):
+                await settle_flush(self.http, url, path, version, self.retry, timeline=timeline)
         except WeightsRefused as exc:
             raise UpstreamError(f"sglang {url}", str(exc)) from None

@@ -53,7 +53,7 @@ class ScorerWorker(PolicyWorker):
         return self.scorer
 
     async def load_weights(self, event: WeightsPublished) -> None:
-        await self.scorer.update_weights(event.path, event.version)
+        await self.scorer.update_weights(event.path, event.version, event.timeline)
 
     def version_seen(self, version: int) -> None:
         metrics.POLICY_VERSION.set(version)

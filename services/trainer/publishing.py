@@ -91,7 +91,7 @@ class WeightPublisher:
             m.PUBLISH_SECONDS.labels("disk").observe(time.perf_counter() - started)
             return
         try:
-            left_out = await self.broadcaster.publish(trainer.model, state.version)
+            left_out = await self.broadcaster.publish(trainer.model, state.version, state.timeline)
         except BroadcastFailed as exc:
             log.error("version %d: the broadcast failed (%s); publishing it on disk", state.version, exc)
             left_out = None
@@ -105,7 +105,7 @@ class WeightPublisher:
                 # version's, or, when writing it failed (a full disk, Redis gone), the last one; a
                 # server left paused holds its requests for good
                 if left_out is None:
-                    await self.broadcaster.recover(*self.disk)
+                    await self.broadcaster.recover(*self.disk, state.timeline)
             m.PUBLISH_SECONDS.labels("disk").observe(time.perf_counter() - started)
             return
         m.PUBLISH_SECONDS.labels("broadcast").observe(time.perf_counter() - started)

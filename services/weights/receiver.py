@@ -15,7 +15,8 @@ server does (sglang ``srt/entrypoints/http_server.py``, request bodies from
   weight_version}``: receive the named tensors, in order, by broadcast from rank 0, into the model
   (checkpoint names: :mod:`services.weights.layout`); a request without a pause holds the model for
   itself, as SGLang's does. ``weight_version``, sent with a version's last bucket, is the version
-  the model holds once it is in.
+  the model holds once it is in (its tag ``<version>@<timeline>``, :mod:`services.weights.tags`;
+  ``/model_info`` reports the number, as the worker keeps the timeline).
 - ``POST /destroy_weights_update_group`` ``{group_name}``; ``GET /model_info`` (``weight_version``).
 
 Each answers ``{"success", "message"}``, HTTP 200 or 400. A version cut off half-way (the trainer
@@ -42,6 +43,7 @@ from torch import nn
 from services.tasks import thread_to_the_end
 from services.weights.group import DTYPES, broadcast, close_group, open_group
 from services.weights.layout import HubLayout
+from services.weights.tags import read_tag
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +196,10 @@ class WeightReceiver:
         if not len(names) == len(dtypes) == len(shapes):
             return False, "names, dtypes and shapes differ in length"
         name = body.get("group_name", "weight_update_group")
-        version = body.get("weight_version")
-        if version is not None and not str(version).isdigit():
-            return False, f"weight_version {version!r} is not a version number"
+        tag = body.get("weight_version")
+        version = None if tag is None else read_tag(tag)
+        if tag is not None and version is None:
+            return False, f"weight_version {tag!r} is not a version number"
         if name not in self.groups:
             return (
                 False,
@@ -212,7 +215,7 @@ class WeightReceiver:
             self._failed = self._failed or error is not None
             self._partial = version is None
             if not self._failed and not self._partial:
-                self._version = int(version)
+                self._version = version[0]  # the worker keeps the timeline (services.weights.tags)
         finally:
             if implicit:
                 await self.resume()

@@ -48,6 +48,7 @@ from services.local_redis import free_port
 from services.upstream import http_client
 from services.weights.group import broadcast, close_group, dtype_name, open_group
 from services.weights.layout import HubLayout, Piece
+from services.weights.tags import same_weights, weights_tag
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class WeightBroadcaster:
         self.group_name = ""
         self.members: list[str] = []
         self.sent: int | None = None  # the version the members hold
+        self.timeline = ""  # the timeline of the versions sent (services.weights.tags)
         self._layout: tuple[int, HubLayout] | None = None
         self.device: torch.device | None = None  # the model's CUDA device, for NCCL
         self.stranded: list[str] = []  # members a failed version left paused (see recover)
@@ -124,11 +126,13 @@ class WeightBroadcaster:
             await self.http.aclose()
 
     # -- one version ---------------------------------------------------------------------------
-    async def publish(self, model: nn.Module, version: int) -> list[str]:
-        """Send ``model``'s weights as ``version`` to every receiver that can take them; the ones
-        left out. Raises :class:`BroadcastFailed` when the version did not reach every member."""
+    async def publish(self, model: nn.Module, version: int, timeline: str = "") -> list[str]:
+        """Send ``model``'s weights as ``version`` of ``timeline`` to every receiver that can take
+        them; the ones left out. Raises :class:`BroadcastFailed` when the version did not reach
+        every member."""
         self.device = next(model.parameters()).device if self.backend == "nccl" else None
         await self._ensure_group()
+        self.timeline = timeline
         left_out = [u for u in self.urls if u not in self.members]
         if not self.members:
             return left_out
@@ -156,14 +160,14 @@ class WeightBroadcaster:
         self.sent = version
         return left_out
 
-    async def recover(self, path: str, version: int) -> None:
+    async def recover(self, path: str, version: int, timeline: str = "") -> None:
         """After a :class:`BroadcastFailed`: the members it left paused, with part of a version in them,
         load the whole of ``version`` from ``path`` (``/update_weights_from_disk``; SGLang's servers
         would otherwise resume sampling with torn weights), then continue. Our own receivers have no
         such route: they resume torn and serve nothing until their worker loads the copy the disk
         publication names."""
         stranded, self.stranded = self.stranded, []
-        body = {"model_path": path, "weight_version": str(version), "flush_cache": True}
+        body = {"model_path": path, "weight_version": weights_tag(version, timeline), "flush_cache": True}
         for url in stranded:
             with contextlib.suppress(httpx.HTTPError):
                 response = await self.http.post(
@@ -190,7 +194,7 @@ class WeightBroadcaster:
             "flush_cache": version is not None,  # once, when the whole version is in
         }
         if version is not None:
-            body["weight_version"] = str(version)
+            body["weight_version"] = weights_tag(version, self.timeline)
         state = model.state_dict()
         to_host = self.backend == "gloo"
         tensors = [layout.view(state, p).detach() for p in bucket]
@@ -230,7 +234,9 @@ class WeightBroadcaster:
         if self.sent is None:
             return []
         served = await self._served_by_url()
-        behind = [u for u, v in served.items() if v is not None and v != str(self.sent)]
+        behind = [
+            u for u, v in served.items() if v is not None and not same_weights(v, self.sent, self.timeline)
+        ]
         # a member that restarted left the group, but once it loads the version from disk it serves
         # the version sent last, as the members do: the group would look intact, and the next
         # broadcast would wait on a peer that is gone
@@ -246,7 +252,7 @@ class WeightBroadcaster:
         intact = (
             self.sent is not None
             and not self._restarted
-            and all(served[u] == str(self.sent) for u in self.members)
+            and all(same_weights(served[u], self.sent, self.timeline) for u in self.members)
         )
         if self.group is not None and intact and reachable == self.members:
             return
