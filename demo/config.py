@@ -152,6 +152,9 @@ class DemoConfig(BaseModel):
     # RL
     steps: PositiveInt = 16
     prompts_per_step: PositiveInt = 4
+    # optimiser updates a step, each on a mini-batch of whole groups (trainer.updates_per_step;
+    # docs/algorithm.md, "batch size"): 1 is one update on the step's 32 trajectories
+    updates_per_step: PositiveInt = 1
     group_size: PositiveInt = 8
     max_turns: PositiveInt = 12
     max_tokens_per_turn: PositiveInt = 160

@@ -117,6 +117,7 @@ def run_spec(config: DemoConfig, algorithm: str, policy: Path, rl: Path, questio
         | ({"teacher_template": config.teacher_template} if algorithm == "pbsd" else {}),
         "trainer": {
             "prompts_per_step": config.prompts_per_step,
+            "updates_per_step": config.updates_per_step,
             "max_steps": config.steps,
             "lr": config.lr,
             "warmup_steps": config.warmup_steps,

@@ -85,6 +85,9 @@ def test_the_demo_teaches_pbsd_with_its_template_and_leaves_grpo_and_compare_alo
     )
     with pytest.raises(ValueError, match="teacher_template"):
         DemoConfig(teacher_template="no fields")
+    # the paper's other batch reading, one group an update: the trainer gets it, so compare's too
+    assert RunSpec.model_validate(spec(DemoConfig(updates_per_step=4), "grpo")).trainer.updates_per_step == 4
+    assert RunSpec.model_validate(spec(DemoConfig(), "pbsd")).trainer.updates_per_step == 1
 
 
 def test_merge_merges_mappings_and_replaces_the_rest():
