@@ -72,9 +72,9 @@ class PolicyWorker(abc.ABC):
     def version(self) -> int:
         """The policy version the worker's model is at."""
 
-    @abc.abstractmethod
     async def load_weights(self, event: WeightsPublished) -> None:
-        """Bring the model to the published weights."""
+        """Bring the model to the published weights: the server that holds them loads them."""
+        await self.server.update_weights(event.path, event.version, event.timeline)
 
     @abc.abstractmethod
     async def handle(self, message, delivery: Delivery) -> None:
@@ -154,9 +154,10 @@ class PolicyWorker(abc.ABC):
 
     @property
     def server(self):
-        """The engine or scorer that holds the weights (subclasses); one that serves them from SGLang
-        servers follows broadcasts itself (``follow_broadcast``: each server that missed one loads
-        the disk copy)."""
+        """The engine or scorer that holds the weights (subclasses): it loads each publication
+        (``update_weights``, unless the subclass loads them itself), and one that serves them from
+        SGLang servers follows broadcasts itself (``follow_broadcast``: each server that missed one
+        loads the disk copy)."""
         return None
 
     async def follow_broadcast(self, event: WeightsPublished) -> None:

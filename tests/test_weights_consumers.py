@@ -349,8 +349,7 @@ class OnServers(Worker):
     def server(self):
         return self.engine
 
-    async def load_weights(self, event: WeightsPublished) -> None:
-        await self.engine.update_weights(event.path, event.version, event.timeline)
+    load_weights = PolicyWorker.load_weights  # the workers' own: the server loads them, not Worker's record
 
 
 async def test_a_restarted_sglang_server_loads_the_newest_weights_again():

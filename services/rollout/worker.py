@@ -27,7 +27,7 @@ import logging
 
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
-from proto.messages import PromptTask, Trajectory, TrajectoryGroup, WeightsPublished, group_message_id
+from proto.messages import PromptTask, Trajectory, TrajectoryGroup, group_message_id
 from proto.streams import EVALS, PROMPTS, TRAJECTORIES
 from services.bus import Bus, ConsumerOptions, Delivery
 from services.policy_worker import PolicyWorker
@@ -76,9 +76,6 @@ class RolloutWorker(PolicyWorker):
 
     async def prepare(self) -> None:
         self.system = system_prompt(await self.tools.catalogue(), self.date)
-
-    async def load_weights(self, event: WeightsPublished) -> None:
-        await self.engine.update_weights(event.path, event.version, event.timeline)
 
     def version_seen(self, version: int) -> None:
         metrics.POLICY_VERSION.set(version)

@@ -14,7 +14,7 @@ import numpy as np
 
 from agent.chat import ChatTokenizer
 from proto.base import derived_id
-from proto.messages import ScoredGroup, TrajectoryGroup, WeightsPublished
+from proto.messages import ScoredGroup, TrajectoryGroup
 from proto.sanity import NoiseFloor, TeacherSanity
 from proto.streams import SCORED, TRAJECTORIES
 from services.bus import Bus, ConsumerOptions, Delivery
@@ -51,9 +51,6 @@ class ScorerWorker(PolicyWorker):
     @property
     def server(self):
         return self.scorer
-
-    async def load_weights(self, event: WeightsPublished) -> None:
-        await self.scorer.update_weights(event.path, event.version, event.timeline)
 
     def version_seen(self, version: int) -> None:
         metrics.POLICY_VERSION.set(version)

@@ -225,9 +225,7 @@ class PolicyTrainer:
             metrics = self.accumulate(mini.samples, mini.counts, algorithm, replay=replay)
             metrics.update(self.update())
             parts.append(metrics)
-        self.step += 1
-        self.model.eval()
-        self._align_schedule()
+        self._end_step()
         metrics = merge_updates(parts)
         metrics["train_s"] = time.perf_counter() - started
         metrics["train_tokens_per_s"] = (
@@ -321,9 +319,13 @@ class PolicyTrainer:
     def apply(self) -> dict[str, float]:
         """An update that is a whole step (SFT, the note pass)."""
         metrics = self.update()
+        self._end_step()
+        return metrics
+
+    def _end_step(self) -> None:
         self.step += 1
         self.model.eval()
-        return metrics
+        self._align_schedule()
 
     def update(self) -> dict[str, float]:
         """Clip the accumulated gradient, take the AdamW step, advance the schedule."""
