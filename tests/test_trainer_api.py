@@ -199,3 +199,31 @@ async def test_deleting_a_run_forgets_it_and_with_files_removes_its_folder(
         for suffix in ("", ":metrics", ":evals", ":trained"):
             assert not await client.exists(f"{key_prefix}:run:{run_id}{suffix}")
     await client.aclose()
+
+
+async def test_a_stored_spec_this_contract_refuses_is_a_conflict_not_a_server_error(
+    api, redis_url, key_prefix, tiny_world, tiny_checkpoint
+):
+    """A run stored under an older, looser contract: its spec is shown as a 409 that says what to
+    do, and everything that needs no spec (listing, series, deletion) still works."""
+    import json
+
+    import redis.asyncio as aioredis
+
+    spec = _spec(tiny_world, tiny_checkpoint)
+    run_id = await _parked_run(redis_url, key_prefix, spec, "completed")
+    client = aioredis.Redis.from_url(redis_url)
+    refused = dict(spec, algorithm={"name": "pbsd", "delta": 0})  # what today's contract refuses
+    await client.hset(f"{key_prefix}:run:{run_id}", "spec", json.dumps(refused))
+    await client.aclose()
+    async with httpx.AsyncClient(base_url=api, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for path in ("", "/viewer"):
+            r = await http.get(f"/runs/{run_id}{path}")
+            assert r.status_code == 409 and "can be deleted" in r.json()["detail"], (path, r.text)
+        assert [r["id"] for r in (await http.get("/runs")).json()] == [run_id]
+        assert (await http.get(f"/runs/{run_id}/metrics")).json() == [{"step": 1.0}]
+        assert (await http.get(f"/runs/{run_id}/evals")).json() == [{"step": 1.0}]
+        r = await http.post(f"/runs/{run_id}/cancel")
+        assert r.status_code == 409 and r.json()["detail"]["state"] == "completed", r.text
+        assert (await http.delete(f"/runs/{run_id}")).status_code == 204
+        assert (await http.get(f"/runs/{run_id}")).status_code == 404
