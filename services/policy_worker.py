@@ -1,6 +1,6 @@
 """What the rollout workers and the scorer have in common: consume one stream with a few
 concurrent consumers while keeping a model at the newest published policy version, and
-run as a small FastAPI app with ``/health`` and ``/metrics``.
+run as a small FastAPI app with ``/health`` and ``/metrics`` (:mod:`services.worker_app`).
 
 Weights are named by ``(timeline, version)`` (:class:`proto.messages.WeightsPublished`): a
 publication of another timeline is loaded even when its version number is the one held, since
@@ -19,18 +19,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
-from fastapi import FastAPI, Response
-
 from proto.messages import RunEnded, WeightsPublished
 from proto.streams import RUN_ENDS, WEIGHTS, StreamDef
 from services.bus import REDIS_DOWN, Bus, ConsumerOptions, Delivery, entry_order
-from services.http_guard import BodyLimit
-from services.tasks import cancel_and_wait, main_task, stopped
-from services.telemetry import add_metrics_route
+from services.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PolicyWorker", "worker_app"]
+__all__ = ["PolicyWorker"]
 
 
 class PolicyWorker(abc.ABC):
@@ -374,66 +370,3 @@ class PolicyWorker(abc.ABC):
 def _see_weights(held: dict[str, int], timeline: str, version: int) -> None:
     if timeline:
         held[timeline] = max(held.get(timeline, version), version)
-
-
-def worker_app(
-    title: str,
-    start: Callable[[], Awaitable[tuple[PolicyWorker, list[Callable[[], Awaitable[None]]]]]],
-    healthy: Callable[[PolicyWorker], Awaitable[bool]] | None = None,
-    grace_s: float = 30.0,
-) -> FastAPI:
-    """An app that runs ``start()``'s worker in the background and closes its resources on shutdown.
-
-    On shutdown the worker is told to stop and given ``grace_s`` to finish what it holds; then it
-    is cancelled and awaited, so its resources are closed only once nothing uses them.
-
-    ``/health`` is 200 with the policy version once the worker consumes (and ``healthy`` agrees),
-    503 while it starts, and 503 with the type of the error if it stopped (its message is logged).
-    """
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        worker, closers = await start()
-        stop = asyncio.Event()
-        task = main_task(worker.run(stop), title)
-        app.state.worker, app.state.task = worker, task
-        try:
-            yield
-        finally:
-            stop.set()
-            try:
-                await asyncio.wait({task}, timeout=grace_s)  # never cancels the task itself
-            finally:  # also when this shutdown is itself cancelled during the grace
-                try:
-                    await cancel_and_wait(task)
-                finally:
-                    for close in closers:
-                        await close()
-
-    app = FastAPI(title=title, version="0.1.0", lifespan=lifespan)
-    add_metrics_route(app)
-    # its routes take no body but the weight receiver's, whose largest (a bucket's tensor names,
-    # dtypes and shapes) the sender keeps under this (weights.sender.MAX_BUCKET_TENSORS)
-    app.add_middleware(BodyLimit, max_bytes=64 * 1024)
-
-    @app.get("/livez")
-    async def live(response: Response) -> dict:
-        """Alive while the worker runs, whatever the engine's health: a liveness probe that asked
-        /health would restart a worker whenever its SGLang server is slow or restarting."""
-        if (gone := stopped(app.state.task)) is not None:
-            response.status_code = 503
-            return gone
-        return {"status": "alive"}
-
-    @app.get("/health")
-    async def health(response: Response) -> dict:
-        if (gone := stopped(app.state.task)) is not None:
-            response.status_code = 503
-            return gone
-        worker = app.state.worker
-        if not worker.ready.is_set() or (healthy is not None and not await healthy(worker)):
-            response.status_code = 503
-            return {"status": "starting"}
-        return {"status": "ok", "policy_version": worker.version}
-
-    return app

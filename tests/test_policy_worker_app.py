@@ -12,7 +12,8 @@ from proto import examples as ex
 from proto.messages import WeightsPublished
 from proto.streams import PROMPTS, WEIGHTS
 from services.bus import ConsumerOptions
-from services.policy_worker import PolicyWorker, worker_app
+from services.policy_worker import PolicyWorker
+from services.worker_app import worker_app
 from tests.test_bus import _run_until
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from agent.chat import ChatTokenizer
-from services.policy_worker import worker_app
 from services.rollout.engine import Engine
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
@@ -19,6 +18,7 @@ from services.sglang_control import Guard, shared_guard, unguarded
 from services.telemetry import setup_logging
 from services.tools.client import GatewayClient
 from services.weights.receiver import WeightReceiver, add_weight_routes
+from services.worker_app import worker_app
 
 
 def build_engine(settings: RolloutSettings, guard: Guard = unguarded) -> Engine:

@@ -10,12 +10,12 @@ import logging
 from fastapi import FastAPI
 
 from agent.chat import ChatTokenizer
-from services.policy_worker import worker_app
 from services.scorer.settings import ScorerSettings
 from services.scorer.worker import ScorerWorker
 from services.sglang_control import Guard, shared_guard, unguarded
 from services.telemetry import setup_logging
 from services.weights.receiver import WeightReceiver, add_weight_routes
+from services.worker_app import worker_app
 
 log = logging.getLogger(__name__)
 
