@@ -1,9 +1,9 @@
-"""DeepSpeed data parallelism (no ZeRO, ZeRO-1 and ZeRO-3 on two processes, ZeRO-2 on one and on one started
-without the launcher, CPU accelerator)
-makes exactly the update a single plain-torch process makes on the whole batch, skips an update whose
-gradient is not finite with the schedule going on as the plain trainer's does, takes no step on an
-empty batch, reports the whole batch's metrics, and resumes every rank's state. Slow: DeepSpeed
-builds its CPU ops on first use."""
+"""DeepSpeed data parallelism (no ZeRO, ZeRO-1 and ZeRO-3 on two processes, ZeRO-2 on one and on
+one started without the launcher, CPU accelerator) makes exactly the update a single plain-torch
+process makes on the whole batch, skips an update whose gradient is not finite with the schedule
+going on as the plain trainer's does, takes no step on an empty batch, reports the whole batch's
+metrics, and resumes every rank's state, its generators included. Slow: DeepSpeed builds its CPU
+ops on first use."""
 
 from __future__ import annotations
 
@@ -115,6 +115,13 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
         # the norm before clipping: a loss scaled by a constant shows here, where AdamW hides it
         for key in ("loss", "clip_frac", "kl_ref", "ratio_mean", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=rtol, abs=atol / 10), key
+    # every rank saved its generators beside its partition, and rank 0's drew the same after the load
+    placed = tmp_path / "placed" / "state" / "state"
+    assert sorted(p.name for p in placed.glob("rng_rank*.pt")) == [
+        f"rng_rank{r}.pt" for r in range(max(ranks, 1))
+    ]
+    before, after = json.loads((tmp_path / "draws.json").read_text())
+    assert before == after
     # a resumed trainer (every rank loads its own optimiser partition) repeats the same step exactly
     a, b = (dict(load_model(tmp_path / d).named_parameters()) for d in ("resumed-a", "resumed-b"))
     exact = backend == "gloo"  # CUDA's atomics make a repeated step equal only to rounding

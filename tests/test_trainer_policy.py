@@ -292,17 +292,27 @@ def test_failed_trajectories_are_not_in_the_loss_normalisers(tok):
     assert counts.tokens == sum(int(t.loss_mask.sum()) for t in group.trajectories[:2])
 
 
+def _with_dropout(model):
+    """Attention dropout on: a training step then draws from torch's generator, as a model that
+    has dropout does, so a resume repeats the step only if it restores the generator."""
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    return model
+
+
 def test_checkpoint_then_resume_gives_identical_next_step(tok, tiny_checkpoint, tmp_path):
     spec = TrainerSpec(lr=1e-3, warmup_steps=3)
     first = _scored(_group(tok, PbsdSpec(), rewards=(1.0, 0.0, 1.0)))
     second = _scored(_group(tok, PbsdSpec(), rewards=(0.0, 1.0, 1.0)), advantages=[-1.0, 0.5, 0.5])
-    a = PolicyTrainer(load_model(tiny_checkpoint), spec)
+    a = PolicyTrainer(_with_dropout(load_model(tiny_checkpoint)), spec)
     a.train_step(*samples_from_groups([first]), PbsdSpec())
     save_checkpoint(a.model, tmp_path / "model")
     a.save_state(tmp_path / "state.pt")
     a.train_step(*samples_from_groups([second]), PbsdSpec())
 
-    b = PolicyTrainer(load_model(tmp_path / "model"), spec)  # a new process after a crash
+    torch.manual_seed(1234)  # a new process after a crash: its generators start elsewhere
+    b = PolicyTrainer(_with_dropout(load_model(tmp_path / "model")), spec)
     b.load_state_file(tmp_path / "state.pt")
     b.train_step(*samples_from_groups([second]), PbsdSpec())
     assert b.step == a.step == 2

@@ -60,6 +60,7 @@ from services.model.checkpoint import dtype_name, save_checkpoint
 from services.trainer.batch import BatchCounts, MiniBatch, TrainSample
 from services.trainer.deepspeed_config import deepspeed_config, enabled, weight_decay_of
 from services.trainer.policy import PolicyTrainer, param_groups
+from services.trainer.rng import rng_state, set_rng_state
 from services.trainer.schedule import update_schedule
 
 log = logging.getLogger(__name__)
@@ -278,6 +279,8 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         own partition; all have finished when any returns."""
         directory = Path(path).with_suffix("")
         self.engine.save_checkpoint(str(directory), tag="state", client_state={"step": self.step})
+        # DeepSpeed saves no generators; each rank keeps its own beside its partition
+        torch.save(rng_state(), directory / "state" / f"rng_rank{self.rank}.pt")
         if dist.is_initialized():
             dist.barrier()
         if self.rank == 0:
@@ -292,6 +295,9 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         if loaded is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint to resume from in {directory}")
         self.step = int((client or {}).get("step", pointer["step"]))
+        generators = directory / "state" / f"rng_rank{self.rank}.pt"
+        if generators.exists():  # a checkpoint of an older pbsd has none: the generators go on as they are
+            set_rng_state(torch.load(generators, weights_only=False))
 
 
 def _zero_stage(engine) -> int:

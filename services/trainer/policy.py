@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import time
 import warnings
 from pathlib import Path
@@ -52,6 +51,7 @@ from services.model.lm_head import chunk_logprobs, float32_output
 from services.model.routing import replay_routes
 from services.trainer.batch import BatchCounts, MiniBatch, TrainSample, micro_batches
 from services.trainer.precision import MasterWeights
+from services.trainer.rng import rng_state, set_rng_state
 from services.trainer.schedule import update_schedule
 
 __all__ = ["PolicyTrainer", "merge_updates"]
@@ -371,11 +371,7 @@ class PolicyTrainer:
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "master_weights": self.masters.state() if self.masters else None,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
+            "rng": rng_state(),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -390,9 +386,7 @@ class PolicyTrainer:
                 self.masters.reset()
             else:
                 self.masters.load_state(saved)
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
+        set_rng_state(state["rng"])
 
     def save_state(self, path: Path) -> None:
         torch.save(self.state(), path)

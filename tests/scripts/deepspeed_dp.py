@@ -1,15 +1,19 @@
 """Run by tests/test_deepspeed.py under ``deepspeed --num_gpus N`` (CPU accelerator), or as a plain
 process (a trainer started without the launcher, as Compose and Kubernetes start it): rank 0 leads a
 data-parallel ZeRO trainer through a step whose gradient is not finite, two steps, an empty one and
-a step of two updates whose pi_old is the policy the step found (``tis_cap``), the other ranks follow; rank 0 saves the weights (``weights``). Then a resume: the state is saved, a step taken and saved
-(``resumed-a``), the state loaded back and the same step taken again (``resumed-b``)."""
+a step of two updates whose pi_old is the policy the step found (``tis_cap``), the other ranks
+follow; rank 0 saves the weights (``weights``). Then a resume: the state is saved, a step taken and
+saved (``resumed-a``), the state loaded back and the same step taken again (``resumed-b``). Rank
+0's generators are drawn from after the save and after the load (``draws.json``): the same draws."""
 
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from proto.runs import GrpoSpec, TrainerSpec
@@ -55,6 +59,11 @@ def poisoned(batch: list[TrainSample]) -> list[TrainSample]:
     return [s.__class__(**{**s.__dict__, "advantages": np.full_like(s.advantages, np.inf)}) for s in batch]
 
 
+def draw() -> list[float]:
+    """One draw from each global generator a checkpoint restores."""
+    return [*torch.rand(2).tolist(), *np.random.rand(2).tolist(), random.random()]
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
     ckpt, out, config = Path(args[0]), Path(args[1]), args[2]
@@ -79,16 +88,19 @@ def main() -> None:
     history.append(trainer.train_batch(two_updates(batch, counts), TWO_UPDATES))
     trainer.save_weights(out / "weights")
     trainer.save_state(out / "written" / "state.pt")  # in a fresh folder, as the trainer writes checkpoints
+    draws = [draw()]
     trainer.train_step(batch, counts, ALGORITHM)
     trainer.save_weights(out / "resumed-a")
     (out / "written").rename(out / "placed")  # then renamed into place: the state must still load
     trainer.load_state_file(out / "placed" / "state.pt")
+    draws.append(draw())
     trainer.train_step(batch, counts, ALGORITHM)
     trainer.save_weights(out / "resumed-b")
     if hasattr(trainer, "stop"):
         trainer.stop()
     release_followers()
     (out / "history.json").write_text(json.dumps(history))
+    (out / "draws.json").write_text(json.dumps(draws))
 
 
 if __name__ == "__main__":
