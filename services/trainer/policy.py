@@ -165,8 +165,10 @@ class PolicyTrainer:
             return contextlib.nullcontext()
         # as recorded (uint8 to int32): the routers widen each layer's column as they use it, and
         # a long sample's routes as int64 are hundreds of MB of device memory
-        routes = torch.as_tensor(np.asarray(sample.routes), device=self.device)
-        return replay_routes(self.model, routes[: len(sample.input_ids)])
+        routes = np.asarray(sample.routes)[: len(sample.input_ids)]
+        if not routes.flags.writeable:  # a view of the message's bytes, which torch will not share
+            routes = routes.copy()  # a byte per token, layer and expert: small beside the forward
+        return replay_routes(self.model, torch.as_tensor(routes, device=self.device))
 
     def reference_logprobs(self, sample: TrainSample) -> torch.Tensor:
         """log pi_ref of the loss tokens (routing computed fresh: the reference is another model)."""
