@@ -11,12 +11,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from proto.handback import HandedBack
 from proto.runs import RunSpec
 from proto.streams import ALL_STREAMS
 
 SCHEMA_DIR = Path(__file__).parent / "schemas"
-# the run specification, then every stream's message model once, in the streams' order
-EXPORTED: tuple[type[BaseModel], ...] = (RunSpec, *dict.fromkeys(s.model for s in ALL_STREAMS))
+# the run specification, every stream's message model once, in the streams' order, then what a
+# leaving rollout worker keeps under a name (proto.handback)
+EXPORTED: tuple[type[BaseModel], ...] = (RunSpec, *dict.fromkeys(s.model for s in ALL_STREAMS), HandedBack)
 
 
 def render_schemas() -> dict[str, str]:

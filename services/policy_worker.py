@@ -41,7 +41,8 @@ class PolicyWorker(abc.ABC):
     load_retry_max_s: float = 60.0
     remembered_ends: int = 10_000  # the newest run ends read at start (older runs left nothing behind)
     recheck_s: float = 30.0  # how often servers that hold weights of their own are asked for them
-    release_timeout_s: float = 10.0  # how long handing back what a leaving worker holds may take
+    # how long a leaving worker's keeping what it did (keep_begun), then its handing back, may each take
+    release_timeout_s: float = 10.0
 
     def __init__(
         self, bus: Bus, *, name: str, concurrency: int = 1, options: ConsumerOptions | None = None
@@ -51,6 +52,7 @@ class PolicyWorker(abc.ABC):
         self.concurrency = concurrency
         self.options = options or ConsumerOptions()
         self.ready = asyncio.Event()
+        self.leaving = False  # set as the consumers are cancelled for good
         # the newest weights event seen (its stream id and the event), loaded or not, and the run and
         # timeline of the weights loaded: a prompt of another run must not be sampled with them
         self.newest: tuple[str, WeightsPublished] | None = None
@@ -306,6 +308,7 @@ class PolicyWorker(abc.ABC):
         await self.handle(message, delivery)
 
     async def run(self, stop: asyncio.Event) -> None:
+        self.leaving = False
         await self.prepare()
         # Catch up with what was published while we were away, then follow from there. The heads
         # are read first: where nothing near the top decodes, following from "0-0" instead would
@@ -342,9 +345,13 @@ class PolicyWorker(abc.ABC):
             for name in names
         ]
         try:
-            await asyncio.gather(*consumers)
+            # not gather: cancelled, it would cancel the consumers before `leaving` is set below
+            done, _ = await asyncio.wait(consumers, return_when=asyncio.FIRST_EXCEPTION)
+            for consumer in done:
+                consumer.result()  # a consumer's failure is the worker's
         finally:
             try:
+                self.leaving = True  # from here on, a handler cancelled is cut off by the leaving
                 for consumer in consumers:  # the grace ran out, or one failed: the others stop too
                     consumer.cancel()
                 await asyncio.wait(consumers)
@@ -353,18 +360,27 @@ class PolicyWorker(abc.ABC):
                 for follower in followers:
                     await cancel_and_wait(follower)
 
+    async def keep_begun(self) -> None:  # noqa: B027 - an optional hook
+        """Keep, for whoever takes the messages next, what the handlers the leaving cut off had
+        done (a rollout worker's begun groups: :mod:`proto.handback`)."""
+
     async def _hand_back(self, names: list[str]) -> None:
         """What the consumers still hold goes to another worker now, not once its takeover time
-        has passed (a group cut off by a scale-down waited 50 s before anyone sampled it again).
-        Bounded, and never raised: with Redis gone the takeover hands it on once Redis is back,
-        and the error that stopped the worker, if any, is the one to report."""
+        has passed (a group cut off by a scale-down waited 50 s before anyone sampled it again),
+        with what was done of it kept first. Each part bounded, and never raised: with Redis gone
+        the takeover hands it on once Redis is back, and the error that stopped the worker, if
+        any, is the one to report."""
+        await self._bounded(self.keep_begun(), "keep what it had done: its takeover starts it again")
+        await self._bounded(self.bus.release(self.stream, names), "hand back what it held: the takeover will")
+
+    async def _bounded(self, work: Awaitable[None], what: str) -> None:
         try:
             async with asyncio.timeout(self.release_timeout_s):
-                await self.bus.release(self.stream, names)
+                await work
         except (*REDIS_DOWN, TimeoutError):
-            log.warning("%s could not hand back what it held: the takeover will", self.name)
+            log.warning("%s could not %s", self.name, what)
         except Exception:
-            log.exception("%s could not hand back what it held: the takeover will", self.name)
+            log.exception("%s could not %s", self.name, what)
 
 
 def _see_weights(held: dict[str, int], timeline: str, version: int) -> None:

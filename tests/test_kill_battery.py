@@ -19,6 +19,7 @@ from proto.streams import DEAD_LETTERS, PROMPTS, WEIGHTS
 from services.launcher import ServiceProcess
 from services.local_redis import free_port
 from services.trainer.viewer import load_groups
+from tests.service_processes import common_env, rollout_process, tools_process, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -28,45 +29,16 @@ def _kill(service: ServiceProcess) -> None:
     service.process.wait(timeout=10)
 
 
-def _until(what: str, check, timeout: float = 300.0, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
-        time.sleep(every)
-    return found
-
-
 def test_a_run_survives_kill_9_of_its_trainer_and_of_a_rollout_worker(
     redis_server, tiny_checkpoint, tiny_world, tmp_path, tmp_path_factory
 ):
     prefix = f"kill{free_port()}"
-    common = {
-        "REDIS_URL": redis_server.url,
-        "PBSD_STREAM_PREFIX": prefix,
-        "PBSD_LOG_LEVEL": "INFO",
-        "OMP_NUM_THREADS": "1",
-    }
+    common = common_env(redis_server.url, prefix)
     roots = json.dumps([str(tmp_path_factory.getbasetemp())])
-    tools = ServiceProcess(
-        "tools",
-        port=free_port(),
-        log=tmp_path / "tools.log",
-        env={**common, "PBSD_TOOLS_CORPUS": str(tiny_world / "corpus.jsonl")},
-    )
+    tools = tools_process(common, tiny_world, tmp_path)
 
     def rollout(name: str) -> ServiceProcess:
-        return ServiceProcess(
-            "rollout",
-            port=free_port(),
-            log=tmp_path / f"{name}.log",
-            env={
-                **common,
-                "PBSD_ROLLOUT_MODEL": str(tiny_checkpoint),
-                "PBSD_ROLLOUT_TOOLS_URL": tools.url,
-                "PBSD_ROLLOUT_WORKER_NAME": name,
-                "PBSD_ROLLOUT_CONCURRENCY": "2",
-            },
-        )
+        return rollout_process(common, tiny_checkpoint, tools, name, tmp_path, PBSD_ROLLOUT_CONCURRENCY="2")
 
     def trainer(n: int) -> ServiceProcess:
         return ServiceProcess(
@@ -121,7 +93,7 @@ def test_a_run_survives_kill_9_of_its_trainer_and_of_a_rollout_worker(
             return httpx.get(f"{base}/runs/{run_id}", timeout=10).json()
 
         # the trainer dies one step after its checkpoint of step 2: version 3 is lost
-        _until("step 3", lambda: record(api)["step"] >= 3)
+        until("step 3", lambda: record(api)["step"] >= 3)
         _kill(services[3])
         lost_timeline = next(
             w.timeline for w in _weights(sync, prefix) if w.run_id == run_id and w.version == 3
@@ -130,8 +102,8 @@ def test_a_run_survives_kill_9_of_its_trainer_and_of_a_rollout_worker(
         services[3].wait_healthy(timeout=300)
         api = services[3].url
         # a rollout worker dies with prompts in hand; a replacement of another name takes them over
-        _until("step 5", lambda: record(api)["step"] >= 5)
-        _until(
+        until("step 5", lambda: record(api)["step"] >= 5)
+        until(
             "a prompt in hand",
             lambda: sync.xpending(f"{prefix}:{PROMPTS.name}", "rollout")["pending"] > 0,
             every=0.05,
@@ -141,9 +113,9 @@ def test_a_run_survives_kill_9_of_its_trainer_and_of_a_rollout_worker(
         services[2] = rollout("rollout-pod-b").start()
         # what the dead worker held moves to the replacement within about a minute, said in its log
         log = tmp_path / "rollout-pod-b.log"
-        _until("the takeover", lambda: "took over" in log.read_text(), timeout=120)
+        until("the takeover", lambda: "took over" in log.read_text(), timeout=120)
         assert time.monotonic() - killed < 75  # 50 s without a heartbeat, a scan every 5 s, slack
-        done = _until(
+        done = until(
             "the run's end",
             lambda: (r := record(api))["state"] in ("completed", "failed", "cancelled") and r,
             timeout=600,
@@ -162,7 +134,7 @@ def test_a_run_survives_kill_9_of_its_trainer_and_of_a_rollout_worker(
         assert sync.xlen(f"{prefix}:{DEAD_LETTERS.name}") == 0
         # the run's end is announced after its state is stored; the workers then drop what is left
         pending = lambda: sync.xpending(f"{prefix}:{PROMPTS.name}", "rollout")["pending"]  # noqa: E731
-        _until("leftovers dropped", lambda: pending() == 0, timeout=60)
+        until("leftovers dropped", lambda: pending() == 0, timeout=60)
     finally:
         for s in services:
             s.stop()

@@ -163,6 +163,24 @@ def pipeline() -> dict:
                 ],
                 unit="ops",
             ),
+            panel(
+                "Work handed on by leaving workers",
+                "Trajectories of begun groups that rollout workers kept as they left (finished, or "
+                "cut at a whole exchange), what the next workers went on from or dropped (another "
+                "timeline, too stale), and the turns they did not sample again.",
+                [
+                    (
+                        "sum(increase(pbsd_rollout_handed_back_trajectories_total[15m])) by (state)",
+                        "kept: {{state}}",
+                    ),
+                    (
+                        "sum(increase(pbsd_rollout_resumed_trajectories_total[15m])) by (state)",
+                        "taken up: {{state}}",
+                    ),
+                    ("sum(increase(pbsd_rollout_resumed_turns_total[15m]))", "turns not sampled again"),
+                ],
+                unit="short",
+            ),
         ],
     )
 

@@ -225,6 +225,29 @@ class Bus(ConsumerGroups):
                 )
             await asyncio.sleep(1.0)
 
+    # -- kept messages: one value under a name, for a while ----------------------------
+    async def keep(self, name: str, message: Message, *, ttl_s: float) -> None:
+        """Store ``message`` under ``name`` for ``ttl_s`` seconds, in place of what was there; held
+        to the bus's message limit, as a publish is (:class:`MessageTooLarge`)."""
+        payload = encode(message)
+        if len(payload) > self.max_message_bytes:
+            raise MessageTooLarge(name, len(payload), self.max_message_bytes)
+        await self.redis.set(f"{self.prefix}:{name}", payload, px=max(1, round(ttl_s * 1000)))
+
+    async def take(self, name: str, model: type[M]) -> M | None:
+        """What :meth:`keep` stored under ``name``, removed as it is read, so of readers that race
+        at most one gets it; None when nothing is there (never kept, taken, or expired) or what is
+        there does not decode as ``model`` (logged: it is gone either way)."""
+        async with self.redis.pipeline(transaction=True) as pipe:  # GETDEL, on a Redis older than 6.2
+            payload, _ = await pipe.get(f"{self.prefix}:{name}").delete(f"{self.prefix}:{name}").execute()
+        if payload is None:
+            return None
+        try:
+            return decode(model, payload)
+        except ValueError as exc:
+            log.error("dropping %s: it does not decode as %s (%s)", name, model.__name__, exc)
+            return None
+
     async def read_all(self, stream: StreamDef[M], *, count: int = 1000) -> list[tuple[str, M]]:
         """The first ``count`` entries still on a stream (for inspection and tests)."""
         entries = await self.redis.xrange(self.key(stream), count=count)

@@ -8,6 +8,10 @@
     stop also at the turn limit, when one message fills the per-turn budget,
     when the context is full, or on an error (recorded with its cause)
 
+A trajectory a leaving worker handed back (:mod:`proto.handback`) goes on from the end of its
+last whole exchange: ``resume`` is where, and ``progress`` is where this one has got to, for the
+worker to hand back in turn.
+
 The trajectory's ids are exactly the engine's outputs and the glue appended after
 them; nothing is re-tokenised. The reward is the verifier's on the last message.
 """
@@ -24,6 +28,7 @@ import numpy as np
 from agent.chat import ChatTokenizer
 from agent.toolcall import Parsed, format_tool_failure, parse_tool_calls
 from pbsd.verifier import extract_boxed, verify
+from proto.handback import UnfinishedTrajectory
 from proto.messages import ToolCall, Trajectory
 from services.rollout import metrics
 from services.rollout.engine import ContextFull, Engine, EngineError, GenerationRequest
@@ -31,7 +36,7 @@ from services.tools.client import Tools
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentLimits", "run_trajectory"]
+__all__ = ["AgentLimits", "Progress", "run_trajectory"]
 
 
 def _narrow(routes: np.ndarray) -> np.ndarray:
@@ -79,6 +84,72 @@ class _Builder:
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
+    @classmethod
+    def resumed(cls, kept: UnfinishedTrajectory) -> _Builder:
+        routes = [] if kept.routed_experts is None else [kept.routed_experts]
+        return cls(
+            prompt=kept.prompt_ids.tolist(),
+            completion=kept.completion_ids.tolist(),
+            mask=kept.loss_mask.tolist(),
+            logprobs=kept.rollout_logprobs.tolist(),
+            spans=list(kept.turn_spans),
+            routes=routes,
+            routed=sum(r.shape[0] for r in routes),
+        )
+
+
+class Progress:
+    """How far one trajectory has got, for a worker that leaves before it ends: the trajectory
+    once it has ended (``done``), else its turns up to the end of its last whole exchange
+    (:meth:`unfinished`). The builder's lists only grow, so marking an exchange's end is noting
+    their lengths, and the state at the mark is their first entries."""
+
+    def __init__(self, kept: Trajectory | UnfinishedTrajectory | None = None) -> None:
+        """``kept``: what a worker that left had done of this trajectory, which stands until this
+        worker has gone on from it (a worker that leaves at once hands it on as it got it)."""
+        self.done: Trajectory | None = kept if isinstance(kept, Trajectory) else None
+        self._kept = kept if isinstance(kept, UnfinishedTrajectory) else None
+        self._of: tuple | None = None  # the builder, calls, versions and ids being followed
+        self._mark: tuple[int, ...] | None = None
+        self._seconds = 0.0
+
+    @property
+    def kept(self) -> UnfinishedTrajectory | None:
+        """The handed-back unfinished trajectory to go on from, if any."""
+        return self._kept
+
+    def follow(self, b: _Builder, calls: list, versions: list, ids: tuple[str, int, str]) -> None:
+        self._of, self._mark = (b, calls, versions, ids), None
+
+    def mark(self, seconds: float) -> None:
+        b, calls, versions, _ = self._of
+        self._mark = (len(b.completion), len(b.spans), len(b.routes), len(calls), len(versions))
+        self._seconds = seconds
+
+    def unfinished(self) -> UnfinishedTrajectory | None:
+        """The trajectory as of its last mark (before one, what it was handed back as); None once
+        it has ended, or if it has no whole exchange yet."""
+        if self.done is not None:
+            return None
+        if self._mark is None:
+            return self._kept
+        b, calls, versions, (trajectory_id, sample_index, attempt) = self._of
+        tokens, turns, routed, n_calls, n_versions = self._mark
+        return UnfinishedTrajectory(
+            trajectory_id=trajectory_id,
+            sample_index=sample_index,
+            prompt_ids=np.asarray(b.prompt, dtype=np.int32),
+            completion_ids=np.asarray(b.completion[:tokens], dtype=np.int32),
+            loss_mask=np.asarray(b.mask[:tokens], dtype=np.uint8),
+            rollout_logprobs=np.asarray(b.logprobs[:tokens], dtype=np.float32),
+            turn_spans=tuple(b.spans[:turns]),
+            routed_experts=np.concatenate(b.routes[:routed], axis=0) if routed else None,
+            tool_calls=tuple(calls[:n_calls]),
+            versions=tuple(versions[:n_versions]),
+            attempt=attempt,
+            generation_s=self._seconds,
+        )
+
 
 async def _run_call(
     one: Parsed, k: int, turn: int, limits: AgentLimits, tools: Tools, attempt: str
@@ -115,20 +186,29 @@ async def run_trajectory(
     sample_index: int,
     limits: AgentLimits,
     seed: int | None = None,
+    resume: UnfinishedTrajectory | None = None,
+    progress: Progress | None = None,
 ) -> Trajectory:
-    started = time.perf_counter()
-    b = _Builder(tokenizer.prompt_ids(system, question))
-    calls: list[ToolCall] = []
-    versions: list[int] = []
+    if resume is None:
+        b = _Builder(tokenizer.prompt_ids(system, question))
+        calls: list[ToolCall] = []
+        versions: list[int] = []
+        # the gateway counts a trajectory's calls against its budget by this id. Trajectory ids
+        # repeat: a prompt delivered again after a worker died, one published again, and every
+        # `pbsd eval` of the same questions sample under the same ids, and each attempt gets a
+        # whole budget; a handed-back trajectory goes on with the budget it had
+        attempt = f"{trajectory_id}#{secrets.token_hex(6)}"
+    else:
+        b, calls, versions = _Builder.resumed(resume), list(resume.tool_calls), list(resume.versions)
+        attempt = resume.attempt
+    started = time.perf_counter() - (resume.generation_s if resume else 0.0)
+    if progress is not None:
+        progress.follow(b, calls, versions, (trajectory_id, sample_index, attempt))
     finish, error, last_text = "max_turns", None, ""
     engine_full = False  # it ended at its engine's context, shorter than max_context
     stop_ids = tuple(tokenizer.stop_ids)
-    # the gateway counts a trajectory's calls against its budget by this id. Trajectory ids repeat:
-    # a prompt delivered again after a worker died, one published again, and every `pbsd eval`
-    # of the same questions sample under the same ids, and each attempt gets a whole budget
-    attempt = f"{trajectory_id}#{secrets.token_hex(6)}"
 
-    for turn in range(limits.max_turns):
+    for turn in range(len(b.spans), limits.max_turns):
         budget = min(limits.max_tokens_per_turn, limits.max_context - b.length)
         if budget <= 0:
             finish = "max_context"
@@ -203,6 +283,8 @@ async def run_trajectory(
             finish = "max_context"
             break
         b.glue(glue)
+        if progress is not None:  # an exchange ends here: a worker that leaves keeps it
+            progress.mark(time.perf_counter() - started)
 
     routes = None
     if limits.return_routed_experts and b.routes and error is None:

@@ -48,3 +48,21 @@ STALE_TASKS = Counter(
     "pbsd_rollout_stale_tasks_total",
     "Prompts dropped because their run had ended (its end announced, or a newer run's weights seen)",
 )
+HANDED_BACK = Counter(
+    "pbsd_rollout_handed_back_trajectories_total",
+    "Trajectories of begun groups a leaving worker kept for the next, finished or cut at a whole exchange",
+    ["state"],
+)
+RESUMED = Counter(
+    "pbsd_rollout_resumed_trajectories_total",
+    "Handed-back trajectories taken up (finished, unfinished) or dropped (another run or timeline, too stale)",
+    ["state"],
+)
+RESUMED_TURNS = Counter(
+    "pbsd_rollout_resumed_turns_total", "Turns of handed-back trajectories not sampled again"
+)
+# every state exported from the start at 0, so a dashboard shows none rather than no data
+for _state in ("finished", "unfinished"):
+    HANDED_BACK.labels(_state)
+for _state in ("finished", "unfinished", "dropped"):
+    RESUMED.labels(_state)

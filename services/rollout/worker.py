@@ -18,21 +18,28 @@ weights seen) is dropped on sight, while it waits, and once sampled, unpublished
 
 A validation prompt (``purpose == "eval"``, published by the trainer with its own sampling
 settings) is sampled the same way and its group goes to the evals stream, for the trainer.
+
+A worker that leaves (a scale-down, a rolling restart) keeps what it had done of each group it
+had begun, the trajectories it finished and the whole exchanges of the others, and the worker
+that takes the prompt next goes on from there (:mod:`proto.handback`), unless that work is of
+another run or timeline, or too stale for the prompt's step: then the group starts again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
+from proto.handback import HandedBack, handback_key
 from proto.messages import PromptTask, Trajectory, TrajectoryGroup, group_message_id
 from proto.streams import EVALS, PROMPTS, TRAJECTORIES
-from services.bus import Bus, ConsumerOptions, Delivery
+from services.bus import REDIS_DOWN, Bus, ConsumerOptions, Delivery
 from services.policy_worker import PolicyWorker
 from services.rollout import metrics
-from services.rollout.agent import AgentLimits, run_trajectory
+from services.rollout.agent import AgentLimits, Progress, run_trajectory
 from services.rollout.engine import Engine
 from services.tasks import gather_or_cancel
 from services.tools.client import Tools
@@ -42,8 +49,22 @@ log = logging.getLogger(__name__)
 __all__ = ["RolloutWorker"]
 
 
+@dataclass
+class _Begun:
+    """A group being sampled: its prompt, where that was published, and each trajectory's progress."""
+
+    task: PromptTask
+    entry_id: str
+    slots: list[Progress] = field(default_factory=list)
+    held: dict[str, int] = field(default_factory=dict)
+
+
 class RolloutWorker(PolicyWorker):
     stream = PROMPTS
+    # how long a leaving worker's groups wait for the worker that takes their prompts next: it
+    # takes them at once, as the prompts are handed back; this only bounds what a run that ended
+    # meanwhile leaves in Redis
+    handback_ttl_s: float = 3600.0
 
     def __init__(
         self,
@@ -65,6 +86,7 @@ class RolloutWorker(PolicyWorker):
         self.date = date
         self.seed = seed
         self.system: str | None = None
+        self.begun: dict[str, _Begun] = {}  # by the prompt task's message id
 
     @property
     def version(self) -> int:
@@ -112,7 +134,20 @@ class RolloutWorker(PolicyWorker):
         if not await self.wait_for_version(task, delivery):
             self.dropped_ended(task)
             return
-        group = await self._unless_over(self.sample_group(task), task, delivery)
+        # registered before the take: once taken, what a worker that left kept is this one's to keep
+        begun = self.begun[task.message_id] = _Begun(task, delivery.entry_id)
+        cut_off = False
+        try:
+            kept = await self._take_handed_back(task)
+            begun.slots = [Progress(kept.of(i) if kept else None) for i in range(task.rollout.group_size)]
+            begun.held = dict(kept.policy_timelines) if kept else {}
+            group = await self._unless_over(self.sample_group(task, kept, begun), task, delivery)
+        except asyncio.CancelledError:
+            cut_off = self.leaving  # what it did is kept as it leaves (keep_begun)
+            raise
+        finally:
+            if not cut_off and self.begun.get(task.message_id) is begun:  # a second delivery's is its own
+                del self.begun[task.message_id]
         if group is None or self.run_is_over(task.run_id, delivery.entry_id):  # no one wants it now
             self.dropped_ended(task)
             return
@@ -143,7 +178,80 @@ class RolloutWorker(PolicyWorker):
             await asyncio.gather(sampled, ended, return_exceptions=True)
         return None if sampled.cancelled() else sampled.result()
 
-    async def sample_group(self, task: PromptTask) -> TrajectoryGroup:
+    # -- a leaving worker's groups (proto.handback) ------------------------------------
+    async def keep_begun(self) -> None:
+        """Each begun group's work, the furthest on first (the time to keep them all is bounded).
+        A trajectory that failed is left out, to be sampled again: a sample that failed as the
+        worker left (its gateway restarting too, say) would be trained on by no one."""
+        groups = []
+        for message_id, begun in self.begun.items():
+            if self.run_is_over(begun.task.run_id, begun.entry_id):
+                continue
+            finished = tuple(
+                p.done for p in begun.slots if p.done is not None and p.done.finish_reason != "error"
+            )
+            unfinished = tuple(u for p in begun.slots if (u := p.unfinished()) is not None)
+            turns = sum(t.num_turns for t in finished) + sum(len(t.turn_spans) for t in unfinished)
+            if turns:
+                groups.append((turns, message_id, begun, finished, unfinished))
+        self.begun = {}
+        for _, message_id, begun, finished, unfinished in sorted(groups, key=lambda g: -g[0]):
+            kept = HandedBack(
+                run_id=begun.task.run_id,
+                task_message_id=message_id,
+                policy_timelines=dict(begun.held),
+                finished=finished,
+                unfinished=unfinished,
+            )
+            try:
+                await self.bus.keep(handback_key(message_id), kept, ttl_s=self.handback_ttl_s)
+            except REDIS_DOWN:
+                raise  # none of the others would be kept either
+            except Exception as exc:  # too large, Redis out of memory: it starts again, the next may fit
+                log.warning("task %s starts again elsewhere: %s", begun.task.task_id, exc)
+                continue
+            metrics.HANDED_BACK.labels("finished").inc(len(finished))
+            metrics.HANDED_BACK.labels("unfinished").inc(len(unfinished))
+
+    async def _take_handed_back(self, task: PromptTask) -> HandedBack | None:
+        """What a worker that left kept of this task's group, if it may be gone on from: of this
+        run and the task's timeline, and no staler than the task's step allows (the trainer would
+        drop the group)."""
+        kept = await self.bus.take(handback_key(task.message_id), HandedBack)
+        if kept is None:
+            return None
+        oldest, work, prompt = kept.policy_version, (*kept.finished, *kept.unfinished), self._prompt_ids(task)
+        why = None
+        if kept.run_id != task.run_id or kept.task_message_id != task.message_id:
+            why = "it is of another task"
+        elif any(
+            (task.timeline and t != task.timeline) or self.label_outdated(task.run_id, t)
+            for t in kept.policy_timelines
+        ):
+            why = "it was sampled with weights of a timeline the run has left (a trainer resumed)"
+        elif any(t.prompt_ids.tolist() != prompt for t in work):
+            why = "its prompt is not this worker's (another tool catalogue or date)"
+        elif oldest is not None and oldest < task.step - task.rollout.max_staleness:
+            why = f"it was sampled with version {oldest}, too stale for step {task.step}"
+        elif any(t.sample_index >= task.rollout.group_size for t in work):
+            why = "it has samples past the group's size"
+        if why is not None:
+            log.info("task %s starts again: what a leaving worker kept is dropped, %s", task.task_id, why)
+            metrics.RESUMED.labels("dropped").inc(len(work))
+            return None
+        metrics.RESUMED.labels("finished").inc(len(kept.finished))
+        metrics.RESUMED.labels("unfinished").inc(len(kept.unfinished))
+        metrics.RESUMED_TURNS.inc(sum(len(t.turn_spans) for t in kept.unfinished))
+        return kept
+
+    def _prompt_ids(self, task: PromptTask) -> list[int]:
+        """The prompt this worker's trajectories of ``task`` start with (as run_trajectory makes it)."""
+        return self.tokenizer.prompt_ids(self.system or "", user_prompt(task.question))
+
+    # -- sampling ---------------------------------------------------------------------
+    async def sample_group(
+        self, task: PromptTask, kept: HandedBack | None = None, begun: _Begun | None = None
+    ) -> TrajectoryGroup:
         r = task.rollout
         limits = AgentLimits(
             max_turns=r.max_turns,
@@ -154,9 +262,18 @@ class RolloutWorker(PolicyWorker):
             top_p=r.top_p,
             return_routed_experts=r.return_routed_experts,
         )
+        slots = (
+            begun.slots
+            if begun is not None
+            else [Progress(kept.of(i) if kept else None) for i in range(r.group_size)]
+        )
         with self.holding() as held:
+            for timeline, version in (kept.policy_timelines if kept else {}).items():
+                held[timeline] = max(held.get(timeline, version), version)
+            if begun is not None:
+                begun.held = held  # the same dict: it takes in each load while the group samples
             trajectories = await gather_or_cancel(
-                *(self._sample(task, i, limits) for i in range(r.group_size))
+                *(self._sample(task, i, limits, slots[i]) for i in range(r.group_size))
             )
         return TrajectoryGroup(
             message_id=group_message_id(task.message_id),
@@ -173,7 +290,16 @@ class RolloutWorker(PolicyWorker):
             trajectories=tuple(trajectories),
         )
 
-    async def _sample(self, task: PromptTask, index: int, limits: AgentLimits) -> Trajectory:
+    async def _sample(
+        self,
+        task: PromptTask,
+        index: int,
+        limits: AgentLimits,
+        progress: Progress,
+    ) -> Trajectory:
+        if progress.done is not None:  # finished by a worker that left
+            return progress.done
+        resume = progress.kept
         trajectory_id = f"{task.task_id}/{index}"
         base = task.seed if task.seed is not None else self.seed  # the run's seed wins
         seed = None if base is None else base + index + 1000 * task.index
@@ -189,16 +315,26 @@ class RolloutWorker(PolicyWorker):
             sample_index=index,
             limits=limits,
             seed=seed,
+            resume=resume,
+            progress=progress,
         )
+        progress.done = t
         forget = getattr(self.engine, "forget", None)
         if forget is not None:
             forget(trajectory_id)
+        # the counters take what this worker did (a worker that left counted the turns it kept);
+        # the histograms, the whole trajectory, which only its last worker sees end
+        before = (
+            (0, 0, 0)
+            if resume is None
+            else (len(resume.turn_spans), int(resume.loss_mask.sum()), len(resume.tool_calls))
+        )
         metrics.TRAJECTORIES.labels(t.finish_reason).inc()
-        metrics.TURNS.inc(t.num_turns)
+        metrics.TURNS.inc(t.num_turns - before[0])
         metrics.TURNS_PER_TRAJECTORY.observe(t.num_turns)
-        metrics.TOKENS.inc(int(t.loss_mask.sum()))
+        metrics.TOKENS.inc(int(t.loss_mask.sum()) - before[1])
         metrics.TOKENS_PER_TRAJECTORY.observe(t.num_tokens)
         metrics.TRAJECTORY_SECONDS.observe(t.generation_s)
-        for call in t.tool_calls:
+        for call in t.tool_calls[before[2] :]:
             metrics.TOOL_CALLS.labels("ok" if call.ok else "error").inc()
         return t
