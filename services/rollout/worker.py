@@ -215,8 +215,8 @@ class RolloutWorker(PolicyWorker):
 
     async def _take_handed_back(self, task: PromptTask) -> HandedBack | None:
         """What a worker that left kept of this task's group, if it may be gone on from: of this
-        run and the task's timeline, and no staler than the task's step allows (the trainer would
-        drop the group)."""
+        task, of the weights timeline its run is on, of the prompt this worker writes, no staler
+        than the task's step allows (the trainer would drop the group), and within the group."""
         kept = await self.bus.take(handback_key(task.message_id), HandedBack)
         if kept is None:
             return None
