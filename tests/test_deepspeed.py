@@ -1,14 +1,15 @@
-"""DeepSpeed data parallelism (no ZeRO, ZeRO-1 and ZeRO-3 on two processes, ZeRO-2 on one and on
-one started without the launcher, CPU accelerator) makes exactly the update a single plain-torch
-process makes on the whole batch, skips an update whose gradient is not finite with the schedule
-going on as the plain trainer's does, takes no step on an empty batch, reports the whole batch's
-metrics, and resumes every rank's state, its generators included. Slow: DeepSpeed builds its CPU
-ops on first use."""
+"""DeepSpeed data parallelism (no ZeRO, ZeRO-1 and ZeRO-3 on two processes, ZeRO-1 on three, ZeRO-2
+on one and on one started without the launcher, CPU accelerator) makes exactly the update a single
+plain-torch process makes on the whole batch, skips an update whose gradient is not finite with
+the schedule going on as the plain trainer's does, takes no step on an empty batch, reports the
+whole batch's metrics, and resumes every rank's state, its generators included. Slow: DeepSpeed
+builds its CPU ops on first use."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from proto.runs import TrainerSpec
 from services.local_redis import free_port
 from services.model.checkpoint import load_model
 from services.trainer.policy import PolicyTrainer
+from services.trainer.rng import seed_all
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +50,7 @@ CONFIG_OPTIMIZER = {
         (2, 1, {}),
         (2, 2, {}),
         (3, 2, {}),
+        (1, 3, {}),
         (2, 0, {}),
         pytest.param(1, 1, CONFIG_OPTIMIZER, id="1-1-config-optimizer"),
         # on GPUs, over NCCL (`make test-gpu`); never run here: this machine has no GPU
@@ -122,6 +125,13 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     ]
     before, after = json.loads((tmp_path / "draws.json").read_text())
     assert before == after
+    # and the followers' are seeded from the run's seed, rank k with seed + k (unseeded, a process
+    # starts from entropy and a run's dropout would not repeat): they draw nothing in these steps,
+    # so each saved where its seed put it
+    for rank in range(1, ranks):
+        seed_all(TrainerSpec(**SPEC).seed + rank)
+        saved = torch.load(placed / f"rng_rank{rank}.pt", weights_only=False)
+        assert torch.equal(saved["torch"], torch.get_rng_state()) and saved["python"] == random.getstate()
     # a resumed trainer (every rank loads its own optimiser partition) repeats the same step exactly
     a, b = (dict(load_model(tmp_path / d).named_parameters()) for d in ("resumed-a", "resumed-b"))
     exact = backend == "gloo"  # CUDA's atomics make a repeated step equal only to rounding

@@ -60,7 +60,7 @@ from services.model.checkpoint import dtype_name, save_checkpoint
 from services.trainer.batch import BatchCounts, MiniBatch, TrainSample
 from services.trainer.deepspeed_config import deepspeed_config, enabled, weight_decay_of
 from services.trainer.policy import PolicyTrainer, param_groups
-from services.trainer.rng import rng_state, set_rng_state
+from services.trainer.rng import rng_state, seed_all, set_rng_state
 from services.trainer.schedule import update_schedule
 
 log = logging.getLogger(__name__)
@@ -296,8 +296,12 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             raise RuntimeError(f"DeepSpeed found no checkpoint to resume from in {directory}")
         self.step = int((client or {}).get("step", pointer["step"]))
         generators = directory / "state" / f"rng_rank{self.rank}.pt"
-        if generators.exists():  # a checkpoint of an older pbsd has none: the generators go on as they are
+        if generators.exists():
             set_rng_state(torch.load(generators, weights_only=False))
+        else:  # an older pbsd's checkpoint, or one saved by fewer ranks: the generators go on as they are
+            log.warning(
+                "rank %d: no generators saved for it in %s; its draws go on unrestored", self.rank, directory
+            )
 
 
 def _zero_stage(engine) -> int:
@@ -365,6 +369,9 @@ def follow_rank0(device: str = "cuda") -> None:
             return
         if command[0] == "init":
             _, model_path, dtype, spec, kwargs = command  # rank 0's dtype: the ranks' tensors must agree
+            # apart from rank 0's (seeded with spec.seed): one stream each, not torch's default on
+            # every follower; a resume then loads each rank's own (load_state_file)
+            seed_all(spec.seed + dist.get_rank())
             trainer = DeepSpeedPolicyTrainer(
                 load_model(model_path, dtype=dtype, device=device), spec, **kwargs
             )

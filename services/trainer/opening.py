@@ -17,14 +17,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from transformers import AutoTokenizer
 
 from agent.chat import ChatTokenizer
@@ -48,6 +45,7 @@ from services.trainer.deepspeed_config import checked_config
 from services.trainer.distributed import make_trainer
 from services.trainer.evaluation import Evaluator
 from services.trainer.publishing import WeightPublisher, broadcaster
+from services.trainer.rng import seed_all
 from services.trainer.run_groups import open_groups
 from services.trainer.runs import ACTIVE, FINISHED, RunStore
 from services.trainer.settings import TrainerSettings
@@ -125,9 +123,7 @@ async def open_run(
     latest = latest_checkpoint(out) if resume else None
     dtype = "float32" if settings.device == "cpu" else spec.model.dtype
     if not latest:  # a resumed run restores its checkpoint's RNG states instead
-        random.seed(spec.trainer.seed)
-        np.random.seed(spec.trainer.seed)
-        torch.manual_seed(spec.trainer.seed)
+        seed_all(spec.trainer.seed)  # rank 0's; DeepSpeed's other ranks seed their own (follow_rank0)
     model_path = latest / "model" if latest else spec.model.path
     model = await asyncio.to_thread(load_model, model_path, dtype=dtype, device=settings.device)
     trainer = await asyncio.to_thread(

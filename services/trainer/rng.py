@@ -1,8 +1,10 @@
 """The process's random number generators, saved with a trainer's state so that a resumed run
 draws what the uninterrupted one would have: dropout in a model that has it, and anything else a
-step takes from the global generators (torch's, CUDA's on every device, numpy's, Python's).
+step takes from the global generators (torch's, numpy's, Python's, and the CUDA device's the
+process trains on).
 
-Under DeepSpeed each rank has generators of its own, and each saves and loads its own.
+Under DeepSpeed each rank has generators of its own, seeded apart (:func:`seed_all`), and each
+saves and loads its own.
 """
 
 from __future__ import annotations
@@ -14,21 +16,28 @@ import numpy as np
 import torch
 
 
+def seed_all(seed: int) -> None:
+    """Every global generator from ``seed`` (torch's seeds every CUDA device's as well)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    # only where CUDA is already in use: asking would otherwise initialise it on every device
+    # the device this process trains on, and only where CUDA is in use: asking would otherwise
+    # initialise it; a rank sees every device of its node, and the others are other ranks'
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Loads what :func:`rng_state` saved. CUDA's generators are loaded only where they were saved
-    and this process has as many devices: a state saved on CPU, or on another machine's devices,
-    leaves them as they are."""
+    """Loads what :func:`rng_state` saved; CUDA's onto this process's device, where it was saved
+    (a state saved on CPU leaves the device's generator as it is)."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
