@@ -13,7 +13,7 @@ import pytest
 from agent.chat import ChatTokenizer
 from agent.toolcall import format_tool_call
 from proto.handback import HandedBack, UnfinishedTrajectory, handback_key
-from proto.messages import PromptTask
+from proto.messages import PromptTask, Trajectory
 from proto.runs import PbsdSpec, RolloutSpec
 from proto.streams import PROMPTS, TRAJECTORIES
 from services.bus import ConsumerOptions, MessageTooLarge
@@ -245,3 +245,55 @@ def test_an_unfinished_trajectory_ends_with_a_whole_exchange():
         )
     with pytest.raises(ValueError, match="versions"):
         UnfinishedTrajectory.model_validate(kept | {"versions": (0, 0)})
+
+
+def _ended(index: int, finish: str = "answer") -> Trajectory:
+    return Trajectory(
+        trajectory_id=f"r:0/{index}",
+        sample_index=index,
+        policy_version=0,
+        prompt_ids=np.arange(5, dtype=np.int32),
+        completion_ids=np.arange(3, dtype=np.int32),
+        loss_mask=np.ones(3, dtype=np.uint8),
+        rollout_logprobs=np.zeros(3, dtype=np.float32),
+        turn_spans=((0, 3),),
+        finish_reason=finish,
+        error="tool gateway unreachable" if finish == "error" else None,
+    )
+
+
+async def test_a_leaving_worker_keeps_each_group_it_can_and_no_failed_trajectory(bus, tok, monkeypatch):
+    """Of its begun groups: one of an ended run is not kept; one that cannot be kept (too large)
+    does not keep the next from being kept; a trajectory that failed is not kept as finished, but
+    its whole exchanges are, to go on from."""
+    from services.rollout.agent import Progress
+    from services.rollout.worker import _Begun
+
+    worker = _worker(bus, _Engine(tok), tok)
+    worker._remember_end("gone")
+    failed = Progress(_unfinished(1, 0))
+    failed.done = _ended(1, "error")  # it failed after the exchange it was handed back with
+    ok = _Begun(_task(group_size=3), "1-0", [Progress(_ended(0)), failed, Progress()], {"t": 0})
+    furthest = _task(group_size=3).model_copy(update={"message_id": "furthest", "task_id": "r:1"})
+    ended = _task(group_size=3).model_copy(update={"message_id": "ended", "run_id": "gone"})
+    big = [Progress(_ended(i)) for i in range(3)]  # the furthest on: kept first, and refused
+    worker.begun = {
+        "ended": _Begun(ended, "1-0", [Progress(_ended(0))]),
+        "furthest": _Begun(furthest, "1-0", big),
+        ok.task.message_id: ok,
+    }
+    keep, tried = bus.keep, []
+
+    async def refusing(name, message, *, ttl_s):
+        tried.append(name)
+        if name == handback_key("furthest"):
+            raise MessageTooLarge(name, 2**30, 2**29)
+        await keep(name, message, ttl_s=ttl_s)
+
+    monkeypatch.setattr(bus, "keep", refusing)
+    await worker.keep_begun()
+    assert tried == [handback_key("furthest"), handback_key(ok.task.message_id)] and worker.begun == {}
+    kept = await bus.take(handback_key(ok.task.message_id), HandedBack)
+    assert kept.finished == (_ended(0),) and kept.unfinished == (_unfinished(1, 0),)
+    assert kept.policy_timelines == {"t": 0}
+    assert await bus.take(handback_key("furthest"), HandedBack) is None

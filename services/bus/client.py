@@ -228,8 +228,9 @@ class Bus(ConsumerGroups):
     # -- kept messages: one value under a name, for a while ----------------------------
     async def keep(self, name: str, message: Message, *, ttl_s: float) -> None:
         """Store ``message`` under ``name`` for ``ttl_s`` seconds, in place of what was there; held
-        to the bus's message limit, as a publish is (:class:`MessageTooLarge`)."""
-        payload = encode(message)
+        to the bus's message limit, as a publish is (:class:`MessageTooLarge`). Encoded in a
+        thread: a value can be hundreds of MiB, which would hold the event loop for seconds."""
+        payload = await asyncio.to_thread(encode, message)
         if len(payload) > self.max_message_bytes:
             raise MessageTooLarge(name, len(payload), self.max_message_bytes)
         await self.redis.set(f"{self.prefix}:{name}", payload, px=max(1, round(ttl_s * 1000)))

@@ -126,10 +126,20 @@ class Progress:
         self._mark = (len(b.completion), len(b.spans), len(b.routes), len(calls), len(versions))
         self._seconds = seconds
 
+    @property
+    def turns(self) -> int:
+        """Turns done so far that a hand-back keeps: a cheap measure of how far it has got."""
+        if self.done is not None:
+            return self.done.num_turns
+        if self._mark is not None:
+            return self._mark[1]
+        return len(self._kept.turn_spans) if self._kept is not None else 0
+
     def unfinished(self) -> UnfinishedTrajectory | None:
         """The trajectory as of its last mark (before one, what it was handed back as); None once
-        it has ended, or if it has no whole exchange yet."""
-        if self.done is not None:
+        it has ended, but for an error (the gateway gone as the worker left), whose whole
+        exchanges are kept to go on from; None too if it has no whole exchange yet."""
+        if self.done is not None and self.done.finish_reason != "error":
             return None
         if self._mark is None:
             return self._kept

@@ -59,6 +59,22 @@ class _Begun:
     held: dict[str, int] = field(default_factory=dict)
 
 
+def _handed_back(begun: _Begun) -> HandedBack | None:
+    """What is kept of a begun group: the trajectories that ended but in error (an error is
+    sampled again from its last whole exchange), and the others' whole exchanges; None if none."""
+    finished = tuple(p.done for p in begun.slots if p.done is not None and p.done.finish_reason != "error")
+    unfinished = tuple(u for p in begun.slots if (u := p.unfinished()) is not None)
+    if not (finished or unfinished):
+        return None
+    return HandedBack(
+        run_id=begun.task.run_id,
+        task_message_id=begun.task.message_id,
+        policy_timelines=dict(begun.held),
+        finished=finished,
+        unfinished=unfinished,
+    )
+
+
 class RolloutWorker(PolicyWorker):
     stream = PROMPTS
     # how long a leaving worker's groups wait for the worker that takes their prompts next: it
@@ -180,38 +196,25 @@ class RolloutWorker(PolicyWorker):
 
     # -- a leaving worker's groups (proto.handback) ------------------------------------
     async def keep_begun(self) -> None:
-        """Each begun group's work, the furthest on first (the time to keep them all is bounded).
-        A trajectory that failed is left out, to be sampled again: a sample that failed as the
-        worker left (its gateway restarting too, say) would be trained on by no one."""
-        groups = []
-        for message_id, begun in self.begun.items():
-            if self.run_is_over(begun.task.run_id, begun.entry_id):
-                continue
-            finished = tuple(
-                p.done for p in begun.slots if p.done is not None and p.done.finish_reason != "error"
-            )
-            unfinished = tuple(u for p in begun.slots if (u := p.unfinished()) is not None)
-            turns = sum(t.num_turns for t in finished) + sum(len(t.turn_spans) for t in unfinished)
-            if turns:
-                groups.append((turns, message_id, begun, finished, unfinished))
+        """Each begun group's work, the furthest on first: the time to keep them is bounded, and a
+        group that cannot be kept (too large, Redis out of memory, or anything else) starts again
+        without keeping the others from being kept. The copying and encoding run in a thread, so
+        the bound holds over them too."""
+        begun = [b for b in self.begun.values() if not self.run_is_over(b.task.run_id, b.entry_id)]
         self.begun = {}
-        for _, message_id, begun, finished, unfinished in sorted(groups, key=lambda g: -g[0]):
-            kept = HandedBack(
-                run_id=begun.task.run_id,
-                task_message_id=message_id,
-                policy_timelines=dict(begun.held),
-                finished=finished,
-                unfinished=unfinished,
-            )
+        for group in sorted(begun, key=lambda b: -sum(p.turns for p in b.slots)):
             try:
-                await self.bus.keep(handback_key(message_id), kept, ttl_s=self.handback_ttl_s)
+                kept = await asyncio.to_thread(_handed_back, group)
+                if kept is None:
+                    continue
+                await self.bus.keep(handback_key(group.task.message_id), kept, ttl_s=self.handback_ttl_s)
             except REDIS_DOWN:
                 raise  # none of the others would be kept either
-            except Exception as exc:  # too large, Redis out of memory: it starts again, the next may fit
-                log.warning("task %s starts again elsewhere: %s", begun.task.task_id, exc)
+            except Exception as exc:
+                log.warning("task %s starts again elsewhere: %s", group.task.task_id, exc)
                 continue
-            metrics.HANDED_BACK.labels("finished").inc(len(finished))
-            metrics.HANDED_BACK.labels("unfinished").inc(len(unfinished))
+            metrics.HANDED_BACK.labels("finished").inc(len(kept.finished))
+            metrics.HANDED_BACK.labels("unfinished").inc(len(kept.unfinished))
 
     async def _take_handed_back(self, task: PromptTask) -> HandedBack | None:
         """What a worker that left kept of this task's group, if it may be gone on from: of this
