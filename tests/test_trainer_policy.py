@@ -375,6 +375,7 @@ def _routed_samples(tok, model):
     return group, samples_from_groups([scored], with_routes=True)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # torch's on routes that are a view of read-only bytes
 def test_training_with_replay_uses_the_trajectorys_routes(tok, tiny_checkpoint):
     model = load_model(tiny_checkpoint)
     group, (samples, counts) = _routed_samples(tok, model)

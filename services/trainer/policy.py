@@ -163,11 +163,11 @@ class PolicyTrainer:
         """R3: within the block the policy's routers use the experts the rollout engine chose."""
         if not replay:
             return contextlib.nullcontext()
-        # as recorded (uint8 to int32): the routers widen each layer's column as they use it, and
-        # a long sample's routes as int64 are hundreds of MB of device memory
+        # as recorded (uint8, int16 or int32): the routers widen each layer's column as they use it,
+        # and a long sample's routes as int64 are hundreds of MB of device memory
         routes = np.asarray(sample.routes)[: len(sample.input_ids)]
         if not routes.flags.writeable:  # a view of the message's bytes, which torch will not share
-            routes = routes.copy()  # a byte per token, layer and expert: small beside the forward
+            routes = routes.copy()  # a byte or two per token, layer and top-k slot: small beside the forward
         return replay_routes(self.model, torch.as_tensor(routes, device=self.device))
 
     def reference_logprobs(self, sample: TrainSample) -> torch.Tensor:
