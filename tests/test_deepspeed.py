@@ -125,6 +125,11 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     ]
     before, after = json.loads((tmp_path / "draws.json").read_text())
     assert before == after
+    # each rank loaded its own: what it saved again at once is what it had saved
+    reloaded = tmp_path / "reloaded" / "state" / "state"
+    for rank in range(max(ranks, 1)):
+        a, b = (torch.load(d / f"rng_rank{rank}.pt", weights_only=False) for d in (placed, reloaded))
+        assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"], rank
     # and the followers' are seeded from the run's seed, rank k with seed + k (unseeded, a process
     # starts from entropy and a run's dropout would not repeat): they draw nothing in these steps,
     # so each saved where its seed put it

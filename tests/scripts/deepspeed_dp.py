@@ -3,8 +3,9 @@ process (a trainer started without the launcher, as Compose and Kubernetes start
 data-parallel ZeRO trainer through a step whose gradient is not finite, two steps, an empty one and
 a step of two updates whose pi_old is the policy the step found (``tis_cap``), the other ranks
 follow; rank 0 saves the weights (``weights``). Then a resume: the state is saved, a step taken and
-saved (``resumed-a``), the state loaded back and the same step taken again (``resumed-b``). Rank
-0's generators are drawn from after the save and after the load (``draws.json``): the same draws."""
+saved (``resumed-a``), the state loaded back, saved again as loaded (``reloaded``) and the same
+step taken again (``resumed-b``). Rank 0's generators are drawn from after the save and after the
+load (``draws.json``): the same draws."""
 
 import json
 import os
@@ -93,6 +94,7 @@ def main() -> None:
     trainer.save_weights(out / "resumed-a")
     (out / "written").rename(out / "placed")  # then renamed into place: the state must still load
     trainer.load_state_file(out / "placed" / "state.pt")
+    trainer.save_state(out / "reloaded" / "state.pt")  # every rank's generators as it loaded them
     draws.append(draw())
     trainer.train_step(batch, counts, ALGORITHM)
     trainer.save_weights(out / "resumed-b")
