@@ -28,6 +28,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 import httpx
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Guard",
+    "Servers",
     "WeightsRefused",
     "follow_broadcast",
     "load_each",
@@ -63,6 +65,16 @@ class WeightsRefused(Exception):
 Guard = Callable[[str], AbstractAsyncContextManager[object]]
 Reload = Callable[[str, str, int, str], Awaitable[None]]  # (url, path, version, timeline)
 Served = Callable[[dict], bool]  # of a server's /model_info: whether it already serves what is wanted
+
+
+class Servers(Protocol):
+    """What holds a set of SGLang servers and loads weights into them: the rollout's engine
+    (:class:`services.rollout.sglang.SglangEngine`) and the scorer's backend."""
+
+    http: httpx.AsyncClient
+    urls: list[str]
+    retry: RetryPolicy
+    guard: Guard
 
 
 def unguarded(url: str) -> AbstractAsyncContextManager[object]:
@@ -167,27 +179,26 @@ def tag_version(tag: object) -> int | None:
 
 
 async def load_each(
-    http: httpx.AsyncClient,
-    urls: list[str],
+    servers: Servers,
     path: str,
     version: int,
-    retry: RetryPolicy,
     reload: Reload,
-    guard: Guard = unguarded,
-    served: Served | None = None,
     *,
     timeline: str = "",
+    served: Served | None = None,
+    urls: list[str] | None = None,
 ) -> None:
-    """``reload(url, path, version, timeline)`` on each server that does not serve it yet (``served``
-    of its ``/model_info``; by default, that it loaded ``path`` as ``version`` of ``timeline``), checked and loaded under
-    ``guard(url)``. Every rollout replica (and every scorer replica) hears of each version, and
-    replicas share their servers: without the check N replicas would pause and load each server N
-    times a version, one after another. A server that does not answer is loaded: the load reports it."""
+    """``reload(url, path, version, timeline)`` on each server (of ``urls``, by default all of
+    them) that does not serve it yet (``served`` of its ``/model_info``; by default, that it loaded
+    ``path`` as ``version`` of ``timeline``), checked and loaded under ``servers.guard(url)``. Every
+    rollout replica (and every scorer replica) hears of each version, and replicas share their
+    servers: without the check N replicas would pause and load each server N times a version, one
+    after another. A server that does not answer is loaded: the load reports it."""
     served = served or _loaded(path, version, timeline)
-    for url in urls:
-        async with guard(url):
+    for url in servers.urls if urls is None else urls:
+        async with servers.guard(url):
             try:
-                info = await model_info(http, url, retry)
+                info = await model_info(servers.http, url, servers.retry)
             except UpstreamError:
                 info = {}
             if served(info):
@@ -197,15 +208,7 @@ async def load_each(
 
 
 async def follow_broadcast(
-    http: httpx.AsyncClient,
-    urls: list[str],
-    version: int,
-    copy: tuple[str, int],
-    retry: RetryPolicy,
-    reload: Reload,
-    guard: Guard = unguarded,
-    *,
-    timeline: str = "",
+    servers: Servers, version: int, copy: tuple[str, int], reload: Reload, *, timeline: str = ""
 ) -> int | None:
     """After the trainer broadcast ``version`` of ``timeline``: ``reload(url, path, disk_version,
     timeline)`` the disk copy (``copy``: path, version) on every server that serves neither that
@@ -223,15 +226,15 @@ async def follow_broadcast(
         )
 
     behind, served = [], []
-    for url in urls:
+    for url in servers.urls:
         try:
-            info = await model_info(http, url, retry)
+            info = await model_info(servers.http, url, servers.retry)
         except UpstreamError as exc:
             log.warning("sglang %s does not answer (%s)", url, exc)
             continue
         if current(info):
-            served.append((read_tag(info.get("weight_version")) or (0, ""))[0])
+            served.append(tag_version(info.get("weight_version")) or 0)
         else:
             behind.append(url)
-    await load_each(http, behind, path, disk_version, retry, reload, guard, current, timeline=timeline)
+    await load_each(servers, path, disk_version, reload, timeline=timeline, served=current, urls=behind)
     return min([*served, *([disk_version] if behind else [])], default=None)

@@ -234,9 +234,7 @@ class SglangEngine:
     async def update_weights(self, path: str, version: int, timeline: str = "") -> None:
         """Pause each server that does not serve the checkpoint yet, load it, flush caches, continue."""
         async with self._update_lock:
-            await load_each(
-                self.http, self.urls, path, version, self.retry, self._reload, self.guard, timeline=timeline
-            )
+            await load_each(self, path, version, self._reload, timeline=timeline)
             self.weight_version = version
             self._context.clear()
 
@@ -244,16 +242,7 @@ class SglangEngine:
         """Load the checkpoint on each server that no longer serves it: one restarted serves the
         model it started with (``PolicyWorker._recheck``)."""
         async with self._update_lock:
-            await load_each(
-                self.http,
-                self.urls,
-                path,
-                version,
-                self.retry,
-                self._reload_restarted,
-                self.guard,
-                timeline=timeline,
-            )
+            await load_each(self, path, version, self._reload_restarted, timeline=timeline)
 
     async def _reload_restarted(self, url: str, path: str, version: int, timeline: str) -> None:
         self._context.pop(url, None)  # restarted, perhaps with another --context-length
@@ -265,14 +254,7 @@ class SglangEngine:
         the oldest served."""
         async with self._update_lock:
             oldest = await follow_broadcast(
-                self.http,
-                self.urls,
-                version,
-                (path, disk_version),
-                self.retry,
-                self._reload,
-                self.guard,
-                timeline=timeline,
+                self, version, (path, disk_version), self._reload, timeline=timeline
             )
             if oldest is not None:
                 self.weight_version = oldest

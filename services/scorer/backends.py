@@ -274,22 +274,11 @@ class SglangScorer:
     async def recheck(self, path: str, version: int, timeline: str = "") -> None:
         """Load the checkpoint on each server that does not serve it yet (also :meth:`SglangEngine.recheck`'s
         case: one restarted since serves the model it started with)."""
-        await load_each(
-            self.http, self.urls, path, version, self.retry, self._reload, self.guard, timeline=timeline
-        )
+        await load_each(self, path, version, self._reload, timeline=timeline)
 
     async def follow_broadcast(self, version: int, path: str, disk_version: int, timeline: str = "") -> None:
         """As :meth:`SglangEngine.follow_broadcast`: servers that missed ``version`` load the disk copy."""
-        oldest = await follow_broadcast(
-            self.http,
-            self.urls,
-            version,
-            (path, disk_version),
-            self.retry,
-            self._reload,
-            self.guard,
-            timeline=timeline,
-        )
+        oldest = await follow_broadcast(self, version, (path, disk_version), self._reload, timeline=timeline)
         if oldest is not None:
             self.version = oldest
 
