@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import set_seed
 
 from proto.runs import TrainerSpec
 from services.local_redis import free_port
 from services.model.checkpoint import load_model
 from services.trainer.policy import PolicyTrainer
-from services.trainer.rng import seed_all
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +134,7 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     # starts from entropy and a run's dropout would not repeat): they draw nothing in these steps,
     # so each saved where its seed put it
     for rank in range(1, ranks):
-        seed_all(TrainerSpec(**SPEC).seed + rank)
+        set_seed(TrainerSpec(**SPEC).seed + rank)
         saved = torch.load(placed / f"rng_rank{rank}.pt", weights_only=False)
         assert torch.equal(saved["torch"], torch.get_rng_state()) and saved["python"] == random.getstate()
     # a resumed trainer (every rank loads its own optimiser partition) repeats the same step exactly

@@ -54,13 +54,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import set_seed
 
 from proto.runs import AlgorithmSpec, TrainerSpec
 from services.model.checkpoint import dtype_name, save_checkpoint
 from services.trainer.batch import BatchCounts, MiniBatch, TrainSample
 from services.trainer.deepspeed_config import deepspeed_config, enabled, weight_decay_of
 from services.trainer.policy import PolicyTrainer, param_groups
-from services.trainer.rng import rng_state, seed_all, set_rng_state
+from services.trainer.rng import rng_state, set_rng_state
 from services.trainer.schedule import update_schedule
 
 log = logging.getLogger(__name__)
@@ -371,7 +372,7 @@ def follow_rank0(device: str = "cuda") -> None:
             _, model_path, dtype, spec, kwargs = command  # rank 0's dtype: the ranks' tensors must agree
             # apart from rank 0's (seeded with spec.seed): one stream each, not torch's default on
             # every follower; a resume then loads each rank's own (load_state_file)
-            seed_all(spec.seed + dist.get_rank())
+            set_seed(spec.seed + dist.get_rank())
             trainer = DeepSpeedPolicyTrainer(
                 load_model(model_path, dtype=dtype, device=device), spec, **kwargs
             )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, set_seed
 
 from agent.chat import ChatTokenizer
 from proto.base import new_id
@@ -45,7 +45,6 @@ from services.trainer.deepspeed_config import checked_config
 from services.trainer.distributed import make_trainer
 from services.trainer.evaluation import Evaluator
 from services.trainer.publishing import WeightPublisher, broadcaster
-from services.trainer.rng import seed_all
 from services.trainer.run_groups import open_groups
 from services.trainer.runs import ACTIVE, FINISHED, RunStore
 from services.trainer.settings import TrainerSettings
@@ -123,7 +122,7 @@ async def open_run(
     latest = latest_checkpoint(out) if resume else None
     dtype = "float32" if settings.device == "cpu" else spec.model.dtype
     if not latest:  # a resumed run restores its checkpoint's RNG states instead
-        seed_all(spec.trainer.seed)  # rank 0's; DeepSpeed's other ranks seed their own (follow_rank0)
+        set_seed(spec.trainer.seed)  # rank 0's; DeepSpeed's other ranks seed their own (follow_rank0)
     model_path = latest / "model" if latest else spec.model.path
     model = await asyncio.to_thread(load_model, model_path, dtype=dtype, device=settings.device)
     trainer = await asyncio.to_thread(

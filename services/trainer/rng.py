@@ -3,8 +3,9 @@ draws what the uninterrupted one would have: dropout in a model that has it, and
 step takes from the global generators (torch's, numpy's, Python's, and the CUDA device's the
 process trains on).
 
-Under DeepSpeed each rank has generators of its own, seeded apart (:func:`seed_all`), and each
-saves and loads its own.
+A new run seeds them all with ``transformers.set_seed``; under DeepSpeed each rank has
+generators of its own, seeded apart (rank k from ``trainer.seed + k``), and each saves and loads
+its own.
 """
 
 from __future__ import annotations
@@ -14,13 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-
-def seed_all(seed: int) -> None:
-    """Every global generator from ``seed`` (torch's seeds every CUDA device's as well)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:
