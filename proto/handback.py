@@ -18,12 +18,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import numpy as np
 from pydantic import Field, model_validator
 
 from proto.arrays import Float32Array, Int32Array, RoutedExpertsArray, Uint8Array
 from proto.base import Contract, Message
-from proto.messages import NonNegInt, ToolCall, Trajectory
+from proto.messages import NonNegInt, ToolCall, Trajectory, check_turns
 
 __all__ = ["HandedBack", "UnfinishedTrajectory", "handback_key"]
 
@@ -48,24 +47,13 @@ class UnfinishedTrajectory(Contract):
 
     @model_validator(mode="after")
     def _aligned(self):
-        n = self.completion_ids.size
-        if self.loss_mask.size != n or self.rollout_logprobs.size != n:
-            raise ValueError("loss_mask and rollout_logprobs must be aligned with completion_ids")
         if len(self.versions) != len(self.turn_spans):
             raise ValueError(f"{len(self.versions)} versions for {len(self.turn_spans)} turns")
-        expected = np.zeros(n, dtype=np.uint8)
-        prev_end = 0
-        for start, end in self.turn_spans:
-            if not prev_end <= start < end <= n:
-                raise ValueError("turn_spans must be non-empty, ordered and inside the completion")
-            expected[start:end] = 1
-            prev_end = end
-        if prev_end == n:
+        last_end = check_turns(self)
+        if last_end == self.completion_ids.size:
             raise ValueError("an unfinished trajectory ends with the tool results of its last turn")
-        if not np.array_equal(expected, self.loss_mask):
-            raise ValueError("loss_mask must be 1 exactly on the tokens of turn_spans")
         # the engine routed every position it was fed or wrote but its last turn's last token
-        routed = self.prompt_ids.size + prev_end - 1
+        routed = self.prompt_ids.size + last_end - 1
         if self.routed_experts is not None and self.routed_experts.shape[0] != routed:
             raise ValueError(
                 f"routed_experts covers {self.routed_experts.shape[0]} positions, expected {routed}"

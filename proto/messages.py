@@ -36,6 +36,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "WeightsPublished",
+    "check_turns",
     "group_message_id",
 ]
 
@@ -160,25 +161,9 @@ class Trajectory(Contract):
 
     @model_validator(mode="after")
     def _aligned(self):
-        n = self.completion_ids.size
-        for name in ("loss_mask", "rollout_logprobs"):
-            if getattr(self, name).size != n:
-                raise ValueError(f"{name} has {getattr(self, name).size} entries but completion_ids has {n}")
-        if self.loss_mask.size and self.loss_mask.max() > 1:
-            raise ValueError("loss_mask must be 0 or 1")
-        expected = np.zeros(n, dtype=np.uint8)
-        prev_end = 0
-        for i, (start, end) in enumerate(self.turn_spans):
-            if not (prev_end <= start < end <= n):
-                raise ValueError(
-                    f"turn_spans[{i}]={start, end} must be non-empty, ordered and inside the completion (length {n})"
-                )
-            expected[start:end] = 1
-            prev_end = end
-        if not np.array_equal(expected, self.loss_mask):
-            raise ValueError("loss_mask must be 1 exactly on the tokens of turn_spans")
+        check_turns(self)
         if self.routed_experts is not None:
-            want = self.prompt_ids.size + n - 1
+            want = self.prompt_ids.size + self.completion_ids.size - 1
             if self.routed_experts.shape[0] != want:
                 raise ValueError(
                     f"routed_experts covers {self.routed_experts.shape[0]} positions, expected {want} (all tokens but the last)"
@@ -186,6 +171,30 @@ class Trajectory(Contract):
         if self.finish_reason == "error" and not self.error:
             raise ValueError("a trajectory that ended in error must say why in `error`")
         return self
+
+
+def check_turns(t: Any) -> int:
+    """Raise ValueError unless ``t``'s per-token arrays align with its ``completion_ids`` and its
+    ``turn_spans`` are ordered, non-empty and exactly where ``loss_mask`` is 1 (a finished or an
+    unfinished trajectory, :mod:`proto.handback`); the end of its last turn."""
+    n = t.completion_ids.size
+    for name in ("loss_mask", "rollout_logprobs"):
+        if getattr(t, name).size != n:
+            raise ValueError(f"{name} has {getattr(t, name).size} entries but completion_ids has {n}")
+    if t.loss_mask.size and t.loss_mask.max() > 1:
+        raise ValueError("loss_mask must be 0 or 1")
+    expected = np.zeros(n, dtype=np.uint8)
+    prev_end = 0
+    for i, (start, end) in enumerate(t.turn_spans):
+        if not (prev_end <= start < end <= n):
+            raise ValueError(
+                f"turn_spans[{i}]={start, end} must be non-empty, ordered and inside the completion (length {n})"
+            )
+        expected[start:end] = 1
+        prev_end = end
+    if not np.array_equal(expected, t.loss_mask):
+        raise ValueError("loss_mask must be 1 exactly on the tokens of turn_spans")
+    return prev_end
 
 
 def group_message_id(task_message_id: str) -> str:
