@@ -9,8 +9,8 @@
     when the context is full, or on an error (recorded with its cause)
 
 A trajectory a leaving worker handed back (:mod:`proto.handback`) goes on from the end of its
-last whole exchange: ``resume`` is where, and ``progress`` is where this one has got to, for the
-worker to hand back in turn.
+last whole exchange: ``progress`` holds where (``Progress.kept``), and notes where this one gets
+to, for the worker to hand back in turn.
 
 The trajectory's ids are exactly the engine's outputs and the glue appended after
 them; nothing is re-tokenised. The reward is the verifier's on the last message.
@@ -196,9 +196,9 @@ async def run_trajectory(
     sample_index: int,
     limits: AgentLimits,
     seed: int | None = None,
-    resume: UnfinishedTrajectory | None = None,
     progress: Progress | None = None,
 ) -> Trajectory:
+    resume = progress.kept if progress is not None else None
     if resume is None:
         b = _Builder(tokenizer.prompt_ids(system, question))
         calls: list[ToolCall] = []

@@ -51,12 +51,18 @@ __all__ = ["RolloutWorker"]
 
 @dataclass
 class _Begun:
-    """A group being sampled: its prompt, where that was published, and each trajectory's progress."""
+    """A group being sampled: its prompt, where that was published, each trajectory's progress,
+    and the weights it was sampled with (``TrajectoryGroup.policy_timelines``)."""
 
     task: PromptTask
-    entry_id: str
+    entry_id: str = ""
     slots: list[Progress] = field(default_factory=list)
     held: dict[str, int] = field(default_factory=dict)
+
+    def take_up(self, kept: HandedBack | None) -> None:
+        """Start from what a worker that left kept (None: from nothing)."""
+        self.slots = [Progress(kept.of(i) if kept else None) for i in range(self.task.rollout.group_size)]
+        self.held = dict(kept.policy_timelines) if kept else {}
 
 
 def _handed_back(begun: _Begun) -> HandedBack | None:
@@ -154,10 +160,8 @@ class RolloutWorker(PolicyWorker):
         begun = self.begun[task.message_id] = _Begun(task, delivery.entry_id)
         cut_off = False
         try:
-            kept = await self._take_handed_back(task)
-            begun.slots = [Progress(kept.of(i) if kept else None) for i in range(task.rollout.group_size)]
-            begun.held = dict(kept.policy_timelines) if kept else {}
-            group = await self._unless_over(self.sample_group(task, kept, begun), task, delivery)
+            begun.take_up(await self._take_handed_back(task))
+            group = await self._unless_over(self.sample_group(task, begun=begun), task, delivery)
         except asyncio.CancelledError:
             cut_off = self.leaving  # what it did is kept as it leaves (keep_begun)
             raise
@@ -253,8 +257,13 @@ class RolloutWorker(PolicyWorker):
 
     # -- sampling ---------------------------------------------------------------------
     async def sample_group(
-        self, task: PromptTask, kept: HandedBack | None = None, begun: _Begun | None = None
+        self, task: PromptTask, kept: HandedBack | None = None, *, begun: _Begun | None = None
     ) -> TrajectoryGroup:
+        """``task``'s group, gone on from ``kept`` (what a worker that left kept), or from what
+        ``begun`` has taken up (a handler's, which a leaving keeps)."""
+        if begun is None:
+            begun = _Begun(task)
+            begun.take_up(kept)
         r = task.rollout
         limits = AgentLimits(
             max_turns=r.max_turns,
@@ -265,18 +274,12 @@ class RolloutWorker(PolicyWorker):
             top_p=r.top_p,
             return_routed_experts=r.return_routed_experts,
         )
-        slots = (
-            begun.slots
-            if begun is not None
-            else [Progress(kept.of(i) if kept else None) for i in range(r.group_size)]
-        )
         with self.holding() as held:
-            for timeline, version in (kept.policy_timelines if kept else {}).items():
+            for timeline, version in begun.held.items():
                 held[timeline] = max(held.get(timeline, version), version)
-            if begun is not None:
-                begun.held = held  # the same dict: it takes in each load while the group samples
+            begun.held = held  # the same dict: it takes in each load while the group samples
             trajectories = await gather_or_cancel(
-                *(self._sample(task, i, limits, slots[i]) for i in range(r.group_size))
+                *(self._sample(task, i, limits, progress) for i, progress in enumerate(begun.slots))
             )
         return TrajectoryGroup(
             message_id=group_message_id(task.message_id),
@@ -318,7 +321,6 @@ class RolloutWorker(PolicyWorker):
             sample_index=index,
             limits=limits,
             seed=seed,
-            resume=resume,
             progress=progress,
         )
         progress.done = t
