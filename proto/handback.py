@@ -1,13 +1,14 @@
-"""What a rollout worker that leaves keeps of a group it had begun: the trajectories it finished,
-and the turns of the others, so the worker that takes the prompt next goes on from there.
+"""What a rollout worker keeps of a group it has begun: the trajectories it finished, and the
+turns of the others, so the worker that takes the prompt next goes on from there.
 
 A group at the paper's settings is G trajectories of up to hundreds of turns and 64K tokens: a
 scale-down or a rolling restart that dropped it would throw away minutes of every GPU that
-sampled it. The leaving worker stores a :class:`HandedBack` under the prompt task's message id
-(:func:`handback_key`) for a while, and the next delivery of that task takes it (at most one
-does). An unfinished trajectory is cut at the end of its last whole exchange, a turn and the
-tool results after it: the turn the engine was generating, or the tool calls it was waiting on,
-are done again.
+sampled it. The worker stores a :class:`HandedBack` under the prompt task's message id
+(:func:`handback_key`) for a while, as it leaves and every so often as it samples (so a worker
+killed outright leaves its last keep), and the next delivery of that task reads it and goes on
+from there; the group's publication removes it. An unfinished trajectory is cut at the end of
+its last whole exchange, a turn and the tool results after it: the turn the engine was
+generating, or the tool calls it was waiting on, are done again.
 
 Coordinates are those of :class:`proto.messages.Trajectory`, except ``routed_experts``, which
 covers the positions the engine has routed so far: up to the last turn's last token, whose

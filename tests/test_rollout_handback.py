@@ -1,7 +1,9 @@
 """A rollout worker that leaves mid-group keeps what it had done, and the worker that takes the
 prompt next goes on from there (proto/handback.py): finished trajectories are not sampled again,
 unfinished ones go on from their last whole exchange with the routes, calls and tool budget they
-had, and work that may not be gone on from (another timeline, too stale) is dropped."""
+had, and work that may not be gone on from (another timeline, too stale) is dropped. A worker
+keeps its groups as it samples too, so one that dies without leaving loses only what it did
+since its last keep."""
 
 from __future__ import annotations
 
@@ -43,13 +45,15 @@ def tok(tiny_checkpoint):
 
 class _Engine:
     """Writes ``TURNS[turn]`` in every trajectory, with routes as the fake SGLang makes them;
-    ``stall[sample]`` is the turn at which that trajectory's request never returns."""
+    ``stall[sample]`` is the turn at which that trajectory's request waits for ``gate`` (never
+    set: until the worker is cut off)."""
 
     def __init__(self, tok: ChatTokenizer, stall: dict[int, int] | None = None, version: int = 0) -> None:
         self.tok, self.stall, self.weight_version = tok, stall or {}, version
         self.opening = tok.encode("<|im_start|>assistant\n")
         self.requests: list[GenerationRequest] = []
         self.stalled: set[str] = set()
+        self.gate = asyncio.Event()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         self.requests.append(request)
@@ -57,7 +61,7 @@ class _Engine:
         turn = sum(ids[i : i + k] == self.opening for i in range(len(ids) - k + 1)) - 1
         if self.stall.get(int(request.session.rsplit("/", 1)[1])) == turn:
             self.stalled.add(request.session)
-            await asyncio.Event().wait()  # until the worker is cut off
+            await self.gate.wait()
         out = self.tok.encode(TURNS[min(turn, len(TURNS) - 1)]) + [self.tok.end_id]
         routes = _routes(range(request.routed_experts_start_len, len(ids) + len(out) - 1))
         return GenerationResult(out, [-0.5] * len(out), "stop", self.weight_version, routed_experts=routes)
@@ -88,9 +92,19 @@ def _task(group_size: int = 3, step: int = 0, timeline: str = "") -> PromptTask:
     )
 
 
-def _worker(bus, engine, tok, tools=None, name: str = "rollout-0") -> RolloutWorker:
+def _worker(
+    bus, engine, tok, tools=None, name: str = "rollout-0", keep_every_s: float = 0, options=FAST
+) -> RolloutWorker:
     return RolloutWorker(
-        bus, engine, tools or FixedTools(), tok, name=name, concurrency=1, date="2025-06-01", options=FAST
+        bus,
+        engine,
+        tools or FixedTools(),
+        tok,
+        name=name,
+        concurrency=1,
+        date="2025-06-01",
+        options=options,
+        keep_every_s=keep_every_s,
     )
 
 
@@ -143,7 +157,7 @@ async def test_a_leaving_worker_hands_its_begun_group_on_and_the_next_goes_on_fr
     ((_, group),) = groups
     assert staying.begun == {}  # a group published is forgotten
     assert _count("unfinished") - resumed_before == 1 and _count("finished") - finished_before == 1
-    assert not await bus.redis.exists(f"{bus.prefix}:{handback_key(task.message_id)}")  # taken once
+    assert not await bus.redis.exists(f"{bus.prefix}:{handback_key(task.message_id)}")  # forgotten
 
     finished, resumed, _fresh = group.trajectories
     assert finished == done_there  # not sampled again: the second engine never saw sample 0
@@ -219,22 +233,25 @@ async def test_kept_work_that_may_not_be_gone_on_from_is_dropped_and_the_group_s
     await bus.keep(handback_key(task.message_id), message, ttl_s=60)
     got = await worker._take_handed_back(task)
     assert (got == message) if taken else got is None
-    assert await bus.take(handback_key(task.message_id), HandedBack) is None  # gone either way
+    # left either way: this worker's own keeps replace it, and its group's publication removes it
+    assert await bus.kept(handback_key(task.message_id), HandedBack) == message
 
 
-async def test_what_is_kept_is_taken_once_expires_and_is_held_to_the_message_limit(bus):
+async def test_what_is_kept_stays_until_forgotten_or_expired_and_is_held_to_the_message_limit(bus):
     message = HandedBack(run_id="r", task_message_id="m", unfinished=(_unfinished(0, 0),))
     await bus.keep("handback:m", message, ttl_s=60)
-    got = await asyncio.gather(*(bus.take("handback:m", HandedBack) for _ in range(4)))
-    assert [g for g in got if g is not None] == [message]
+    got = await asyncio.gather(*(bus.kept("handback:m", HandedBack) for _ in range(4)))
+    assert got == [message] * 4  # a reader cut off as it read loses nothing for the next
+    await bus.forget("handback:m")
+    assert await bus.kept("handback:m", HandedBack) is None
     await bus.keep("handback:m", message, ttl_s=0.05)
     await asyncio.sleep(0.2)
-    assert await bus.take("handback:m", HandedBack) is None
+    assert await bus.kept("handback:m", HandedBack) is None
     bus.max_message_bytes = 100
     with pytest.raises(MessageTooLarge):
         await bus.keep("handback:m", message, ttl_s=60)
     await bus.redis.set(f"{bus.prefix}:handback:m", b"not msgpack")
-    assert await bus.take("handback:m", HandedBack) is None
+    assert await bus.kept("handback:m", HandedBack) is None
 
 
 def test_an_unfinished_trajectory_ends_with_a_whole_exchange():
@@ -267,19 +284,19 @@ async def test_a_leaving_worker_keeps_each_group_it_can_and_no_failed_trajectory
     does not keep the next from being kept; a trajectory that failed is not kept as finished, but
     its whole exchanges are, to go on from."""
     from services.rollout.agent import Progress
-    from services.rollout.worker import _Begun
+    from services.rollout.begun import Begun
 
     worker = _worker(bus, _Engine(tok), tok)
     worker._remember_end("gone")
     failed = Progress(_unfinished(1, 0))
     failed.done = _ended(1, "error")  # it failed after the exchange it was handed back with
-    ok = _Begun(_task(group_size=3), "1-0", [Progress(_ended(0)), failed, Progress()], {"t": 0})
+    ok = Begun(_task(group_size=3), "1-0", [Progress(_ended(0)), failed, Progress()], {"t": 0})
     furthest = _task(group_size=3).model_copy(update={"message_id": "furthest", "task_id": "r:1"})
     ended = _task(group_size=3).model_copy(update={"message_id": "ended", "run_id": "gone"})
     big = [Progress(_ended(i)) for i in range(3)]  # the furthest on: kept first, and refused
     worker.begun = {
-        "ended": _Begun(ended, "1-0", [Progress(_ended(0))]),
-        "furthest": _Begun(furthest, "1-0", big),
+        "ended": Begun(ended, "1-0", [Progress(_ended(0))]),
+        "furthest": Begun(furthest, "1-0", big),
         ok.task.message_id: ok,
     }
     keep, tried = bus.keep, []
@@ -293,7 +310,7 @@ async def test_a_leaving_worker_keeps_each_group_it_can_and_no_failed_trajectory
     monkeypatch.setattr(bus, "keep", refusing)
     await worker.keep_begun()
     assert tried == [handback_key("furthest"), handback_key(ok.task.message_id)] and worker.begun == {}
-    kept = await bus.take(handback_key(ok.task.message_id), HandedBack)
+    kept = await bus.kept(handback_key(ok.task.message_id), HandedBack)
     assert kept.finished == (_ended(0),) and kept.unfinished == (_unfinished(1, 0),)
     assert kept.policy_timelines == {"t": 0}
-    assert await bus.take(handback_key("furthest"), HandedBack) is None
+    assert await bus.kept(handback_key("furthest"), HandedBack) is None

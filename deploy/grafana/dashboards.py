@@ -164,10 +164,11 @@ def pipeline() -> dict:
                 unit="ops",
             ),
             panel(
-                "Work handed on by leaving workers",
+                "Work handed on by leaving and dead workers",
                 "Trajectories of begun groups that rollout workers kept as they left (finished, or "
                 "cut at a whole exchange), what the next workers went on from or dropped (another "
-                "timeline, too stale), and the turns they did not sample again.",
+                "timeline, too stale), the turns they did not sample again, and the keeps made as "
+                "groups sample (what a worker killed outright leaves), with those that failed.",
                 [
                     (
                         "sum(increase(pbsd_rollout_handed_back_trajectories_total[15m])) by (state)",
@@ -178,6 +179,10 @@ def pipeline() -> dict:
                         "taken up: {{state}}",
                     ),
                     ("sum(increase(pbsd_rollout_resumed_turns_total[15m]))", "turns not sampled again"),
+                    (
+                        "sum(increase(pbsd_rollout_progress_keeps_total[15m])) by (outcome)",
+                        "keeps as sampled: {{outcome}}",
+                    ),
                 ],
                 unit="short",
             ),

@@ -235,19 +235,23 @@ class Bus(ConsumerGroups):
             raise MessageTooLarge(name, len(payload), self.max_message_bytes)
         await self.redis.set(f"{self.prefix}:{name}", payload, px=max(1, round(ttl_s * 1000)))
 
-    async def take(self, name: str, model: type[M]) -> M | None:
-        """What :meth:`keep` stored under ``name``, removed as it is read, so of readers that race
-        at most one gets it; None when nothing is there (never kept, taken, or expired) or what is
-        there does not decode as ``model`` (logged: it is gone either way)."""
-        async with self.redis.pipeline(transaction=True) as pipe:  # GETDEL, on a Redis older than 6.2
-            payload, _ = await pipe.get(f"{self.prefix}:{name}").delete(f"{self.prefix}:{name}").execute()
+    async def kept(self, name: str, model: type[M]) -> M | None:
+        """What :meth:`keep` stored under ``name``, left there: a reader cut off as the reply came
+        back, or one that dies before it has kept its own, loses nothing for the next one. None
+        when nothing is there (never kept, forgotten, or expired) or what is there does not decode
+        as ``model`` (logged)."""
+        payload = await self.redis.get(f"{self.prefix}:{name}")
         if payload is None:
             return None
         try:
             return decode(model, payload)
         except ValueError as exc:
-            log.error("dropping %s: it does not decode as %s (%s)", name, model.__name__, exc)
+            log.error("ignoring %s: it does not decode as %s (%s)", name, model.__name__, exc)
             return None
+
+    async def forget(self, name: str) -> None:
+        """Remove what :meth:`keep` stored under ``name`` (nothing there: nothing to do)."""
+        await self.redis.delete(f"{self.prefix}:{name}")
 
     async def read_all(self, stream: StreamDef[M], *, count: int = 1000) -> list[tuple[str, M]]:
         """The first ``count`` entries still on a stream (for inspection and tests)."""

@@ -102,7 +102,8 @@ class Progress:
     """How far one trajectory has got, for a worker that leaves before it ends: the trajectory
     once it has ended (``done``), else its turns up to the end of its last whole exchange
     (:meth:`unfinished`). The builder's lists only grow, so marking an exchange's end is noting
-    their lengths, and the state at the mark is their first entries."""
+    their lengths, and the state at the mark is their first entries: a keep reads them in a
+    thread while the trajectory goes on in the event loop, and what it reads is whole."""
 
     def __init__(self, kept: Trajectory | UnfinishedTrajectory | None = None) -> None:
         """``kept``: what a worker that left had done of this trajectory, which stands until this
@@ -135,16 +136,26 @@ class Progress:
             return self._mark[1]
         return len(self._kept.turn_spans) if self._kept is not None else 0
 
+    @property
+    def tokens(self) -> int:
+        """Completion tokens a hand-back keeps: a cheap measure of how large it is."""
+        if self.done is not None:
+            return int(self.done.completion_ids.size)
+        if self._mark is not None:
+            return self._mark[0]
+        return int(self._kept.completion_ids.size) if self._kept is not None else 0
+
     def unfinished(self) -> UnfinishedTrajectory | None:
         """The trajectory as of its last mark (before one, what it was handed back as); None once
         it has ended, but for an error (the gateway gone as the worker left), whose whole
         exchanges are kept to go on from; None too if it has no whole exchange yet."""
-        if self.done is not None and self.done.finish_reason != "error":
+        done, mark = self.done, self._mark  # each read once: the loop may move them meanwhile
+        if done is not None and done.finish_reason != "error":
             return None
-        if self._mark is None:
+        if mark is None:
             return self._kept
         b, calls, versions, (trajectory_id, sample_index, attempt) = self._of
-        tokens, turns, routed, n_calls, n_versions = self._mark
+        tokens, turns, routed, n_calls, n_versions = mark
         return UnfinishedTrajectory(
             trajectory_id=trajectory_id,
             sample_index=sample_index,
@@ -296,14 +307,12 @@ async def run_trajectory(
         if progress is not None:  # an exchange ends here: a worker that leaves keeps it
             progress.mark(time.perf_counter() - started)
 
-    routes = None
+    routes, end = None, len(b.completion)
     if limits.return_routed_experts and b.routes and error is None:
         routes = np.concatenate(b.routes, axis=0)
-        keep = (
-            routes.shape[0] + 1 - len(b.prompt)
-        )  # trailing glue whose routes were never computed is dropped
-        if keep < len(b.completion):
-            b.completion, b.mask, b.logprobs = b.completion[:keep], b.mask[:keep], b.logprobs[:keep]
+        # trailing glue whose routes were never computed is dropped; the builder itself is left as
+        # it is, since a keep of the group may be reading it in another thread (Progress)
+        end = min(end, routes.shape[0] + 1 - len(b.prompt))
     if engine_full:
         metrics.CONTEXT_FULL.inc()  # it ended at the engine's context, not at the run's
     final = extract_boxed(last_text) if finish == "answer" else None
@@ -313,9 +322,9 @@ async def run_trajectory(
         sample_index=sample_index,
         policy_version=min(versions, default=engine.weight_version),
         prompt_ids=np.asarray(b.prompt, dtype=np.int32),
-        completion_ids=np.asarray(b.completion, dtype=np.int32),
-        loss_mask=np.asarray(b.mask, dtype=np.uint8),
-        rollout_logprobs=np.asarray(b.logprobs, dtype=np.float32),
+        completion_ids=np.asarray(b.completion[:end], dtype=np.int32),
+        loss_mask=np.asarray(b.mask[:end], dtype=np.uint8),
+        rollout_logprobs=np.asarray(b.logprobs[:end], dtype=np.float32),
         turn_spans=tuple(b.spans),
         routed_experts=routes,
         tool_calls=tuple(calls),

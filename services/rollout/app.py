@@ -57,6 +57,8 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             date=settings.date,
             seed=settings.seed,
             options=settings.consumer_options(),
+            keep_every_s=settings.keep_every_s,
+            keep_growth=settings.keep_growth,
         )
         return worker, [tools.aclose, engine.aclose, bus.close]
 

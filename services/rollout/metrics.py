@@ -61,8 +61,16 @@ RESUMED = Counter(
 RESUMED_TURNS = Counter(
     "pbsd_rollout_resumed_turns_total", "Turns of handed-back trajectories not sampled again"
 )
+PROGRESS_KEEPS = Counter(
+    "pbsd_rollout_progress_keeps_total",
+    "Begun groups kept while they sample, for the worker that takes them over should this one die "
+    "(kept, failed)",
+    ["outcome"],
+)
 # every state exported from the start at 0, so a dashboard shows none rather than no data
 for _state in ("finished", "unfinished"):
     HANDED_BACK.labels(_state)
 for _state in ("finished", "unfinished", "dropped"):
     RESUMED.labels(_state)
+for _state in ("kept", "failed"):
+    PROGRESS_KEEPS.labels(_state)

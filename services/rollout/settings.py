@@ -35,6 +35,21 @@ class RolloutSettings(WorkerSettings):
             "only when started with --enable-deterministic-inference"
         ),
     )
+    keep_every_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="how often each group being sampled is kept in Redis (when it has grown: KEEP_GROWTH), so that the worker taking over "
+        "from one killed outright (out of memory, its node lost) goes on from there; 0: kept only as "
+        "the worker leaves on SIGTERM",
+    )
+    keep_growth: float = Field(
+        default=0.25,
+        ge=0,
+        description="a group is kept again as it samples only once it has grown by this fraction of its "
+        "tokens since its last keep: the keeps then write at most 1 + 1/growth times the group's size "
+        "however long it samples (routes included), and a worker killed outright loses at most this "
+        "fraction of it",
+    )
     accept_broadcast: bool = Field(
         default=False,
         description="take policy versions the trainer broadcasts (SGLang's weight-update endpoints on "

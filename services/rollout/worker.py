@@ -19,27 +19,26 @@ weights seen) is dropped on sight, while it waits, and once sampled, unpublished
 A validation prompt (``purpose == "eval"``, published by the trainer with its own sampling
 settings) is sampled the same way and its group goes to the evals stream, for the trainer.
 
-A worker that leaves (a scale-down, a rolling restart) keeps what it had done of each group it
-had begun, the trajectories it finished and the whole exchanges of the others, and the worker
-that takes the prompt next goes on from there (:mod:`proto.handback`), unless that work is of
-another run or timeline, or too stale for the prompt's step: then the group starts again.
+A worker keeps what it has done of each group it has begun (the trajectories it finished,
+the whole exchanges of the others) as it leaves and as it samples, and the worker that takes
+the prompt next goes on from there (:mod:`services.rollout.begun`, :mod:`proto.handback`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 
 from agent.chat import ChatTokenizer
 from agent.prompt import system_prompt, user_prompt
-from proto.handback import HandedBack, handback_key
+from proto.handback import HandedBack
 from proto.messages import PromptTask, Trajectory, TrajectoryGroup, group_message_id
 from proto.streams import EVALS, PROMPTS, TRAJECTORIES
-from services.bus import REDIS_DOWN, Bus, ConsumerOptions, Delivery
+from services.bus import Bus, ConsumerOptions, Delivery
 from services.policy_worker import PolicyWorker
 from services.rollout import metrics
 from services.rollout.agent import AgentLimits, Progress, run_trajectory
+from services.rollout.begun import Begun, KeepsBegun
 from services.rollout.engine import Engine
 from services.tasks import gather_or_cancel
 from services.tools.client import Tools
@@ -49,44 +48,8 @@ log = logging.getLogger(__name__)
 __all__ = ["RolloutWorker"]
 
 
-@dataclass
-class _Begun:
-    """A group being sampled: its prompt, where that was published, each trajectory's progress,
-    and the weights it was sampled with (``TrajectoryGroup.policy_timelines``)."""
-
-    task: PromptTask
-    entry_id: str = ""
-    slots: list[Progress] = field(default_factory=list)
-    held: dict[str, int] = field(default_factory=dict)
-
-    def take_up(self, kept: HandedBack | None) -> None:
-        """Start from what a worker that left kept (None: from nothing)."""
-        self.slots = [Progress(kept.of(i) if kept else None) for i in range(self.task.rollout.group_size)]
-        self.held = dict(kept.policy_timelines) if kept else {}
-
-
-def _handed_back(begun: _Begun) -> HandedBack | None:
-    """What is kept of a begun group: the trajectories that ended but in error (an error is
-    sampled again from its last whole exchange), and the others' whole exchanges; None if none."""
-    finished = tuple(p.done for p in begun.slots if p.done is not None and p.done.finish_reason != "error")
-    unfinished = tuple(u for p in begun.slots if (u := p.unfinished()) is not None)
-    if not (finished or unfinished):
-        return None
-    return HandedBack(
-        run_id=begun.task.run_id,
-        task_message_id=begun.task.message_id,
-        policy_timelines=dict(begun.held),
-        finished=finished,
-        unfinished=unfinished,
-    )
-
-
-class RolloutWorker(PolicyWorker):
+class RolloutWorker(KeepsBegun, PolicyWorker):
     stream = PROMPTS
-    # how long a leaving worker's groups wait for the worker that takes their prompts next: it
-    # takes them at once, as the prompts are handed back; this only bounds what a run that ended
-    # meanwhile leaves in Redis
-    handback_ttl_s: float = 3600.0
 
     def __init__(
         self,
@@ -100,15 +63,20 @@ class RolloutWorker(PolicyWorker):
         date: str | None = None,
         seed: int | None = None,
         options: ConsumerOptions | None = None,
+        keep_every_s: float = 30.0,
+        keep_growth: float = 0.25,
     ) -> None:
+        """``keep_every_s``: how often each begun group is kept as it samples (0: only as the
+        worker leaves), once it has grown by ``keep_growth`` since it was last kept."""
         super().__init__(bus, name=name, concurrency=concurrency, options=options)
+        self.keep_every_s, self.keep_growth = keep_every_s, keep_growth
         self.engine = engine
         self.tools = tools
         self.tokenizer = tokenizer
         self.date = date
         self.seed = seed
         self.system: str | None = None
-        self.begun: dict[str, _Begun] = {}  # by the prompt task's message id
+        self.begun: dict[str, Begun] = {}  # by the prompt task's message id
 
     @property
     def version(self) -> int:
@@ -157,7 +125,7 @@ class RolloutWorker(PolicyWorker):
             self.dropped_ended(task)
             return
         # registered before the take: once taken, what a worker that left kept is this one's to keep
-        begun = self.begun[task.message_id] = _Begun(task, delivery.entry_id)
+        begun = self.begun[task.message_id] = Begun(task, delivery.entry_id)
         cut_off = False
         try:
             begun.take_up(await self._take_handed_back(task))
@@ -166,18 +134,20 @@ class RolloutWorker(PolicyWorker):
             cut_off = self.leaving  # what it did is kept as it leaves (keep_begun)
             raise
         finally:
+            # ended otherwise (it failed, say), what was kept stays for the next delivery
+            begun.closed = not cut_off
             if not cut_off and self.begun.get(task.message_id) is begun:  # a second delivery's is its own
                 del self.begun[task.message_id]
         if group is None or self.run_is_over(task.run_id, delivery.entry_id):  # no one wants it now
             self.dropped_ended(task)
-            return
-        if task.purpose == "eval":  # a validation prompt: straight to the trainer, nothing to score
+        elif task.purpose == "eval":  # a validation prompt: straight to the trainer, nothing to score
             await self.bus.publish(EVALS, group)
             metrics.EVAL_GROUPS.inc()
-            return
-        metrics.STALENESS.observe(max(0, task.step - group.policy_version))
-        await self.bus.publish(TRAJECTORIES, group)
-        metrics.GROUPS.inc()
+        else:
+            metrics.STALENESS.observe(max(0, task.step - group.policy_version))
+            await self.bus.publish(TRAJECTORIES, group)
+            metrics.GROUPS.inc()
+        await self._forget(begun)
 
     async def _unless_over(self, sampling, task: PromptTask, delivery: Delivery) -> TrajectoryGroup | None:
         """The group ``sampling`` makes, or None once the task's run is over (its end announced, or a
@@ -198,71 +168,18 @@ class RolloutWorker(PolicyWorker):
             await asyncio.gather(sampled, ended, return_exceptions=True)
         return None if sampled.cancelled() else sampled.result()
 
-    # -- a leaving worker's groups (proto.handback) ------------------------------------
-    async def keep_begun(self) -> None:
-        """Each begun group's work, the furthest on first: the time to keep them is bounded, and a
-        group that cannot be kept (too large, Redis out of memory, or anything else) starts again
-        without keeping the others from being kept. The copying and encoding run in a thread, so
-        the bound holds over them too."""
-        begun = [b for b in self.begun.values() if not self.run_is_over(b.task.run_id, b.entry_id)]
-        self.begun = {}
-        for group in sorted(begun, key=lambda b: -sum(p.turns for p in b.slots)):
-            try:
-                kept = await asyncio.to_thread(_handed_back, group)
-                if kept is None:
-                    continue
-                await self.bus.keep(handback_key(group.task.message_id), kept, ttl_s=self.handback_ttl_s)
-            except REDIS_DOWN:
-                raise  # none of the others would be kept either
-            except Exception as exc:
-                log.warning("task %s starts again elsewhere: %s", group.task.task_id, exc)
-                continue
-            metrics.HANDED_BACK.labels("finished").inc(len(kept.finished))
-            metrics.HANDED_BACK.labels("unfinished").inc(len(kept.unfinished))
-
-    async def _take_handed_back(self, task: PromptTask) -> HandedBack | None:
-        """What a worker that left kept of this task's group, if it may be gone on from: of this
-        task, of the weights timeline its run is on, of the prompt this worker writes, no staler
-        than the task's step allows (the trainer would drop the group), and within the group."""
-        kept = await self.bus.take(handback_key(task.message_id), HandedBack)
-        if kept is None:
-            return None
-        oldest, work, prompt = kept.policy_version, (*kept.finished, *kept.unfinished), self._prompt_ids(task)
-        why = None
-        if kept.run_id != task.run_id or kept.task_message_id != task.message_id:
-            why = "it is of another task"
-        elif any(
-            (task.timeline and t != task.timeline) or self.label_outdated(task.run_id, t)
-            for t in kept.policy_timelines
-        ):
-            why = "it was sampled with weights of a timeline the run has left (a trainer resumed)"
-        elif any(t.prompt_ids.tolist() != prompt for t in work):
-            why = "its prompt is not this worker's (another tool catalogue or date)"
-        elif oldest is not None and oldest < task.step - task.rollout.max_staleness:
-            why = f"it was sampled with version {oldest}, too stale for step {task.step}"
-        elif any(t.sample_index >= task.rollout.group_size for t in work):
-            why = "it has samples past the group's size"
-        if why is not None:
-            log.info("task %s starts again: what a leaving worker kept is dropped, %s", task.task_id, why)
-            metrics.RESUMED.labels("dropped").inc(len(work))
-            return None
-        metrics.RESUMED.labels("finished").inc(len(kept.finished))
-        metrics.RESUMED.labels("unfinished").inc(len(kept.unfinished))
-        metrics.RESUMED_TURNS.inc(sum(len(t.turn_spans) for t in kept.unfinished))
-        return kept
-
     def _prompt_ids(self, task: PromptTask) -> list[int]:
         """The prompt this worker's trajectories of ``task`` start with (as run_trajectory makes it)."""
         return self.tokenizer.prompt_ids(self.system or "", user_prompt(task.question))
 
     # -- sampling ---------------------------------------------------------------------
     async def sample_group(
-        self, task: PromptTask, kept: HandedBack | None = None, *, begun: _Begun | None = None
+        self, task: PromptTask, kept: HandedBack | None = None, *, begun: Begun | None = None
     ) -> TrajectoryGroup:
         """``task``'s group, gone on from ``kept`` (what a worker that left kept), or from what
         ``begun`` has taken up (a handler's, which a leaving keeps)."""
         if begun is None:
-            begun = _Begun(task)
+            begun = Begun(task)
             begun.take_up(kept)
         r = task.rollout
         limits = AgentLimits(
