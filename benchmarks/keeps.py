@@ -1,0 +1,201 @@
+"""What a rollout worker's keeps of a group cost (services/rollout/begun.py).
+
+A worker keeps each group it samples every PBSD_ROLLOUT_KEEP_EVERY_S, once the group has grown
+by PBSD_ROLLOUT_KEEP_GROWTH of its tokens, so a worker killed outright leaves its last keep.
+
+1. One keep of the paper's largest group (G = 8 trajectories of 64,500 completion tokens: a
+   500-token prompt, then 150 exchanges of a 200-token turn and a 230-token tool result),
+   without routes and with a 48-layer top-8 model's routes: copying it out of the trajectories
+   (in a thread, as the worker does), encoding it, and storing it in a private Redis. Baseline:
+   publishing the finished group once, as every group is.
+2. What the keeps write over the group's life: the group grows one exchange per trajectory at a
+   time, and a keep round follows every exchange (the worst case: keep_every_s shorter than a
+   turn). Figure: tokens written by the keeps over the group's final size, with the growth rule
+   (ours) and without it (a keep at every round that moved, the baseline). Goal: 1 + 1/growth.
+
+Run: ``.venv/bin/python benchmarks/keeps.py [--repeats 3] [--no-routes]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import subprocess
+import time
+from statistics import median
+
+import numpy as np
+
+from proto.base import encode
+from proto.messages import PromptTask, Trajectory, TrajectoryGroup, group_message_id
+from proto.runs import PbsdSpec, RolloutSpec
+from proto.streams import TRAJECTORIES
+from services.bus import Bus
+from services.local_redis import LocalRedis
+from services.rollout.agent import _Builder
+from services.rollout.begun import Begun, KeepsBegun, handed_back
+
+G, PROMPT, EXCHANGES, TURN, GLUE = 8, 500, 150, 200, 230
+LAYERS, TOP_K = 48, 8
+
+
+def _task() -> PromptTask:
+    return PromptTask(
+        run_id="bench",
+        task_id="bench:0",
+        question_id="q",
+        question="q?",
+        answer="a",
+        index=0,
+        step=0,
+        algorithm=PbsdSpec(),
+        rollout=RolloutSpec(group_size=G, return_routed_experts=True),
+    )
+
+
+class _Group:
+    """A begun group whose trajectories grow an exchange at a time, as the agent loop grows them."""
+
+    def __init__(self, routes: bool) -> None:
+        self.routes = routes
+        self.begun = Begun(_task())
+        self.begun.take_up(None)
+        self.builders, self.versions = [], []
+        for i, progress in enumerate(self.begun.slots):
+            b, versions = _Builder(list(range(PROMPT))), []
+            progress.follow(b, [], versions, (f"bench:0/{i}", i, f"bench:0/{i}#b"))
+            self.builders.append(b)
+            self.versions.append(versions)
+
+    def exchange(self) -> None:
+        for b, versions, progress in zip(self.builders, self.versions, self.begun.slots, strict=True):
+            first = not b.spans
+            b.generated([7] * TURN, [-0.5] * TURN)
+            versions.append(0)
+            if self.routes:  # the engine routes what it was fed since last time and what it wrote
+                rows = PROMPT + TURN - 1 if first else GLUE + TURN
+                b.routes.append(np.full((rows, LAYERS, TOP_K), 3, dtype=np.uint8))
+                b.routed += rows
+            b.glue([9] * GLUE)
+            progress.mark(0.0)
+
+
+class _Recording:
+    """A bus that notes the completion tokens of each keep instead of storing it."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    async def keep(self, name, message, *, ttl_s) -> None:
+        self.written += sum(t.completion_ids.size for t in (*message.finished, *message.unfinished))
+
+
+class _Keeper(KeepsBegun):
+    def __init__(self, bus, growth: float) -> None:
+        self.bus, self.begun, self.keep_every_s, self.keep_growth = bus, {}, 1.0, growth
+
+
+async def _written_over_life(growth: float) -> float:
+    group, bus = _Group(routes=False), _Recording()
+    keeper = _Keeper(bus, growth)
+    for _ in range(EXCHANGES):
+        group.exchange()
+        await keeper._keep(group.begun, growth)
+    return bus.written / group.begun.tokens()
+
+
+async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
+    group = _Group(routes)
+    for _ in range(EXCHANGES):
+        group.exchange()
+    bus = Bus.from_url(url, prefix="bench")
+    copy, enc, store, publish = [], [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        kept = await asyncio.to_thread(handed_back, group.begun)
+        t1 = time.perf_counter()
+        payload = await asyncio.to_thread(encode, kept)
+        t2 = time.perf_counter()
+        await bus.keep("handback:bench", kept, ttl_s=60)  # encodes again, then SET
+        t3 = time.perf_counter()
+        copy.append(t1 - t0)
+        enc.append(t2 - t1)
+        store.append(t3 - t2)
+        finished = TrajectoryGroup(
+            message_id=group_message_id(f"m{len(publish)}"),
+            run_id="bench",
+            task_id="bench:0",
+            question_id="q",
+            question="q?",
+            answer="a",
+            policy_version=0,
+            algorithm=PbsdSpec(),
+            trajectories=tuple(_as_finished(kept.unfinished)),
+        )
+        t4 = time.perf_counter()
+        await bus.publish(TRAJECTORIES, finished)
+        publish.append(time.perf_counter() - t4)
+        await bus.redis.delete(bus.key(TRAJECTORIES))
+    await bus.close()
+    return {
+        "mb": len(payload) / 1e6,
+        "copy": median(copy),
+        "encode": median(enc),
+        "keep": median(store),
+        "publish": median(publish),
+    }
+
+
+def _as_finished(unfinished):
+    """The unfinished trajectories as the finished ones the group would publish (their last tool
+    result dropped, as a trajectory that ends on an answer has none)."""
+    for u in unfinished:
+        end = u.turn_spans[-1][1]
+        yield Trajectory(
+            trajectory_id=u.trajectory_id,
+            sample_index=u.sample_index,
+            policy_version=0,
+            prompt_ids=u.prompt_ids,
+            completion_ids=u.completion_ids[:end],
+            loss_mask=u.loss_mask[:end],
+            rollout_logprobs=u.rollout_logprobs[:end],
+            turn_spans=u.turn_spans,
+            routed_experts=u.routed_experts,
+            finish_reason="answer",
+        )
+
+
+async def main(repeats: int, routes: bool) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit.strip()}, "
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
+    )
+    print(f"\n1. one keep of G = {G} x {EXCHANGES * (TURN + GLUE):,} tokens (median of {repeats})")
+    print(
+        "| routes | MB | copy ms | encode ms | keep (encode + SET) ms | baseline: publish the group once, ms |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    with LocalRedis() as redis:
+        for with_routes in (False, True) if routes else (False,):
+            r = await _one_keep(redis.url, with_routes, repeats)
+            name = f"{LAYERS} layers x top-{TOP_K}" if with_routes else "none"
+            print(
+                f"| {name} | {r['mb']:.1f} | {1e3 * r['copy']:.0f} | {1e3 * r['encode']:.0f} | "
+                f"{1e3 * r['keep']:.0f} | {1e3 * r['publish']:.0f} |"
+            )
+    print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
+    print("| rule | written / final size | goal |")
+    print("|---|---:|---:|")
+    for growth in (0.25, 0.1):
+        print(f"| ours, growth {growth} | {await _written_over_life(growth):.2f} | <= {1 + 1 / growth:.0f} |")
+    print(f"| baseline: every round that moved | {await _written_over_life(0.0):.2f} | |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-routes", action="store_true", help="skip the group with routes (200 MB)")
+    args = parser.parse_args()
+    asyncio.run(main(args.repeats, not args.no_routes))
