@@ -6,8 +6,9 @@ by PBSD_ROLLOUT_KEEP_GROWTH of its tokens, so a worker killed outright leaves it
 1. One keep of the paper's largest group (G = 8 trajectories of 64,500 completion tokens: a
    500-token prompt, then 150 exchanges of a 200-token turn and a 230-token tool result),
    without routes and with a 48-layer top-8 model's routes: copying it out of the trajectories
-   (in a thread, as the worker does), encoding it, and storing it in a private Redis. Baseline:
-   publishing the finished group once, as every group is.
+   (in a thread, as the worker does), encoding it, and storing it in a private Redis, with the
+   event loop's longest stall meanwhile. Baseline: publishing the finished group once, as every
+   group is.
 2. What the keeps write over the group's life: the group grows one exchange per trajectory at a
    time, and a keep round follows every exchange (the worst case: keep_every_s shorter than a
    turn). Figure: tokens written by the keeps over the group's final size, with the growth rule
@@ -105,23 +106,46 @@ async def _written_over_life(growth: float) -> float:
     return bus.written / group.begun.tokens()
 
 
+class _Stalls:
+    """The event loop's longest stall while a block runs: a 5 ms sleep timed over and over."""
+
+    async def __aenter__(self):
+        self.longest = 0.0
+
+        async def tick() -> None:
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(0.005)
+                self.longest = max(self.longest, time.perf_counter() - t - 0.005)
+
+        self.ticking = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.ticking.cancel()
+
+
 async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
     group = _Group(routes)
     for _ in range(EXCHANGES):
         group.exchange()
     bus = Bus.from_url(url, prefix="bench")
-    copy, enc, store, publish = [], [], [], []
+    copy, enc, store, publish, stalls = [], [], [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        kept = await asyncio.to_thread(handed_back, group.begun)
+        async with _Stalls() as copying:
+            kept = await asyncio.to_thread(handed_back, group.begun)
         t1 = time.perf_counter()
         payload = await asyncio.to_thread(encode, kept)
         t2 = time.perf_counter()
-        await bus.keep("handback:bench", kept, ttl_s=60)  # encodes again, then SET
+        async with _Stalls() as keeping:
+            await bus.keep("handback:bench", kept, ttl_s=60)  # encodes again, then SET
         t3 = time.perf_counter()
         copy.append(t1 - t0)
         enc.append(t2 - t1)
         store.append(t3 - t2)
+        stalls.append((copying.longest, keeping.longest))
         finished = TrajectoryGroup(
             message_id=group_message_id(f"m{len(publish)}"),
             run_id="bench",
@@ -144,6 +168,8 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
         "encode": median(enc),
         "keep": median(store),
         "publish": median(publish),
+        "stall_copy": max(s[0] for s in stalls),
+        "stall_keep": max(s[1] for s in stalls),
     }
 
 
@@ -174,16 +200,17 @@ async def main(repeats: int, routes: bool) -> None:
     )
     print(f"\n1. one keep of G = {G} x {EXCHANGES * (TURN + GLUE):,} tokens (median of {repeats})")
     print(
-        "| routes | MB | copy ms | encode ms | keep (encode + SET) ms | baseline: publish the group once, ms |"
+        "| routes | MB | copy ms | encode ms | keep (encode + SET) ms | baseline: publish the group once, ms | longest loop stall, copy / keep ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     with LocalRedis() as redis:
         for with_routes in (False, True) if routes else (False,):
             r = await _one_keep(redis.url, with_routes, repeats)
             name = f"{LAYERS} layers x top-{TOP_K}" if with_routes else "none"
             print(
                 f"| {name} | {r['mb']:.1f} | {1e3 * r['copy']:.0f} | {1e3 * r['encode']:.0f} | "
-                f"{1e3 * r['keep']:.0f} | {1e3 * r['publish']:.0f} |"
+                f"{1e3 * r['keep']:.0f} | {1e3 * r['publish']:.0f} | "
+                f"{1e3 * r['stall_copy']:.0f} / {1e3 * r['stall_keep']:.0f} |"
             )
     print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
     print("| rule | written / final size | goal |")
