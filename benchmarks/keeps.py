@@ -131,7 +131,7 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
     for _ in range(EXCHANGES):
         group.exchange()
     bus = Bus.from_url(url, prefix="bench")
-    copy, enc, store, publish, stalls = [], [], [], [], []
+    copy, enc, store, publish, stalls, publish_stalls = [], [], [], [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         async with _Stalls() as copying:
@@ -158,8 +158,10 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
             trajectories=tuple(_as_finished(kept.unfinished)),
         )
         t4 = time.perf_counter()
-        await bus.publish(TRAJECTORIES, finished)
+        async with _Stalls() as publishing:
+            await bus.publish(TRAJECTORIES, finished)
         publish.append(time.perf_counter() - t4)
+        publish_stalls.append(publishing.longest)
         await bus.redis.delete(bus.key(TRAJECTORIES))
     await bus.close()
     return {
@@ -170,6 +172,7 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
         "publish": median(publish),
         "stall_copy": max(s[0] for s in stalls),
         "stall_keep": max(s[1] for s in stalls),
+        "stall_publish": max(publish_stalls),
     }
 
 
@@ -200,7 +203,7 @@ async def main(repeats: int, routes: bool) -> None:
     )
     print(f"\n1. one keep of G = {G} x {EXCHANGES * (TURN + GLUE):,} tokens (median of {repeats})")
     print(
-        "| routes | MB | copy ms | encode ms | keep (encode + SET) ms | baseline: publish the group once, ms | longest loop stall, copy / keep ms |"
+        "| routes | MB | copy ms | encode ms | keep (encode + SET) ms | baseline: publish the group once, ms | longest loop stall, copy / keep / publish ms |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     with LocalRedis() as redis:
@@ -210,7 +213,7 @@ async def main(repeats: int, routes: bool) -> None:
             print(
                 f"| {name} | {r['mb']:.1f} | {1e3 * r['copy']:.0f} | {1e3 * r['encode']:.0f} | "
                 f"{1e3 * r['keep']:.0f} | {1e3 * r['publish']:.0f} | "
-                f"{1e3 * r['stall_copy']:.0f} / {1e3 * r['stall_keep']:.0f} |"
+                f"{1e3 * r['stall_copy']:.0f} / {1e3 * r['stall_keep']:.0f} / {1e3 * r['stall_publish']:.0f} |"
             )
     print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
     print("| rule | written / final size | goal |")
