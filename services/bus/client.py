@@ -72,7 +72,9 @@ class Bus(ConsumerGroups):
         consumers trim what every group has acknowledged (:meth:`trim_acked`), and a Redis that runs
         out of memory refuses the XADD, loudly."""
         _check_type(stream, message)
-        payload = self._encode(stream, message)
+        # in a thread: a group with routes is hundreds of MiB, whose encoding held the event loop
+        # (and every trajectory it drives) for a third of a second
+        payload = await asyncio.to_thread(self._encode, stream, message)
         entry_id = await self.redis.xadd(
             self.key(stream),
             {b"type": stream.model.__name__, b"mid": message.message_id, b"data": payload},
