@@ -11,8 +11,9 @@ by PBSD_ROLLOUT_KEEP_GROWTH of its tokens, so a worker killed outright leaves it
    group is.
 2. What the keeps write over the group's life: the group grows one exchange per trajectory at a
    time, and a keep round follows every exchange (the worst case: keep_every_s shorter than a
-   turn). Figure: tokens written by the keeps over the group's final size, with the growth rule
-   (ours) and without it (a keep at every round that moved, the baseline). Goal: 1 + 1/growth.
+   turn). Figure: tokens written by the keeps (prompts and completions, which the bytes follow)
+   over the group's final size, with the growth rule (ours) and without it (a keep at every
+   round that moved, the baseline). Goal: 1 + 1/growth.
 
 Run: ``.venv/bin/python benchmarks/keeps.py [--repeats 3] [--no-routes]``.
 """
@@ -83,13 +84,16 @@ class _Group:
 
 
 class _Recording:
-    """A bus that notes the completion tokens of each keep instead of storing it."""
+    """A bus that notes the tokens of each keep (prompts and completions) instead of storing it."""
 
     def __init__(self) -> None:
         self.written = 0
 
     async def keep(self, name, message, *, ttl_s) -> None:
-        self.written += sum(t.completion_ids.size for t in (*message.finished, *message.unfinished))
+        self.written += message.tokens
+
+    async def prolong(self, name, *, ttl_s) -> None:
+        return None
 
 
 class _Keeper(KeepsBegun):

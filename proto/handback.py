@@ -89,6 +89,11 @@ class HandedBack(Message):
         return next((t for t in (*self.finished, *self.unfinished) if t.sample_index == sample_index), None)
 
     @property
+    def tokens(self) -> int:
+        """Tokens kept, prompts and completions: what the value's size grows with."""
+        return sum(t.prompt_ids.size + t.completion_ids.size for t in (*self.finished, *self.unfinished))
+
+    @property
     def policy_version(self) -> int | None:
         """The oldest version any of the kept work was sampled with (None: nothing is kept)."""
         versions = [t.policy_version for t in (*self.finished, *self.unfinished)]

@@ -15,9 +15,9 @@ from proto.handback import HandedBack, handback_key
 from proto.streams import PROMPTS, TRAJECTORIES
 from services.bus import ConsumerOptions
 from services.rollout import metrics
-from services.rollout.agent import _Builder
-from services.rollout.begun import Begun
-from tests.test_rollout_handback import _count, _Engine, _task, _until, _worker
+from services.rollout.agent import Progress, _Builder
+from services.rollout.begun import Begun, handed_back
+from tests.test_rollout_handback import _count, _ended, _Engine, _task, _until, _worker
 
 # heartbeats every 0.1 s: a dead consumer's prompt is taken over after ten missed ones, 1 s
 QUICK = ConsumerOptions(block_ms=50, heartbeat_ms=100)
@@ -155,13 +155,59 @@ async def test_as_it_samples_a_group_is_kept_again_only_once_it_has_grown_by_kee
         kept = await bus.kept(handback_key(begun.task.message_id), HandedBack)
         return kept.unfinished[0].completion_ids.size
 
-    exchange(96)
+    exchange(96)  # 105 tokens with the prompt's 5
     assert await worker._keep(begun, 0.25) and await kept_size() == 100
-    exchange(16)  # 120 tokens: grown by a fifth
+    exchange(17)  # 126: grown by less than a quarter
     assert not await worker._keep(begun, 0.25) and await kept_size() == 100
-    exchange(1)  # 125 tokens: by a quarter
-    assert await worker._keep(begun, 0.25) and await kept_size() == 125
+    exchange(2)  # 132: by more than a quarter (131.25)
+    assert await worker._keep(begun, 0.25) and await kept_size() == 127
     exchange(1)  # as the worker leaves, any whole exchange more is kept
     assert not await worker._keep(begun, 0.25)
-    assert await worker._keep(begun) and await kept_size() == 130
+    assert await worker._keep(begun) and await kept_size() == 132
     assert not await worker._keep(begun)  # and nothing twice
+
+
+async def test_the_last_keep_is_renewed_while_the_group_samples_without_growing(bus, tok):
+    """The growth rule can hold a long group's keep for longer than its lifetime: each round
+    renews it, so it does not expire while the group is sampled."""
+    worker = _worker(bus, _Engine(tok), tok)
+    begun = Begun(_task(group_size=1))
+    begun.take_up(None)
+    builder, versions = _Builder(list(range(5))), []
+    begun.slots[0].follow(builder, [], versions, ("r:0/0", 0, "r:0/0#a"))
+    builder.generated([1, 2], [-0.5, -0.5])
+    versions.append(0)
+    builder.glue([3])
+    begun.slots[0].mark(0.0)
+    key = f"{bus.prefix}:{handback_key(begun.task.message_id)}"
+    assert await worker._keep(begun, 0.25)
+    await bus.redis.pexpire(key, 2000)
+    assert not await worker._keep(begun, 0.25)  # it has not moved
+    assert await bus.redis.pttl(key) > 3_000_000  # an hour again
+
+
+def test_a_trajectory_that_ends_as_the_keep_reads_it_is_kept_once(tok):
+    class EndsAsItIsRead(Progress):
+        """Not ended at the first read of ``done``, ended at every later one."""
+
+        reads = 0
+
+        @property
+        def done(self):
+            self.reads += 1
+            return None if self.reads <= 1 else _ended(0)
+
+        @done.setter
+        def done(self, value) -> None:
+            pass
+
+    begun = Begun(_task(group_size=1))
+    progress = EndsAsItIsRead()
+    begun.slots = [progress]
+    builder, versions = _Builder(list(range(5))), [0]
+    progress.follow(builder, [], versions, ("r:0/0", 0, "r:0/0#a"))
+    builder.generated([1, 2], [-0.5, -0.5])
+    builder.glue([3])
+    progress.mark(0.0)
+    kept = handed_back(begun)
+    assert len(kept.finished) + len(kept.unfinished) == 1

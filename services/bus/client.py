@@ -251,6 +251,11 @@ class Bus(ConsumerGroups):
             log.error("ignoring %s: it does not decode as %s (%s)", name, model.__name__, exc)
             return None
 
+    async def prolong(self, name: str, *, ttl_s: float) -> None:
+        """Keep what :meth:`keep` stored under ``name`` for ``ttl_s`` seconds from now (nothing
+        there: nothing to do)."""
+        await self.redis.pexpire(f"{self.prefix}:{name}", max(1, round(ttl_s * 1000)))
+
     async def forget(self, name: str) -> None:
         """Remove what :meth:`keep` stored under ``name`` (nothing there: nothing to do)."""
         await self.redis.delete(f"{self.prefix}:{name}")

@@ -99,11 +99,11 @@ class _Builder:
 
 
 class Progress:
-    """How far one trajectory has got, for a worker that leaves before it ends: the trajectory
-    once it has ended (``done``), else its turns up to the end of its last whole exchange
-    (:meth:`unfinished`). The builder's lists only grow, so marking an exchange's end is noting
-    their lengths, and the state at the mark is their first entries: a keep reads them in a
-    thread while the trajectory goes on in the event loop, and what it reads is whole."""
+    """How far one trajectory has got, for a worker that leaves or dies before it ends: the
+    trajectory once it has ended (``done``), else its turns up to the end of its last whole
+    exchange (:meth:`kept_now`). The builder's lists only grow, so marking an exchange's end is
+    noting their lengths, and the state at the mark is their first entries: a keep reads them in
+    a thread while the trajectory goes on in the event loop, and what it reads is whole."""
 
     def __init__(self, kept: Trajectory | UnfinishedTrajectory | None = None) -> None:
         """``kept``: what a worker that left had done of this trajectory, which stands until this
@@ -111,8 +111,7 @@ class Progress:
         self.done: Trajectory | None = kept if isinstance(kept, Trajectory) else None
         self._kept = kept if isinstance(kept, UnfinishedTrajectory) else None
         self._of: tuple | None = None  # the builder, calls, versions and ids being followed
-        self._mark: tuple[int, ...] | None = None
-        self._seconds = 0.0
+        self._mark: tuple | None = None  # the lists' lengths at the last exchange's end, and its time
 
     @property
     def kept(self) -> UnfinishedTrajectory | None:
@@ -124,8 +123,7 @@ class Progress:
 
     def mark(self, seconds: float) -> None:
         b, calls, versions, _ = self._of
-        self._mark = (len(b.completion), len(b.spans), len(b.routes), len(calls), len(versions))
-        self._seconds = seconds
+        self._mark = (len(b.completion), len(b.spans), len(b.routes), len(calls), len(versions), seconds)
 
     @property
     def turns(self) -> int:
@@ -138,24 +136,27 @@ class Progress:
 
     @property
     def tokens(self) -> int:
-        """Completion tokens a hand-back keeps: a cheap measure of how large it is."""
+        """Tokens a hand-back keeps, prompt and completion: a cheap measure of how large it is."""
         if self.done is not None:
-            return int(self.done.completion_ids.size)
+            return int(self.done.prompt_ids.size + self.done.completion_ids.size)
         if self._mark is not None:
-            return self._mark[0]
-        return int(self._kept.completion_ids.size) if self._kept is not None else 0
+            return len(self._of[0].prompt) + self._mark[0]
+        return (
+            int(self._kept.prompt_ids.size + self._kept.completion_ids.size) if self._kept is not None else 0
+        )
 
-    def unfinished(self) -> UnfinishedTrajectory | None:
-        """The trajectory as of its last mark (before one, what it was handed back as); None once
-        it has ended, but for an error (the gateway gone as the worker left), whose whole
-        exchanges are kept to go on from; None too if it has no whole exchange yet."""
+    def kept_now(self) -> Trajectory | UnfinishedTrajectory | None:
+        """What a keep holds of it now: the trajectory once it has ended, but for an error (the
+        gateway gone as the worker left), whose whole exchanges are kept to go on from; else the
+        trajectory as of its last mark (before one, what it was handed back as); None if it has
+        no whole exchange yet."""
         done, mark = self.done, self._mark  # each read once: the loop may move them meanwhile
         if done is not None and done.finish_reason != "error":
-            return None
+            return done
         if mark is None:
             return self._kept
         b, calls, versions, (trajectory_id, sample_index, attempt) = self._of
-        tokens, turns, routed, n_calls, n_versions = mark
+        tokens, turns, routed, n_calls, n_versions, seconds = mark
         return UnfinishedTrajectory(
             trajectory_id=trajectory_id,
             sample_index=sample_index,
@@ -168,7 +169,7 @@ class Progress:
             tool_calls=tuple(calls[:n_calls]),
             versions=tuple(versions[:n_versions]),
             attempt=attempt,
-            generation_s=self._seconds,
+            generation_s=seconds,
         )
 
 

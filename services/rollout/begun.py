@@ -12,8 +12,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from proto.handback import HandedBack, handback_key
-from proto.messages import PromptTask
+from proto.handback import HandedBack, UnfinishedTrajectory, handback_key
+from proto.messages import PromptTask, Trajectory
 from services.bus import REDIS_DOWN, Bus, MessageTooLarge
 from services.rollout import metrics
 from services.rollout.agent import Progress
@@ -55,15 +55,17 @@ class Begun:
         self.slots = [Progress(kept.of(i) if kept else None) for i in range(self.task.rollout.group_size)]
         self.held = dict(kept.policy_timelines) if kept else {}
         if kept is not None:
-            self.kept_at, self.kept_tokens = self.reached(), self.tokens()
+            self.kept_at, self.kept_tokens = self.reached(), kept.tokens
             self.kept_counts = (len(kept.finished), len(kept.unfinished))
 
 
 def handed_back(begun: Begun) -> HandedBack | None:
     """What is kept of a begun group: the trajectories that ended but in error (an error is
-    sampled again from its last whole exchange), and the others' whole exchanges; None if none."""
-    finished = tuple(p.done for p in begun.slots if p.done is not None and p.done.finish_reason != "error")
-    unfinished = tuple(u for p in begun.slots if (u := p.unfinished()) is not None)
+    sampled again from its last whole exchange), and the others' whole exchanges; None if none.
+    Each trajectory is read once: one that ends meanwhile is in one part or the other."""
+    kept = [k for p in begun.slots if (k := p.kept_now()) is not None]
+    finished = tuple(k for k in kept if isinstance(k, Trajectory))
+    unfinished = tuple(k for k in kept if isinstance(k, UnfinishedTrajectory))
     if not (finished or unfinished):
         return None
     return HandedBack(
@@ -87,9 +89,10 @@ class KeepsBegun:
     # size (1 + 1/growth at most), however long it runs, and a worker killed outright loses at
     # most this fraction of the group's tokens, or keep_every_s of its sampling, whichever is more
     keep_growth: float
-    # how long a group's keep waits for the worker that takes its prompt next: a leaving worker's
-    # prompts are taken at once, a dead one's within a minute; this only bounds what a run that
-    # ended meanwhile leaves in Redis
+    # how long a group's keep lasts from its last write or renewal: renewed at every round while
+    # the group samples, and a leaving worker's prompts are taken at once, a dead one's within a
+    # minute; this bounds what a group nobody goes on with (its run ended, it was dead-lettered)
+    # leaves in Redis
     handback_ttl_s: float = 3600.0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -126,9 +129,16 @@ class KeepsBegun:
         """Each begun group's work, the furthest on first: the time to keep them is bounded, and a
         group that cannot be kept (too large, Redis out of memory, or anything else) starts again
         without keeping the others from being kept (or goes on from its last keep as it sampled)."""
-        begun = [b for b in self.begun.values() if not self.run_is_over(b.task.run_id, b.entry_id)]
+        begun, over = [], []
+        for b in self.begun.values():
+            (over if self.run_is_over(b.task.run_id, b.entry_id) else begun).append(b)
         self.begun = {}
         for group in sorted(begun, key=lambda b: -sum(p.turns for p in b.slots)):
+            if group.unkeepable:  # too large as it sampled: it has only grown since
+                log.warning(
+                    "task %s goes on from its last keep, or starts again: too large", group.task.task_id
+                )
+                continue
             try:
                 await self._keep(group)
             except REDIS_DOWN:
@@ -138,21 +148,30 @@ class KeepsBegun:
                 continue
             metrics.HANDED_BACK.labels("finished").inc(group.kept_counts[0])
             metrics.HANDED_BACK.labels("unfinished").inc(group.kept_counts[1])
+        for group in over:  # nobody goes on with these: what was kept of them as they sampled goes
+            await self._forget(group)
 
     async def _keep(self, begun: Begun, growth: float = 0.0) -> bool:
         """Keep ``begun``'s work under its task's key unless it has not moved since it was last
         kept (that keep stands), nor grown by ``growth`` of its size then, it has nothing to keep,
         or its handler has ended; whether it kept it now. The copying and encoding run in a
         thread, so a caller's bound holds over them."""
+        key = handback_key(begun.task.message_id)
         async with begun.lock:
+            if begun.closed:
+                return False
             reached, tokens = begun.reached(), begun.tokens()
-            if begun.closed or reached == begun.kept_at or tokens < (1 + growth) * begun.kept_tokens:
+            if reached == begun.kept_at or tokens < (1 + growth) * begun.kept_tokens:
+                if begun.kept_tokens:  # the last keep stands, and must outlast the sampling
+                    await self.bus.prolong(key, ttl_s=self.handback_ttl_s)
                 return False
             kept = await asyncio.to_thread(handed_back, begun)
             if kept is None:
                 return False
-            await self.bus.keep(handback_key(begun.task.message_id), kept, ttl_s=self.handback_ttl_s)
-            begun.kept_at, begun.kept_tokens = reached, tokens
+            await self.bus.keep(key, kept, ttl_s=self.handback_ttl_s)
+            # the size written, which the snapshot may have taken past `tokens`: each keep as it
+            # samples is then at least 1 + growth times the one before
+            begun.kept_at, begun.kept_tokens = reached, kept.tokens
             begun.kept_counts = (len(kept.finished), len(kept.unfinished))
             return True
 
@@ -168,7 +187,7 @@ class KeepsBegun:
 
     async def _take_handed_back(self, task: PromptTask) -> HandedBack | None:
         """What a worker before this one (it left, or died) kept of this task's group, if it may be
-        gone on from, left in Redis either way until this one's keeps replace it: of this
+        gone on from (left in Redis until this one's keeps replace it; removed if not): of this
         task, of the weights timeline its run is on, of the prompt this worker writes, no staler
         than the task's step allows (the trainer would drop the group), and within the group."""
         kept = await self.bus.kept(handback_key(task.message_id), HandedBack)
@@ -189,9 +208,10 @@ class KeepsBegun:
             why = f"it was sampled with version {oldest}, too stale for step {task.step}"
         elif any(t.sample_index >= task.rollout.group_size for t in work):
             why = "it has samples past the group's size"
-        if why is not None:
+        if why is not None:  # and removed: a later delivery's run, timeline and step are no better
             log.info("task %s starts again: what was kept of it is dropped, %s", task.task_id, why)
             metrics.RESUMED.labels("dropped").inc(len(work))
+            await self.bus.forget(handback_key(task.message_id))
             return None
         metrics.RESUMED.labels("finished").inc(len(kept.finished))
         metrics.RESUMED.labels("unfinished").inc(len(kept.unfinished))

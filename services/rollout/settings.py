@@ -47,8 +47,8 @@ class RolloutSettings(WorkerSettings):
         ge=0,
         description="a group is kept again as it samples only once it has grown by this fraction of its "
         "tokens since its last keep: the keeps then write at most 1 + 1/growth times the group's size "
-        "however long it samples (routes included), and a worker killed outright loses at most this "
-        "fraction of it",
+        "however long it samples, and a worker killed outright loses less than this fraction of it "
+        "(plus a round)",
     )
     accept_broadcast: bool = Field(
         default=False,
