@@ -73,9 +73,8 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
     if backend == "gloo":
         env["DS_ACCELERATOR"] = "cpu"
     # ranks 0: no launcher at all, as `pbsd serve trainer` runs under Compose and Kubernetes
-    launch = (
-        [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks else [sys.executable]
-    )
+    port = free_port()
+    launch = [launcher, "--num_gpus", str(ranks), "--master_port", str(port)] if ranks else [sys.executable]
     result = subprocess.run(
         [*launch, str(script), str(tiny_checkpoint), str(tmp_path), str(config)],
         env=env,
@@ -84,6 +83,8 @@ def test_deepspeed_equals_one_torch_process(tiny_checkpoint, tmp_path, stage, ra
         timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # each rank removed DeepSpeed's shared-memory workspace of the CPU all-reduce as it left
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     distributed = load_model(tmp_path / "weights")
 
     sys.path.insert(0, str(script.parent))

@@ -353,6 +353,18 @@ def release_followers() -> None:
     if _world() > 1:
         dist.broadcast_object_list([("exit",)], src=0)
         dist.destroy_process_group()
+    remove_shm_workspace(0)
+
+
+def remove_shm_workspace(rank: int) -> None:
+    """Remove this rank's shared-memory workspace of DeepSpeed's CPU all-reduce, as its process
+    group ends. DeepSpeed maps one per rank (64 MiB, named after the user, the master's address
+    and port, and the rank) when every rank is on one machine, and never removes it: each CPU
+    run launched by the deepspeed launcher left its ranks' workspaces in /dev/shm, in memory,
+    for good (224 of them, 15 GB, on the build box after a few days of tests). The others have
+    mapped it since the start, and keep their mappings."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    Path("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}").unlink(missing_ok=True)
 
 
 def follow_rank0(device: str = "cuda") -> None:
@@ -366,7 +378,9 @@ def follow_rank0(device: str = "cuda") -> None:
         dist.broadcast_object_list(box, src=0)
         command = box[0]
         if command[0] == "exit":
+            rank = dist.get_rank()
             dist.destroy_process_group()
+            remove_shm_workspace(rank)
             return
         if command[0] == "init":
             _, model_path, dtype, spec, kwargs = command  # rank 0's dtype: the ranks' tensors must agree
