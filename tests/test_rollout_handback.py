@@ -295,10 +295,19 @@ async def test_a_leaving_worker_keeps_each_group_it_can_and_no_failed_trajectory
     furthest = _task(group_size=3).model_copy(update={"message_id": "furthest", "task_id": "r:1"})
     ended = _task(group_size=3).model_copy(update={"message_id": "ended", "run_id": "gone"})
     big = [Progress(_ended(i)) for i in range(3)]  # the furthest on: kept first, and refused
+    # found too large as it sampled, after a keep that stands: not tried again, and renewed
+    too_large = Begun(_task(group_size=3).model_copy(update={"message_id": "too-large"}), "1-0")
+    too_large.take_up(HandedBack(run_id="r", task_message_id="too-large", finished=(_ended(0),)))
+    too_large.slots[1] = Progress(_ended(1))
+    too_large.unkeepable = True
+    await bus.keep(handback_key("too-large"), HandedBack(run_id="r", task_message_id="too-large"), ttl_s=1)
+    # its run ended: what was kept of it as it sampled is removed
+    await bus.keep(handback_key("ended"), HandedBack(run_id="gone", task_message_id="ended"), ttl_s=60)
     worker.begun = {
         "ended": Begun(ended, "1-0", [Progress(_ended(0))]),
         "furthest": Begun(furthest, "1-0", big),
         ok.task.message_id: ok,
+        "too-large": too_large,
     }
     keep, tried = bus.keep, []
 
@@ -315,3 +324,5 @@ async def test_a_leaving_worker_keeps_each_group_it_can_and_no_failed_trajectory
     assert kept.finished == (_ended(0),) and kept.unfinished == (_unfinished(1, 0),)
     assert kept.policy_timelines == {"t": 0}
     assert await bus.kept(handback_key("furthest"), HandedBack) is None
+    assert await bus.kept(handback_key("ended"), HandedBack) is None
+    assert await bus.redis.pttl(f"{bus.prefix}:{handback_key('too-large')}") > 3_000_000

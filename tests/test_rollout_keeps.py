@@ -211,3 +211,17 @@ def test_a_trajectory_that_ends_as_the_keep_reads_it_is_kept_once(tok):
     progress.mark(0.0)
     kept = handed_back(begun)
     assert len(kept.finished) + len(kept.unfinished) == 1
+
+
+def test_a_trajectory_that_failed_measures_what_a_keep_holds_of_it():
+    """The growth rule compares sizes of what is written: a trajectory that failed is kept up to
+    its last whole exchange, not with the turn that failed."""
+    progress = Progress()
+    builder, versions = _Builder(list(range(5))), [0]
+    progress.follow(builder, [], versions, ("r:0/0", 0, "r:0/0#a"))
+    builder.generated([1], [-0.5])
+    builder.glue([3])
+    progress.mark(0.0)
+    progress.done = _ended(0, "error")  # 3 completion tokens where the keep holds its first exchange's 2
+    kept = progress.kept_now()
+    assert progress.tokens == kept.prompt_ids.size + kept.completion_ids.size == 7

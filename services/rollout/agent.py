@@ -136,9 +136,11 @@ class Progress:
 
     @property
     def tokens(self) -> int:
-        """Tokens a hand-back keeps, prompt and completion: a cheap measure of how large it is."""
-        if self.done is not None:
-            return int(self.done.prompt_ids.size + self.done.completion_ids.size)
+        """Tokens a hand-back keeps (:meth:`kept_now`), prompt and completion: a cheap measure of
+        how large it is."""
+        done = self.done
+        if done is not None and done.finish_reason != "error":
+            return int(done.prompt_ids.size + done.completion_ids.size)
         if self._mark is not None:
             return len(self._of[0].prompt) + self._mark[0]
         return (

@@ -112,8 +112,6 @@ class KeepsBegun:
             for begun in list(self.begun.values()):
                 if self.leaving:  # keep_begun keeps them now
                     return
-                if begun.unkeepable:
-                    continue
                 try:
                     async with asyncio.timeout(self.release_timeout_s):
                         kept = await self._keep(begun, self.keep_growth)
@@ -134,11 +132,6 @@ class KeepsBegun:
             (over if self.run_is_over(b.task.run_id, b.entry_id) else begun).append(b)
         self.begun = {}
         for group in sorted(begun, key=lambda b: -sum(p.turns for p in b.slots)):
-            if group.unkeepable:  # too large as it sampled: it has only grown since
-                log.warning(
-                    "task %s goes on from its last keep, or starts again: too large", group.task.task_id
-                )
-                continue
             try:
                 await self._keep(group)
             except REDIS_DOWN:
@@ -161,7 +154,8 @@ class KeepsBegun:
             if begun.closed:
                 return False
             reached, tokens = begun.reached(), begun.tokens()
-            if reached == begun.kept_at or tokens < (1 + growth) * begun.kept_tokens:
+            # a group found too large as it sampled has only grown since: not tried again
+            if begun.unkeepable or reached == begun.kept_at or tokens < (1 + growth) * begun.kept_tokens:
                 if begun.kept_tokens:  # the last keep stands, and must outlast the sampling
                     await self.bus.prolong(key, ttl_s=self.handback_ttl_s)
                 return False
@@ -208,10 +202,15 @@ class KeepsBegun:
             why = f"it was sampled with version {oldest}, too stale for step {task.step}"
         elif any(t.sample_index >= task.rollout.group_size for t in work):
             why = "it has samples past the group's size"
-        if why is not None:  # and removed: a later delivery's run, timeline and step are no better
+        if why is not None:
             log.info("task %s starts again: what was kept of it is dropped, %s", task.task_id, why)
             metrics.RESUMED.labels("dropped").inc(len(work))
-            await self.bus.forget(handback_key(task.message_id))
+            # removed, and counted once: a later delivery's run, timeline and step are no better
+            # (a prompt of another catalogue could suit another worker, in a rolling update only)
+            try:
+                await self.bus.forget(handback_key(task.message_id))
+            except Exception as exc:  # it goes at the group's publication, or expires
+                log.warning("could not remove what was kept of task %s: %r", task.task_id, exc)
             return None
         metrics.RESUMED.labels("finished").inc(len(kept.finished))
         metrics.RESUMED.labels("unfinished").inc(len(kept.unfinished))

@@ -139,6 +139,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             config=config,
             lr_scheduler=schedule,
         )
+        remove_shm_workspace()
         self.model = self.engine.module.policy
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -353,18 +354,30 @@ def release_followers() -> None:
     if _world() > 1:
         dist.broadcast_object_list([("exit",)], src=0)
         dist.destroy_process_group()
-    remove_shm_workspace(0)
 
 
-def remove_shm_workspace(rank: int) -> None:
-    """Remove this rank's shared-memory workspace of DeepSpeed's CPU all-reduce, as its process
-    group ends. DeepSpeed maps one per rank (64 MiB, named after the user, the master's address
-    and port, and the rank) when every rank is on one machine, and never removes it: each CPU
-    run launched by the deepspeed launcher left its ranks' workspaces in /dev/shm, in memory,
-    for good (224 of them, 15 GB, on the build box after a few days of tests). The others have
-    mapped it since the start, and keep their mappings."""
+def remove_shm_workspace() -> None:
+    """Remove the name of this rank's shared-memory workspace of DeepSpeed's CPU all-reduce.
+
+    DeepSpeed maps one per rank (64 MiB, named after the user, the master's address and port,
+    and the rank) when its accelerator is the CPU and every rank is on one machine, and never
+    removes it: each such run left its ranks' workspaces in /dev/shm, which is memory, for good
+    (224 of them, 15 GB, on the build box after a few days of tests). Every rank opens every
+    other's by name as its communication backend starts, before any collective, and never
+    again; past a barrier all have, so each removes its own name then. The memory goes when the
+    last rank that maps it exits, however it exits."""
+    if not dist.is_initialized():
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    world = dist.get_world_size()
+    if get_accelerator().device_name() != "cpu" or os.environ.get("LOCAL_SIZE") != str(world):
+        return  # no workspace was made (the same on every rank: no rank waits at the barrier alone)
+    if world > 1:
+        dist.barrier()
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    Path("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}").unlink(missing_ok=True)
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
+    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def follow_rank0(device: str = "cuda") -> None:
@@ -378,9 +391,7 @@ def follow_rank0(device: str = "cuda") -> None:
         dist.broadcast_object_list(box, src=0)
         command = box[0]
         if command[0] == "exit":
-            rank = dist.get_rank()
             dist.destroy_process_group()
-            remove_shm_workspace(rank)
             return
         if command[0] == "init":
             _, model_path, dtype, spec, kwargs = command  # rank 0's dtype: the ranks' tensors must agree

@@ -84,6 +84,10 @@ def main() -> None:
     trainer = make_trainer(model, spec, model_path=str(ckpt), reference_path=str(ckpt))
     batch, counts = samples(trainer.model.config.vocab_size)
     history = [trainer.train_step(poisoned(batch), counts, ALGORITHM)]  # skipped, the schedule on
+    # every rank has built its trainer by this step's collectives: DeepSpeed's shared-memory
+    # workspaces of the CPU all-reduce are mapped, and no longer named, however the run ends
+    named = Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_PORT')}_*")
+    (out / "shm.json").write_text(json.dumps(sorted(p.name for p in named)))
     history += [trainer.train_step(batch, counts, ALGORITHM) for _ in range(2)]
     history.append(trainer.train_step([], counts, ALGORITHM))  # nothing trainable: no update at all
     history.append(trainer.train_batch(two_updates(batch, counts), TWO_UPDATES))
