@@ -126,18 +126,9 @@ class Progress:
         self._mark = (len(b.completion), len(b.spans), len(b.routes), len(calls), len(versions), seconds)
 
     @property
-    def turns(self) -> int:
-        """Turns done so far that a hand-back keeps: a cheap measure of how far it has got."""
-        if self.done is not None:
-            return self.done.num_turns
-        if self._mark is not None:
-            return self._mark[1]
-        return len(self._kept.turn_spans) if self._kept is not None else 0
-
-    @property
     def tokens(self) -> int:
         """Tokens a hand-back keeps (:meth:`kept_now`), prompt and completion: a cheap measure of
-        how large it is."""
+        how far it has got (every whole exchange adds some) and how large its keep is."""
         done = self.done
         if done is not None and done.finish_reason != "error":
             return int(done.prompt_ids.size + done.completion_ids.size)

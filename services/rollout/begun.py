@@ -43,8 +43,9 @@ class Begun:
     unkeepable: bool = False  # a keep failed for its size: it only grows
 
     def reached(self) -> tuple[tuple[int, bool], ...]:
-        """How far each trajectory has got: a keep is made only when this has moved."""
-        return tuple((p.turns, p.done is not None) for p in self.slots)
+        """How far each trajectory has got, in tokens, and whether it has ended: a keep is made
+        only when this has moved."""
+        return tuple((p.tokens, p.done is not None) for p in self.slots)
 
     def tokens(self) -> int:
         return sum(p.tokens for p in self.slots)
@@ -131,7 +132,7 @@ class KeepsBegun:
         for b in self.begun.values():
             (over if self.run_is_over(b.task.run_id, b.entry_id) else begun).append(b)
         self.begun = {}
-        for group in sorted(begun, key=lambda b: -sum(p.turns for p in b.slots)):
+        for group in sorted(begun, key=lambda b: -b.tokens()):
             try:
                 await self._keep(group)
             except REDIS_DOWN:
@@ -153,7 +154,8 @@ class KeepsBegun:
         async with begun.lock:
             if begun.closed:
                 return False
-            reached, tokens = begun.reached(), begun.tokens()
+            reached = begun.reached()
+            tokens = sum(t for t, _ in reached)
             # a group found too large as it sampled has only grown since: not tried again
             if begun.unkeepable or reached == begun.kept_at or tokens < (1 + growth) * begun.kept_tokens:
                 if begun.kept_tokens:  # the last keep stands, and must outlast the sampling
@@ -171,13 +173,17 @@ class KeepsBegun:
 
     async def _forget(self, begun: Begun) -> None:
         """Its group published or no longer wanted, what was kept of it goes (once a keep under
-        way has landed). Never raises: the group is out, and a keep left behind expires."""
+        way has landed)."""
         async with begun.lock:
             pass
+        await self._remove_kept(begun.task)
+
+    async def _remove_kept(self, task: PromptTask) -> None:
+        """Never raises: the group is out or starts again, and a keep left behind expires."""
         try:
-            await self.bus.forget(handback_key(begun.task.message_id))
+            await self.bus.forget(handback_key(task.message_id))
         except Exception as exc:
-            log.warning("could not remove what was kept of task %s: %r", begun.task.task_id, exc)
+            log.warning("could not remove what was kept of task %s: %r", task.task_id, exc)
 
     async def _take_handed_back(self, task: PromptTask) -> HandedBack | None:
         """What a worker before this one (it left, or died) kept of this task's group, if it may be
@@ -207,10 +213,7 @@ class KeepsBegun:
             metrics.RESUMED.labels("dropped").inc(len(work))
             # removed, and counted once: a later delivery's run, timeline and step are no better
             # (a prompt of another catalogue could suit another worker, in a rolling update only)
-            try:
-                await self.bus.forget(handback_key(task.message_id))
-            except Exception as exc:  # it goes at the group's publication, or expires
-                log.warning("could not remove what was kept of task %s: %r", task.task_id, exc)
+            await self._remove_kept(task)
             return None
         metrics.RESUMED.labels("finished").inc(len(kept.finished))
         metrics.RESUMED.labels("unfinished").inc(len(kept.unfinished))
