@@ -7,8 +7,8 @@ by PBSD_ROLLOUT_KEEP_GROWTH of its tokens, so a worker killed outright leaves it
    500-token prompt, then 150 exchanges of a 200-token turn and a 230-token tool result),
    without routes and with a 48-layer top-8 model's routes: copying it out of the trajectories
    (in a thread, as the worker does), encoding it, and storing it in a private Redis, with the
-   event loop's longest stall meanwhile. Baseline: publishing the finished group once, as every
-   group is.
+   event loop's longest stall meanwhile. Baseline: publishing a finished group of the same
+   shape once, as every group is (``proto.examples.example_group``, as benchmarks/bus.py makes it).
 2. What the keeps write over the group's life: the group grows one exchange per trajectory at a
    time, and a keep round follows every exchange (the worst case: keep_every_s shorter than a
    turn). Figure: tokens written by the keeps (prompts and completions, which the bytes follow)
@@ -30,8 +30,9 @@ from statistics import median
 import numpy as np
 
 from proto.base import encode
-from proto.messages import PromptTask, Trajectory, TrajectoryGroup, group_message_id
-from proto.runs import PbsdSpec, RolloutSpec
+from proto.examples import example_group, example_task
+from proto.messages import PromptTask
+from proto.runs import RolloutSpec
 from proto.streams import TRAJECTORIES
 from services.bus import Bus
 from services.local_redis import LocalRedis
@@ -43,16 +44,8 @@ LAYERS, TOP_K = 48, 8
 
 
 def _task() -> PromptTask:
-    return PromptTask(
-        run_id="bench",
-        task_id="bench:0",
-        question_id="q",
-        question="q?",
-        answer="a",
-        index=0,
-        step=0,
-        algorithm=PbsdSpec(),
-        rollout=RolloutSpec(group_size=G, return_routed_experts=True),
+    return example_task().model_copy(
+        update={"rollout": RolloutSpec(group_size=G, return_routed_experts=True)}
     )
 
 
@@ -134,6 +127,14 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
     group = _Group(routes)
     for _ in range(EXCHANGES):
         group.exchange()
+    # the baseline: the same group finished, as the bus benchmark makes it
+    finished = example_group(
+        G,
+        tokens=EXCHANGES * (TURN + GLUE),
+        turns=EXCHANGES,
+        prompt_tokens=PROMPT,
+        routed_experts=(LAYERS, TOP_K) if routes else None,
+    )
     bus = Bus.from_url(url, prefix="bench")
     copy, enc, store, publish, stalls, publish_stalls = [], [], [], [], [], []
     for _ in range(repeats):
@@ -150,17 +151,6 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
         enc.append(t2 - t1)
         store.append(t3 - t2)
         stalls.append((copying.longest, keeping.longest))
-        finished = TrajectoryGroup(
-            message_id=group_message_id(f"m{len(publish)}"),
-            run_id="bench",
-            task_id="bench:0",
-            question_id="q",
-            question="q?",
-            answer="a",
-            policy_version=0,
-            algorithm=PbsdSpec(),
-            trajectories=tuple(_as_finished(kept.unfinished)),
-        )
         t4 = time.perf_counter()
         async with _Stalls() as publishing:
             await bus.publish(TRAJECTORIES, finished)
@@ -178,25 +168,6 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
         "stall_keep": max(s[1] for s in stalls),
         "stall_publish": max(publish_stalls),
     }
-
-
-def _as_finished(unfinished):
-    """The unfinished trajectories as the finished ones the group would publish (their last tool
-    result dropped, as a trajectory that ends on an answer has none)."""
-    for u in unfinished:
-        end = u.turn_spans[-1][1]
-        yield Trajectory(
-            trajectory_id=u.trajectory_id,
-            sample_index=u.sample_index,
-            policy_version=0,
-            prompt_ids=u.prompt_ids,
-            completion_ids=u.completion_ids[:end],
-            loss_mask=u.loss_mask[:end],
-            rollout_logprobs=u.rollout_logprobs[:end],
-            turn_spans=u.turn_spans,
-            routed_experts=u.routed_experts,
-            finish_reason="answer",
-        )
 
 
 async def main(repeats: int, routes: bool) -> None:
