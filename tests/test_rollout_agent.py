@@ -49,10 +49,10 @@ class FixedTools:
     async def catalogue(self):
         return catalogue()
 
-    async def call(self, server, tool, args, *, trajectory_id=None):
+    async def call(self, server, tool, args, *, trajectory_id=None, call_index=None):
         from services.tools.client import ToolReply
 
-        self.calls.append((server, tool, args, trajectory_id))
+        self.calls.append((server, tool, args, trajectory_id, call_index))
         return ToolReply(True, self.answers.get(args.get("q", ""), json.dumps({"organic": []})))
 
     async def aclose(self):
@@ -185,6 +185,7 @@ async def test_every_call_of_a_message_runs_and_one_message_answers_them(tok):
         await engine.aclose()
     assert t.finish_reason == "answer" and t.reward == 1.0
     assert [c[2]["q"] for c in tools.calls] == ["Vienna river", "Danube", "a", "b"]  # "c" never ran
+    assert [c[4] for c in tools.calls] == [0, 1, 2, 3]  # each call's place: the gateway's budget
     assert [(c.turn, c.arguments["q"], c.ok) for c in t.tool_calls] == [
         (0, "Vienna river", True),
         (0, "Danube", True),

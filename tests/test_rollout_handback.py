@@ -176,9 +176,10 @@ async def test_a_leaving_worker_hands_its_begun_group_on_and_the_next_goes_on_fr
     prefix = list(resumed.prompt_ids) + list(resumed.completion_ids)
     assert prefix[: len(went_on[0].input_ids)] == went_on[0].input_ids
     # its turn-0 call was made there, its turn-1 call here, against the one budget it keeps
-    calls = [c[3] for c in first_tools.calls if c[3].startswith("r:0/1#")]
-    calls += [c[3] for c in second_tools.calls if c[3].startswith("r:0/1#")]
-    assert len(calls) == 2 and len(set(calls)) == 1 and len(resumed.tool_calls) == 2
+    calls = [c[3:] for c in first_tools.calls if c[3].startswith("r:0/1#")]
+    calls += [c[3:] for c in second_tools.calls if c[3].startswith("r:0/1#")]
+    assert len(calls) == 2 and len({c[0] for c in calls}) == 1 and len(resumed.tool_calls) == 2
+    assert [c[1] for c in calls] == [0, 1]  # at the places they have in it: each counted once
     # sample 2 had nothing whole: it was sampled from its first turn, under a budget of its own
     assert [r.seed % 1000 for r in second_engine.requests if r.session == "r:0/2"] == [0, 1, 2]
     there = {c[3] for c in first_tools.calls if c[3].startswith("r:0/2#")}

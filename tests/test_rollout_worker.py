@@ -222,10 +222,10 @@ class _GatedTools(FixedTools):
         super().__init__()
         self.called, self.release = asyncio.Event(), asyncio.Event()
 
-    async def call(self, server, tool, args, *, trajectory_id=None):
+    async def call(self, server, tool, args, *, trajectory_id=None, call_index=None):
         self.called.set()
         await self.release.wait()
-        return await super().call(server, tool, args, trajectory_id=trajectory_id)
+        return await super().call(server, tool, args, trajectory_id=trajectory_id, call_index=call_index)
 
 
 def _weights(version: int, timeline: str, path: str | None = None, run_id: str = "r") -> WeightsPublished:

@@ -50,7 +50,13 @@ async def test_catalogue_and_health(gateway_url):
         # /call is served by a DirectRoute: its description stays what an ordinary route gives
         call = (await http.get("/openapi.json")).json()["paths"]["/call"]["post"]
         body = call["requestBody"]["content"]["application/json"]["schema"]
-        assert set(body["properties"]) == {"server_name", "tool_name", "arguments", "trajectory_id"}
+        assert set(body["properties"]) == {
+            "server_name",
+            "tool_name",
+            "arguments",
+            "trajectory_id",
+            "call_index",
+        }
         assert call["responses"]["200"]["content"]["application/json"]["schema"] == {
             "$ref": "#/components/schemas/CallResponse"
         }
@@ -142,6 +148,28 @@ async def test_budget_unknown_pages_and_gateway_down(gateway_url):
     reply = await down.call(*SEARCH, {"q": "x"})
     assert not reply.ok and "tool gateway unreachable" in reply.text
     await down.aclose()
+
+
+async def test_a_call_sent_again_at_its_place_counts_once(gateway_url):
+    """The agent sends each call's place in its trajectory: a trajectory that goes on from a keep
+    makes the calls of its unfinished exchange again, at the places they had, and is not refused
+    calls it did not spend; a place past the budget is refused however few calls came before."""
+    client = GatewayClient(gateway_url)  # call_budget=3
+    for place in (0, 1, 1, 1, 2, 2):
+        assert (await client.call(*SEARCH, {"q": "city"}, trajectory_id="t-3", call_index=place)).ok
+    over = await client.call(*SEARCH, {"q": "city"}, trajectory_id="t-3", call_index=3)
+    assert not over.ok and "call budget of 3" in over.text
+    assert not (await client.call(*SEARCH, {"q": "city"}, trajectory_id="t-4", call_index=7)).ok
+    # the places do not spend the count kept for calls without one
+    for _ in range(3):
+        assert (await client.call(*SEARCH, {"q": "city"}, trajectory_id="t-3")).ok
+    assert not (await client.call(*SEARCH, {"q": "city"}, trajectory_id="t-3")).ok
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        r = await http.post(
+            "/call", json={"server_name": SEARCH[0], "tool_name": SEARCH[1], "call_index": -1}
+        )
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "call_index"]
+    await client.aclose()
 
 
 async def test_metrics_are_exported(gateway_url):

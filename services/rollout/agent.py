@@ -167,10 +167,12 @@ class Progress:
 
 
 async def _run_call(
-    one: Parsed, k: int, turn: int, limits: AgentLimits, tools: Tools, attempt: str
+    one: Parsed, k: int, turn: int, limits: AgentLimits, tools: Tools, attempt: str, place: int
 ) -> tuple[ToolCall, str | None]:
     """The ``k``-th call of a turn's message: its record, and the text that answers it (None: the
-    gateway is unreachable, which fails the trajectory). ``attempt`` names this attempt's budget."""
+    gateway is unreachable, which fails the trajectory). ``attempt`` names this attempt's budget
+    and ``place`` is the call's among the trajectory's: a call made again by a trajectory that
+    goes on from a keep (its exchange was not whole when its worker died) counts once."""
     server, tool = (
         (one.call.server_name, one.call.tool_name) if one.call else one.names or ("unknown", "unknown")
     )
@@ -181,7 +183,7 @@ async def _run_call(
         why = f"one message may make at most {limits.max_calls_per_turn} tool calls; this one was not run"
     if why is not None or one.call is None:
         return ToolCall(**named, ok=False, error=why), format_tool_failure(server, tool, why or "")
-    reply = await tools.call(server, tool, args, trajectory_id=attempt)
+    reply = await tools.call(server, tool, args, trajectory_id=attempt, call_index=place)
     if reply.unreachable:
         return ToolCall(**named, ok=False, error=f"tool gateway unreachable: {reply.text}"), None
     error = None if reply.ok else reply.text
@@ -282,7 +284,7 @@ async def run_trajectory(
             break  # no turn left to read the tool's answer
         replies = []
         for k, one in enumerate(parsed):
-            call, reply_text = await _run_call(one, k, turn, limits, tools, attempt)
+            call, reply_text = await _run_call(one, k, turn, limits, tools, attempt, len(calls))
             calls.append(call)
             if reply_text is None:
                 finish, error = "error", call.error

@@ -2,7 +2,7 @@
 
     GET  /health   ready when the backend is loaded
     GET  /tools    the catalogue: servers, tools, descriptions, JSON input schemas
-    POST /call     {server_name, tool_name, arguments, trajectory_id?} -> {ok, text, cached, ...}
+    POST /call     {server_name, tool_name, arguments, trajectory_id?, call_index?} -> {ok, text, cached, ...}
     GET  /metrics  Prometheus
 
 A tool failure is a 200 whose ``text`` says so (the agent reads it and carries on);
@@ -53,6 +53,13 @@ class CallRequest(BaseModel):
     arguments: dict[str, Any] = Field(default_factory=dict)
     trajectory_id: str | None = Field(
         default=None, max_length=200, description="counts the call against this trajectory's budget"
+    )
+    call_index: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000_000,
+        description="the call's place among its trajectory's calls, from 0: the budget refuses places "
+        "past it, and a call sent again under the same place counts once",
     )
 
 
@@ -215,7 +222,11 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
             return JSONResponse({"detail": field_errors(exc.errors(), ("body",))}, status_code=422)
         gw: ToolGateway = request.app.state.gateway
         out = await gw.call(
-            body.server_name, body.tool_name, body.arguments, trajectory_id=body.trajectory_id
+            body.server_name,
+            body.tool_name,
+            body.arguments,
+            trajectory_id=body.trajectory_id,
+            call_index=body.call_index,
         )
         answer = CallResponse(
             ok=out.ok,

@@ -51,7 +51,13 @@ class Tools(Protocol):
     async def catalogue(self) -> list[dict[str, Any]]: ...
 
     async def call(
-        self, server_name: str, tool_name: str, arguments: dict[str, Any], *, trajectory_id: str | None = None
+        self,
+        server_name: str,
+        tool_name: str,
+        arguments: dict[str, Any],
+        *,
+        trajectory_id: str | None = None,
+        call_index: int | None = None,
     ) -> ToolReply: ...
 
     async def aclose(self) -> None: ...
@@ -95,7 +101,13 @@ class GatewayClient:
             return json.loads(await response.read())["servers"]
 
     async def call(
-        self, server_name: str, tool_name: str, arguments: dict[str, Any], *, trajectory_id: str | None = None
+        self,
+        server_name: str,
+        tool_name: str,
+        arguments: dict[str, Any],
+        *,
+        trajectory_id: str | None = None,
+        call_index: int | None = None,
     ) -> ToolReply:
         """Never raises for the agent's sake: every failure becomes a tool result it can read."""
         body = json.dumps(
@@ -104,6 +116,7 @@ class GatewayClient:
                 "tool_name": tool_name,
                 "arguments": arguments,
                 "trajectory_id": trajectory_id,
+                "call_index": call_index,
             }
         ).encode()
         try:
@@ -174,10 +187,18 @@ class LocalTools:
         return self.gateway.catalogue()
 
     async def call(
-        self, server_name: str, tool_name: str, arguments: dict[str, Any], *, trajectory_id: str | None = None
+        self,
+        server_name: str,
+        tool_name: str,
+        arguments: dict[str, Any],
+        *,
+        trajectory_id: str | None = None,
+        call_index: int | None = None,
     ) -> ToolReply:
         try:
-            out = await self.gateway.call(server_name, tool_name, arguments, trajectory_id=trajectory_id)
+            out = await self.gateway.call(
+                server_name, tool_name, arguments, trajectory_id=trajectory_id, call_index=call_index
+            )
         except self._invalid as exc:
             return ToolReply(False, format_tool_failure(server_name, tool_name, str(exc)))
         return ToolReply(out.ok, out.text, out.cached, out.latency_s)

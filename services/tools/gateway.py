@@ -138,29 +138,41 @@ class ToolGateway:
             raise InvalidCall(422, field_errors(exc.errors(), ("body", "arguments"))) from None
 
     async def call(
-        self, server_name: str, tool_name: str, arguments: Any, *, trajectory_id: str | None = None
+        self,
+        server_name: str,
+        tool_name: str,
+        arguments: Any,
+        *,
+        trajectory_id: str | None = None,
+        call_index: int | None = None,
     ) -> CallOutcome:
+        """``call_index``: the call's place among its trajectory's calls (from 0). With it the budget
+        is the place (the call at place ``call_budget`` or later is refused), so a call sent again,
+        by a client's retry or a trajectory resumed after its worker died, counts once; without
+        it, every call under ``trajectory_id`` counts."""
         spec, args = self.validate(server_name, tool_name, arguments)
         started = time.perf_counter()
-        outcome = await self._call(spec, args, trajectory_id)
+        outcome = await self._call(spec, args, trajectory_id, call_index)
         elapsed = time.perf_counter() - started
         metrics.child(metrics.CALL_SECONDS, spec.name, self.backend.name).observe(elapsed)
         metrics.child(metrics.CALLS, spec.name, self.backend.name, "ok" if outcome.ok else "error").inc()
         return CallOutcome(outcome.ok, outcome.text, outcome.cached, outcome.merged, elapsed, outcome.error)
 
-    async def _call(self, spec: ToolSpec, args: BaseModel, trajectory_id: str | None) -> CallOutcome:
+    async def _call(
+        self, spec: ToolSpec, args: BaseModel, trajectory_id: str | None, call_index: int | None
+    ) -> CallOutcome:
         digest = hashlib.sha256(_canonical(spec, args).encode()).hexdigest()
         key = f"cache:{self.backend.name}:{self.answers_tag}:{spec.name}:{digest}"
-        if trajectory_id is None:
-            hit = await self.store.get(key)
-        else:  # one round trip: the budget's count and the cache lookup
+        if call_index is not None:
+            used, hit = call_index + 1, await self.store.get(key)
+        elif trajectory_id is not None:  # one round trip: the budget's count and the cache lookup
             used, hit = await self.store.incr_and_get(f"budget:{trajectory_id}", self.budget_ttl_s, key)
-            if used > self.call_budget:
-                metrics.BUDGET_EXHAUSTED.inc()
-                error = f"the call budget of {self.call_budget} tool calls for this trajectory is used up"
-                return CallOutcome(
-                    False, format_tool_failure(spec.server_name, spec.name, error), error=error
-                )
+        else:
+            used, hit = 0, await self.store.get(key)
+        if used > self.call_budget:
+            metrics.BUDGET_EXHAUSTED.inc()
+            error = f"the call budget of {self.call_budget} tool calls for this trajectory is used up"
+            return CallOutcome(False, format_tool_failure(spec.server_name, spec.name, error), error=error)
         if hit is not None:
             metrics.child(metrics.CACHE, spec.name, "hit").inc()
             return CallOutcome(True, hit, cached=True)
