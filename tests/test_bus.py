@@ -360,3 +360,45 @@ async def test_a_collector_does_not_take_back_what_it_holds(bus: Bus):
     assert [m.index for m in again.messages] == [0] and seen == [0, 0]
     assert await bus.redis.xlen(bus.key(DEAD_LETTERS)) == 0
     await bus.commit(again)
+
+
+async def test_a_large_message_is_decoded_off_the_event_loop_wherever_it_is_read(bus: Bus, monkeypatch):
+    """A group with routes is up to 200 MB and takes 130-155 ms to decode: on the loop that holds
+    up heartbeats, health probes and the other trajectories' turns. Small messages stay on it."""
+    import threading
+
+    from proto.messages import TrajectoryGroup
+    from services.bus import decoding
+
+    where: list[tuple[int, bool]] = []
+
+    def spy(model, payload):
+        where.append((len(payload), threading.current_thread() is threading.main_thread()))
+        return decode(model, payload)
+
+    decode = decoding.decode
+    monkeypatch.setattr(decoding, "decode", spy)
+    large, small = ex.example_group(2, tokens=20_000), ex.example_group(2)
+    for g in (large, small):
+        await bus.publish(TRAJECTORIES, g)
+    await bus.keep("kept-group", large, ttl_s=60)
+    seen = []
+
+    async def handler(msg, delivery):
+        seen.append(msg)
+
+    assert await bus.kept("kept-group", TrajectoryGroup) == large
+    assert [m for _, m in await bus.read_all(TRAJECTORIES)] == [large, small]
+    assert [m for _, m in await bus.newest(TRAJECTORIES, 2)] == [large, small]
+    followed = []
+    async for _, m in bus.follow(TRAJECTORIES, after="0-0", block_ms=50):
+        followed.append(m)
+        if len(followed) == 2:
+            break
+    assert followed == [large, small]
+    await _run_until(bus, TRAJECTORIES, handler, lambda: len(seen) == 2)
+    assert seen == [large, small]
+    # kept, read, newest, followed, consumed: each large decode in a thread, each small on the loop
+    assert len(where) == 9
+    assert all(on_loop == (size <= decoding.DECODE_INLINE_BYTES) for size, on_loop in where), where
+    assert {on_loop for _, on_loop in where} == {True, False}

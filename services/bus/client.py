@@ -10,12 +10,13 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from proto.base import Message, decode, encode
+from proto.base import Message, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, redis_client
 from services.bus.dead_lettering import kept_entries
+from services.bus.decoding import decoded
 from services.bus.delivery import MAX_MESSAGE_BYTES, HandlerCancelled, MessageTooLarge
 from services.bus.groups import ConsumerGroups
 from services.bus.lock import Exclusive
@@ -158,7 +159,7 @@ class Bus(ConsumerGroups):
         out = []
         for entry_id, fields in reversed(await self.redis.xrevrange(self.key(stream), count=count)):
             try:
-                out.append((as_text(entry_id), decode(stream.model, fields[b"data"])))
+                out.append((as_text(entry_id), await decoded(stream.model, fields[b"data"])))
             except (ValueError, KeyError) as exc:
                 log.error("skipping undecodable %s entry %s: %s", stream.name, as_text(entry_id), exc)
         return out
@@ -180,9 +181,11 @@ class Bus(ConsumerGroups):
                 for entry_id, fields in entries:
                     last = as_text(entry_id)
                     try:
-                        yield last, decode(stream.model, fields[b"data"])
+                        message = await decoded(stream.model, fields[b"data"])
                     except (ValueError, KeyError) as exc:
                         log.error("skipping undecodable %s entry %s: %s", stream.name, last, exc)
+                        continue
+                    yield last, message
 
     async def follow_for_good(
         self,
@@ -246,7 +249,7 @@ class Bus(ConsumerGroups):
         if payload is None:
             return None
         try:
-            return decode(model, payload)
+            return await decoded(model, payload)
         except ValueError as exc:
             log.error("ignoring %s: it does not decode as %s (%s)", name, model.__name__, exc)
             return None
@@ -263,7 +266,7 @@ class Bus(ConsumerGroups):
     async def read_all(self, stream: StreamDef[M], *, count: int = 1000) -> list[tuple[str, M]]:
         """The first ``count`` entries still on a stream (for inspection and tests)."""
         entries = await self.redis.xrange(self.key(stream), count=count)
-        return [(as_text(i), decode(stream.model, f[b"data"])) for i, f in entries]
+        return [(as_text(i), await decoded(stream.model, f[b"data"])) for i, f in entries]
 
     async def stream_length(self, stream: StreamDef) -> int:
         return int(await self.redis.xlen(self.key(stream)))

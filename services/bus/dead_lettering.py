@@ -23,6 +23,7 @@ from proto.base import decode, encode
 from proto.messages import DeadLetter, TaskRef
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
+from services.bus.decoding import DECODE_INLINE_BYTES
 
 __all__ = [
     "DEAD_LETTERS_KEPT",
@@ -38,9 +39,6 @@ log = logging.getLogger(__name__)
 MAX_CAUSE = 4000  # characters of a cause kept (a handler's error, a validation report)
 DEAD_LETTER_PAYLOAD_BYTES = 1024 * 1024
 DEAD_LETTERS_KEPT = 10_000  # letters, each under a MiB and its cause
-# a payload past this (a group's tokens and routes) is decoded in a thread: on the loop it stalls
-# the heartbeats and the health probes
-DECODE_INLINE_BYTES = 64 * 1024
 
 
 def kept_entries(stream: StreamDef, maxlen: int) -> int | None:

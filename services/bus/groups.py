@@ -17,11 +17,12 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
-from proto.base import Message, decode, encode
+from proto.base import Message, encode
 from proto.streams import StreamDef
 from services.bus import metrics
 from services.bus.connection import REDIS_DOWN, as_text, refusing
 from services.bus.dead_lettering import MAX_CAUSE, DeadLettering
+from services.bus.decoding import decoded
 from services.bus.delivery import (
     ConsumerOptions,
     Cursor,
@@ -278,7 +279,7 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
             await self._dead_letter(stream, group, entry_id, payload, cause, deliveries, "max_deliveries")
             return None
         try:
-            message = decode(stream.model, payload)
+            message = await decoded(stream.model, payload)
         except (ValidationError, ValueError) as exc:
             await self._dead_letter(
                 stream,

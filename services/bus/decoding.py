@@ -1,0 +1,30 @@
+"""Decoding what is read from Redis without stalling the event loop.
+
+A trajectory group with a MoE policy's routes is up to the bus's message limit (about 200 MB at
+the paper's largest), and decoding one on the event loop held it for about 0.2 s: every other
+coroutine of the process waited, its heartbeats, its health probes, the turns of the other
+trajectories a rollout worker samples. In a thread the loop runs between the decoding's steps,
+though each holds the interpreter (msgpack's unpacking, then pydantic's validation), which halves
+the loop's longest stall (benchmarks/README.md, "keeps"). Past ``DECODE_INLINE_BYTES`` a payload
+is decoded in a thread; below it the thread's hand-off would cost more than the decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+from proto.base import Message, decode
+
+M = TypeVar("M", bound=Message)
+
+DECODE_INLINE_BYTES = 64 * 1024
+
+__all__ = ["DECODE_INLINE_BYTES", "decoded"]
+
+
+async def decoded(model: type[M], payload: bytes) -> M:
+    """``decode(model, payload)``, in a thread when the payload is large; raises as it does."""
+    if len(payload) > DECODE_INLINE_BYTES:
+        return await asyncio.to_thread(decode, model, payload)
+    return decode(model, payload)
