@@ -9,6 +9,10 @@ by PBSD_ROLLOUT_KEEP_GROWTH of its tokens, so a worker killed outright leaves it
    (in a thread, as the worker does), encoding it, and storing it in a private Redis, with the
    event loop's longest stall meanwhile. Baseline: publishing a finished group of the same
    shape once, as every group is (``proto.examples.example_group``, as benchmarks/bus.py makes it).
+   The bus writes a large command a MiB slice at a time (services/bus/connection.py); baseline:
+   the same SET through redis-py's own connection, which writes it whole. Then the next worker's
+   read of the keep (``Bus.kept``: GET, and the decoding, in a thread past 64 KiB as every read of
+   the bus decodes) and its stall; baseline: decoding it on the loop.
 2. What the keeps write over the group's life: the group grows one exchange per trajectory at a
    time, and a keep round follows every exchange (the worst case: keep_every_s shorter than a
    turn). Figure: tokens written by the keeps (prompts and completions, which the bytes follow)
@@ -28,9 +32,11 @@ import time
 from statistics import median
 
 import numpy as np
+import redis.asyncio as aioredis
 
-from proto.base import encode
+from proto.base import decode, encode
 from proto.examples import example_group, example_task
+from proto.handback import HandedBack
 from proto.messages import PromptTask
 from proto.runs import RolloutSpec
 from proto.streams import TRAJECTORIES
@@ -104,7 +110,8 @@ async def _written_over_life(growth: float) -> float:
 
 
 class _Stalls:
-    """The event loop's longest stall while a block runs: a 5 ms sleep timed over and over."""
+    """The event loop's longest stall while a block runs (a 5 ms sleep timed over and over), and how
+    long the block took."""
 
     async def __aenter__(self):
         self.longest = 0.0
@@ -117,9 +124,12 @@ class _Stalls:
 
         self.ticking = asyncio.create_task(tick())
         await asyncio.sleep(0)
+        self.started = time.perf_counter()
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self.took = time.perf_counter() - self.started
+        await asyncio.sleep(0.01)  # a block that ends without yielding: the tick it held sees it now
         self.ticking.cancel()
 
 
@@ -136,28 +146,39 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
         routed_experts=(LAYERS, TOP_K) if routes else None,
     )
     bus = Bus.from_url(url, prefix="bench")
+    plain = aioredis.Redis.from_url(url)  # redis-py's own connection: the command written whole
     copy, enc, store, publish, stalls, publish_stalls = [], [], [], [], [], []
+    read, decode_inline, whole, sliced = [], [], [], []  # (seconds, the loop's longest stall) each
     for _ in range(repeats):
-        t0 = time.perf_counter()
         async with _Stalls() as copying:
             kept = await asyncio.to_thread(handed_back, group.begun)
-        t1 = time.perf_counter()
+        t = time.perf_counter()
         payload = await asyncio.to_thread(encode, kept)
-        t2 = time.perf_counter()
+        enc.append(time.perf_counter() - t)
         async with _Stalls() as keeping:
             await bus.keep("handback:bench", kept, ttl_s=60)  # encodes again, then SET
-        t3 = time.perf_counter()
-        copy.append(t1 - t0)
-        enc.append(t2 - t1)
-        store.append(t3 - t2)
+        copy.append(copying.took)
+        store.append(keeping.took)
         stalls.append((copying.longest, keeping.longest))
-        t4 = time.perf_counter()
+        async with _Stalls() as reading:
+            back = await bus.kept("handback:bench", HandedBack)
+        read.append((reading.took, reading.longest))
+        async with _Stalls() as inline:
+            assert decode(HandedBack, payload) == back  # on the loop: what the read did before
+        decode_inline.append((inline.took, inline.longest))
+        async with _Stalls() as written_whole:
+            await plain.set("handback:bench-whole", payload, px=60_000)
+        whole.append((written_whole.took, written_whole.longest))
+        async with _Stalls() as written_sliced:
+            await bus.redis.set("handback:bench-sliced", payload, px=60_000)
+        sliced.append((written_sliced.took, written_sliced.longest))
         async with _Stalls() as publishing:
             await bus.publish(TRAJECTORIES, finished)
-        publish.append(time.perf_counter() - t4)
+        publish.append(publishing.took)
         publish_stalls.append(publishing.longest)
         await bus.redis.delete(bus.key(TRAJECTORIES))
     await bus.close()
+    await plain.aclose()
     return {
         "mb": len(payload) / 1e6,
         "copy": median(copy),
@@ -167,6 +188,14 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
         "stall_copy": max(s[0] for s in stalls),
         "stall_keep": max(s[1] for s in stalls),
         "stall_publish": max(publish_stalls),
+        "read": median(r[0] for r in read),
+        "stall_read": max(r[1] for r in read),
+        "decode_inline": median(d[0] for d in decode_inline),
+        "stall_decode_inline": max(d[1] for d in decode_inline),
+        "set_whole": median(w[0] for w in whole),
+        "stall_set_whole": max(w[1] for w in whole),
+        "set_sliced": median(w[0] for w in sliced),
+        "stall_set_sliced": max(w[1] for w in sliced),
     }
 
 
@@ -181,15 +210,37 @@ async def main(repeats: int, routes: bool) -> None:
         "| routes | MB | copy ms | encode ms | keep (encode + SET) ms | baseline: publish the group once, ms | longest loop stall, copy / keep / publish ms |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
     with LocalRedis() as redis:
         for with_routes in (False, True) if routes else (False,):
             r = await _one_keep(redis.url, with_routes, repeats)
             name = f"{LAYERS} layers x top-{TOP_K}" if with_routes else "none"
+            rows.append((name, r))
             print(
                 f"| {name} | {r['mb']:.1f} | {1e3 * r['copy']:.0f} | {1e3 * r['encode']:.0f} | "
                 f"{1e3 * r['keep']:.0f} | {1e3 * r['publish']:.0f} | "
                 f"{1e3 * r['stall_copy']:.0f} / {1e3 * r['stall_keep']:.0f} / {1e3 * r['stall_publish']:.0f} |"
             )
+    print("\n   the SET of the encoded keep alone (goal: a loop stall of a few ms at most)")
+    print(
+        "| routes | ours, in slices: ms / loop stall ms | baseline: redis-py writing it whole, ms / stall ms |"
+    )
+    print("|---|---:|---:|")
+    for name, r in rows:
+        print(
+            f"| {name} | {1e3 * r['set_sliced']:.0f} / {1e3 * r['stall_set_sliced']:.0f} | "
+            f"{1e3 * r['set_whole']:.0f} / {1e3 * r['stall_set_whole']:.0f} |"
+        )
+    print("\n   the next worker reads the keep back (goal: no stall longer than decoding on the loop)")
+    print(
+        "| routes | read back (GET + decode) ms | its longest loop stall ms | baseline: decode on the loop, ms / stall ms |"
+    )
+    print("|---|---:|---:|---:|")
+    for name, r in rows:
+        print(
+            f"| {name} | {1e3 * r['read']:.0f} | {1e3 * r['stall_read']:.0f} | "
+            f"{1e3 * r['decode_inline']:.0f} / {1e3 * r['stall_decode_inline']:.0f} |"
+        )
     print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
     print("| rule | written / final size | goal |")
     print("|---|---:|---:|")
