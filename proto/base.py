@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgpack
@@ -111,8 +112,31 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def encode(message: BaseModel) -> bytes:
-    """Binary wire form: msgpack of the Python-mode dump (arrays stay raw bytes)."""
-    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+    """Binary wire form: msgpack of the Python-mode dump (arrays stay raw bytes).
+
+    Packed a piece at a time down to the items of a field (a group's trajectories) and joined: the
+    same bytes as one ``packb`` of the whole dump, but one ``packb`` of a 200 MB group (MoE routes)
+    holds the interpreter for about 0.2 s, and the bus encodes in a thread so that its event loop
+    runs meanwhile, which it can only between the pieces."""
+    packer = msgpack.Packer(use_bin_type=True)
+    return b"".join(_packed(packer, message.model_dump(mode="python"), PACKED_DEPTH))
+
+
+PACKED_DEPTH = 3  # the message, its fields, the items of a field
+
+
+def _packed(packer: msgpack.Packer, value: Any, depth: int) -> Iterator[bytes]:
+    if depth and isinstance(value, dict):
+        yield packer.pack_map_header(len(value))
+        for key, item in value.items():
+            yield packer.pack(key)
+            yield from _packed(packer, item, depth - 1)
+    elif depth and isinstance(value, list | tuple):
+        yield packer.pack_array_header(len(value))
+        for item in value:
+            yield from _packed(packer, item, depth - 1)
+    else:
+        yield packer.pack(value)
 
 
 def decode(model: type[M], payload: bytes) -> M:
