@@ -120,6 +120,9 @@ class ToolCall(Contract):
     ok: bool
     error: str | None = None
     latency_s: Annotated[float, Field(ge=0)] = 0.0
+    # False: the agent did not send it (malformed, or past a message's call limit), so it holds no
+    # place in the tool gateway's call budget
+    sent: bool = True
 
 
 class Trajectory(Contract):

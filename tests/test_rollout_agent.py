@@ -153,6 +153,7 @@ async def test_malformed_and_repaired_calls(tok):
         "<use_mcp_tool><tool_name>x</tool_name></use_mcp_tool>",  # unusable: reported back
         "<use_mcp_tool>\n<server_name>search_and_scrape_webpage</server_name>\n<tool_name>google_search</tool_name>\n"
         '<arguments>\n["Vienna"]\n</arguments>\n</use_mcp_tool>',  # unusable arguments of a named tool
+        format_tool_call(*SEARCH, {"q": "Danube"}),
         "\\boxed{Danube}",
     ]
     app = make_sglang(scripted(tok, turns))
@@ -163,7 +164,10 @@ async def test_malformed_and_repaired_calls(tok):
         await engine.aclose()
     assert t.finish_reason == "answer" and t.reward == 1.0
     assert tools.calls[0][2] == {"q": "Vienna river"}
-    assert len(tools.calls) == 1  # the malformed call never reached the tools
+    assert len(tools.calls) == 2  # the malformed calls never reached the tools
+    # nor hold a place in the gateway's budget: the search after them is the second sent
+    assert [c.sent for c in t.tool_calls] == [True, False, False, True]
+    assert [c[4] for c in tools.calls] == [0, 1]
     assert not t.tool_calls[1].ok and "malformed" in t.tool_calls[1].error
     assert "failed. Error: the <use_mcp_tool> block is malformed" in tok.decode(t.completion_ids)
     assert (t.tool_calls[2].server_name, t.tool_calls[2].tool_name) == SEARCH and not t.tool_calls[2].ok

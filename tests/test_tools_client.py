@@ -112,3 +112,20 @@ def test_the_gateway_keeps_idle_connections_longer_than_its_clients():
     from services.tools.client import KEEP_ALIVE_S
 
     assert ToolsSettings.model_fields["keep_alive_s"].default > KEEP_ALIVE_S
+
+
+async def test_a_call_without_a_place_does_not_send_the_field():
+    """A gateway older than ``call_index`` refuses the field even as null (its body model forbids
+    unknown fields), and every call would fail: the field is sent only with a place."""
+    bodies = []
+
+    async def post(body, *, again=True):
+        bodies.append(json.loads(body))
+        return 200, json.dumps({"ok": True, "text": "t", "cached": False}).encode()
+
+    client = GatewayClient("http://127.0.0.1:9")
+    client._post = post
+    await client.call(*SEARCH, {"q": "x"}, trajectory_id="t")
+    await client.call(*SEARCH, {"q": "x"}, trajectory_id="t", call_index=0)
+    assert "call_index" not in bodies[0] and bodies[1]["call_index"] == 0
+    await client.aclose()

@@ -212,6 +212,19 @@ class SlowBackend(OfflineBackend):
         return await super().search(args)
 
 
+async def test_a_place_past_the_budget_is_refused_without_a_round_trip(world):
+    """A refused place costs the store nothing, so a store that is down still answers it as a
+    refusal and not as the store's failure."""
+
+    class Down(MemoryStore):
+        async def get(self, key):
+            raise AssertionError("the store was asked")
+
+    gw = ToolGateway(OfflineBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl")), Down(), call_budget=2)
+    out = await gw.call(*SEARCH, {"q": "festival"}, trajectory_id="t", call_index=2)
+    assert not out.ok and "call budget of 2" in out.text
+
+
 async def test_identical_calls_in_flight_are_merged(world):
     backend = SlowBackend(OfflineCorpus.from_jsonl(world / "corpus.jsonl"))
     gw = ToolGateway(backend, MemoryStore())

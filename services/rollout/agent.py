@@ -171,8 +171,9 @@ async def _run_call(
 ) -> tuple[ToolCall, str | None]:
     """The ``k``-th call of a turn's message: its record, and the text that answers it (None: the
     gateway is unreachable, which fails the trajectory). ``attempt`` names this attempt's budget
-    and ``place`` is the call's among the trajectory's: a call made again by a trajectory that
-    goes on from a keep (its exchange was not whole when its worker died) counts once."""
+    and ``place`` is the call's among those the trajectory has sent: a call made again by a
+    trajectory that goes on from a keep (its exchange was not whole when its worker died) has
+    the place it had, and counts once."""
     server, tool = (
         (one.call.server_name, one.call.tool_name) if one.call else one.names or ("unknown", "unknown")
     )
@@ -182,7 +183,9 @@ async def _run_call(
     if k >= limits.max_calls_per_turn:
         why = f"one message may make at most {limits.max_calls_per_turn} tool calls; this one was not run"
     if why is not None or one.call is None:
-        return ToolCall(**named, ok=False, error=why), format_tool_failure(server, tool, why or "")
+        return ToolCall(**named, ok=False, error=why, sent=False), format_tool_failure(
+            server, tool, why or ""
+        )
     reply = await tools.call(server, tool, args, trajectory_id=attempt, call_index=place)
     if reply.unreachable:
         return ToolCall(**named, ok=False, error=f"tool gateway unreachable: {reply.text}"), None
@@ -284,7 +287,8 @@ async def run_trajectory(
             break  # no turn left to read the tool's answer
         replies = []
         for k, one in enumerate(parsed):
-            call, reply_text = await _run_call(one, k, turn, limits, tools, attempt, len(calls))
+            sent = sum(c.sent for c in calls)
+            call, reply_text = await _run_call(one, k, turn, limits, tools, attempt, sent)
             calls.append(call)
             if reply_text is None:
                 finish, error = "error", call.error

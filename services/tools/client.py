@@ -110,15 +110,15 @@ class GatewayClient:
         call_index: int | None = None,
     ) -> ToolReply:
         """Never raises for the agent's sake: every failure becomes a tool result it can read."""
-        body = json.dumps(
-            {
-                "server_name": server_name,
-                "tool_name": tool_name,
-                "arguments": arguments,
-                "trajectory_id": trajectory_id,
-                "call_index": call_index,
-            }
-        ).encode()
+        fields = {
+            "server_name": server_name,
+            "tool_name": tool_name,
+            "arguments": arguments,
+            "trajectory_id": trajectory_id,
+        }
+        if call_index is not None:  # a gateway older than the field refuses it, even as null
+            fields["call_index"] = call_index
+        body = json.dumps(fields).encode()
         try:
             status, raw = await self._post(body)
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -163,8 +163,10 @@ class ToolGateway:
     ) -> CallOutcome:
         digest = hashlib.sha256(_canonical(spec, args).encode()).hexdigest()
         key = f"cache:{self.backend.name}:{self.answers_tag}:{spec.name}:{digest}"
-        if call_index is not None:
-            used, hit = call_index + 1, await self.store.get(key)
+        if call_index is not None:  # the place alone decides, before any round trip
+            used, hit = call_index + 1, None
+            if used <= self.call_budget:
+                hit = await self.store.get(key)
         elif trajectory_id is not None:  # one round trip: the budget's count and the cache lookup
             used, hit = await self.store.incr_and_get(f"budget:{trajectory_id}", self.budget_ttl_s, key)
         else:
