@@ -126,12 +126,13 @@ PACKED_DEPTH = 3  # the message, its fields, the items of a field
 
 
 def _packed(packer: msgpack.Packer, value: Any, depth: int) -> Iterator[bytes]:
-    if depth and isinstance(value, dict):
+    # exact types: a subclass (msgpack's ExtType is a tuple) is packed whole, as packb packs it
+    if depth and type(value) is dict:
         yield packer.pack_map_header(len(value))
         for key, item in value.items():
             yield packer.pack(key)
             yield from _packed(packer, item, depth - 1)
-    elif depth and isinstance(value, list | tuple):
+    elif depth and type(value) in (list, tuple):
         yield packer.pack_array_header(len(value))
         for item in value:
             yield from _packed(packer, item, depth - 1)

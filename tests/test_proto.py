@@ -58,6 +58,18 @@ def test_the_wire_form_is_one_packb_of_the_dump_though_packed_in_pieces(message)
         assert max(map(len, pieces)) <= one
 
 
+def test_only_plain_dicts_lists_and_tuples_are_packed_in_pieces():
+    """A subclass is packed whole, as packb packs it: msgpack's ExtType is a tuple, but an ext."""
+    from collections import OrderedDict, namedtuple
+
+    from proto.base import PACKED_DEPTH, _packed
+
+    pair = namedtuple("pair", "a b")
+    value = {"ext": msgpack.ExtType(5, b"xy"), "od": OrderedDict(k=[1, 2]), "nt": pair(1, (2, b"z"))}
+    pieces = _packed(msgpack.Packer(use_bin_type=True), value, PACKED_DEPTH)
+    assert b"".join(pieces) == msgpack.packb(value, use_bin_type=True)
+
+
 def test_arrays_are_compact_and_read_only():
     traj = ex.example_trajectory(tokens=4096, prompt_tokens=0)
     wire = encode(traj)

@@ -74,30 +74,31 @@ class _WritesInSlices:
     transport has drained the last and the loop has had a turn."""
 
     async def send_packed_command(self, command, check_health: bool = True) -> None:
-        bulky = isinstance(command, (list, tuple)) and sum(len(part) for part in command) > SLICE_BYTES
-        if not bulky or not hasattr(self, "_writer"):  # small, or a redis-py that writes otherwise
+        if not isinstance(command, (list, tuple)) or sum(len(part) for part in command) <= SLICE_BYTES:
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
             return
         if not self.is_connected:  # type: ignore[attr-defined]
-            await self.connect()  # type: ignore[attr-defined]
+            # as redis-py connects before a write (the health check comes next, if asked for)
+            connect = getattr(self, "connect_check_health", None)
+            await (connect(check_health=False) if connect else self.connect())  # type: ignore[attr-defined]
         if check_health:
             await self.check_health()  # type: ignore[attr-defined]
         timeout = getattr(self, "socket_timeout", None)
         try:
             async with asyncio.timeout(timeout):
-                for part in command:
-                    view = memoryview(part)
-                    for start in range(0, len(view), SLICE_BYTES):
-                        self._writer.write(view[start : start + SLICE_BYTES])  # type: ignore[attr-defined]
-                        await self._writer.drain()  # type: ignore[attr-defined]
-                        await asyncio.sleep(0)  # drain returns at once while the socket keeps up
+                slices = [(part, start) for part in command for start in range(0, len(part), SLICE_BYTES)]
+                for n, (part, start) in enumerate(slices, 1):
+                    self._writer.write(memoryview(part)[start : start + SLICE_BYTES])  # type: ignore[attr-defined]
+                    await self._writer.drain()  # type: ignore[attr-defined]
+                    if n < len(slices):  # drain returns at once while the socket keeps up
+                        await asyncio.sleep(0)
         except TimeoutError:
             await self.disconnect(nowait=True)  # type: ignore[attr-defined]
             raise RedisTimeoutError("Timeout writing to socket") from None
         except OSError as exc:
             await self.disconnect(nowait=True)  # type: ignore[attr-defined]
             raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
-        except BaseException:  # a cancellation: what was written of the command is not a command
+        except BaseException:  # a cancellation: Redis never runs a command it got a part of
             await self.disconnect(nowait=True)  # type: ignore[attr-defined]
             raise
 
