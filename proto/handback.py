@@ -65,6 +65,8 @@ class UnfinishedTrajectory(Contract):
     def policy_version(self) -> int:
         return min(self.versions)
 
+    num_tokens = Trajectory.num_tokens  # prompt and completion, as a finished one counts them
+
 
 class HandedBack(Message):
     """A group's sampling as a leaving worker left it: one entry per trajectory it had begun."""
@@ -91,7 +93,7 @@ class HandedBack(Message):
     @property
     def tokens(self) -> int:
         """Tokens kept, prompts and completions: what the value's size grows with."""
-        return sum(t.prompt_ids.size + t.completion_ids.size for t in (*self.finished, *self.unfinished))
+        return sum(t.num_tokens for t in (*self.finished, *self.unfinished))
 
     @property
     def policy_version(self) -> int | None:

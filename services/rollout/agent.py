@@ -131,12 +131,10 @@ class Progress:
         how far it has got (every whole exchange adds some) and how large its keep is."""
         done = self.done
         if done is not None and done.finish_reason != "error":
-            return int(done.prompt_ids.size + done.completion_ids.size)
+            return done.num_tokens
         if self._mark is not None:
             return len(self._of[0].prompt) + self._mark[0]
-        return (
-            int(self._kept.prompt_ids.size + self._kept.completion_ids.size) if self._kept is not None else 0
-        )
+        return self._kept.num_tokens if self._kept is not None else 0
 
     def kept_now(self) -> Trajectory | UnfinishedTrajectory | None:
         """What a keep holds of it now: the trajectory once it has ended, but for an error (the
