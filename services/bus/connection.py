@@ -83,9 +83,8 @@ class _WritesInSlices:
             await (connect(check_health=False) if connect else self.connect())  # type: ignore[attr-defined]
         if check_health:
             await self.check_health()  # type: ignore[attr-defined]
-        timeout = getattr(self, "socket_timeout", None)
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(self.socket_timeout):  # type: ignore[attr-defined]
                 slices = [(part, start) for part in command for start in range(0, len(part), SLICE_BYTES)]
                 for n, (part, start) in enumerate(slices, 1):
                     self._writer.write(memoryview(part)[start : start + SLICE_BYTES])  # type: ignore[attr-defined]
