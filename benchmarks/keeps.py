@@ -29,6 +29,7 @@ import asyncio
 import platform
 import subprocess
 import time
+from collections import defaultdict
 from statistics import median
 
 import numpy as np
@@ -133,7 +134,13 @@ class _Stalls:
         self.ticking.cancel()
 
 
-async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
+async def _on_loop(fn, *args):
+    return fn(*args)
+
+
+async def _one_keep(url: str, routes: bool, repeats: int) -> tuple[float, dict[str, tuple[float, float]]]:
+    """The keep's size in MB, and for each step the median of its times and the longest loop stall
+    of its repeats (seconds)."""
     group = _Group(routes)
     for _ in range(EXCHANGES):
         group.exchange()
@@ -147,56 +154,33 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> dict:
     )
     bus = Bus.from_url(url, prefix="bench")
     plain = aioredis.Redis.from_url(url)  # redis-py's own connection: the command written whole
-    copy, enc, store, publish, stalls, publish_stalls = [], [], [], [], [], []
-    read, decode_inline, whole, sliced = [], [], [], []  # (seconds, the loop's longest stall) each
+    timed: dict[str, list[_Stalls]] = defaultdict(list)
+
+    async def measure(step: str, work):
+        async with _Stalls() as stalls:
+            result = await work
+        timed[step].append(stalls)
+        return result
+
     for _ in range(repeats):
-        async with _Stalls() as copying:
-            kept = await asyncio.to_thread(handed_back, group.begun)
-        t = time.perf_counter()
-        payload = await asyncio.to_thread(encode, kept)
-        enc.append(time.perf_counter() - t)
-        async with _Stalls() as keeping:
-            await bus.keep("handback:bench", kept, ttl_s=60)  # encodes again, then SET
-        copy.append(copying.took)
-        store.append(keeping.took)
-        stalls.append((copying.longest, keeping.longest))
-        async with _Stalls() as reading:
-            back = await bus.kept("handback:bench", HandedBack)
-        read.append((reading.took, reading.longest))
-        async with _Stalls() as inline:
-            assert decode(HandedBack, payload) == back  # on the loop: what the read did before
-        decode_inline.append((inline.took, inline.longest))
-        async with _Stalls() as written_whole:
-            await plain.set("handback:bench-whole", payload, px=60_000)
-        whole.append((written_whole.took, written_whole.longest))
-        async with _Stalls() as written_sliced:
-            await bus.redis.set("handback:bench-sliced", payload, px=60_000)
-        sliced.append((written_sliced.took, written_sliced.longest))
-        async with _Stalls() as publishing:
-            await bus.publish(TRAJECTORIES, finished)
-        publish.append(publishing.took)
-        publish_stalls.append(publishing.longest)
+        kept = await measure("copy", asyncio.to_thread(handed_back, group.begun))
+        payload = await measure("encode", asyncio.to_thread(encode, kept))
+        await measure("keep", bus.keep("handback:bench", kept, ttl_s=60))  # encodes again, then SET
+        back = await measure("read", bus.kept("handback:bench", HandedBack))
+        # on the loop: what the read did before
+        assert await measure("decode_inline", _on_loop(decode, HandedBack, payload)) == back
+        await measure("set_whole", plain.set("handback:bench-whole", payload, px=60_000))
+        await measure("set_sliced", bus.redis.set("handback:bench-sliced", payload, px=60_000))
+        await measure("publish", bus.publish(TRAJECTORIES, finished))
         await bus.redis.delete(bus.key(TRAJECTORIES))
     await bus.close()
     await plain.aclose()
-    return {
-        "mb": len(payload) / 1e6,
-        "copy": median(copy),
-        "encode": median(enc),
-        "keep": median(store),
-        "publish": median(publish),
-        "stall_copy": max(s[0] for s in stalls),
-        "stall_keep": max(s[1] for s in stalls),
-        "stall_publish": max(publish_stalls),
-        "read": median(r[0] for r in read),
-        "stall_read": max(r[1] for r in read),
-        "decode_inline": median(d[0] for d in decode_inline),
-        "stall_decode_inline": max(d[1] for d in decode_inline),
-        "set_whole": median(w[0] for w in whole),
-        "stall_set_whole": max(w[1] for w in whole),
-        "set_sliced": median(w[0] for w in sliced),
-        "stall_set_sliced": max(w[1] for w in sliced),
-    }
+    steps = {k: (median(s.took for s in v), max(s.longest for s in v)) for k, v in timed.items()}
+    return len(payload) / 1e6, steps
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.0f}"
 
 
 async def main(repeats: int, routes: bool) -> None:
@@ -213,34 +197,28 @@ async def main(repeats: int, routes: bool) -> None:
     rows = []
     with LocalRedis() as redis:
         for with_routes in (False, True) if routes else (False,):
-            r = await _one_keep(redis.url, with_routes, repeats)
+            mb, r = await _one_keep(redis.url, with_routes, repeats)
             name = f"{LAYERS} layers x top-{TOP_K}" if with_routes else "none"
             rows.append((name, r))
-            print(
-                f"| {name} | {r['mb']:.1f} | {1e3 * r['copy']:.0f} | {1e3 * r['encode']:.0f} | "
-                f"{1e3 * r['keep']:.0f} | {1e3 * r['publish']:.0f} | "
-                f"{1e3 * r['stall_copy']:.0f} / {1e3 * r['stall_keep']:.0f} / {1e3 * r['stall_publish']:.0f} |"
-            )
+            times = " | ".join(_ms(r[step][0]) for step in ("copy", "encode", "keep", "publish"))
+            stalls = " / ".join(_ms(r[step][1]) for step in ("copy", "keep", "publish"))
+            print(f"| {name} | {mb:.1f} | {times} | {stalls} |")
     print("\n   the SET of the encoded keep alone (goal: a loop stall of a few ms at most)")
     print(
         "| routes | ours, in slices: ms / loop stall ms | baseline: redis-py writing it whole, ms / stall ms |"
     )
     print("|---|---:|---:|")
     for name, r in rows:
-        print(
-            f"| {name} | {1e3 * r['set_sliced']:.0f} / {1e3 * r['stall_set_sliced']:.0f} | "
-            f"{1e3 * r['set_whole']:.0f} / {1e3 * r['stall_set_whole']:.0f} |"
-        )
+        ours, whole = r["set_sliced"], r["set_whole"]
+        print(f"| {name} | {_ms(ours[0])} / {_ms(ours[1])} | {_ms(whole[0])} / {_ms(whole[1])} |")
     print("\n   the next worker reads the keep back (goal: no stall longer than decoding on the loop)")
     print(
         "| routes | read back (GET + decode) ms | its longest loop stall ms | baseline: decode on the loop, ms / stall ms |"
     )
     print("|---|---:|---:|---:|")
     for name, r in rows:
-        print(
-            f"| {name} | {1e3 * r['read']:.0f} | {1e3 * r['stall_read']:.0f} | "
-            f"{1e3 * r['decode_inline']:.0f} / {1e3 * r['stall_decode_inline']:.0f} |"
-        )
+        read, inline = r["read"], r["decode_inline"]
+        print(f"| {name} | {_ms(read[0])} | {_ms(read[1])} | {_ms(inline[0])} / {_ms(inline[1])} |")
     print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
     print("| rule | written / final size | goal |")
     print("|---|---:|---:|")
