@@ -1,12 +1,13 @@
 """Decoding what is read from Redis without stalling the event loop.
 
 A trajectory group with a MoE policy's routes is up to the bus's message limit (about 200 MB at
-the paper's largest), and decoding one on the event loop held it for about 0.2 s: every other
-coroutine of the process waited, its heartbeats, its health probes, the turns of the other
+the paper's largest), and decoding one on the event loop holds it for about 0.1 s: every other
+coroutine of the process waits, its heartbeats, its health probes, the turns of the other
 trajectories a rollout worker samples. In a thread the loop runs between the decoding's steps,
-though each holds the interpreter (msgpack's unpacking, then pydantic's validation), which halves
-the loop's longest stall (benchmarks/README.md, "keeps"). Past ``DECODE_INLINE_BYTES`` a payload
-is decoded in a thread; below it the thread's hand-off would cost more than the decoding.
+though each holds the interpreter (msgpack's unpacking, then pydantic's validation). Reading the
+reply holds the loop about as long again, so a read's longest stall is the reply's, not the
+decoding's (benchmarks/README.md, "keeps"). Past ``DECODE_INLINE_BYTES`` a payload is decoded in
+a thread; below it the thread's hand-off would cost more than the decoding.
 """
 
 from __future__ import annotations
