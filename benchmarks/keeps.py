@@ -11,8 +11,10 @@ by PBSD_ROLLOUT_KEEP_GROWTH of its tokens, so a worker killed outright leaves it
    shape once, as every group is (``proto.examples.example_group``, as benchmarks/bus.py makes it).
    The bus writes a large command a MiB slice at a time (services/bus/connection.py); baseline:
    the same SET through redis-py's own connection, which writes it whole. Then the next worker's
-   read of the keep (``Bus.kept``: GET, and the decoding, in a thread past 64 KiB as every read of
-   the bus decodes) and its stall; baseline: decoding it on the loop.
+   read of the keep (``Bus.kept``: GETRANGE a few MiB at a time, services/bus/slices.py, and the
+   decoding, in a thread past 64 KiB as every read of the bus decodes) and its stall; baselines:
+   one GET of the whole value and the same decoding (the read before the slices), and decoding it
+   on the loop.
 2. What the keeps write over the group's life: the group grows one exchange per trajectory at a
    time, and a keep round follows every exchange (the worst case: keep_every_s shorter than a
    turn). Figure: tokens written by the keeps (prompts and completions, which the bytes follow)
@@ -42,6 +44,7 @@ from proto.messages import PromptTask
 from proto.runs import RolloutSpec
 from proto.streams import TRAJECTORIES
 from services.bus import Bus
+from services.bus.decoding import decoded
 from services.local_redis import LocalRedis
 from services.rollout.agent import _Builder
 from services.rollout.begun import Begun, KeepsBegun, handed_back
@@ -138,6 +141,11 @@ async def _on_loop(fn, *args):
     return fn(*args)
 
 
+async def _read_whole(bus: Bus, name: str) -> HandedBack:
+    """The read of a keep before the slices: one GET, then the bus's decoding."""
+    return await decoded(HandedBack, await bus.redis.get(f"{bus.prefix}:{name}"))
+
+
 async def _one_keep(url: str, routes: bool, repeats: int) -> tuple[float, dict[str, tuple[float, float]]]:
     """The keep's size in MB, and for each step the median of its times and the longest loop stall
     of its repeats (seconds)."""
@@ -167,6 +175,8 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> tuple[float, dict[s
         payload = await measure("encode", asyncio.to_thread(encode, kept))
         await measure("keep", bus.keep("handback:bench", kept, ttl_s=60))  # encodes again, then SET
         back = await measure("read", bus.kept("handback:bench", HandedBack))
+        whole = await measure("read_whole", _read_whole(bus, "handback:bench"))
+        assert whole == back
         # on the loop: what the read did before
         assert await measure("decode_inline", _on_loop(decode, HandedBack, payload)) == back
         await measure("set_whole", plain.set("handback:bench-whole", payload, px=60_000))
@@ -213,12 +223,14 @@ async def main(repeats: int, routes: bool) -> None:
         print(f"| {name} | {_ms(ours[0])} / {_ms(ours[1])} | {_ms(whole[0])} / {_ms(whole[1])} |")
     print("\n   the next worker reads the keep back (goal: no stall longer than decoding on the loop)")
     print(
-        "| routes | read back (GET + decode) ms | its longest loop stall ms | baseline: decode on the loop, ms / stall ms |"
+        "| routes | ours, in slices + decode: ms / loop stall ms | baseline: one GET + decode | baseline: decode on the loop |"
     )
     print("|---|---:|---:|---:|")
     for name, r in rows:
-        read, inline = r["read"], r["decode_inline"]
-        print(f"| {name} | {_ms(read[0])} | {_ms(read[1])} | {_ms(inline[0])} / {_ms(inline[1])} |")
+        cells = " | ".join(
+            f"{_ms(r[step][0])} / {_ms(r[step][1])}" for step in ("read", "read_whole", "decode_inline")
+        )
+        print(f"| {name} | {cells} |")
     print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
     print("| rule | written / final size | goal |")
     print("|---|---:|---:|")

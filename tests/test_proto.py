@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import msgpack
@@ -268,3 +269,59 @@ def test_every_stream_has_a_distinct_key_and_message_model():
         RunEnded,
         DeadLetter,
     }
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_slices_are_unpacked_in_pieces_as_unpackb_would_unpack_them_joined(message, monkeypatch):
+    """A value read in slices (a keep) is unpacked a piece at a time straight from its slices, not
+    joined (joining and unpacking a 200 MB keep took 0.17-0.47 s, the pieces 0.06-0.08): the same
+    message, whatever the slices' sizes, empty ones included."""
+    import proto.base as base
+
+    wire = encode(message)
+    rng = np.random.default_rng(len(wire))
+    for most in (1, 7, 4096):
+        cuts = np.cumsum(rng.integers(0, most + 1, size=len(wire)))
+        cuts = [0, *cuts[cuts < len(wire)].tolist(), len(wire)]
+        slices = [wire[a:b] for a, b in itertools.pairwise(cuts)]
+        assert decode(type(message), slices) == message
+    if isinstance(message, TrajectoryGroup):  # no piece holds more than one trajectory
+
+        class Measured(msgpack.Unpacker):
+            def unpack(self):
+                start = self.tell()
+                value = super().unpack()
+                pieces.append(self.tell() - start)
+                return value
+
+        pieces: list[int] = []
+        monkeypatch.setattr(base.msgpack, "Unpacker", Measured)
+        assert decode(TrajectoryGroup, [wire[:100], wire[100:]]) == message
+        one = max(len(msgpack.packb(t.model_dump(), use_bin_type=True)) for t in message.trajectories)
+        assert sum(pieces) < len(wire) and max(pieces) < one
+
+
+def test_unpacking_in_pieces_keeps_every_value_unpackb_gives_and_every_refusal():
+    import proto.base as base
+
+    value = {"ext": msgpack.ExtType(5, b"xy"), "a": [[1, {"b": b"z"}], "s", None], "m": {"n": {"o": [2.5]}}}
+    wire = msgpack.packb(value, use_bin_type=True)
+    unpacked = base._unpacked_slices([wire[:3], b"", wire[3:]])
+    assert unpacked == msgpack.unpackb(wire, raw=False, strict_map_key=True) and unpacked["ext"].code == 5
+    group = ex.example_group(1)
+    good = encode(group)
+
+    def halves(wire: bytes) -> list[bytes]:
+        return [wire[: len(wire) // 2], wire[len(wire) // 2 :]]
+
+    with pytest.raises(ValueError, match="not valid msgpack"):
+        decode(TrajectoryGroup, halves(good[:-1]))  # cut short
+    with pytest.raises(ValueError, match="extra data"):
+        decode(TrajectoryGroup, [good, b"\x01"])
+    with pytest.raises(ValueError, match="must be a map"):
+        decode(TrajectoryGroup, halves(msgpack.packb([1, 2])))
+    with pytest.raises(ValueError, match="not allowed for map key"):
+        decode(TrajectoryGroup, halves(msgpack.packb({1: 2})))
+    with pytest.raises(ValueError, match="not allowed for map key"):  # deeper, unpacked whole
+        decode(TrajectoryGroup, halves(msgpack.packb({"a": [{"b": {3: 4}}]})))
+    assert decode(TrajectoryGroup, [good]) == group == decode(TrajectoryGroup, halves(good))

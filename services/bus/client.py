@@ -20,6 +20,7 @@ from services.bus.decoding import decoded
 from services.bus.delivery import MAX_MESSAGE_BYTES, HandlerCancelled, MessageTooLarge
 from services.bus.groups import ConsumerGroups
 from services.bus.lock import Exclusive
+from services.bus.slices import read_value
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +245,8 @@ class Bus(ConsumerGroups):
         """What :meth:`keep` stored under ``name``, left there: a reader cut off as the reply came
         back, or one that dies before it has kept its own, loses nothing for the next one. None
         when nothing is there (never kept, forgotten, or expired) or what is there does not decode
-        as ``model`` (logged)."""
-        payload = await self.redis.get(f"{self.prefix}:{name}")
+        as ``model`` (logged). Read a few MiB at a time, as one value (:mod:`services.bus.slices`)."""
+        payload = await read_value(self.redis, f"{self.prefix}:{name}")
         if payload is None:
             return None
         try:

@@ -1,13 +1,14 @@
 """Decoding what is read from Redis without stalling the event loop.
 
 A trajectory group with a MoE policy's routes is up to the bus's message limit (about 200 MB at
-the paper's largest), and decoding one on the event loop holds it for about 0.1 s: every other
+the paper's largest), and decoding one on the event loop holds it for 0.1-0.2 s: every other
 coroutine of the process waits, its heartbeats, its health probes, the turns of the other
 trajectories a rollout worker samples. In a thread the loop runs between the decoding's steps,
-though each holds the interpreter (msgpack's unpacking, then pydantic's validation). Reading the
-reply holds the loop about as long again, so a read's longest stall is the reply's, not the
-decoding's (benchmarks/README.md, "keeps"). Past ``DECODE_INLINE_BYTES`` a payload is decoded in
-a thread; below it the thread's hand-off would cost more than the decoding.
+though each holds the interpreter (msgpack's unpacking, then pydantic's validation); a keep, read
+in slices (:mod:`services.bus.slices`), is unpacked a piece at a time from them. Reading a stream
+entry's reply holds the loop longer than its decoding (benchmarks/README.md, "keeps"). Past
+``DECODE_INLINE_BYTES`` a payload is decoded in a thread; below it the thread's hand-off would
+cost more than the decoding.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ DECODE_INLINE_BYTES = 64 * 1024
 __all__ = ["DECODE_INLINE_BYTES", "decoded"]
 
 
-async def decoded(model: type[M], payload: bytes) -> M:
-    """``decode(model, payload)``, in a thread when the payload is large; raises as it does."""
-    if len(payload) > DECODE_INLINE_BYTES:
+async def decoded(model: type[M], payload: bytes | list[bytes]) -> M:
+    """``decode(model, payload)``, in a thread when the payload is large; raises as it does.
+    ``payload``: the value, or its slices as :mod:`services.bus.slices` reads them."""
+    size = len(payload) if isinstance(payload, bytes) else sum(map(len, payload))
+    if size > DECODE_INLINE_BYTES:
         return await asyncio.to_thread(decode, model, payload)
     return decode(model, payload)
