@@ -14,7 +14,8 @@ by PBSD_ROLLOUT_KEEP_GROWTH of its tokens, so a worker killed outright leaves it
    read of the keep (``Bus.kept``: GETRANGE a few MiB at a time, services/bus/slices.py, and the
    decoding, in a thread past 64 KiB as every read of the bus decodes) and its stall; baselines:
    one GET of the whole value and the same decoding (the read before the slices), and decoding it
-   on the loop.
+   on the loop. The decoding alone, in a thread, from the slices a piece at a time (ours) beside
+   joining them and unpacking the whole (the baseline).
 2. What the keeps write over the group's life: the group grows one exchange per trajectory at a
    time, and a keep round follows every exchange (the worst case: keep_every_s shorter than a
    turn). Figure: tokens written by the keeps (prompts and completions, which the bytes follow)
@@ -45,6 +46,7 @@ from proto.runs import RolloutSpec
 from proto.streams import TRAJECTORIES
 from services.bus import Bus
 from services.bus.decoding import decoded
+from services.bus.slices import READ_SLICE_BYTES
 from services.local_redis import LocalRedis
 from services.rollout.agent import _Builder
 from services.rollout.begun import Begun, KeepsBegun, handed_back
@@ -141,6 +143,10 @@ async def _on_loop(fn, *args):
     return fn(*args)
 
 
+def _joined_decode(slices: list[bytes]) -> HandedBack:
+    return decode(HandedBack, b"".join(slices))
+
+
 async def _read_whole(bus: Bus, name: str) -> HandedBack:
     """The read of a keep before the slices: one GET, then the bus's decoding."""
     return await decoded(HandedBack, await bus.redis.get(f"{bus.prefix}:{name}"))
@@ -177,6 +183,10 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> tuple[float, dict[s
         back = await measure("read", bus.kept("handback:bench", HandedBack))
         whole = await measure("read_whole", _read_whole(bus, "handback:bench"))
         assert whole == back
+        # the decoding alone, in a thread: from the slices as read (ours) and from them joined
+        slices = [payload[i : i + READ_SLICE_BYTES] for i in range(0, len(payload), READ_SLICE_BYTES)]
+        assert await measure("decode_slices", asyncio.to_thread(decode, HandedBack, slices)) == back
+        assert await measure("decode_joined", asyncio.to_thread(_joined_decode, slices)) == back
         # on the loop: what the read did before
         assert await measure("decode_inline", _on_loop(decode, HandedBack, payload)) == back
         await measure("set_whole", plain.set("handback:bench-whole", payload, px=60_000))
@@ -229,6 +239,16 @@ async def main(repeats: int, routes: bool) -> None:
     for name, r in rows:
         cells = " | ".join(
             f"{_ms(r[step][0])} / {_ms(r[step][1])}" for step in ("read", "read_whole", "decode_inline")
+        )
+        print(f"| {name} | {cells} |")
+    print(
+        "\n   decoding the keep in a thread: from its slices, a piece at a time (ours), and from them joined"
+    )
+    print("| routes | ours: ms / loop stall ms | baseline: joined, then one unpackb: ms / stall ms |")
+    print("|---|---:|---:|")
+    for name, r in rows:
+        cells = " | ".join(
+            f"{_ms(r[step][0])} / {_ms(r[step][1])}" for step in ("decode_slices", "decode_joined")
         )
         print(f"| {name} | {cells} |")
     print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
