@@ -2,16 +2,17 @@
 
 A rollout worker's keep of a group is one string of up to the bus's message limit (about 200 MB
 with a MoE policy's routes). Read with one GET, the reply is parsed on the event loop as it comes
-in, and hiredis gathers 200 MB into one buffer as it goes: on the 2-core box that took 0.6-2.5 s
-and held the loop for 0.2-0.8 s at a time, while the worker's heartbeats and its other
-trajectories waited (benchmarks/keeps.py). GETRANGE a few MiB at a time parses small replies, the
-loop runs between them, and the whole read takes half the time or less.
+in, and hiredis gathers 200 MB into one buffer as it goes: on a 2-core VM the read and its
+decoding took 1.0-1.5 s and held the loop for 0.84-1.1 s at a time, while the worker's heartbeats
+and its other trajectories waited. GETRANGE a few MiB at a time parses small replies, the loop
+runs between them, and the read and decoding take 0.49-0.59 s with stalls of 12-14 ms
+(benchmarks/keeps.py).
 
 Slices are read under WATCH and closed with an empty MULTI/EXEC, which Redis refuses if the key
 was written, prolonged, removed or expired meanwhile: the slices then come from one value, never
-half of a keep and half of the next, and a read goes round again. A value cut short is caught by
-its length where EXEC does not say (Redis before 6.0.9 does not count an expiry as a write). A read that a writer keeps interrupting falls back to one
-GET, which Redis answers whole.
+half of a keep and half of the next, and the read goes round again. A value cut short is caught
+by its length where EXEC does not say (Redis before 6.0.9 does not count an expiry as a write).
+A read that a writer keeps interrupting falls back to one GET, which Redis answers whole.
 """
 
 from __future__ import annotations
