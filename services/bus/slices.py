@@ -22,7 +22,9 @@ from redis.exceptions import WatchError
 
 __all__ = ["READ_SLICE_BYTES", "TRIES", "read_value"]
 
-READ_SLICE_BYTES = 4 << 20  # 1 MiB slices took as long in all, 16 MiB ones longer (keeps.py's box)
+# a 200 MB value read in 1 MiB slices took about as long, in 16 MiB ones longer (an ad-hoc
+# measurement on the 2-core VM of benchmarks/README.md, "keeps")
+READ_SLICE_BYTES = 4 << 20
 TRIES = 3
 
 
