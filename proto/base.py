@@ -11,7 +11,9 @@ models (arrays as base64).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import math
 import uuid
 from collections.abc import Iterator, Sequence
@@ -140,7 +142,7 @@ def _packed(packer: msgpack.Packer, value: Any, depth: int) -> Iterator[bytes]:
         yield packer.pack(value)
 
 
-def decode(model: type[M], payload: bytes | Sequence[bytes]) -> M:
+def decode(model: type[M], payload: bytes | bytearray | memoryview | Sequence[bytes]) -> M:
     """Inverse of :func:`encode`; raises ``ValueError`` (pydantic's ValidationError included) on bad
     input. ``payload`` is the wire form, or its slices in order (a value read a few MiB at a time).
 
@@ -149,8 +151,9 @@ def decode(model: type[M], payload: bytes | Sequence[bytes]) -> M:
     stalled the caller's event loop for 0.27-0.28 s, where the pieces take 0.06-0.09 s and the
     loop runs between them (benchmarks/keeps.py, on a 2-core VM)."""
     try:
-        if isinstance(payload, bytes) or len(payload) == 1:
-            data: Any = msgpack.unpackb(payload if isinstance(payload, bytes) else payload[0], **_UNPACKING)
+        if isinstance(payload, bytes | bytearray | memoryview) or len(payload) == 1:
+            whole = payload if isinstance(payload, bytes | bytearray | memoryview) else payload[0]
+            data: Any = msgpack.unpackb(whole, **_UNPACKING)
         else:
             data = _unpacked_slices(payload)
     except Exception as exc:  # msgpack raises several unrelated exception types
@@ -165,37 +168,33 @@ _READ_BYTES = 4 << 20  # what the unpacker takes from the slices at a time
 
 
 def _unpacked_slices(slices: Sequence[bytes]) -> Any:
-    size = sum(map(len, slices))
+    reader = _SliceReader(slices)
     unpacker = msgpack.Unpacker(
-        _SliceReader(slices), **_UNPACKING, read_size=_READ_BYTES, max_buffer_size=max(size, _READ_BYTES)
+        reader, **_UNPACKING, read_size=_READ_BYTES, max_buffer_size=max(reader.size, _READ_BYTES)
     )
-    data = _unpacked(unpacker, PACKED_DEPTH)
-    if unpacker.tell() != size:
-        raise ValueError(f"{size - unpacker.tell()} bytes of extra data after the message")
+    data = _unpacked(unpacker, reader, PACKED_DEPTH)
+    if unpacker.tell() != reader.size:
+        raise ValueError(f"{reader.size - unpacker.tell()} bytes of extra data after the message")
     return data
 
 
-def _unpacked(unpacker: msgpack.Unpacker, depth: int) -> Any:
-    # a header of the other kind raises ValueError and reads nothing; then the value is a leaf
-    if depth:
-        try:
-            n = unpacker.read_map_header()
-        except ValueError:
-            pass
-        else:
-            out = {}
-            for _ in range(n):
-                key = unpacker.unpack()
-                if type(key) not in (str, bytes):  # as unpackb's strict_map_key
-                    raise ValueError(f"{type(key).__name__} is not allowed for map key")
-                out[key] = _unpacked(unpacker, depth - 1)
-            return out
-        try:
-            n = unpacker.read_array_header()
-        except ValueError:
-            pass
-        else:
-            return [_unpacked(unpacker, depth - 1) for _ in range(n)]
+_MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # fixmap, map16, map32: the first byte
+_ARRAYS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))  # fixarray, array16, array32
+
+
+def _unpacked(unpacker: msgpack.Unpacker, reader: _SliceReader, depth: int) -> Any:
+    # the next value's first byte says whether it is a map or an array to go into, or a leaf
+    kind = reader.byte_at(unpacker.tell()) if depth else None
+    if kind in _MAPS:
+        out = {}
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if type(key) not in (str, bytes):  # as unpackb's strict_map_key
+                raise ValueError(f"{type(key).__name__} is not allowed for map key")
+            out[key] = _unpacked(unpacker, reader, depth - 1)
+        return out
+    if kind in _ARRAYS:
+        return [_unpacked(unpacker, reader, depth - 1) for _ in range(unpacker.read_array_header())]
     return unpacker.unpack()
 
 
@@ -204,6 +203,15 @@ class _SliceReader:
 
     def __init__(self, slices: Sequence[bytes]) -> None:
         self._slices, self._at, self._offset = list(slices), 0, 0
+        self._starts = [0, *itertools.accumulate(map(len, self._slices))]
+        self.size = self._starts[-1]
+
+    def byte_at(self, offset: int) -> int | None:
+        """The payload's byte at ``offset``; None past its end."""
+        if offset >= self.size:
+            return None
+        i = bisect.bisect_right(self._starts, offset) - 1  # past empty slices, which share a start
+        return self._slices[i][offset - self._starts[i]]
 
     def read(self, n: int = -1) -> bytes:
         while self._at < len(self._slices) and self._offset == len(self._slices[self._at]):

@@ -1,17 +1,20 @@
 """A kept value is read a few MiB at a time, and as it stood at one moment
 (services/bus/slices.py): a writer between two slices sends the read round again, never a value
-made of two keeps."""
+made of two keeps; a read cut off drops its connection and leaves no WATCH behind."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
-from redis.exceptions import WatchError
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ResponseError
 
 import proto.examples as ex
+from proto.handback import HandedBack, UnfinishedTrajectory
 from proto.messages import TrajectoryGroup
 from services.bus import slices
 from services.bus.slices import read_value
@@ -26,27 +29,19 @@ def small_slices(monkeypatch):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """The GETRANGEs and GETs a read sends, and a hook run before each STRLEN (the second command
-    of a read of more than one slice: one slice has been read)."""
-    seen = {"getrange": 0, "get": 0, "between": None}
-    getrange, get, strlen = Pipeline.getrange, aioredis.Redis.get, Pipeline.strlen
+    """The GETRANGEs and GETs sent, and a hook run before each STRLEN (sent once a watched read
+    has its WATCH, before its slices)."""
+    seen = {"GETRANGE": 0, "GET": 0, "between": None}
+    send = AbstractConnection.send_command
 
-    def counted_getrange(self, *args):
-        seen["getrange"] += 1
-        return getrange(self, *args)
-
-    def counted_get(self, *args, **kwargs):
-        seen["get"] += 1
-        return get(self, *args, **kwargs)
-
-    async def strlen_after(self, key):
-        if seen["between"] is not None:
+    async def counted(self, *args, **kwargs):
+        name = str(args[0]).upper()
+        seen[name] = seen.get(name, 0) + 1
+        if name == "STRLEN" and seen["between"] is not None:
             await seen["between"]()
-        return await strlen(self, key)
+        return await send(self, *args, **kwargs)
 
-    monkeypatch.setattr(Pipeline, "getrange", counted_getrange)
-    monkeypatch.setattr(aioredis.Redis, "get", counted_get)
-    monkeypatch.setattr(Pipeline, "strlen", strlen_after)
+    monkeypatch.setattr(AbstractConnection, "send_command", counted)
     return seen
 
 
@@ -58,10 +53,11 @@ async def test_a_large_value_comes_back_in_slices_and_a_small_one_in_one(
     await bus.redis.set(key, value)
     parts = await read_value(bus.redis, key)
     assert b"".join(parts) == value and max(map(len, parts)) == SLICE and len(parts) == 11
-    assert reads["getrange"] == 11 and reads["get"] == 0
+    assert reads["GETRANGE"] == 1 + 11 and reads["GET"] == 0  # the first slice, then all under WATCH
     await bus.redis.set(key, b"short")
-    assert await read_value(bus.redis, key) == [b"short"] and reads["getrange"] == 12
-    await bus.redis.set(key, b"x" * SLICE)  # exactly one slice: one more GETRANGE finds the end
+    assert await read_value(bus.redis, key) == [b"short"]
+    assert reads["GETRANGE"] == 13 and reads["WATCH"] == 1  # one GETRANGE, one round trip
+    await bus.redis.set(key, b"x" * SLICE)  # exactly one slice: read again under WATCH, whole
     assert await read_value(bus.redis, key) == [b"x" * SLICE]
     assert await read_value(bus.redis, f"{key_prefix}:none") is None
 
@@ -79,7 +75,7 @@ async def test_a_value_written_during_the_read_is_read_again_whole(bus, key_pref
     reads["between"] = write_once
     assert b"".join(await read_value(bus.redis, key)) == b"b" * (5 * SLICE)
     # the first try reads on to the end (Redis says only at EXEC that the key changed), then again
-    assert reads["get"] == 0 and reads["getrange"] == 5 + 5
+    assert reads["GET"] == 0 and reads["GETRANGE"] == 1 + 5 + 5 and reads["WATCH"] == 2
 
 
 async def test_a_value_a_writer_never_leaves_alone_is_read_with_one_get(bus, key_prefix, small_slices, reads):
@@ -92,64 +88,140 @@ async def test_a_value_a_writer_never_leaves_alone_is_read_with_one_get(bus, key
 
     reads["between"] = write_always
     assert b"".join(await read_value(bus.redis, key)) == bytes([slices.TRIES - 1]) * (5 * SLICE)
-    assert reads["get"] == 1 and reads["getrange"] == 5 * slices.TRIES
+    assert reads["GET"] == 1 and reads["GETRANGE"] == 1 + 5 * slices.TRIES
 
 
-@pytest.mark.parametrize("meanwhile", ["delete", "prolong"])
-async def test_a_value_removed_or_prolonged_during_the_read_is_read_again(
+@pytest.mark.parametrize("meanwhile", ["delete", "prolong", "expire"])
+async def test_a_value_removed_prolonged_or_expired_during_the_read_is_read_again(
     bus, key_prefix, small_slices, reads, meanwhile
 ):
     """Prolonged (PEXPIRE, as a worker still alive prolongs its keep), the value is the same but
-    Redis counts the key as written: the read goes round again and gets it."""
+    Redis counts the key as written: the read goes round again and gets it. Removed or expired, it
+    is gone."""
     key = f"{key_prefix}:v"
     value = b"a" * (3 * SLICE)
-    await bus.redis.set(key, value)
+    await bus.redis.set(key, value, px=300 if meanwhile == "expire" else None)
     done = []
 
     async def once():
         if not done:
             done.append(1)
-            await (bus.redis.delete(key) if meanwhile == "delete" else bus.redis.pexpire(key, 60_000))
+            if meanwhile == "expire":
+                await asyncio.sleep(0.4)
+            else:
+                await (bus.redis.delete(key) if meanwhile == "delete" else bus.redis.pexpire(key, 60_000))
 
     reads["between"] = once
     parts = await read_value(bus.redis, key)
-    assert (parts is None) if meanwhile == "delete" else (b"".join(parts) == value)
-
-
-async def test_a_kept_group_is_read_in_slices_and_decoded_from_them(bus, small_slices, reads):
-    group = ex.example_group(2, tokens=300)
-    await bus.keep("g", group, ttl_s=60)
-    assert await bus.kept("g", TrajectoryGroup) == group
-    assert reads["getrange"] > 1 and reads["get"] == 0
-    assert await bus.kept("nothing", TrajectoryGroup) is None
-
-
-async def test_a_value_that_expires_during_the_read_is_gone(bus, key_prefix, small_slices, reads):
-    key = f"{key_prefix}:v"
-    await bus.redis.set(key, b"a" * (3 * SLICE), px=200)
-
-    async def past_its_expiry():
-        await asyncio.sleep(0.3)
-
-    reads["between"] = past_its_expiry
-    assert await read_value(bus.redis, key) is None
+    assert reads["WATCH"] == 2  # a second watched read, after the first one's EXEC failed
+    assert (b"".join(parts) == value) if meanwhile == "prolong" else (parts is None)
 
 
 async def test_a_value_cut_short_is_not_returned_where_exec_would_not_say(
-    bus, key_prefix, small_slices, reads, monkeypatch
+    bus, key_prefix, small_slices, reads
 ):
     """Redis before 6.0.9 does not count an expiry as a write to a watched key: EXEC succeeds and
-    the slices after the expiry are empty. The read's length gives it away."""
-    execute = Pipeline.execute
-
-    async def exec_that_never_aborts(self, *args, **kwargs):
-        try:
-            return await execute(self, *args, **kwargs)
-        except WatchError:
-            return []
-
-    monkeypatch.setattr(Pipeline, "execute", exec_that_never_aborts)
+    the slices after the expiry are empty. The read's length gives it away. (A delete after the
+    first slice, hidden from WATCH by an UNWATCH sent before it, stands in for the expiry.)"""
     key = f"{key_prefix}:v"
     await bus.redis.set(key, b"a" * (3 * SLICE))
-    reads["between"] = lambda: bus.redis.delete(key)
-    assert await read_value(bus.redis, key) is None
+    send = AbstractConnection.send_command  # the counting one
+
+    async def unwatch_then_delete(self, *args, **kwargs):
+        if args[0] == "GETRANGE" and args[2] == SLICE:  # a watched read's second slice
+            await send(self, "UNWATCH")
+            await self.read_response()
+            await bus.redis.delete(key)
+        return await send(self, *args, **kwargs)
+
+    AbstractConnection.send_command = unwatch_then_delete
+    try:
+        assert await read_value(bus.redis, key) is None
+    finally:
+        AbstractConnection.send_command = send
+    assert reads["WATCH"] == 2 and reads["GET"] == 0  # the second finds it gone
+
+
+async def test_a_read_whose_connection_breaks_is_read_again(bus, key_prefix, small_slices, reads):
+    key = f"{key_prefix}:v"
+    value = b"a" * (4 * SLICE)
+    await bus.redis.set(key, value)
+    done = []
+
+    async def kill_the_others():  # the watched read's connection among them
+        if not done:
+            done.append(1)
+            await bus.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+
+    reads["between"] = kill_the_others
+    assert b"".join(await read_value(bus.redis, key)) == value
+    assert reads["WATCH"] == 2 and reads["GET"] == 0
+
+
+@pytest.mark.parametrize("cut", ["cancelled", "refused"])
+async def test_a_read_cut_off_ends_at_once_and_leaves_no_watch(
+    bus, redis_url, key_prefix, small_slices, reads, cut
+):
+    """A read cancelled while Redis does not answer (paused here) ends cancelled when cancelled,
+    not when Redis answers; a read Redis refuses (the key became a list) raises. Either way its
+    connection is dropped, so no connection in the pool is left watching the key (a later
+    transaction on it would fail for a write it never saw)."""
+    key = f"{key_prefix}:v"
+    await bus.redis.set(key, b"a" * (4 * SLICE))
+    other = aioredis.Redis.from_url(redis_url)
+
+    async def pause():
+        await other.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+
+    async def make_it_a_list():
+        await other.delete(key)
+        await other.rpush(key, b"x")
+
+    reads["between"] = pause if cut == "cancelled" else make_it_a_list
+    started = time.perf_counter()
+    with pytest.raises(TimeoutError if cut == "cancelled" else ResponseError):
+        await asyncio.wait_for(read_value(bus.redis, key), 0.3)
+    assert time.perf_counter() - started < 1.0
+    if cut == "cancelled":
+        await asyncio.sleep(1.3)  # the pause ends
+    reads["between"] = None
+    pool = bus.redis.connection_pool
+    assert not pool._in_use_connections
+    # every pooled connection runs a transaction though the key was written after the read's WATCH
+    await other.delete(key)
+    await other.set(key, b"b")
+    conns = [await pool.get_connection() for _ in range(len(pool._available_connections))]
+    for conn in conns:
+        await conn.send_packed_command(conn.pack_commands([("MULTI",), ("GET", key), ("EXEC",)]))
+        await conn.read_response()
+        await conn.read_response()
+        assert await conn.read_response() == [b"b"]
+        await pool.release(conn)
+    await other.aclose()
+
+
+async def test_a_kept_group_or_hand_back_is_read_in_slices_and_decoded_from_them(bus, small_slices, reads):
+    group = ex.example_group(2, tokens=300)
+    back = HandedBack(
+        run_id="r",
+        task_message_id="m",
+        unfinished=tuple(
+            UnfinishedTrajectory(
+                trajectory_id=f"r:0/{i}",
+                sample_index=i,
+                prompt_ids=np.arange(5, dtype=np.int32),
+                completion_ids=np.arange(600, dtype=np.int32),
+                loss_mask=np.repeat(np.array([1, 0], dtype=np.uint8), 300),  # a turn, then tool results
+                rollout_logprobs=np.zeros(600, dtype=np.float32),
+                turn_spans=((0, 300),),
+                versions=(1,),
+                attempt=f"r:0/{i}#abc",
+            )
+            for i in range(2)
+        ),
+    )
+    for name, message in (("g", group), ("h", back)):
+        await bus.keep(name, message, ttl_s=60)
+        assert await bus.kept(name, type(message)) == message
+    assert reads["GETRANGE"] > 10 and reads["GET"] == 0
+    assert await bus.kept("nothing", TrajectoryGroup) is None

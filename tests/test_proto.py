@@ -325,3 +325,52 @@ def test_unpacking_in_pieces_keeps_every_value_unpackb_gives_and_every_refusal()
     with pytest.raises(ValueError, match="not allowed for map key"):  # deeper, unpacked whole
         decode(TrajectoryGroup, halves(msgpack.packb({"a": [{"b": {3: 4}}]})))
     assert decode(TrajectoryGroup, [good]) == group == decode(TrajectoryGroup, halves(good))
+
+
+def test_every_msgpack_kind_comes_back_from_slices_as_unpackb_gives_it(monkeypatch):
+    """Which values to go into is read from the next value's first byte: every kind of header at
+    the depths unpacked in pieces, with the C unpacker and msgpack's pure-Python one, from slices
+    of one byte; and a header that claims four billion entries fails as soon as the data ends."""
+    from msgpack import fallback
+
+    import proto.base as base
+
+    leaves = [
+        None,
+        True,
+        False,
+        0,
+        -1,
+        2**40,
+        -(2**40),
+        1.5,
+        "s",
+        "x" * 300,
+        b"",
+        b"b" * 300,
+        b"c" * 70_000,
+        msgpack.ExtType(1, b"e"),
+        [],
+        {},
+    ]
+    big = {f"k{i}": leaf for i, leaf in enumerate(leaves)}  # 16 keys: a map16
+    value = {"fields": big, "items": [big, leaves, list(range(20))], "deep": {"a": {"b": {"c": leaves}}}}
+    wire = msgpack.packb(value, use_bin_type=True)
+    expected = msgpack.unpackb(wire, raw=False, strict_map_key=True)
+    pieces: list[int] = []
+    for unpacker in (msgpack.Unpacker, fallback.Unpacker):
+
+        class Counted(unpacker):
+            def unpack(self):
+                pieces.append(1)
+                return super().unpack()
+
+        pieces.clear()
+        monkeypatch.setattr(base.msgpack, "Unpacker", Counted)
+        assert base._unpacked_slices([wire[i : i + 1] for i in range(len(wire))]) == expected
+        # gone into down to depth 3: the 3 top keys; fields' 16 keys and 14 leaves ([] and {} are
+        # gone into); items' map (32), list (16) and range (20, an array16); deep's 2 keys and a leaf
+        assert len(pieces) == 3 + 30 + 32 + 16 + 20 + 3
+        assert base._unpacked_slices([b"", wire[:5], b"", wire[5:], b""]) == expected
+    with pytest.raises(ValueError, match="not valid msgpack"):  # a map32 of 2**32 - 1 entries
+        decode(TrajectoryGroup, [b"\xdf\xff\xff\xff\xff", b"\xa1k\x01"])

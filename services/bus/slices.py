@@ -8,17 +8,26 @@ and its other trajectories waited. GETRANGE a few MiB at a time parses small rep
 runs between them, and the read and decoding take 0.49-0.59 s with stalls of 12-14 ms
 (benchmarks/keeps.py).
 
-Slices are read under WATCH and closed with an empty MULTI/EXEC, which Redis refuses if the key
-was written, prolonged, removed or expired meanwhile: the slices then come from one value, never
-half of a keep and half of the next, and the read goes round again. A value cut short is caught
-by its length where EXEC does not say (Redis before 6.0.9 does not count an expiry as a write).
-A read that a writer keeps interrupting falls back to one GET, which Redis answers whole.
+A value longer than a slice is read on a connection of its own under WATCH and closed with an
+empty MULTI/EXEC, which Redis refuses if the key was written, prolonged, removed or expired
+meanwhile: the slices then come from one value, never half of a keep and half of the next, and
+the read goes round again. A value cut short is caught by its length where EXEC does not say
+(Redis before 6.0.9 does not count an expiry as a write). A read that a writer keeps
+interrupting, or whose connection keeps breaking, falls back to one GET, which Redis answers
+whole and the client retries through an outage.
+
+The watched read sends its commands on the connection itself, not through redis-py's
+pipeline: a pipeline cut off (cancelled, its connection broken) undoes its WATCH by sending
+UNWATCH on a fresh connection, so a cancelled read waited for a stalled Redis and could end
+in a TimeoutError instead. Here a read that does not end cleanly drops its connection, which
+ends its WATCH with it, and gives it back to the pool.
 """
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+
+from services.bus.connection import REDIS_DOWN
 
 __all__ = ["READ_SLICE_BYTES", "TRIES", "read_value"]
 
@@ -31,23 +40,43 @@ TRIES = 3
 async def read_value(redis: aioredis.Redis, key: str) -> list[bytes] | None:
     """The string at ``key`` as its slices, in order (``b"".join`` them), or None where there is
     no value or it is empty. A value no longer than a slice is one GETRANGE, one round trip."""
+    first = await redis.getrange(key, 0, READ_SLICE_BYTES - 1)
+    if len(first) < READ_SLICE_BYTES:  # the whole value: one command is atomic
+        return [first] if first else None
     for _ in range(TRIES):
         try:
-            async with redis.pipeline(transaction=True) as pipe:
-                await pipe.watch(key)
-                first = await pipe.getrange(key, 0, READ_SLICE_BYTES - 1)
-                if len(first) < READ_SLICE_BYTES:  # the whole value: one command is atomic
-                    return [first] if first else None
-                size = await pipe.strlen(key)
-                slices = [first]
-                for start in range(READ_SLICE_BYTES, size, READ_SLICE_BYTES):
-                    slices.append(await pipe.getrange(key, start, start + READ_SLICE_BYTES - 1))
-                pipe.multi()
-                await pipe.execute()  # WatchError: the key changed after WATCH
-            # short: it expired as it was read, which Redis before 6.0.9 does not count as a write
-            if sum(map(len, slices)) == size:
-                return slices
-        except WatchError:  # also what redis-py raises when the connection breaks while watching
-            pass
+            slices = await _watched(redis.connection_pool, key)
+        except REDIS_DOWN:  # its connection broke: the next try has another
+            continue
+        if slices is not None:
+            return slices or None  # [] where it went as the read began
     value = await redis.get(key)
     return [value] if value else None
+
+
+async def _watched(pool: aioredis.ConnectionPool, key: str) -> list[bytes] | None:
+    """The value's slices, read under WATCH ([] where there is none); None if it changed or expired
+    as they were read."""
+    conn = await pool.get_connection()
+    ended = False
+    try:
+        await conn.send_command("WATCH", key)
+        await conn.read_response()
+        await conn.send_command("STRLEN", key)
+        size = await conn.read_response()
+        slices = []
+        for start in range(0, size, READ_SLICE_BYTES):
+            await conn.send_command("GETRANGE", key, start, start + READ_SLICE_BYTES - 1)
+            slices.append(await conn.read_response())
+        await conn.send_packed_command(conn.pack_commands([("MULTI",), ("EXEC",)]))
+        await conn.read_response()  # MULTI's OK
+        done = await conn.read_response()  # EXEC: None if the key changed; either way WATCH ends
+        ended = True
+    finally:
+        if not ended:  # cancelled, broken or refused: the connection goes, and its WATCH with it
+            await conn.disconnect(nowait=True)
+        await pool.release(conn)
+    # short: it expired as it was read, which Redis before 6.0.9 does not count as a write
+    if done is None or sum(map(len, slices)) != size:
+        return None
+    return slices
