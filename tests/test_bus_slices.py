@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 import proto.examples as ex
 from proto.handback import HandedBack, UnfinishedTrajectory
 from proto.messages import TrajectoryGroup
-from services.bus import slices
+from services.bus import Bus, slices
 from services.bus.slices import read_value
+from services.local_redis import LocalRedis
 
 SLICE = 1024
 
@@ -158,14 +160,67 @@ async def test_a_read_whose_connection_breaks_is_read_again(bus, key_prefix, sma
     assert reads["WATCH"] == 2 and reads["GET"] == 0
 
 
+async def test_a_read_whose_redis_is_gone_for_good_waits_out_the_patience_once(small_slices, reads):
+    """An outage is waited out on the client's patience as a GET waits it out: once, not once for
+    each try of the watched read (which waited about four times as long as the GET)."""
+    with LocalRedis() as server:
+        bus = Bus.from_url(server.url, prefix="t", patience_s=1.0)
+        await bus.redis.set("t:v", b"a" * (3 * SLICE))
+
+        async def stop():
+            server.process.kill()
+            server.process.wait()
+
+        reads["between"] = stop
+        started = time.perf_counter()
+        with pytest.raises(RedisConnectionError):
+            await read_value(bus.redis, "t:v")
+        waited = time.perf_counter() - started
+        started = time.perf_counter()
+        with pytest.raises(RedisConnectionError):
+            await bus.redis.get("t:v")
+        a_get = time.perf_counter() - started
+        await bus.close()
+    assert a_get >= 1.0 and waited < 1.5 * a_get, (waited, a_get)
+
+
+async def test_a_health_check_never_sends_the_read_on_an_unwatched_connection(
+    redis_url, key_prefix, small_slices, reads
+):
+    """With a health check on (``?health_check_interval=`` in the URL) and a patience, a failed
+    check reconnects and sends the command on the new connection, which holds no WATCH: a read
+    broken after its first slice, the value written meanwhile, came back half old and half new."""
+    bus = Bus.from_url(f"{redis_url}?health_check_interval=1", prefix=key_prefix, patience_s=1.0)
+    key = f"{key_prefix}:v"
+    await bus.redis.set(key, b"a" * (4 * SLICE))
+    send, done = AbstractConnection.send_command, []
+
+    async def break_then_write(self, *args, **kwargs):
+        if args[0] == "GETRANGE" and args[2] == SLICE and not done:  # the watched read's second slice
+            done.append(1)
+            await bus.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await bus.redis.set(key, b"b" * (4 * SLICE))
+            await asyncio.sleep(1.05)  # past the health check's interval
+        return await send(self, *args, **kwargs)
+
+    AbstractConnection.send_command = break_then_write
+    try:
+        assert b"".join(await read_value(bus.redis, key)) == b"b" * (4 * SLICE)
+    finally:
+        AbstractConnection.send_command = send
+        await bus.close()
+
+
 @pytest.mark.parametrize("cut", ["cancelled", "refused"])
 async def test_a_read_cut_off_ends_at_once_and_leaves_no_watch(
     bus, redis_url, key_prefix, small_slices, reads, cut
 ):
     """A read cancelled while Redis does not answer (paused here) ends cancelled when cancelled,
-    not when Redis answers; a read Redis refuses (the key became a list) raises. Either way its
-    connection is dropped, so no connection in the pool is left watching the key (a later
-    transaction on it would fail for a write it never saw)."""
+    not when Redis answers (through redis-py's pipeline it waited for Redis: 2.1 s); a read Redis
+    refuses (the key became a list) raises. Either way its connection is dropped, so no
+    connection in the pool is left watching the key (a later transaction on it would fail for a
+    write it never saw). redis-py drops a connection cancelled as it reads by itself; the
+    refusal is the case where only the read's own drop keeps the pool clean."""
     key = f"{key_prefix}:v"
     await bus.redis.set(key, b"a" * (4 * SLICE))
     other = aioredis.Redis.from_url(redis_url)

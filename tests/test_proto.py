@@ -329,34 +329,28 @@ def test_unpacking_in_pieces_keeps_every_value_unpackb_gives_and_every_refusal()
 
 def test_every_msgpack_kind_comes_back_from_slices_as_unpackb_gives_it(monkeypatch):
     """Which values to go into is read from the next value's first byte: every kind of header at
-    the depths unpacked in pieces, with the C unpacker and msgpack's pure-Python one, from slices
-    of one byte; and a header that claims four billion entries fails as soon as the data ends."""
+    the depths unpacked in pieces (fix, 16- and 32-bit maps and arrays; each kind of leaf), with
+    the C unpacker and msgpack's pure-Python one, from slices of one byte; and a header that
+    claims four billion entries fails as soon as the data ends."""
     from msgpack import fallback
 
     import proto.base as base
 
-    leaves = [
-        None,
-        True,
-        False,
-        0,
-        -1,
-        2**40,
-        -(2**40),
-        1.5,
-        "s",
-        "x" * 300,
-        b"",
-        b"b" * 300,
-        b"c" * 70_000,
-        msgpack.ExtType(1, b"e"),
-        [],
-        {},
-    ]
-    big = {f"k{i}": leaf for i, leaf in enumerate(leaves)}  # 16 keys: a map16
+    ints = [0, -1, 200, 60_000, 2**31, 2**40, -100, -30_000, -(2**31), -(2**40)]
+    texts = ["s", "x" * 40, "x" * 300, "y" * 70_000, b"", b"b" * 300, b"c" * 70_000]
+    exts = [msgpack.ExtType(i, b"e" * n) for i, n in enumerate((1, 2, 3, 4, 8, 16, 300, 70_000))]
+    leaves = [None, True, False, 1.5, *ints, *texts, *exts, [], {}]  # 31
+    big = {f"k{i}": leaf for i, leaf in enumerate(leaves)}  # a map16
     value = {"fields": big, "items": [big, leaves, list(range(20))], "deep": {"a": {"b": {"c": leaves}}}}
-    wire = msgpack.packb(value, use_bin_type=True)
-    expected = msgpack.unpackb(wire, raw=False, strict_map_key=True)
+    wide = {"m": {str(i): i for i in range(65_536)}, "a": list(range(65_536))}  # a map32, an array32
+    cases = [
+        # gone into down to depth 3: the 3 top keys; fields' 31 keys and 29 leaves ([] and {} are
+        # gone into at that depth); items' map (62), list (31) and range (20, an array16); deep's
+        # 2 keys and a leaf
+        (msgpack.packb(value, use_bin_type=True), 1, 3 + 60 + 62 + 31 + 20 + 3),
+        (msgpack.packb(value, use_bin_type=True, use_single_float=True), 1, 3 + 60 + 62 + 31 + 20 + 3),
+        (msgpack.packb(wide, use_bin_type=True), 1000, 2 + 2 * 65_536 + 65_536),
+    ]
     pieces: list[int] = []
     for unpacker in (msgpack.Unpacker, fallback.Unpacker):
 
@@ -365,12 +359,13 @@ def test_every_msgpack_kind_comes_back_from_slices_as_unpackb_gives_it(monkeypat
                 pieces.append(1)
                 return super().unpack()
 
-        pieces.clear()
         monkeypatch.setattr(base.msgpack, "Unpacker", Counted)
-        assert base._unpacked_slices([wire[i : i + 1] for i in range(len(wire))]) == expected
-        # gone into down to depth 3: the 3 top keys; fields' 16 keys and 14 leaves ([] and {} are
-        # gone into); items' map (32), list (16) and range (20, an array16); deep's 2 keys and a leaf
-        assert len(pieces) == 3 + 30 + 32 + 16 + 20 + 3
-        assert base._unpacked_slices([b"", wire[:5], b"", wire[5:], b""]) == expected
+        for wire, step, unpacked in cases:
+            expected = msgpack.unpackb(wire, raw=False, strict_map_key=True)
+            pieces.clear()
+            assert base._unpacked_slices([wire[i : i + step] for i in range(0, len(wire), step)]) == expected
+            assert len(pieces) == unpacked
+            assert base._unpacked_slices([b"", wire[:5], b"", wire[5:], b""]) == expected
+    monkeypatch.undo()  # msgpack's own unpacker again
     with pytest.raises(ValueError, match="not valid msgpack"):  # a map32 of 2**32 - 1 entries
         decode(TrajectoryGroup, [b"\xdf\xff\xff\xff\xff", b"\xa1k\x01"])

@@ -28,7 +28,7 @@ __all__ = ["DECODE_INLINE_BYTES", "decoded"]
 async def decoded(model: type[M], payload: bytes | list[bytes]) -> M:
     """``decode(model, payload)``, in a thread when the payload is large; raises as it does.
     ``payload``: the value, or its slices as :mod:`services.bus.slices` reads them."""
-    size = sum(map(len, payload)) if isinstance(payload, list) else len(payload)
+    size = sum(map(len, payload)) if isinstance(payload, list | tuple) else len(payload)
     if size > DECODE_INLINE_BYTES:
         return await asyncio.to_thread(decode, model, payload)
     return decode(model, payload)

@@ -26,6 +26,7 @@ ends its WATCH with it, and gives it back to the pool.
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.bus.connection import REDIS_DOWN
 
@@ -39,13 +40,17 @@ TRIES = 3
 
 async def read_value(redis: aioredis.Redis, key: str) -> list[bytes] | None:
     """The string at ``key`` as its slices, in order (``b"".join`` them), or None where there is
-    no value or it is empty. A value no longer than a slice is one GETRANGE, one round trip."""
+    no value or it is empty. A value shorter than a slice is one GETRANGE, one round trip."""
     first = await redis.getrange(key, 0, READ_SLICE_BYTES - 1)
     if len(first) < READ_SLICE_BYTES:  # the whole value: one command is atomic
         return [first] if first else None
+    pool = redis.connection_pool
     for _ in range(TRIES):
+        # taken outside the except: an outage is waited out once, on the client's patience, as a
+        # GET waits it out, not once a try
+        conn = await pool.get_connection()
         try:
-            slices = await _watched(redis.connection_pool, key)
+            slices = await _watched(pool, conn, key)
         except REDIS_DOWN:  # its connection broke: the next try has another
             continue
         if slices is not None:
@@ -54,29 +59,41 @@ async def read_value(redis: aioredis.Redis, key: str) -> list[bytes] | None:
     return [value] if value else None
 
 
-async def _watched(pool: aioredis.ConnectionPool, key: str) -> list[bytes] | None:
-    """The value's slices, read under WATCH ([] where there is none); None if it changed or expired
-    as they were read."""
-    conn = await pool.get_connection()
+async def _watched(pool: aioredis.ConnectionPool, conn: aioredis.Connection, key: str) -> list[bytes] | None:
+    """The value's slices, read under WATCH on ``conn`` ([] where there is none); None if it changed
+    or expired as they were read. ``conn`` goes back to the pool clean: every way out but the
+    EXEC's reply drops it (a reply left unread on it would answer the next command that uses it)."""
     ended = False
     try:
-        await conn.send_command("WATCH", key)
+        await _send(conn, "WATCH", key)
         await conn.read_response()
-        await conn.send_command("STRLEN", key)
+        await _send(conn, "STRLEN", key)
         size = await conn.read_response()
         slices = []
         for start in range(0, size, READ_SLICE_BYTES):
-            await conn.send_command("GETRANGE", key, start, start + READ_SLICE_BYTES - 1)
+            await _send(conn, "GETRANGE", key, start, start + READ_SLICE_BYTES - 1)
             slices.append(await conn.read_response())
-        await conn.send_packed_command(conn.pack_commands([("MULTI",), ("EXEC",)]))
+        await _send(conn, "MULTI")
+        await _send(conn, "EXEC")
         await conn.read_response()  # MULTI's OK
         done = await conn.read_response()  # EXEC: None if the key changed; either way WATCH ends
         ended = True
     finally:
-        if not ended:  # cancelled, broken or refused: the connection goes, and its WATCH with it
-            await conn.disconnect(nowait=True)
-        await pool.release(conn)
+        try:
+            if not ended:  # cancelled, broken or refused: the connection goes, and its WATCH with it
+                await conn.disconnect(nowait=True)
+        finally:
+            await pool.release(conn)
     # short: it expired as it was read, which Redis before 6.0.9 does not count as a write
     if done is None or sum(map(len, slices)) != size:
         return None
     return slices
+
+
+async def _send(conn: aioredis.Connection, *args) -> None:
+    """A command on the watched connection, never on another: a connection closed under the read
+    connects again as it sends, and a health check that fails reconnects and sends on the new
+    one, each without the WATCH, so the read would go on unwatched."""
+    if not conn.is_connected:
+        raise RedisConnectionError("the watched connection was closed")
+    await conn.send_command(*args, check_health=False)
