@@ -147,9 +147,9 @@ def decode(model: type[M], payload: bytes | bytearray | memoryview | Sequence[by
     input. ``payload`` is the wire form, or its slices in order (a value read a few MiB at a time).
 
     Slices are unpacked a piece at a time, as :func:`encode` packs them, straight from the slices:
-    joining a 200 MB keep's slices and unpacking the result took 0.19-0.20 s in a thread and
-    stalled the caller's event loop for 0.27-0.28 s, where the pieces take 0.06-0.09 s and the
-    loop runs between them (benchmarks/keeps.py, on a 2-core VM)."""
+    joining a 200 MB keep's slices and unpacking the result took 0.17-0.20 s in a thread and
+    stalled the caller's event loop for up to 0.04-0.28 s, where the pieces take 0.06-0.09 s and
+    the loop runs between them (benchmarks/keeps.py, six runs on a 2-core VM)."""
     try:
         if isinstance(payload, bytes | bytearray | memoryview) or len(payload) == 1:
             whole = payload if isinstance(payload, bytes | bytearray | memoryview) else payload[0]

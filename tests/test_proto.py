@@ -274,7 +274,7 @@ def test_every_stream_has_a_distinct_key_and_message_model():
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_slices_are_unpacked_in_pieces_as_unpackb_would_unpack_them_joined(message, monkeypatch):
     """A value read in slices (a keep) is unpacked a piece at a time straight from its slices, not
-    joined (joining and unpacking a 200 MB keep took 0.19-0.20 s, the pieces 0.06-0.09): the same
+    joined (joining and unpacking a 200 MB keep took 0.17-0.20 s, the pieces 0.06-0.09): the same
     message, whatever the slices' sizes, empty ones included."""
     import proto.base as base
 

@@ -3,10 +3,10 @@
 A rollout worker's keep of a group is one string of up to the bus's message limit (about 200 MB
 with a MoE policy's routes). Read with one GET, the reply is parsed on the event loop as it comes
 in, and hiredis gathers 200 MB into one buffer as it goes: on a 2-core VM the read and its
-decoding took 1.0-1.5 s and held the loop for 0.84-1.1 s at a time, while the worker's heartbeats
+decoding took 1.0-1.5 s and held the loop for 0.49-1.1 s at a time, while the worker's heartbeats
 and its other trajectories waited. GETRANGE a few MiB at a time parses small replies, the loop
-runs between them, and the read and decoding take 0.49-0.59 s with stalls of 12-14 ms
-(benchmarks/keeps.py).
+runs between them, and the read and decoding take 0.38-0.59 s with stalls of 11-15 ms
+(benchmarks/keeps.py, six runs).
 
 A value longer than a slice is read on a connection of its own under WATCH and closed with an
 empty MULTI/EXEC, which Redis refuses if the key was written, prolonged, removed or expired
