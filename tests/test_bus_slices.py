@@ -31,9 +31,10 @@ def small_slices(monkeypatch):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """The GETRANGEs and GETs sent, and a hook run before each STRLEN (sent once a watched read
-    has its WATCH, before its slices)."""
-    seen = {"GETRANGE": 0, "GET": 0, "between": None}
+    """The commands sent, by name, and two hooks: ``between``, run before each STRLEN (sent once a
+    watched read has its WATCH, before its slices), and ``second_slice``, given the connection
+    before a watched read asks for its second slice."""
+    seen = {"GETRANGE": 0, "GET": 0, "between": None, "second_slice": None}
     send = AbstractConnection.send_command
 
     async def counted(self, *args, **kwargs):
@@ -41,6 +42,8 @@ def reads(monkeypatch):
         seen[name] = seen.get(name, 0) + 1
         if name == "STRLEN" and seen["between"] is not None:
             await seen["between"]()
+        if name == "GETRANGE" and args[2] == SLICE and seen["second_slice"] is not None:
+            await seen["second_slice"](self)
         return await send(self, *args, **kwargs)
 
     monkeypatch.setattr(AbstractConnection, "send_command", counted)
@@ -127,20 +130,14 @@ async def test_a_value_cut_short_is_not_returned_where_exec_would_not_say(
     first slice, hidden from WATCH by an UNWATCH sent before it, stands in for the expiry.)"""
     key = f"{key_prefix}:v"
     await bus.redis.set(key, b"a" * (3 * SLICE))
-    send = AbstractConnection.send_command  # the counting one
 
-    async def unwatch_then_delete(self, *args, **kwargs):
-        if args[0] == "GETRANGE" and args[2] == SLICE:  # a watched read's second slice
-            await send(self, "UNWATCH")
-            await self.read_response()
-            await bus.redis.delete(key)
-        return await send(self, *args, **kwargs)
+    async def unwatch_then_delete(conn):
+        await conn.send_command("UNWATCH")
+        await conn.read_response()
+        await bus.redis.delete(key)
 
-    AbstractConnection.send_command = unwatch_then_delete
-    try:
-        assert await read_value(bus.redis, key) is None
-    finally:
-        AbstractConnection.send_command = send
+    reads["second_slice"] = unwatch_then_delete
+    assert await read_value(bus.redis, key) is None
     assert reads["WATCH"] == 2 and reads["GET"] == 0  # the second finds it gone
 
 
@@ -193,21 +190,19 @@ async def test_a_health_check_never_sends_the_read_on_an_unwatched_connection(
     bus = Bus.from_url(f"{redis_url}?health_check_interval=1", prefix=key_prefix, patience_s=1.0)
     key = f"{key_prefix}:v"
     await bus.redis.set(key, b"a" * (4 * SLICE))
-    send, done = AbstractConnection.send_command, []
+    done = []
 
-    async def break_then_write(self, *args, **kwargs):
-        if args[0] == "GETRANGE" and args[2] == SLICE and not done:  # the watched read's second slice
+    async def break_then_write(conn):
+        if not done:
             done.append(1)
             await bus.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
             await bus.redis.set(key, b"b" * (4 * SLICE))
             await asyncio.sleep(1.05)  # past the health check's interval
-        return await send(self, *args, **kwargs)
 
-    AbstractConnection.send_command = break_then_write
+    reads["second_slice"] = break_then_write
     try:
         assert b"".join(await read_value(bus.redis, key)) == b"b" * (4 * SLICE)
     finally:
-        AbstractConnection.send_command = send
         await bus.close()
 
 

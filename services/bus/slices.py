@@ -20,7 +20,7 @@ The watched read sends its commands on the connection itself, not through redis-
 pipeline: a pipeline cut off (cancelled, its connection broken) undoes its WATCH by sending
 UNWATCH on a fresh connection, so a cancelled read waited for a stalled Redis and could end
 in a TimeoutError instead. Here a read that does not end cleanly drops its connection, which
-ends its WATCH with it, and gives it back to the pool.
+ends its WATCH with it, before it goes back to the pool.
 """
 
 from __future__ import annotations
@@ -50,20 +50,21 @@ async def read_value(redis: aioredis.Redis, key: str) -> list[bytes] | None:
         # GET waits it out, not once a try
         conn = await pool.get_connection()
         try:
-            slices = await _watched(pool, conn, key)
+            slices = await _watched(conn, key)
         except REDIS_DOWN:  # its connection broke: the next try has another
             continue
+        finally:
+            await pool.release(conn)
         if slices is not None:
             return slices or None  # [] where it went as the read began
     value = await redis.get(key)
     return [value] if value else None
 
 
-async def _watched(pool: aioredis.ConnectionPool, conn: aioredis.Connection, key: str) -> list[bytes] | None:
+async def _watched(conn: aioredis.Connection, key: str) -> list[bytes] | None:
     """The value's slices, read under WATCH on ``conn`` ([] where there is none); None if it changed
-    or expired as they were read. ``conn`` goes back to the pool clean: every way out but the
+    or expired as they were read. ``conn`` is left clean for the pool: every way out but the
     EXEC's reply drops it (a reply left unread on it would answer the next command that uses it)."""
-    ended = False
     try:
         await _send(conn, "WATCH", key)
         await conn.read_response()
@@ -77,13 +78,9 @@ async def _watched(pool: aioredis.ConnectionPool, conn: aioredis.Connection, key
         await _send(conn, "EXEC")
         await conn.read_response()  # MULTI's OK
         done = await conn.read_response()  # EXEC: None if the key changed; either way WATCH ends
-        ended = True
-    finally:
-        try:
-            if not ended:  # cancelled, broken or refused: the connection goes, and its WATCH with it
-                await conn.disconnect(nowait=True)
-        finally:
-            await pool.release(conn)
+    except BaseException:  # cancelled, broken or refused: the connection goes, and its WATCH with it
+        await conn.disconnect(nowait=True)
+        raise
     # short: it expired as it was read, which Redis before 6.0.9 does not count as a write
     if done is None or sum(map(len, slices)) != size:
         return None
