@@ -150,10 +150,11 @@ def decode(model: type[M], payload: bytes | bytearray | memoryview | Sequence[by
     joining a 200 MB keep's slices and unpacking the result took 0.17-0.20 s in a thread and
     stalled the caller's event loop for up to 0.04-0.28 s, where the pieces take 0.06-0.09 s and
     the loop runs between them (benchmarks/keeps.py, six runs on a 2-core VM)."""
+    if not isinstance(payload, bytes | bytearray | memoryview) and len(payload) == 1:
+        payload = payload[0]  # one slice is the whole value
     try:
-        if isinstance(payload, bytes | bytearray | memoryview) or len(payload) == 1:
-            whole = payload if isinstance(payload, bytes | bytearray | memoryview) else payload[0]
-            data: Any = msgpack.unpackb(whole, **_UNPACKING)
+        if isinstance(payload, bytes | bytearray | memoryview):
+            data: Any = msgpack.unpackb(payload, **_UNPACKING)
         else:
             data = _unpacked_slices(payload)
     except Exception as exc:  # msgpack raises several unrelated exception types
@@ -202,24 +203,27 @@ class _SliceReader:
     """A payload's slices read as one file, without joining them."""
 
     def __init__(self, slices: Sequence[bytes]) -> None:
-        self._slices, self._at, self._offset = list(slices), 0, 0
+        self._slices, self._at = list(slices), 0  # _at: the offset read to
         self._starts = [0, *itertools.accumulate(map(len, self._slices))]
         self.size = self._starts[-1]
+
+    def _slice(self, offset: int) -> tuple[bytes, int]:
+        """The slice holding ``offset`` (< size), and the offset within it."""
+        i = bisect.bisect_right(self._starts, offset) - 1  # past empty slices, which share a start
+        return self._slices[i], offset - self._starts[i]
 
     def byte_at(self, offset: int) -> int | None:
         """The payload's byte at ``offset``; None past its end."""
         if offset >= self.size:
             return None
-        i = bisect.bisect_right(self._starts, offset) - 1  # past empty slices, which share a start
-        return self._slices[i][offset - self._starts[i]]
+        piece, at = self._slice(offset)
+        return piece[at]
 
     def read(self, n: int = -1) -> bytes:
-        while self._at < len(self._slices) and self._offset == len(self._slices[self._at]):
-            self._at, self._offset = self._at + 1, 0
-        if self._at == len(self._slices):
+        """Up to ``n`` bytes (the rest of a slice at most; a whole slice is not copied)."""
+        if self._at >= self.size:
             return b""
-        piece = self._slices[self._at]
-        end = len(piece) if n < 0 else min(len(piece), self._offset + n)
-        out = piece[self._offset : end] if (self._offset, end) != (0, len(piece)) else piece
-        self._offset = end
-        return out
+        piece, at = self._slice(self._at)
+        end = len(piece) if n < 0 else min(len(piece), at + n)
+        self._at += end - at
+        return piece if (at, end) == (0, len(piece)) else piece[at:end]

@@ -369,3 +369,17 @@ def test_every_msgpack_kind_comes_back_from_slices_as_unpackb_gives_it(monkeypat
     monkeypatch.undo()  # msgpack's own unpacker again
     with pytest.raises(ValueError, match="not valid msgpack"):  # a map32 of 2**32 - 1 entries
         decode(TrajectoryGroup, [b"\xdf\xff\xff\xff\xff", b"\xa1k\x01"])
+
+
+def test_the_slice_reader_reads_across_slices_in_parts():
+    from proto.base import _SliceReader
+
+    reader = _SliceReader([b"abcde", b"", b"fg"])
+    assert [reader.byte_at(i) for i in (0, 4, 5, 6, 7)] == [*b"aefg", None]
+    assert [reader.read(2), reader.read(2), reader.read(10), reader.read(), reader.read(1)] == [
+        b"ab",
+        b"cd",
+        b"e",
+        b"fg",
+        b"",
+    ]
