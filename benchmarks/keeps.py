@@ -203,6 +203,11 @@ def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.0f}"
 
 
+def _cells(r: dict[str, tuple[float, float]], *steps: str) -> str:
+    """Each step's median time and longest stall, "ms / ms", as table cells."""
+    return " | ".join(f"{_ms(r[step][0])} / {_ms(r[step][1])}" for step in steps)
+
+
 async def main(repeats: int, routes: bool) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     print(
@@ -229,28 +234,21 @@ async def main(repeats: int, routes: bool) -> None:
     )
     print("|---|---:|---:|")
     for name, r in rows:
-        ours, whole = r["set_sliced"], r["set_whole"]
-        print(f"| {name} | {_ms(ours[0])} / {_ms(ours[1])} | {_ms(whole[0])} / {_ms(whole[1])} |")
+        print(f"| {name} | {_cells(r, 'set_sliced', 'set_whole')} |")
     print("\n   the next worker reads the keep back (goal: no stall longer than decoding on the loop)")
     print(
         "| routes | ours, in slices + decode: ms / loop stall ms | baseline: one GET + decode | baseline: decode on the loop |"
     )
     print("|---|---:|---:|---:|")
     for name, r in rows:
-        cells = " | ".join(
-            f"{_ms(r[step][0])} / {_ms(r[step][1])}" for step in ("read", "read_whole", "decode_inline")
-        )
-        print(f"| {name} | {cells} |")
+        print(f"| {name} | {_cells(r, 'read', 'read_whole', 'decode_inline')} |")
     print(
         "\n   decoding the keep in a thread: from its slices, a piece at a time (ours), and from them joined"
     )
     print("| routes | ours: ms / loop stall ms | baseline: joined, then one unpackb: ms / stall ms |")
     print("|---|---:|---:|")
     for name, r in rows:
-        cells = " | ".join(
-            f"{_ms(r[step][0])} / {_ms(r[step][1])}" for step in ("decode_slices", "decode_joined")
-        )
-        print(f"| {name} | {cells} |")
+        print(f"| {name} | {_cells(r, 'decode_slices', 'decode_joined')} |")
     print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
     print("| rule | written / final size | goal |")
     print("|---|---:|---:|")
