@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -16,16 +17,21 @@ FAST = ConsumerOptions(block_ms=50, heartbeat_ms=30, max_deliveries=3, trim_inte
 
 
 async def _run_until(bus: Bus, stream, handler, predicate, *, consumer="c1", options=FAST, timeout=10.0):
-    """Consume until ``predicate()`` holds (bounded in time)."""
+    """Consume until ``predicate()`` holds, awaited where it is a coroutine (bounded in time)."""
     stop = asyncio.Event()
     task = asyncio.create_task(bus.consume(stream, consumer, handler, options=options, stop=stop))
     try:
         async with asyncio.timeout(timeout):
-            while not predicate():
+            while not await _holds(predicate):
                 await asyncio.sleep(0.02)
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
+
+
+async def _holds(predicate) -> bool:
+    held = predicate()
+    return bool(await held if inspect.isawaitable(held) else held)
 
 
 async def test_round_trip_and_ack(bus: Bus):

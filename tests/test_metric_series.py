@@ -53,9 +53,11 @@ def _assigned(path: Path, name: str) -> set[str]:
 
 
 def test_the_known_reasons_are_the_reasons_the_code_uses():
-    assert _literal_args(ROOT / "services/bus/groups.py", "_dead_letter") == set(
-        bus_metrics.DEAD_LETTER_REASONS
+    bus = ROOT / "services/bus"
+    reasons = _literal_args(bus / "groups.py", "_dead_letter") | _literal_args(
+        bus / "dead_lettering.py", "_dead_letter"
     )
+    assert reasons == set(bus_metrics.DEAD_LETTER_REASONS)
     trainer = ROOT / "services/trainer"
     reasons = _assigned(trainer / "admission.py", "reason") | _string_args(
         trainer / "executor.py", "count_drop"

@@ -16,7 +16,10 @@ Delivery is at-least-once with idempotent consumers:
 * a redelivered message whose id was already processed is acknowledged without
   running the handler again;
 * acknowledged history is trimmed (XTRIM MINID below the oldest entry any group
-  still needs), so Redis memory follows what is in flight, not what has passed.
+  still needs), so Redis memory follows what is in flight, not what has passed;
+* a work stream's message past ``claim_bytes`` (4 MiB) is stored beside the stream and
+  its entry names it (``services.bus.claims``): consumers read it a few MiB at a time,
+  and trimming removes it with its entry.
 """
 
 from services.bus.client import Bus

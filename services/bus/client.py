@@ -14,6 +14,7 @@ from proto.base import Message, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
+from services.bus.claims import CLAIM_BYTES, add_claimed, index_key, payload_of
 from services.bus.connection import REDIS_DOWN, as_text, redis_client
 from services.bus.dead_lettering import kept_entries
 from services.bus.decoding import decoded
@@ -44,11 +45,15 @@ class Bus(ConsumerGroups):
         prefix: str = "pbsd",
         maxlen: int = 100_000,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        claim_bytes: int | None = CLAIM_BYTES,
     ) -> None:
+        """``claim_bytes``: past it, a work stream's entry holds its payload by reference
+        (:mod:`services.bus.claims`); None: never."""
         self.redis = client
         self.prefix = prefix
         self.maxlen = maxlen
         self.max_message_bytes = max_message_bytes
+        self.claim_bytes = claim_bytes
         self._last_trim: dict[str, float] = {}
         self._last_forget: dict[tuple[str, str], float] = {}
 
@@ -72,17 +77,23 @@ class Bus(ConsumerGroups):
         :func:`kept_entries`). A work stream is not: MAXLEN removes entries whether or not a
         consumer group has read them, so a backlog past it would lose work without a trace; its
         consumers trim what every group has acknowledged (:meth:`trim_acked`), and a Redis that runs
-        out of memory refuses the XADD, loudly."""
+        out of memory refuses the XADD, loudly. A work stream's message past ``claim_bytes`` is
+        stored beside the stream and its entry names it (:mod:`services.bus.claims`)."""
         _check_type(stream, message)
         # in a thread: a group with routes is hundreds of MiB, whose encoding held the event loop
         # (and every trajectory it drives) for a third of a second
         payload = await asyncio.to_thread(self._encode, stream, message)
-        entry_id = await self.redis.xadd(
-            self.key(stream),
-            {b"type": stream.model.__name__, b"mid": message.message_id, b"data": payload},
-            maxlen=kept_entries(stream, self.maxlen),
-            approximate=True,
-        )
+        kind, key = stream.model.__name__, self.key(stream)
+        if stream.group is not None and self.claim_bytes is not None and len(payload) > self.claim_bytes:
+            entry_id = await add_claimed(self.redis, key, kind, message.message_id, payload)
+            metrics.CLAIMED.labels(stream.name).inc()
+        else:
+            entry_id = await self.redis.xadd(
+                key,
+                {b"type": kind, b"mid": message.message_id, b"data": payload},
+                maxlen=kept_entries(stream, self.maxlen),
+                approximate=True,
+            )
         metrics.PUBLISHED.labels(stream.name).inc()
         metrics.PUBLISHED_BYTES.labels(stream.name).inc(len(payload))
         return as_text(entry_id)
@@ -109,7 +120,17 @@ class Bus(ConsumerGroups):
     for i = 3, #ARGV, 2 do
         redis.call('XADD', KEYS[1], '*', 'type', ARGV[2], 'mid', ARGV[i], 'data', ARGV[i + 1])
     end
-    for _, entry in ipairs(queued) do redis.call('XADD', KEYS[1], '*', unpack(entry[2])) end
+    -- a claim is recorded under its entry's new id: trimming goes by the ids (services.bus.claims)
+    for _, entry in ipairs(queued) do
+        local id = redis.call('XADD', KEYS[1], '*', unpack(entry[2]))
+        for i = 1, #entry[2], 2 do
+            if entry[2][i] == 'claim' then
+                local claim = entry[2][i + 1]
+                redis.call('ZREM', KEYS[2], entry[1] .. ' ' .. claim)
+                redis.call('ZADD', KEYS[2], tonumber(string.match(id, '^%d+')), id .. ' ' .. claim)
+            end
+        end
+    end
     -- Redis counts a group's lag as entries added minus entries read; the moved entries, deleted and
     -- added again, would count twice for good (pbsd_stream_outstanding, which the rollout autoscaler
     -- follows). The group has read every entry but the ones queued now. Redis 7's ENTRIESREAD: an
@@ -127,7 +148,8 @@ class Bus(ConsumerGroups):
     async def publish_ahead(self, stream: StreamDef[M], messages: list[M]) -> int:
         """Publish ``messages`` ahead of every entry the stream's group has not been delivered yet: the
         group reads them next. The entries queued behind them keep their payloads and their order but
-        get new entry ids. Returns how many entries were queued behind them."""
+        get new entry ids. Returns how many entries were queued behind them. The messages go whole,
+        never claimed (prompts handed back: small)."""
         if not messages:
             return 0
         for message in messages:
@@ -135,8 +157,9 @@ class Bus(ConsumerGroups):
         await self.ensure_group(stream)
         payloads = [self._encode(stream, m) for m in messages]
         args = [x for m, p in zip(messages, payloads, strict=True) for x in (m.message_id, p)]
+        key = self.key(stream)
         moved = await self.redis.eval(
-            self._AHEAD, 1, self.key(stream), stream.group, stream.model.__name__, *args
+            self._AHEAD, 2, key, index_key(key), stream.group, stream.model.__name__, *args
         )
         metrics.PUBLISHED.labels(stream.name).inc(len(messages))
         metrics.PUBLISHED_BYTES.labels(stream.name).inc(sum(len(p) for p in payloads))
@@ -160,7 +183,7 @@ class Bus(ConsumerGroups):
         out = []
         for entry_id, fields in reversed(await self.redis.xrevrange(self.key(stream), count=count)):
             try:
-                out.append((as_text(entry_id), await decoded(stream.model, fields[b"data"])))
+                out.append((as_text(entry_id), await self._message(stream, fields)))
             except (ValueError, KeyError) as exc:
                 log.error("skipping undecodable %s entry %s: %s", stream.name, as_text(entry_id), exc)
         return out
@@ -182,7 +205,7 @@ class Bus(ConsumerGroups):
                 for entry_id, fields in entries:
                     last = as_text(entry_id)
                     try:
-                        message = await decoded(stream.model, fields[b"data"])
+                        message = await self._message(stream, fields)
                     except (ValueError, KeyError) as exc:
                         log.error("skipping undecodable %s entry %s: %s", stream.name, last, exc)
                         continue
@@ -267,7 +290,15 @@ class Bus(ConsumerGroups):
     async def read_all(self, stream: StreamDef[M], *, count: int = 1000) -> list[tuple[str, M]]:
         """The first ``count`` entries still on a stream (for inspection and tests)."""
         entries = await self.redis.xrange(self.key(stream), count=count)
-        return [(as_text(i), await decoded(stream.model, f[b"data"])) for i, f in entries]
+        return [(as_text(i), await self._message(stream, f)) for i, f in entries]
+
+    async def _message(self, stream: StreamDef[M], fields: dict) -> M:
+        """An entry's message, its claim read where it has one; raises ValueError as decoding does,
+        and where the claim is gone."""
+        payload = await payload_of(self.redis, fields)
+        if payload is None:
+            raise ValueError("the value its entry claims is gone")
+        return await decoded(stream.model, payload)
 
     async def stream_length(self, stream: StreamDef) -> int:
         return int(await self.redis.xlen(self.key(stream)))

@@ -1,6 +1,6 @@
-"""Dead letters: an entry a consumer gives up on (undecodable, delivered too often, or making a
-message past the bus's limit) moves to the dead-letter stream with its cause, acknowledged in the
-same transaction. The trainer follows the stream for the prompts whose groups will never come
+"""Dead letters: an entry a consumer gives up on (undecodable, delivered too often, making a
+message past the bus's limit, or whose claimed payload is gone) moves to the dead-letter stream
+with its cause, acknowledged in the same transaction. The trainer follows the stream for the prompts whose groups will never come
 (services.trainer.dead_letters), by the letter's ``task`` (whose run and task it was).
 
 The stream is bounded in memory, not only in count: a scored group with routing replay's routes is
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -23,6 +23,7 @@ from proto.base import decode, encode
 from proto.messages import DeadLetter, TaskRef
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
+from services.bus.connection import as_text
 from services.bus.decoding import DECODE_INLINE_BYTES
 
 __all__ = [
@@ -57,6 +58,8 @@ class DeadLettering:
     prefix: str
     maxlen: int
     key: Callable[[StreamDef], str]
+    _done_key: Callable[[StreamDef, str, str], str]
+    _ack_duplicate: Callable[[StreamDef, str, str], Awaitable[None]]
 
     def _errors_key(self, stream: StreamDef, group: str) -> str:
         return f"{self.prefix}:errors:{stream.name}:{group}"
@@ -66,16 +69,17 @@ class DeadLettering:
         stream: StreamDef,
         group: str,
         entry_id: str,
-        payload: bytes,
+        payload: bytes | list[bytes],
         cause: str,
         deliveries: int,
         reason: str,
     ) -> None:
-        whole = bytes(payload)
-        if len(whole) > DECODE_INLINE_BYTES:
-            task, kept, how = await asyncio.to_thread(_kept, stream, whole)
+        """``payload``: the entry's, whole or as the slices of its claim."""
+        size = sum(map(len, payload)) if isinstance(payload, list) else len(payload)
+        if size > DECODE_INLINE_BYTES:
+            task, kept, how = await asyncio.to_thread(_kept, stream, payload)
         else:
-            task, kept, how = _kept(stream, whole)
+            task, kept, how = _kept(stream, payload)
         letter = DeadLetter(
             stream=stream.name,
             group=group,
@@ -85,7 +89,7 @@ class DeadLettering:
             task=task,
             payload=kept,
             payload_kept=how,
-            payload_bytes=len(whole) if how != "whole" else None,
+            payload_bytes=size if how != "whole" else None,
         )
         log.error("dead-lettering %s entry %s: %s", stream.name, entry_id, cause[:500])
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -100,10 +104,32 @@ class DeadLettering:
             await pipe.execute()
         metrics.DEAD_LETTERED.labels(stream.name, group, reason).inc()
 
+    async def _claim_gone(
+        self, stream: StreamDef, group: str, consumer: str, entry_id: str, fields: dict, deliveries: int
+    ) -> None:
+        """An entry whose claimed value is gone (:mod:`services.bus.claims`). A message the group has
+        processed (an entry added twice, its claim trimmed with the first) is acknowledged as the
+        duplicate it is. Another consumer's (it took the entry over while this one read it,
+        acknowledged it, and the trim that followed removed the value) is passed over. This
+        consumer's, its payload is lost: a dead letter, as an entry trimmed while pending is."""
+        mid = fields.get(b"mid")
+        if mid is not None and await self.redis.exists(self._done_key(stream, group, as_text(mid))):
+            await self._ack_duplicate(stream, group, entry_id)
+            return
+        rows = await self.redis.xpending_range(self.key(stream), group, min=entry_id, max=entry_id, count=1)
+        if rows and as_text(rows[0]["consumer"]) == consumer:
+            cause = "the value its entry claims is gone before it was processed; the payload is lost"
+            await self._dead_letter(stream, group, entry_id, b"", cause, deliveries, "lost")
+            return
+        log.info(
+            "%s passed over %s entry %s: another consumer has processed it", consumer, stream.name, entry_id
+        )
 
-def _kept(stream: StreamDef, payload: bytes) -> tuple[TaskRef | None, bytes, str]:
+
+def _kept(stream: StreamDef, slices: bytes | list[bytes]) -> tuple[TaskRef | None, bytes, str]:
     """The task the payload's message names (None: it names none, or does not decode), what of the
     payload a letter keeps, and how (``DeadLetter.payload_kept``)."""
+    payload = b"".join(slices) if isinstance(slices, list) else bytes(slices)
     try:
         message = decode(stream.model, payload)
     except ValueError:

@@ -5,8 +5,8 @@ the paper's largest), and decoding one on the event loop holds it for 0.1-0.2 s:
 coroutine of the process waits, its heartbeats, its health probes, the turns of the other
 trajectories a rollout worker samples. In a thread the loop runs between the decoding's steps,
 though each holds the interpreter (msgpack's unpacking, then pydantic's validation); a keep, read
-in slices (:mod:`services.bus.slices`), is unpacked a piece at a time from them. Reading a stream
-entry's reply holds the loop longer than its decoding (benchmarks/README.md, "keeps"). Past
+in slices (:mod:`services.bus.slices`), is unpacked a piece at a time from them, and so is a
+large stream entry's, read through its claim (:mod:`services.bus.claims`). Past
 ``DECODE_INLINE_BYTES`` a payload is decoded in a thread; below it the thread's hand-off would
 cost more than the decoding.
 """

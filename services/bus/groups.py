@@ -20,6 +20,7 @@ from redis.exceptions import ResponseError
 from proto.base import Message, encode
 from proto.streams import StreamDef
 from services.bus import metrics
+from services.bus.claims import payload_of
 from services.bus.connection import REDIS_DOWN, as_text, refusing
 from services.bus.dead_lettering import MAX_CAUSE, DeadLettering
 from services.bus.decoding import decoded
@@ -28,14 +29,12 @@ from services.bus.delivery import (
     Cursor,
     Delivery,
     Handler,
-    HandlerCancelled,
     Held,
     MessageTooLarge,
     Outage,
 )
 from services.bus.leases import Leases
 from services.bus.trimming import Trimming
-from services.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,9 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
                 for entry_id, fields, reclaimed in batch:
                     if stop is not None and stop.is_set():  # a read that ended after the stop:
                         break  # left pending, for release() to hand back
-                    admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
+                    admitted = await self._admit(
+                        stream, group, consumer, entry_id, fields, reclaimed, options
+                    )
                     if admitted is not None:
                         await self._handle(stream, group, consumer, entry_id, admitted, handler, options)
                 if batch:
@@ -140,7 +141,9 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
                     await outage.wait(exc, stop)
                     continue
                 for entry_id, fields, reclaimed in fetched:
-                    admitted = await self._admit(stream, group, entry_id, fields, reclaimed, options)
+                    admitted = await self._admit(
+                        stream, group, consumer, entry_id, fields, reclaimed, options
+                    )
                     if admitted is None:
                         continue
                     message = admitted[0]
@@ -263,16 +266,21 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
         self,
         stream: StreamDef[M],
         group: str,
+        consumer: str,
         entry_id: str,
         fields: dict,
         reclaimed: bool,
         options: ConsumerOptions,
     ) -> tuple[M, int] | None:
         """The decoded message and its delivery count, or None when the entry was dealt with here:
-        dead-lettered (undecodable, or delivered too often) or acknowledged as already processed."""
+        dead-lettered (undecodable, delivered too often, or its claimed payload lost), acknowledged
+        as already processed, or passed over as another consumer's."""
         key = self.key(stream)
-        payload = fields.get(b"data", b"")
         deliveries = await self._deliveries(key, group, entry_id) if reclaimed else 1
+        payload = await payload_of(self.redis, fields)
+        if payload is None:
+            await self._claim_gone(stream, group, consumer, entry_id, fields, deliveries)
+            return None
         if deliveries > options.max_deliveries:
             last_error = await self.redis.hget(self._errors_key(stream, group), entry_id)
             cause = f"gave up after {deliveries - 1} deliveries; last error: {as_text(last_error) if last_error else 'consumer died'}"
@@ -292,13 +300,17 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
             )
             return None
         if await self.redis.exists(self._done_key(stream, group, message.message_id)):
-            metrics.DUPLICATES.labels(stream.name, group).inc()
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xack(key, group, entry_id)
-                pipe.hdel(self._errors_key(stream, group), entry_id)  # a failure it had is moot now
-                await pipe.execute()
+            await self._ack_duplicate(stream, group, entry_id)
             return None
         return message, deliveries
+
+    async def _ack_duplicate(self, stream: StreamDef, group: str, entry_id: str) -> None:
+        """Acknowledge an entry whose message the group has processed already."""
+        metrics.DUPLICATES.labels(stream.name, group).inc()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self.key(stream), group, entry_id)
+            pipe.hdel(self._errors_key(stream, group), entry_id)  # a failure it had is moot now
+            await pipe.execute()
 
     async def _handle(
         self,
@@ -342,50 +354,6 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
             metrics.HANDLER_SECONDS.labels(stream.name, group).observe(time.perf_counter() - started)
         await self._commit(stream, group, [(entry_id, message)], options)
         metrics.CONSUMED.labels(stream.name, group).inc()
-
-    async def _work_held(
-        self,
-        stream: StreamDef,
-        group: str,
-        consumer: str,
-        entry_id: str,
-        work: Awaitable[None],
-        options: ConsumerOptions,
-    ) -> bool:
-        """Run ``work`` (the handler's) while a heartbeat keeps the entry this consumer's; raises what
-        it raised. The handler runs as a task of its own, so that a heartbeat that finds the entry
-        gone (this consumer missed its beats: a loop blocked, Redis out of its reach) stops it: the
-        other consumer works the entry now, and this one's result could only be a duplicate. False
-        then, whatever the handler did or raised as it stopped."""
-        task = asyncio.ensure_future(work)
-        # what it raises is read below, or is moot: this consumer stopped (the entry goes to the
-        # next one) or lost the entry; never "Task exception was never retrieved"
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        taken = False
-
-        def lost() -> None:
-            nonlocal taken
-            taken = True
-            task.cancel()
-
-        heartbeat = asyncio.create_task(
-            self._heartbeat(self.key(stream), group, consumer, [entry_id], options, on_lost=lost)
-        )
-        try:
-            try:
-                await asyncio.wait({task})
-            finally:
-                if not task.done():  # this consumer was stopped: its handler goes with it
-                    task.cancel()
-                    await asyncio.wait({task})
-        finally:  # a second cancellation above still ends the heartbeat: it would renew the entry
-            await cancel_and_wait(heartbeat)
-        if taken:
-            return False
-        if task.cancelled():  # this consumer was not stopped (that raised above): the handler was
-            raise HandlerCancelled(f"the handler of {stream.name} entry {entry_id} was cancelled")
-        task.result()
-        return True
 
     async def _commit(
         self, stream: StreamDef, group: str, items: list[tuple[str, Message]], options: ConsumerOptions

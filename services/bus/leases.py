@@ -1,19 +1,21 @@
 """What a consumer holds, kept and handed on: the heartbeat that renews the entries a consumer
-is working on (and only those it still owns), and the hand-back of what a leaving consumer could
-not finish. Mixed into :class:`services.bus.groups.ConsumerGroups`."""
+is working on (and only those it still owns), the handler it runs under that heartbeat, and the
+hand-back of what a leaving consumer could not finish. Mixed into
+:class:`services.bus.groups.ConsumerGroups`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from proto.streams import StreamDef
 from services.bus.connection import as_text, missing
-from services.bus.delivery import ConsumerOptions
+from services.bus.delivery import ConsumerOptions, HandlerCancelled
+from services.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +138,47 @@ class Leases:
                 if on_lost is not None:
                     on_lost()
                     return
+
+    async def _work_held(
+        self,
+        stream: StreamDef,
+        group: str,
+        consumer: str,
+        entry_id: str,
+        work: Awaitable[None],
+        options: ConsumerOptions,
+    ) -> bool:
+        """Run ``work`` (the handler's) while a heartbeat keeps the entry this consumer's; raises what
+        it raised. The handler runs as a task of its own, so that a heartbeat that finds the entry
+        gone (this consumer missed its beats: a loop blocked, Redis out of its reach) stops it: the
+        other consumer works the entry now, and this one's result could only be a duplicate. False
+        then, whatever the handler did or raised as it stopped."""
+        task = asyncio.ensure_future(work)
+        # what it raises is read below, or is moot: this consumer stopped (the entry goes to the
+        # next one) or lost the entry; never "Task exception was never retrieved"
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        taken = False
+
+        def lost() -> None:
+            nonlocal taken
+            taken = True
+            task.cancel()
+
+        heartbeat = asyncio.create_task(
+            self._heartbeat(self.key(stream), group, consumer, [entry_id], options, on_lost=lost)
+        )
+        try:
+            try:
+                await asyncio.wait({task})
+            finally:
+                if not task.done():  # this consumer was stopped: its handler goes with it
+                    task.cancel()
+                    await asyncio.wait({task})
+        finally:  # a second cancellation above still ends the heartbeat: it would renew the entry
+            await cancel_and_wait(heartbeat)
+        if taken:
+            return False
+        if task.cancelled():  # this consumer was not stopped (that raised above): the handler was
+            raise HandlerCancelled(f"the handler of {stream.name} entry {entry_id} was cancelled")
+        task.result()
+        return True

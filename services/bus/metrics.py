@@ -6,6 +6,11 @@ from prometheus_client import Counter, Histogram
 
 PUBLISHED = Counter("pbsd_bus_published_total", "Messages published", ["stream"])
 PUBLISHED_BYTES = Counter("pbsd_bus_published_bytes_total", "Payload bytes published", ["stream"])
+CLAIMED = Counter(
+    "pbsd_bus_claimed_total",
+    "Messages published by reference: stored beside their work stream, the entry naming them",
+    ["stream"],
+)
 TOO_LARGE = Counter(
     "pbsd_bus_too_large_total", "Messages refused before publishing: past the bus's size limit", ["stream"]
 )
@@ -43,7 +48,7 @@ OUTAGES = Counter(
     ["stream"],
 )
 
-DEAD_LETTER_REASONS = ("invalid", "max_deliveries", "trimmed", "too_large")
+DEAD_LETTER_REASONS = ("invalid", "max_deliveries", "trimmed", "too_large", "lost")
 
 
 def consumer_series(stream: str, group: str) -> None:

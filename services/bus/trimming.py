@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 
 from proto.streams import StreamDef
 from services.bus import metrics
+from services.bus.claims import drop_claims
 from services.bus.connection import as_text, missing
 from services.bus.delivery import ConsumerOptions
 
@@ -115,7 +116,8 @@ class Trimming:
         return [as_text(name) for name in gone]
 
     async def trim_acked(self, stream: StreamDef, *, approximate: bool = False) -> int:
-        """Delete entries every consumer group has delivered and acknowledged; returns how many."""
+        """Delete entries every consumer group has delivered and acknowledged, and the values their
+        claims name (:mod:`services.bus.claims`); returns how many entries."""
         key = self.key(stream)
         try:
             groups = await self.redis.xinfo_groups(key)
@@ -138,4 +140,6 @@ class Trimming:
                 floor = candidate
         if floor is None or floor == "0-1":
             return 0
-        return int(await self.redis.xtrim(key, minid=floor, approximate=approximate))
+        trimmed = int(await self.redis.xtrim(key, minid=floor, approximate=approximate))
+        await drop_claims(self.redis, key, _id_tuple(floor))
+        return trimmed
