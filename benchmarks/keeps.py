@@ -37,6 +37,7 @@ from statistics import median
 
 import numpy as np
 import redis.asyncio as aioredis
+from loop_stalls import Stalls, cells, ms  # benchmarks/, on the path when run as a script
 
 from proto.base import decode, encode
 from proto.examples import example_group, example_task
@@ -115,30 +116,6 @@ async def _written_over_life(growth: float) -> float:
     return bus.written / group.begun.tokens()
 
 
-class _Stalls:
-    """The event loop's longest stall while a block runs (a 5 ms sleep timed over and over), and how
-    long the block took."""
-
-    async def __aenter__(self):
-        self.longest = 0.0
-
-        async def tick() -> None:
-            while True:
-                t = time.perf_counter()
-                await asyncio.sleep(0.005)
-                self.longest = max(self.longest, time.perf_counter() - t - 0.005)
-
-        self.ticking = asyncio.create_task(tick())
-        await asyncio.sleep(0)
-        self.started = time.perf_counter()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.took = time.perf_counter() - self.started
-        await asyncio.sleep(0.01)  # a block that ends without yielding: the tick it held sees it now
-        self.ticking.cancel()
-
-
 async def _on_loop(fn, *args):
     return fn(*args)
 
@@ -168,10 +145,10 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> tuple[float, dict[s
     )
     bus = Bus.from_url(url, prefix="bench")
     plain = aioredis.Redis.from_url(url)  # redis-py's own connection: the command written whole
-    timed: dict[str, list[_Stalls]] = defaultdict(list)
+    timed: dict[str, list[Stalls]] = defaultdict(list)
 
     async def measure(step: str, work):
-        async with _Stalls() as stalls:
+        async with Stalls() as stalls:
             result = await work
         timed[step].append(stalls)
         return result
@@ -199,15 +176,6 @@ async def _one_keep(url: str, routes: bool, repeats: int) -> tuple[float, dict[s
     return len(payload) / 1e6, steps
 
 
-def _ms(seconds: float) -> str:
-    return f"{1e3 * seconds:.0f}"
-
-
-def _cells(r: dict[str, tuple[float, float]], *steps: str) -> str:
-    """Each step's median time and longest stall, "ms / ms", as table cells."""
-    return " | ".join(f"{_ms(r[step][0])} / {_ms(r[step][1])}" for step in steps)
-
-
 async def main(repeats: int, routes: bool) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     print(
@@ -225,8 +193,8 @@ async def main(repeats: int, routes: bool) -> None:
             mb, r = await _one_keep(redis.url, with_routes, repeats)
             name = f"{LAYERS} layers x top-{TOP_K}" if with_routes else "none"
             rows.append((name, r))
-            times = " | ".join(_ms(r[step][0]) for step in ("copy", "encode", "keep", "publish"))
-            stalls = " / ".join(_ms(r[step][1]) for step in ("copy", "keep", "publish"))
+            times = " | ".join(ms(r[step][0]) for step in ("copy", "encode", "keep", "publish"))
+            stalls = " / ".join(ms(r[step][1]) for step in ("copy", "keep", "publish"))
             print(f"| {name} | {mb:.1f} | {times} | {stalls} |")
     print("\n   the SET of the encoded keep alone (goal: a loop stall of a few ms at most)")
     print(
@@ -234,21 +202,21 @@ async def main(repeats: int, routes: bool) -> None:
     )
     print("|---|---:|---:|")
     for name, r in rows:
-        print(f"| {name} | {_cells(r, 'set_sliced', 'set_whole')} |")
+        print(f"| {name} | {cells(r, 'set_sliced', 'set_whole')} |")
     print("\n   the next worker reads the keep back (goal: no stall longer than decoding on the loop)")
     print(
         "| routes | ours, in slices + decode: ms / loop stall ms | baseline: one GET + decode | baseline: decode on the loop |"
     )
     print("|---|---:|---:|---:|")
     for name, r in rows:
-        print(f"| {name} | {_cells(r, 'read', 'read_whole', 'decode_inline')} |")
+        print(f"| {name} | {cells(r, 'read', 'read_whole', 'decode_inline')} |")
     print(
         "\n   decoding the keep in a thread: from its slices, a piece at a time (ours), and from them joined"
     )
     print("| routes | ours: ms / loop stall ms | baseline: joined, then one unpackb: ms / stall ms |")
     print("|---|---:|---:|")
     for name, r in rows:
-        print(f"| {name} | {_cells(r, 'decode_slices', 'decode_joined')} |")
+        print(f"| {name} | {cells(r, 'decode_slices', 'decode_joined')} |")
     print(f"\n2. tokens the keeps write over the group's life ({EXCHANGES} exchanges, a round after each)")
     print("| rule | written / final size | goal |")
     print("|---|---:|---:|")
