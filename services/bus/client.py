@@ -85,7 +85,9 @@ class Bus(ConsumerGroups):
         payload = await asyncio.to_thread(self._encode, stream, message)
         kind, key = stream.model.__name__, self.key(stream)
         if stream.group is not None and self.claim_bytes is not None and len(payload) > self.claim_bytes:
-            entry_id = await add_claimed(self.redis, key, kind, message.message_id, payload)
+            entry_id = await add_claimed(
+                self.redis, key, kind, message.message_id, payload, message.task_ref()
+            )
             metrics.CLAIMED.labels(stream.name).inc()
         else:
             entry_id = await self.redis.xadd(

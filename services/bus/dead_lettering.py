@@ -23,6 +23,7 @@ from proto.base import decode, encode
 from proto.messages import DeadLetter, TaskRef
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
+from services.bus.claims import claimed_task
 from services.bus.connection import as_text
 from services.bus.decoding import DECODE_INLINE_BYTES
 
@@ -73,13 +74,17 @@ class DeadLettering:
         cause: str,
         deliveries: int,
         reason: str,
+        *,
+        task: TaskRef | None = None,
     ) -> None:
-        """``payload``: the entry's, whole or as the slices of its claim."""
+        """``payload``: the entry's, whole or as the slices of its claim. ``task``: whose it is,
+        where the payload does not say (a claimed entry whose value is gone)."""
         size = sum(map(len, payload)) if isinstance(payload, list) else len(payload)
         if size > DECODE_INLINE_BYTES:
-            task, kept, how = await asyncio.to_thread(_kept, stream, payload)
+            named, kept, how = await asyncio.to_thread(_kept, stream, payload)
         else:
-            task, kept, how = _kept(stream, payload)
+            named, kept, how = _kept(stream, payload)
+        task = named or task
         letter = DeadLetter(
             stream=stream.name,
             group=group,
@@ -108,22 +113,25 @@ class DeadLettering:
         self, stream: StreamDef, group: str, consumer: str, entry_id: str, fields: dict, deliveries: int
     ) -> None:
         """An entry whose claimed value is gone (:mod:`services.bus.claims`). A message the group has
-        processed (an entry added twice, its claim trimmed with the first) is acknowledged as the
-        duplicate it is. Another consumer's (it took the entry over while this one read it,
-        acknowledged it, and the trim that followed removed the value) is passed over. This
-        consumer's, its payload is lost: a dead letter, as an entry trimmed while pending is."""
-        mid = fields.get(b"mid")
-        if mid is not None and await self.redis.exists(self._done_key(stream, group, as_text(mid))):
+        processed meanwhile (another consumer took the entry over while this one read it, or the
+        entry was added twice and its claim trimmed with the first) is acknowledged as the
+        duplicate it is. One this consumer no longer holds is passed over. One it holds has lost
+        its payload: a dead letter that names its task from the entry, so its prompt is replaced."""
+        if await self._processed(stream, group, fields):
             await self._ack_duplicate(stream, group, entry_id)
             return
         rows = await self.redis.xpending_range(self.key(stream), group, min=entry_id, max=entry_id, count=1)
         if rows and as_text(rows[0]["consumer"]) == consumer:
             cause = "the value its entry claims is gone before it was processed; the payload is lost"
-            await self._dead_letter(stream, group, entry_id, b"", cause, deliveries, "lost")
+            task = claimed_task(fields)
+            await self._dead_letter(stream, group, entry_id, b"", cause, deliveries, "lost", task=task)
             return
-        log.info(
-            "%s passed over %s entry %s: another consumer has processed it", consumer, stream.name, entry_id
-        )
+        log.info("%s passed over %s entry %s: another consumer holds it", consumer, stream.name, entry_id)
+
+    async def _processed(self, stream: StreamDef, group: str, fields: dict) -> bool:
+        """Whether the group has processed the message an entry's ``mid`` names."""
+        mid = fields.get(b"mid")
+        return mid is not None and bool(await self.redis.exists(self._done_key(stream, group, as_text(mid))))
 
 
 def _kept(stream: StreamDef, slices: bytes | list[bytes]) -> tuple[TaskRef | None, bytes, str]:

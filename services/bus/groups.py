@@ -277,6 +277,9 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
         as already processed, or passed over as another consumer's."""
         key = self.key(stream)
         deliveries = await self._deliveries(key, group, entry_id) if reclaimed else 1
+        if b"claim" in fields and await self._processed(stream, group, fields):
+            await self._ack_duplicate(stream, group, entry_id)  # its value need not be read at all
+            return None
         payload = await payload_of(self.redis, fields)
         if payload is None:
             await self._claim_gone(stream, group, consumer, entry_id, fields, deliveries)

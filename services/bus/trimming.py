@@ -18,7 +18,7 @@ from redis.exceptions import ResponseError
 
 from proto.streams import StreamDef
 from services.bus import metrics
-from services.bus.claims import drop_claims
+from services.bus.claims import DROP_CLAIMS, index_key
 from services.bus.connection import as_text, missing
 from services.bus.delivery import ConsumerOptions
 
@@ -27,16 +27,6 @@ __all__ = ["FORGET_INTERVAL_S", "Trimming"]
 log = logging.getLogger(__name__)
 
 FORGET_INTERVAL_S = 60.0  # how often a consumer looks for gone consumers of its group
-
-
-def _id_tuple(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _next_id(entry_id: str) -> str:
-    ms, seq = _id_tuple(entry_id)
-    return f"{ms}-{seq + 1}"
 
 
 class Trimming:
@@ -115,31 +105,41 @@ class Trimming:
             raise
         return [as_text(name) for name in gone]
 
-    async def trim_acked(self, stream: StreamDef, *, approximate: bool = False) -> int:
+    # One script: the floor (the oldest entry any group still needs: its first pending entry, else
+    # the one after its last delivered), the trim below it and the unlinking of the trimmed entries'
+    # claims. Read and trimmed apart, a group made at "0" between them (a run starting, a group
+    # Redis lost made again) read entries the trim then removed, or whose claims it unlinked while
+    # the new group held them. "0-1" as the floor: a group that has read nothing, nothing to trim.
+    _TRIM = (
+        """
+    local floor_ms, floor_seq
+    for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+        local f = {}
+        for i = 1, #info, 2 do f[info[i]] = info[i + 1] end
+        local id, next = f['last-delivered-id'], 1
+        if f['pending'] > 0 then id, next = redis.call('XPENDING', KEYS[1], f['name'])[2], 0 end
+        local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+        ms, seq = tonumber(ms), tonumber(seq) + next
+        if floor_ms == nil or ms < floor_ms or (ms == floor_ms and seq < floor_seq) then
+            floor_ms, floor_seq = ms, seq
+        end
+    end
+    if floor_ms == nil or (floor_ms == 0 and floor_seq <= 1) then return 0 end
+    local trimmed = redis.call('XTRIM', KEYS[1], 'MINID', string.format('%.0f-%.0f', floor_ms, floor_seq))
+    """
+        + DROP_CLAIMS
+        + """
+    return trimmed
+    """
+    )
+
+    async def trim_acked(self, stream: StreamDef) -> int:
         """Delete entries every consumer group has delivered and acknowledged, and the values their
         claims name (:mod:`services.bus.claims`); returns how many entries."""
         key = self.key(stream)
         try:
-            groups = await self.redis.xinfo_groups(key)
+            return int(await self.redis.eval(self._TRIM, 2, key, index_key(key)))
         except ResponseError as exc:
             if missing(exc):  # no such stream yet
                 return 0
             raise
-        if not groups:
-            return 0
-        floor: str | None = None
-        for info in groups:
-            name = as_text(info["name"])
-            summary = await self.redis.xpending(key, name)
-            candidate = (
-                as_text(summary["min"])
-                if summary["pending"]
-                else _next_id(as_text(info["last-delivered-id"]))
-            )
-            if floor is None or _id_tuple(candidate) < _id_tuple(floor):
-                floor = candidate
-        if floor is None or floor == "0-1":
-            return 0
-        trimmed = int(await self.redis.xtrim(key, minid=floor, approximate=approximate))
-        await drop_claims(self.redis, key, _id_tuple(floor))
-        return trimmed
