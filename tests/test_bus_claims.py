@@ -239,3 +239,45 @@ async def test_a_trim_unlinks_every_claim_below_its_floor_in_one_millisecond(cla
     )
     assert left == list(range(150, 301))
     assert await claiming.redis.exists(*(f"{key}:c{seq}" for seq in range(1, 301))) == 151
+
+
+async def test_a_processed_message_is_acknowledged_without_reading_its_value(claiming: Bus, monkeypatch):
+    """An entry added twice: once the first is processed, the second is a duplicate by its message
+    id, and its 200 MB value is not read to find that out."""
+    from services.bus import groups
+
+    group = ex.example_group(2)
+    await claiming.publish(TRAJECTORIES, group)
+    await claiming.ensure_group(TRAJECTORIES)
+    [[_key, [(entry_id, fields)]]] = await claiming.redis.xreadgroup(
+        "scorer", "c1", {claiming.key(TRAJECTORIES): ">"}
+    )
+    await claiming.redis.set(claiming._done_key(TRAJECTORIES, "scorer", group.message_id), b"1")
+
+    async def never(*args):
+        raise AssertionError("the value was read")
+
+    monkeypatch.setattr(groups, "payload_of", never)
+    assert await claiming._admit(TRAJECTORIES, "scorer", "c1", entry_id.decode(), fields, False, FAST) is None
+    assert (await claiming.redis.xpending(claiming.key(TRAJECTORIES), "scorer"))["pending"] == 0
+
+
+async def test_a_claimed_entry_whose_task_is_not_a_task_is_a_letter_without_one(claiming: Bus):
+    from services.bus.claims import claimed_task
+
+    assert claimed_task({b"task": b'{"run_id": "r"}'}) is None and claimed_task({}) is None
+    assert claimed_task({b"task": ex.example_group(2).task_ref().model_dump_json().encode()}) is not None
+
+
+async def test_an_index_member_the_bus_did_not_write_does_not_stop_the_trim(claiming: Bus):
+    """A member without "<id> <claim>" (written by hand) is left alone: failing on it would fail
+    every trim after, and the claims would pile up."""
+    key = claiming.key(TRAJECTORIES)
+    await claiming.publish(TRAJECTORIES, ex.example_group(2))
+    await claiming.redis.zadd(index_key(key), {"not a member": 1})
+    await claiming.ensure_group(TRAJECTORIES)
+    [[_key, [(entry_id, _fields)]]] = await claiming.redis.xreadgroup("scorer", "c1", {key: ">"})
+    await claiming.redis.xack(key, "scorer", entry_id)
+    assert await claiming.trim_acked(TRAJECTORIES) == 1
+    assert await claiming.redis.keys(f"{key}:claim:*") == []
+    assert await claiming.redis.zrange(index_key(key), 0, -1) == [b"not a member"]

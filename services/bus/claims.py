@@ -96,12 +96,15 @@ DROP_CLAIMS = """
         redis.call('UNLINK', claim)  -- a 200 MB value is freed in Redis's background thread
         redis.call('ZREM', KEYS[2], member)
     end
+    -- a member the bus did not write (no "<id> <claim>") is left alone: failing here would fail
+    -- every trim after this one, its claims piling up
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.format('%.0f', floor_ms))) do
-        drop(member, string.match(member, ' (.+)$'))
+        local claim = string.match(member, '^%d+-%d+ (.+)$')
+        if claim then drop(member, claim) end
     end
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], floor_ms, floor_ms)) do
         local seq, claim = string.match(member, '^%d+-(%d+) (.+)$')
-        if tonumber(seq) < floor_seq then drop(member, claim) end
+        if claim and tonumber(seq) < floor_seq then drop(member, claim) end
     end
 """
 
@@ -116,6 +119,10 @@ async def payload_of(redis: aioredis.Redis, fields: dict) -> bytes | list[bytes]
 
 
 def claimed_task(fields: dict) -> TaskRef | None:
-    """The task a claimed entry names (None: none, or not a claimed entry)."""
+    """The task a claimed entry names (None: none, not a claimed entry, or not a task: a letter
+    without one beats a consumer that dies of it on every delivery)."""
     named = fields.get(b"task")
-    return TaskRef.model_validate_json(named) if named else None
+    try:
+        return TaskRef.model_validate_json(named) if named else None
+    except ValueError:
+        return None

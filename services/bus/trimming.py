@@ -116,10 +116,10 @@ class Trimming:
     for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
         local f = {}
         for i = 1, #info, 2 do f[info[i]] = info[i + 1] end
-        local id, next = f['last-delivered-id'], 1
-        if f['pending'] > 0 then id, next = redis.call('XPENDING', KEYS[1], f['name'])[2], 0 end
+        local id, after = f['last-delivered-id'], 1
+        if f['pending'] > 0 then id, after = redis.call('XPENDING', KEYS[1], f['name'])[2], 0 end
         local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-        ms, seq = tonumber(ms), tonumber(seq) + next
+        ms, seq = tonumber(ms), tonumber(seq) + after  -- doubles: exact for any id XADD * makes
         if floor_ms == nil or ms < floor_ms or (ms == floor_ms and seq < floor_seq) then
             floor_ms, floor_seq = ms, seq
         end
