@@ -59,7 +59,7 @@ class DeadLettering:
     prefix: str
     maxlen: int
     key: Callable[[StreamDef], str]
-    _done_key: Callable[[StreamDef, str, str], str]
+    _processed: Callable[[StreamDef, str, dict], Awaitable[bool]]
     _ack_duplicate: Callable[[StreamDef, str, str], Awaitable[None]]
 
     def _errors_key(self, stream: StreamDef, group: str) -> str:
@@ -127,11 +127,6 @@ class DeadLettering:
             await self._dead_letter(stream, group, entry_id, b"", cause, deliveries, "lost", task=task)
             return
         log.info("%s passed over %s entry %s: another consumer holds it", consumer, stream.name, entry_id)
-
-    async def _processed(self, stream: StreamDef, group: str, fields: dict) -> bool:
-        """Whether the group has processed the message an entry's ``mid`` names."""
-        mid = fields.get(b"mid")
-        return mid is not None and bool(await self.redis.exists(self._done_key(stream, group, as_text(mid))))
 
 
 def _kept(stream: StreamDef, slices: bytes | list[bytes]) -> tuple[TaskRef | None, bytes, str]:

@@ -277,8 +277,9 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
         as already processed, or passed over as another consumer's."""
         key = self.key(stream)
         deliveries = await self._deliveries(key, group, entry_id) if reclaimed else 1
-        if b"claim" in fields and await self._processed(stream, group, fields):
-            await self._ack_duplicate(stream, group, entry_id)  # its value need not be read at all
+        # by the entry's message id, before its payload is read (a claim's value can be 200 MB)
+        if await self._processed(stream, group, fields):
+            await self._ack_duplicate(stream, group, entry_id)
             return None
         payload = await payload_of(self.redis, fields)
         if payload is None:
@@ -302,10 +303,12 @@ class ConsumerGroups(DeadLettering, Leases, Trimming):
                 "invalid",
             )
             return None
-        if await self.redis.exists(self._done_key(stream, group, message.message_id)):
-            await self._ack_duplicate(stream, group, entry_id)
-            return None
         return message, deliveries
+
+    async def _processed(self, stream: StreamDef, group: str, fields: dict) -> bool:
+        """Whether the group has processed the message an entry's ``mid`` names."""
+        mid = fields.get(b"mid")
+        return mid is not None and bool(await self.redis.exists(self._done_key(stream, group, as_text(mid))))
 
     async def _ack_duplicate(self, stream: StreamDef, group: str, entry_id: str) -> None:
         """Acknowledge an entry whose message the group has processed already."""
