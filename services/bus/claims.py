@@ -46,6 +46,7 @@ from services.bus.slices import READ_SLICE_BYTES, read_value
 __all__ = [
     "CLAIM_BYTES",
     "DROP_CLAIMS",
+    "INDEX_CLAIMS",
     "WRITE_TTL_S",
     "add_claimed",
     "claimed_task",
@@ -63,15 +64,30 @@ def index_key(stream_key: str) -> str:
     return f"{stream_key}:claims"
 
 
-_ADD = """
+# Lua: a claim in the stream's index (KEYS[2]) is "<entry id> <claim>", scored by the id's
+# millisecond. The scripts that add or move a claimed entry record it through these; DROP_CLAIMS
+# reads the same form.
+INDEX_CLAIMS = """
+local function record(id, claim)
+    redis.call('ZADD', KEYS[2], tonumber(string.match(id, '^%d+')), id .. ' ' .. claim)
+end
+local function unrecord(id, claim)
+    redis.call('ZREM', KEYS[2], id .. ' ' .. claim)
+end
+"""
+
+_ADD = (
+    INDEX_CLAIMS
+    + """
 if redis.call('EXISTS', KEYS[3]) == 0 then
     return redis.error_reply('NOCLAIM ' .. KEYS[3] .. ' expired before its entry was added')
 end
 redis.call('PERSIST', KEYS[3])
 local id = redis.call('XADD', KEYS[1], '*', 'type', ARGV[1], 'mid', ARGV[2], 'claim', KEYS[3], 'task', ARGV[3])
-redis.call('ZADD', KEYS[2], tonumber(string.match(id, '^%d+')), id .. ' ' .. KEYS[3])
+record(id, KEYS[3])
 return id
 """
+)
 
 
 async def add_claimed(
@@ -88,9 +104,9 @@ async def add_claimed(
 
 
 # Lua, run by the trim (services.bus.trimming) once it has trimmed KEYS[1] below the entry id
-# (floor_ms, floor_seq); KEYS[2] is the index. A member is "<entry id> <claim>", scored by the id's
-# millisecond: below the floor's millisecond every claim goes, and in it those of ids below the
-# floor, compared whole (its members sort as text there, "5-10" before "5-9").
+# (floor_ms, floor_seq); KEYS[2] is the index (INDEX_CLAIMS): below the floor's millisecond every
+# claim goes, and in it those of ids below the floor, compared whole (its members sort as text
+# there, "5-10" before "5-9").
 DROP_CLAIMS = """
     local function drop(member, claim)
         redis.call('UNLINK', claim)  -- a 200 MB value is freed in Redis's background thread

@@ -14,7 +14,7 @@ from proto.base import Message, encode
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
-from services.bus.claims import CLAIM_BYTES, add_claimed, index_key, payload_of
+from services.bus.claims import CLAIM_BYTES, INDEX_CLAIMS, add_claimed, index_key, payload_of
 from services.bus.connection import REDIS_DOWN, as_text, redis_client
 from services.bus.dead_lettering import kept_entries
 from services.bus.decoding import decoded
@@ -110,7 +110,9 @@ class Bus(ConsumerGroups):
     # Entries the group has not been delivered yet are after its last-delivered-id: they are taken
     # off, the new messages added, and they are added back behind them, unchanged and in their order.
     # One script, so no consumer reads the stream halfway through.
-    _AHEAD = """
+    _AHEAD = (
+        INDEX_CLAIMS
+        + """
     local last = '0-0'
     for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
         local fields = {}
@@ -127,9 +129,8 @@ class Bus(ConsumerGroups):
         local id = redis.call('XADD', KEYS[1], '*', unpack(entry[2]))
         for i = 1, #entry[2], 2 do
             if entry[2][i] == 'claim' then
-                local claim = entry[2][i + 1]
-                redis.call('ZREM', KEYS[2], entry[1] .. ' ' .. claim)
-                redis.call('ZADD', KEYS[2], tonumber(string.match(id, '^%d+')), id .. ' ' .. claim)
+                unrecord(entry[1], entry[2][i + 1])
+                record(id, entry[2][i + 1])
             end
         end
     end
@@ -146,6 +147,7 @@ class Bus(ConsumerGroups):
     end
     return #queued
     """
+    )
 
     async def publish_ahead(self, stream: StreamDef[M], messages: list[M]) -> int:
         """Publish ``messages`` ahead of every entry the stream's group has not been delivered yet: the
