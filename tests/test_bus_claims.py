@@ -27,8 +27,8 @@ async def claiming(redis_url, key_prefix):
     await bus.close()
 
 
-async def _index(bus: Bus, stream) -> dict[str, int]:
-    """Each claim of the stream's index: its entry id and the score."""
+async def _index(bus: Bus, stream) -> dict[str, str]:
+    """Each claim of the stream's index and its entry id (checking the score is the id's millisecond)."""
     pairs = await bus.redis.zrange(index_key(bus.key(stream)), 0, -1, withscores=True)
     members = {m.decode().split(" ")[1]: (m.decode().split(" ")[0], int(score)) for m, score in pairs}
     for entry_id, score in members.values():
