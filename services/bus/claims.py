@@ -131,7 +131,7 @@ async def payload_of(redis: aioredis.Redis, fields: dict) -> bytes | list[bytes]
     claim = fields.get(b"claim")
     if claim is None:
         return fields.get(b"data", b"")
-    return await read_value(redis, as_text(claim))
+    return await read_value(redis, as_text(claim), large=True)  # past CLAIM_BYTES, a slice
 
 
 def claimed_task(fields: dict) -> TaskRef | None:

@@ -38,12 +38,15 @@ READ_SLICE_BYTES = 4 << 20
 TRIES = 3
 
 
-async def read_value(redis: aioredis.Redis, key: str) -> list[bytes] | None:
+async def read_value(redis: aioredis.Redis, key: str, *, large: bool = False) -> list[bytes] | None:
     """The string at ``key`` as its slices, in order (``b"".join`` them), or None where there is
-    no value or it is empty. A value shorter than a slice is one GETRANGE, one round trip."""
-    first = await redis.getrange(key, 0, READ_SLICE_BYTES - 1)
-    if len(first) < READ_SLICE_BYTES:  # the whole value: one command is atomic
-        return [first] if first else None
+    no value or it is empty. A value shorter than a slice is one GETRANGE, one round trip.
+    ``large``: the caller knows the value is longer than a slice (a claim), and the watched read
+    starts at once: the first slice, read alone to see whether there is more, would be read twice."""
+    if not large:
+        first = await redis.getrange(key, 0, READ_SLICE_BYTES - 1)
+        if len(first) < READ_SLICE_BYTES:  # the whole value: one command is atomic
+            return [first] if first else None
     pool = redis.connection_pool
     for _ in range(TRIES):
         # taken outside the except: an outage is waited out once, on the client's patience, as a
