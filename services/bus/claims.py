@@ -3,10 +3,10 @@ string value that holds its payload (a claim check), not the payload itself.
 
 An XREADGROUP reply is parsed whole on the consumer's event loop: hiredis gathers a 200 MB entry
 (a group with a MoE policy's routes) into one buffer in one call, and the loop, with the
-consumer's heartbeats and health probes, waited 159-287 ms for it on a 2-core VM. A value is
+consumer's heartbeats and health probes, waited 156-287 ms for it on a 2-core VM. A value is
 read a few MiB at a time (:mod:`services.bus.slices`) and decoded from its slices a piece at a
-time: the read of a claimed entry stalled the loop for 17-23 ms, and took about half as long
-(six runs, benchmarks/README.md, "claims").
+time: the read of a claimed entry stalled the loop for 17-29 ms, and took about half as long
+(nine runs, benchmarks/README.md, "claims").
 
 The life of a claim:
 
