@@ -83,7 +83,10 @@ def _task(tiny_world: Path) -> PromptTask:
         step=0,
         seed=3,
         algorithm=PbsdSpec(),
-        rollout=RolloutSpec(group_size=8, max_turns=8, max_tokens_per_turn=96, max_context=4096),
+        # 256 tokens a turn: half the group answers in its second turn and the rest go on for up
+        # to 8 turns, so on a 2-core VM its trajectories end from about 1.2 s to 6.8 s in; at 96
+        # every one had ended 0.6 s after the first, too short a time to act in
+        rollout=RolloutSpec(group_size=8, max_turns=8, max_tokens_per_turn=256, max_context=4096),
     )
 
 
@@ -162,6 +165,11 @@ def test_a_rollout_service_killed_mid_group_leaves_its_last_keep_to_the_next(
         tiny_world,
         tmp_path,
         PBSD_ROLLOUT_KEEP_EVERY_S="0.2",
+        # a keep every round the group moved: under the growth rule a keep made just before the
+        # first trajectory ended is followed only once the group has grown by a quarter, which
+        # it may never do (it grows by a fifth after that); the rule has its own tests
+        # (test_rollout_keeps.py)
+        PBSD_ROLLOUT_KEEP_GROWTH="0",
         PBSD_ROLLOUT_HEARTBEAT_S="0.5",  # a dead worker's prompt is taken over after 5 s
     )
 
