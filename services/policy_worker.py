@@ -85,8 +85,9 @@ class PolicyWorker(abc.ABC):
         """The model is at ``version`` after a publication, loaded from disk or brought by the
         weight group (a subclass sets its gauge: a broadcast never passes through load_weights)."""
 
-    def dropped_ended(self, message) -> None:
-        """A message of an ended run was dropped unprocessed (a subclass counts it)."""
+    async def dropped_ended(self, message) -> None:
+        """A message of an ended run was dropped unprocessed (a subclass counts it, and removes
+        what it may have left in Redis for it)."""
         log.info("%s dropped a message of run %s, which has ended", self.name, message.run_id)
 
     async def apply_weights(self, event: WeightsPublished) -> None:
@@ -303,7 +304,7 @@ class PolicyWorker(abc.ABC):
 
     async def _unless_ended(self, message, delivery: Delivery) -> None:
         if message.run_id in self.ended:
-            self.dropped_ended(message)
+            await self.dropped_ended(message)
             return
         await self.handle(message, delivery)
 

@@ -292,9 +292,11 @@ async def test_a_worker_that_knows_of_a_resume_does_not_sample_with_the_abandone
 async def test_prompts_of_an_ended_run_are_dropped_on_sight_waiting_or_not(bus, tok):
     """A cancelled run's leftover prompts: one arrives after the end was announced, one was waiting
     for a version that will never come; neither is sampled, both are counted, and a worker started
-    afterwards knows of the end too."""
+    afterwards knows of the end too. What a worker that died sampling them kept of each goes with
+    it: nobody would go on with it."""
     from prometheus_client import REGISTRY
 
+    from proto.handback import HandedBack, handback_key
     from proto.messages import RunEnded
     from proto.streams import RUN_ENDS
 
@@ -306,13 +308,15 @@ async def test_prompts_of_an_ended_run_are_dropped_on_sight_waiting_or_not(bus, 
     with serve(app) as url:
         engine = SglangEngine([url], layers=LAYERS, top_k=TOP_K)
         await bus.publish(WEIGHTS, _weights(1, "A"))
+        waiting, late, later_one = (_task(step=s, group_size=1) for s in (9, 1, 0))
+        for t in (waiting, late, later_one):
+            kept = HandedBack(run_id="r", task_message_id=t.message_id)
+            await bus.keep(handback_key(t.message_id), kept, ttl_s=60)
         _worker, stop, task = await _start(bus, engine, tok)
-        await bus.publish(PROMPTS, _task(step=9, group_size=1))  # waits for version 8
+        await bus.publish(PROMPTS, waiting)  # waits for version 8
         await asyncio.sleep(0.3)
         await bus.publish(RUN_ENDS, RunEnded(run_id="r", state="cancelled", step=1))
-        await bus.publish(
-            PROMPTS, _task(step=1, group_size=1)
-        )  # could be sampled at once, but the run is over
+        await bus.publish(PROMPTS, late)  # could be sampled at once, but the run is over
         async with asyncio.timeout(10):
             while dropped() < before + 2:
                 await asyncio.sleep(0.05)
@@ -322,7 +326,7 @@ async def test_prompts_of_an_ended_run_are_dropped_on_sight_waiting_or_not(bus, 
         stop = asyncio.Event()
         task = asyncio.create_task(later.run(stop))
         await asyncio.wait_for(later.ready.wait(), 10)
-        await bus.publish(PROMPTS, _task(step=0, group_size=1))
+        await bus.publish(PROMPTS, later_one)
         async with asyncio.timeout(10):
             while dropped() < before + 3:
                 await asyncio.sleep(0.05)
@@ -332,6 +336,8 @@ async def test_prompts_of_an_ended_run_are_dropped_on_sight_waiting_or_not(bus, 
     assert await bus.read_all(TRAJECTORIES) == [] and "r" in later.ended
     assert not [r for r in app.state.requests]  # nothing was generated for the ended run
     assert (await bus.redis.xpending(bus.key(PROMPTS), "rollout"))["pending"] == 0
+    for t in (waiting, late, later_one):
+        assert await bus.kept(handback_key(t.message_id), HandedBack) is None
 
 
 async def test_a_group_is_as_old_as_its_oldest_trajectory(tok):

@@ -11,11 +11,13 @@ from types import SimpleNamespace
 from proto import examples as ex
 from proto.base import encode
 from proto.data import QuestionRecord
+from proto.handback import HandedBack, handback_key
 from proto.messages import DeadLetter, PromptTask, group_message_id
+from proto.streams import DEAD_LETTERS
 from services.trainer.admission import outstanding
 from services.trainer.checkpoints import TrainState
 from services.trainer.controller import PromptController
-from services.trainer.dead_letters import lost_prompt
+from services.trainer.dead_letters import follow_dead_letters, lost_prompt
 from services.trainer.executor import RunExecutor
 from services.trainer.opening import _consumed_since
 from services.trainer.runs import RunStore
@@ -156,3 +158,31 @@ async def test_a_dead_letter_judged_while_a_step_trains_another_copy_does_not_co
     # counted, then the step's trained copy took it back; or not counted at all: never both
     assert state.dropped == 0 and state.dropped_indices == [] and await store.dropped(RUN) == set()
     assert topped_up in ([], [1])
+
+
+async def test_a_lost_prompts_keep_goes_as_its_letter_is_seen_and_no_other_run_s(bus):
+    """A worker that died sampling prompt 5, each time it was delivered, left a keep of its group
+    that nobody goes on with: it goes as the run's follower sees the letter. Another run's lost
+    prompt is that run's follower's to see: its keep stays."""
+    controller = PromptController(bus, RUN, SPEC, QUESTIONS, next_index=8)
+    ours = controller.task(5)
+    theirs = ours.model_copy(update={"run_id": "r2", "task_id": "r2:5", "message_id": "their-copy"})
+    for task in (theirs, ours):
+        kept = HandedBack(run_id=task.run_id, task_message_id=task.message_id)
+        await bus.keep(handback_key(task.message_id), kept, ttl_s=60)
+        letter = _letter("prompts", task, "1-0").model_copy(update={"task": task.task_ref()})
+        await bus.publish(DEAD_LETTERS, letter)
+    seen, stop = asyncio.Event(), asyncio.Event()
+
+    async def on_lost(lost, letter) -> None:
+        assert lost.message_id == ours.message_id
+        seen.set()
+
+    following = asyncio.create_task(
+        follow_dead_letters(bus, lambda letter: lost_prompt(letter, RUN), on_lost, stop, after="0")
+    )
+    await asyncio.wait_for(seen.wait(), 10)
+    stop.set()
+    await following
+    assert await bus.kept(handback_key(ours.message_id), HandedBack) is None
+    assert await bus.kept(handback_key(theirs.message_id), HandedBack) is not None

@@ -92,8 +92,8 @@ class KeepsBegun:
     keep_growth: float
     # how long a group's keep lasts from its last write or renewal: renewed at every round while
     # the group samples, and a leaving worker's prompts are taken at once, a dead one's within a
-    # minute; this bounds what a group nobody goes on with (its run ended, it was dead-lettered)
-    # leaves in Redis
+    # minute; this bounds what a group nobody goes on with leaves in Redis where nothing removes
+    # it (a dropped prompt's and a dead-lettered one's are removed as they are seen)
     handback_ttl_s: float = 3600.0
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -116,13 +116,19 @@ class RolloutWorker(KeepsBegun, PolicyWorker):
         return not over()
 
     # -- one prompt -------------------------------------------------------------------
-    def dropped_ended(self, task: PromptTask) -> None:
+    async def dropped_ended(self, task: PromptTask) -> None:
+        """Dropped, with what was kept of its group: a worker that died sampling it, or left as
+        its run ended, left a keep that nobody would go on with."""
+        await self._remove_kept(task)
+        self._count_dropped(task)
+
+    def _count_dropped(self, task: PromptTask) -> None:
         log.info("dropped a prompt of run %s, which has ended (task %s)", task.run_id, task.task_id)
         metrics.STALE_TASKS.inc()
 
     async def handle(self, task: PromptTask, delivery: Delivery) -> None:
         if not await self.wait_for_version(task, delivery):
-            self.dropped_ended(task)
+            await self.dropped_ended(task)
             return
         # registered before the take: once taken, what a worker that left kept is this one's to keep
         begun = self.begun[task.message_id] = Begun(task, delivery.entry_id)
@@ -139,7 +145,7 @@ class RolloutWorker(KeepsBegun, PolicyWorker):
             if not cut_off and self.begun.get(task.message_id) is begun:  # a second delivery's is its own
                 del self.begun[task.message_id]
         if group is None or self.run_is_over(task.run_id, delivery.entry_id):  # no one wants it now
-            self.dropped_ended(task)
+            self._count_dropped(task)  # what was kept of it goes below, once a keep under way lands
         elif task.purpose == "eval":  # a validation prompt: straight to the trainer, nothing to score
             await self.bus.publish(EVALS, group)
             metrics.EVAL_GROUPS.inc()

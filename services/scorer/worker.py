@@ -55,7 +55,7 @@ class ScorerWorker(PolicyWorker):
     def version_seen(self, version: int) -> None:
         metrics.POLICY_VERSION.set(version)
 
-    def dropped_ended(self, group: TrajectoryGroup) -> None:
+    async def dropped_ended(self, group: TrajectoryGroup) -> None:
         log.info("dropped a group of run %s, which has ended (task %s)", group.run_id, group.task_id)
         metrics.ENDED_RUN_GROUPS.inc()
 

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple, TypeVar
 
 from proto.base import decode
+from proto.handback import handback_key
 from proto.messages import DeadLetter, TaskRef
 from proto.streams import DEAD_LETTERS, EVALS, PROMPTS, SCORED, TRAJECTORIES
 from services.bus import Bus
@@ -84,13 +85,18 @@ async def follow_dead_letters(
 ) -> None:
     """Call ``on_lost(key, letter)`` for every dead letter that ``pick`` gives a key (not None), from
     entry ``after`` on, then as they arrive, until ``stop``; through lost connections (a follower
-    that died would leave the run waiting for good for a prompt it never replaced)."""
+    that died would leave the run waiting for good for a prompt it never replaced). A lost prompt's
+    copy takes with it what a rollout worker kept of its group (:mod:`proto.handback`): a worker
+    that died sampling it, each time it was delivered, left a keep nobody goes on with, of up to
+    the group's size (hundreds of MB with routes), which would otherwise stay for its hour."""
 
     async def see(_entry_id: str, letter: DeadLetter) -> None:
         # a letter an older pbsd made is decoded, a large one off the event loop
         slow = letter.task is None and len(letter.payload) > DECODE_INLINE_BYTES
         key = await asyncio.to_thread(pick, letter) if slow else pick(letter)
         if key is not None:
+            if letter.stream == PROMPTS.name and letter.task is not None:  # a group's letter: it was out
+                await bus.forget(handback_key(letter.task.message_id))
             await on_lost(key, letter)
 
     await bus.follow_for_good(DEAD_LETTERS, after, see, stop, reader="the trainer", block_ms=500)
