@@ -152,12 +152,37 @@ class ArraySpec:
         dtype = (
             self.dtypes[self.names.index(arr.dtype.name)] if arr.dtype.name in self.names else self.dtypes[0]
         )
-        data = np.ascontiguousarray(arr, dtype=dtype).tobytes()
-        return {
-            "dtype": dtype.name,
-            "shape": list(arr.shape),
-            "data": base64.b64encode(data).decode("ascii") if info.mode_is_json() else data,
-        }
+        contiguous = np.ascontiguousarray(arr, dtype=dtype)
+        if info.mode_is_json():
+            data: Any = base64.b64encode(contiguous.tobytes()).decode("ascii")
+        elif info.context is WIRE_CONTEXT and contiguous.nbytes > PIECE_BYTES:
+            data = Pieces.of(contiguous)
+        else:
+            data = contiguous.tobytes()
+        return {"dtype": dtype.name, "shape": list(arr.shape), "data": data}
+
+
+PIECE_BYTES = 1 << 20
+WIRE_CONTEXT: dict[str, Any] = {"wire": True}  # proto.base.encode's dump, by identity
+
+
+class Pieces:
+    """An array's bytes as copies of ``PIECE_BYTES`` at most, in order, for the wire encoder alone
+    (:func:`proto.base.encode`): numpy's ``tobytes`` copies a whole array holding the
+    interpreter, and a thread that does so keeps the caller's event loop waiting for as long."""
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self, pieces: tuple[bytes, ...], size: int) -> None:
+        self.pieces, self.size = pieces, size
+
+    @classmethod
+    def of(cls, contiguous: np.ndarray) -> Pieces:
+        flat = memoryview(contiguous).cast("B")
+        return cls(
+            tuple(flat[i : i + PIECE_BYTES].tobytes() for i in range(0, flat.nbytes, PIECE_BYTES)),
+            flat.nbytes,
+        )
 
 
 Int32Array = Annotated[np.ndarray, ArraySpec("int32")]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
 
-from proto.arrays import arrays_equal
+from proto.arrays import WIRE_CONTEXT, Pieces, arrays_equal
 
 if TYPE_CHECKING:
     from proto.messages import TaskRef
@@ -116,30 +116,69 @@ M = TypeVar("M", bound=BaseModel)
 def encode(message: BaseModel) -> bytes:
     """Binary wire form: msgpack of the Python-mode dump (arrays stay raw bytes).
 
-    Packed a piece at a time down to the items of a field (a group's trajectories) and joined: the
-    same bytes as one ``packb`` of the whole dump, but one ``packb`` of a 200 MB group (MoE routes)
-    holds the interpreter for about 0.2 s, and the bus encodes in a thread so that its event loop
-    runs meanwhile, which it can only between the pieces."""
-    packer = msgpack.Packer(use_bin_type=True)
-    return b"".join(_packed(packer, message.model_dump(mode="python"), PACKED_DEPTH))
+    The same bytes as one ``packb`` of the whole dump, packed a piece at a time and joined. The bus
+    encodes in a thread so that its event loop runs meanwhile, which it can only while the thread
+    lets go of the interpreter: between the pieces, and in the join, which copies large bytes
+    without holding it. So the message is packed down to the items of a field (a group's
+    trajectories), and further wherever a large array lies: one is dumped as copies of a MiB at a
+    time (:class:`proto.arrays.Pieces`) that the join puts together, where ``tobytes`` then
+    ``packb`` copied it whole twice, which held the loop of a keep or a publish of a 200 MB group
+    for as long as a copy of a trajectory's 25 MB of routes took."""
+    return b"".join(_pieces(message))
+
+
+def _pieces(message: BaseModel) -> Iterator[bytes]:
+    packer = msgpack.Packer(use_bin_type=True, default=_holds_pieces)
+    return _packed(packer, message.model_dump(mode="python", context=WIRE_CONTEXT), PACKED_DEPTH)
 
 
 PACKED_DEPTH = 3  # the message, its fields, the items of a field
 
 
+class _HoldsPieces(Exception):
+    pass
+
+
+def _holds_pieces(value: Any) -> Any:
+    """The packer's hook for a type it cannot pack: Pieces are packed by :func:`_packed`."""
+    if type(value) is Pieces:
+        raise _HoldsPieces
+    raise TypeError(f"can not serialize {type(value).__name__!r} object")
+
+
 def _packed(packer: msgpack.Packer, value: Any, depth: int) -> Iterator[bytes]:
     # exact types: a subclass (msgpack's ExtType is a tuple) is packed whole, as packb packs it
-    if depth and type(value) is dict:
+    if type(value) in (dict, list, tuple) and depth <= 0:
+        try:  # whole, unless it holds a large array (the packer starts afresh after a refusal)
+            whole = packer.pack(value)
+        except _HoldsPieces:
+            pass
+        else:
+            yield whole
+            return
+    if type(value) is dict:
         yield packer.pack_map_header(len(value))
         for key, item in value.items():
             yield packer.pack(key)
             yield from _packed(packer, item, depth - 1)
-    elif depth and type(value) in (list, tuple):
+    elif type(value) in (list, tuple):
         yield packer.pack_array_header(len(value))
         for item in value:
             yield from _packed(packer, item, depth - 1)
+    elif type(value) is Pieces:
+        yield _bin_header(value.size)
+        yield from value.pieces
     else:
         yield packer.pack(value)
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's header of ``size`` bytes of bin, as packb writes it (bin 8, 16 or 32)."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
 
 
 def decode(model: type[M], payload: bytes | bytearray | memoryview | Sequence[bytes]) -> M:

@@ -59,6 +59,30 @@ def test_the_wire_form_is_one_packb_of_the_dump_though_packed_in_pieces(message)
         assert max(map(len, pieces)) <= one
 
 
+@pytest.mark.parametrize("scored", [False, True], ids=["group", "scored"])
+def test_a_large_array_is_packed_a_mib_at_a_time_wherever_it_lies(scored):
+    """A trajectory's routes (here 2.3 MB each) are dumped as copies of a MiB at most, which only
+    the join puts together (it lets go of the interpreter; ``tobytes`` and ``packb`` did not), in
+    a group's trajectories and a level further down, in a scored group's; the bytes are packb's."""
+    from proto.arrays import PIECE_BYTES
+    from proto.base import _pieces
+
+    group = ex.example_group(2, tokens=6000, turns=3, prompt_tokens=100, routed_experts=(48, 8))
+    message = ex.example_scored(group) if scored else group
+    assert group.trajectories[0].routed_experts.nbytes > 2 * PIECE_BYTES
+    pieces = list(_pieces(message))
+    assert b"".join(pieces) == msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+    assert max(map(len, pieces)) <= PIECE_BYTES
+    assert encode(message) == b"".join(pieces) and decode(type(message), encode(message)) == message
+
+
+def test_a_value_msgpack_cannot_pack_still_fails_as_packb_does():
+    from proto.base import _holds_pieces
+
+    with pytest.raises(TypeError, match="can not serialize 'set' object"):
+        _holds_pieces({1})
+
+
 def test_only_plain_dicts_lists_and_tuples_are_packed_in_pieces():
     """A subclass is packed whole, as packb packs it: msgpack's ExtType is a tuple, but an ext."""
     from collections import OrderedDict, namedtuple
