@@ -143,6 +143,8 @@ def _holds_pieces(value: Any) -> Any:
     """The packer's hook for a type it cannot pack: Pieces are packed by :func:`_packed`."""
     if type(value) is Pieces:
         raise _HoldsPieces
+    if type(value) is int:  # msgpack asks about an integer past 64 bits: packb's error
+        raise OverflowError("Integer value out of range")
     raise TypeError(f"can not serialize {type(value).__name__!r} object")
 
 

@@ -81,6 +81,8 @@ def test_a_value_msgpack_cannot_pack_still_fails_as_packb_does():
 
     with pytest.raises(TypeError, match="can not serialize 'set' object"):
         _holds_pieces({1})
+    with pytest.raises(OverflowError, match="Integer value out of range"):  # an int past 64 bits
+        _holds_pieces(2**70)
 
 
 def test_only_plain_dicts_lists_and_tuples_are_packed_in_pieces():

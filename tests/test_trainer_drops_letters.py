@@ -186,3 +186,31 @@ async def test_a_lost_prompts_keep_goes_as_its_letter_is_seen_and_no_other_run_s
     await following
     assert await bus.kept(handback_key(ours.message_id), HandedBack) is None
     assert await bus.kept(handback_key(theirs.message_id), HandedBack) is not None
+
+
+async def test_a_keep_that_cannot_be_removed_leaves_the_letter_counted_once(bus, monkeypatch):
+    """The removal is best-effort: Redis refusing it neither keeps the lost prompt from being
+    counted nor makes the follower go round the letter again (and again: three failures pass it
+    over), and the next letter is seen."""
+    controller = PromptController(bus, RUN, SPEC, QUESTIONS, next_index=8)
+    for index in (5, 6):
+        task = controller.task(index)
+        letter = _letter("prompts", task, "1-0").model_copy(update={"task": task.task_ref()})
+        await bus.publish(DEAD_LETTERS, letter)
+
+    async def refused(name: str) -> None:
+        raise ConnectionError("Redis is down")
+
+    monkeypatch.setattr(bus, "forget", refused)
+    seen, stop = [], asyncio.Event()
+
+    async def on_lost(lost, letter) -> None:
+        seen.append(lost.index)
+
+    following = asyncio.create_task(
+        follow_dead_letters(bus, lambda letter: lost_prompt(letter, RUN), on_lost, stop, after="0")
+    )
+    await asyncio.sleep(1.5)  # a letter gone round again would be seen again after 1 s
+    stop.set()
+    await asyncio.wait_for(following, 10)
+    assert seen == [5, 6]
