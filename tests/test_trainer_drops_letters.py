@@ -198,10 +198,10 @@ async def test_a_keep_that_cannot_be_removed_leaves_the_letter_counted_once(bus,
         letter = _letter("prompts", task, "1-0").model_copy(update={"task": task.task_ref()})
         await bus.publish(DEAD_LETTERS, letter)
 
-    async def refused(name: str) -> None:
+    async def refused(*names: str) -> int:
         raise ConnectionError("Redis is down")
 
-    monkeypatch.setattr(bus, "forget", refused)
+    monkeypatch.setattr(bus.redis, "delete", refused)  # Bus.forget's DEL
     seen, stop = [], asyncio.Event()
 
     async def on_lost(lost, letter) -> None:

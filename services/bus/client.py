@@ -288,8 +288,12 @@ class Bus(ConsumerGroups):
         await self.redis.pexpire(f"{self.prefix}:{name}", max(1, round(ttl_s * 1000)))
 
     async def forget(self, name: str) -> None:
-        """Remove what :meth:`keep` stored under ``name`` (nothing there: nothing to do)."""
-        await self.redis.delete(f"{self.prefix}:{name}")
+        """Remove what :meth:`keep` stored under ``name`` (nothing there: nothing to do). Never
+        raises: what is kept expires, so a removal Redis refuses is logged and left to that."""
+        try:
+            await self.redis.delete(f"{self.prefix}:{name}")
+        except Exception as exc:
+            log.warning("could not remove %s (it expires): %r", name, exc)
 
     async def read_all(self, stream: StreamDef[M], *, count: int = 1000) -> list[tuple[str, M]]:
         """The first ``count`` entries still on a stream (for inspection and tests)."""

@@ -179,11 +179,7 @@ class KeepsBegun:
         await self._remove_kept(begun.task)
 
     async def _remove_kept(self, task: PromptTask) -> None:
-        """Never raises: the group is out or starts again, and a keep left behind expires."""
-        try:
-            await self.bus.forget(handback_key(task.message_id))
-        except Exception as exc:
-            log.warning("could not remove what was kept of task %s: %r", task.task_id, exc)
+        await self.bus.forget(handback_key(task.message_id))  # never raises: a keep left expires
 
     async def _take_handed_back(self, task: PromptTask) -> HandedBack | None:
         """What a worker before this one (it left, or died) kept of this task's group, if it may be

@@ -22,7 +22,6 @@ are the evaluator's (``services.trainer.evaluation``): counted wrong, never repl
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, TypeVar
 
@@ -33,8 +32,6 @@ from proto.streams import DEAD_LETTERS, EVALS, PROMPTS, SCORED, TRAJECTORIES
 from services.bus import Bus
 from services.bus.dead_lettering import DECODE_INLINE_BYTES
 from services.trainer.checkpoints import prompt_index
-
-log = logging.getLogger(__name__)
 
 K = TypeVar("K")  # what a letter is lost as: a prompt index, a validation question's position
 
@@ -100,15 +97,6 @@ async def follow_dead_letters(
         if key is not None:
             await on_lost(key, letter)
             if letter.stream == PROMPTS.name and letter.task is not None:  # a group's letter: it was out
-                await _forget_kept(bus, letter.task)
+                await bus.forget(handback_key(letter.task.message_id))  # never raises
 
     await bus.follow_for_good(DEAD_LETTERS, after, see, stop, reader="the trainer", block_ms=500)
-
-
-async def _forget_kept(bus: Bus, task: TaskRef) -> None:
-    """Never raises: the letter is counted whether or not this lands (a keep left expires), and a
-    letter whose handling fails three times is passed over, its prompt never replaced."""
-    try:
-        await bus.forget(handback_key(task.message_id))
-    except Exception as exc:
-        log.warning("could not remove what was kept of task %s: %r", task.task_id, exc)
