@@ -171,18 +171,15 @@ class Pieces:
     (:func:`proto.base.encode`): numpy's ``tobytes`` copies a whole array holding the
     interpreter, and a thread that does so keeps the caller's event loop waiting for as long."""
 
-    __slots__ = ("pieces", "size")
+    __slots__ = ("pieces",)
 
-    def __init__(self, pieces: tuple[bytes, ...], size: int) -> None:
-        self.pieces, self.size = pieces, size
+    def __init__(self, pieces: tuple[bytes, ...]) -> None:
+        self.pieces = pieces
 
     @classmethod
     def of(cls, contiguous: np.ndarray) -> Pieces:
         flat = memoryview(contiguous).cast("B")
-        return cls(
-            tuple(flat[i : i + PIECE_BYTES].tobytes() for i in range(0, flat.nbytes, PIECE_BYTES)),
-            flat.nbytes,
-        )
+        return cls(tuple(flat[i : i + PIECE_BYTES].tobytes() for i in range(0, flat.nbytes, PIECE_BYTES)))
 
 
 Int32Array = Annotated[np.ndarray, ArraySpec("int32")]

@@ -168,19 +168,11 @@ def _packed(packer: msgpack.Packer, value: Any, depth: int) -> Iterator[bytes]:
         for item in value:
             yield from _packed(packer, item, depth - 1)
     elif type(value) is Pieces:
-        yield _bin_header(value.size)
+        # packb's header for bin past 64 KiB (bin 32), as Pieces always are: 0xc6, the length
+        yield b"\xc6" + sum(map(len, value.pieces)).to_bytes(4, "big")
         yield from value.pieces
     else:
         yield packer.pack(value)
-
-
-def _bin_header(size: int) -> bytes:
-    """msgpack's header of ``size`` bytes of bin, as packb writes it (bin 8, 16 or 32)."""
-    if size < 1 << 8:
-        return b"\xc4" + size.to_bytes(1, "big")
-    if size < 1 << 16:
-        return b"\xc5" + size.to_bytes(2, "big")
-    return b"\xc6" + size.to_bytes(4, "big")
 
 
 def decode(model: type[M], payload: bytes | bytearray | memoryview | Sequence[bytes]) -> M:
