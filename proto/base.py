@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
 
-from proto.arrays import WIRE_CONTEXT, Pieces, arrays_equal
+from proto.arrays import PIECE_BYTES, WIRE_CONTEXT, Pieces, arrays_equal
 
 if TYPE_CHECKING:
     from proto.messages import TaskRef
@@ -182,7 +182,9 @@ def decode(model: type[M], payload: bytes | bytearray | memoryview | Sequence[by
     Slices are unpacked a piece at a time, as :func:`encode` packs them, straight from the slices:
     joining a 200 MB keep's slices and unpacking the result took 0.17-0.20 s in a thread and
     stalled the caller's event loop for up to 0.04-0.28 s, where the pieces take 0.06-0.09 s and
-    the loop runs between them (benchmarks/keeps.py, six runs on a 2-core VM)."""
+    the loop runs between them (benchmarks/keeps.py, six runs on a 2-core VM). A large array's
+    bytes are taken from the slices a MiB at a time (:func:`_bin`), so no piece holds the loop for
+    a copy of a trajectory's routes."""
     if not isinstance(payload, bytes | bytearray | memoryview) and len(payload) == 1:
         payload = payload[0]  # one slice is the whole value
     try:
@@ -214,12 +216,16 @@ def _unpacked_slices(slices: Sequence[bytes]) -> Any:
 
 _MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # fixmap, map16, map32: the first byte
 _ARRAYS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))  # fixarray, array16, array32
+_BIN32 = 0xC6  # msgpack's header for bin past 64 KiB, as every large array's bytes are
 
 
 def _unpacked(unpacker: msgpack.Unpacker, reader: _SliceReader, depth: int) -> Any:
-    # the next value's first byte says whether it is a map or an array to go into, or a leaf
-    kind = reader.byte_at(unpacker.tell()) if depth else None
-    if kind in _MAPS:
+    # the next value's first byte says whether it is a map or an array to go into, or a leaf.
+    # Containers are gone into down to PACKED_DEPTH, as encode packs them; maps (a model's fields,
+    # an array's dtype, shape and data) further, so that a large array's bytes are found and read
+    # in pieces wherever they lie, down to a bound: nesting is the sender's to choose
+    kind = reader.byte_at(unpacker.tell())
+    if kind in _MAPS and depth > -PACKED_DEPTH:
         out = {}
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
@@ -227,9 +233,37 @@ def _unpacked(unpacker: msgpack.Unpacker, reader: _SliceReader, depth: int) -> A
                 raise ValueError(f"{type(key).__name__} is not allowed for map key")
             out[key] = _unpacked(unpacker, reader, depth - 1)
         return out
-    if kind in _ARRAYS:
+    if kind in _ARRAYS and depth > 0:
         return [_unpacked(unpacker, reader, depth - 1) for _ in range(unpacker.read_array_header())]
+    if kind == _BIN32:
+        return _bin(unpacker, reader)
     return unpacker.unpack()
+
+
+def _bin(unpacker: msgpack.Unpacker, reader: _SliceReader) -> bytes:
+    """A bin value; past ``PIECE_BYTES``, its bytes taken a MiB at a time and joined.
+
+    The unpacker gathers a value whole in a buffer of its own before it makes it a bytes object,
+    each a copy of all of it that holds the interpreter: a trajectory's 25 MB of routes held the
+    loop of the thread's caller for 17-129 ms. A MiB copy holds it for a fraction of a ms, and the
+    join lets go of it (CPython joins bytes past a MiB without holding it)."""
+    at = unpacker.tell()
+    if reader.size - at < 5:
+        return unpacker.unpack()  # cut short: the unpacker says so
+    size = int.from_bytes(bytes(reader.byte_at(at + i) or 0 for i in range(1, 5)), "big")
+    if size <= PIECE_BYTES:
+        return unpacker.unpack()
+    if size > reader.size - at - 5:
+        raise ValueError(f"a bin of {size} bytes runs past the payload's end")
+    unpacker.read_bytes(5)  # the header
+    pieces, got = [], 0
+    while got < size:
+        piece = unpacker.read_bytes(min(PIECE_BYTES, size - got))
+        if not piece:  # the reader ran dry before its size said it would
+            raise ValueError(f"a bin of {size} bytes ends after {got}")
+        pieces.append(piece)
+        got += len(piece)
+    return b"".join(pieces)
 
 
 class _SliceReader:

@@ -370,11 +370,11 @@ def test_every_msgpack_kind_comes_back_from_slices_as_unpackb_gives_it(monkeypat
     value = {"fields": big, "items": [big, leaves, list(range(20))], "deep": {"a": {"b": {"c": leaves}}}}
     wide = {"m": {str(i): i for i in range(65_536)}, "a": list(range(65_536))}  # a map32, an array32
     cases = [
-        # gone into down to depth 3: the 3 top keys; fields' 31 keys and 29 leaves ([] and {} are
-        # gone into at that depth); items' map (62), list (31) and range (20, an array16); deep's
-        # 2 keys and a leaf
-        (msgpack.packb(value, use_bin_type=True), 1, 3 + 60 + 62 + 31 + 20 + 3),
-        (msgpack.packb(value, use_bin_type=True, use_single_float=True), 1, 3 + 60 + 62 + 31 + 20 + 3),
+        # arrays gone into down to depth 3, maps further: the 3 top keys; fields' 31 keys and 29
+        # leaves ([] and {} are gone into at that depth); items' map (31 keys, 30 leaves: {} is gone
+        # into), list (30: {} again) and range (20, an array16); deep's 3 keys and a leaf
+        (msgpack.packb(value, use_bin_type=True), 1, 3 + 60 + 61 + 30 + 20 + 4),
+        (msgpack.packb(value, use_bin_type=True, use_single_float=True), 1, 3 + 60 + 61 + 30 + 20 + 4),
         (msgpack.packb(wide, use_bin_type=True), 1000, 2 + 2 * 65_536 + 65_536),
     ]
     pieces: list[int] = []
@@ -395,6 +395,64 @@ def test_every_msgpack_kind_comes_back_from_slices_as_unpackb_gives_it(monkeypat
     monkeypatch.undo()  # msgpack's own unpacker again
     with pytest.raises(ValueError, match="not valid msgpack"):  # a map32 of 2**32 - 1 entries
         decode(TrajectoryGroup, [b"\xdf\xff\xff\xff\xff", b"\xa1k\x01"])
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["group", "scored"])
+def test_a_large_array_is_read_from_slices_a_mib_at_a_time_wherever_it_lies(scored, monkeypatch):
+    """The decoding's side of the test above: a trajectory's routes (2.3 MB each) are taken from the
+    slices as bytes of a MiB at most, which only the join puts together, in a group's trajectories
+    and a level further down, in a scored group's; the unpacker never gathers more than a MiB of
+    them, whatever the slices' sizes, with msgpack's C unpacker and its pure-Python one."""
+    from msgpack import fallback
+
+    import proto.base as base
+    from proto.arrays import PIECE_BYTES
+
+    group = ex.example_group(2, tokens=6000, turns=3, prompt_tokens=100, routed_experts=(48, 8))
+    message = ex.example_scored(group) if scored else group
+    wire = encode(message)
+    unpacked: list[int] = []  # the bytes each unpack() took
+    taken: list[int] = []  # the bytes each read_bytes() took
+    for unpacker in (msgpack.Unpacker, fallback.Unpacker):
+
+        class Measured(unpacker):
+            def unpack(self):
+                start = self.tell()
+                value = super().unpack()
+                unpacked.append(self.tell() - start)
+                return value
+
+            def read_bytes(self, n):
+                value = super().read_bytes(n)
+                taken.append(len(value))
+                return value
+
+        monkeypatch.setattr(base.msgpack, "Unpacker", Measured)
+        for step in (4 << 20, (1 << 20) + 7, 300_001):
+            unpacked.clear()
+            taken.clear()
+            slices = [wire[i : i + step] for i in range(0, len(wire), step)]
+            assert decode(type(message), slices) == message
+            assert max(unpacked) < PIECE_BYTES and max(taken) <= PIECE_BYTES
+            routes = sum(t.routed_experts.nbytes for t in group.trajectories)
+            assert routes < sum(taken) < routes + 100  # the routes, and the 5-byte headers
+
+
+def test_a_large_bin_that_runs_past_the_payload_fails_before_anything_is_read():
+    import proto.base as base
+    from proto.arrays import PIECE_BYTES
+
+    def thirds(wire: bytes) -> list[bytes]:
+        return [wire[: len(wire) // 3], wire[len(wire) // 3 :]]
+
+    wire = msgpack.packb({"a": {"data": b"x" * (2 * PIECE_BYTES)}}, use_bin_type=True)
+    assert base._unpacked_slices(thirds(wire)) == msgpack.unpackb(wire)
+    with pytest.raises(ValueError, match="runs past the payload's end"):
+        decode(TrajectoryGroup, thirds(wire[:-1]))
+    with pytest.raises(ValueError, match="runs past the payload's end"):  # claims 4 GiB
+        decode(TrajectoryGroup, thirds(b"\x81\xa1a\xc6\xff\xff\xff\xff" + b"x" * (2 * PIECE_BYTES)))
+    with pytest.raises(ValueError, match="not valid msgpack"):  # cut inside the header
+        decode(TrajectoryGroup, [b"\x81\xa1a", b"\xc6\x00"])
 
 
 def test_the_slice_reader_reads_across_slices_in_parts():
