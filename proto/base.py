@@ -241,12 +241,13 @@ def _unpacked(unpacker: msgpack.Unpacker, reader: _SliceReader, depth: int) -> A
 
 
 def _bin(unpacker: msgpack.Unpacker, reader: _SliceReader) -> bytes:
-    """A bin value; past ``PIECE_BYTES``, its bytes taken a MiB at a time and joined.
+    """A bin value; past ``PIECE_BYTES``, its bytes taken a MiB or a whole slice at a time and joined.
 
     The unpacker gathers a value whole in a buffer of its own before it makes it a bytes object,
     each a copy of all of it that holds the interpreter: a trajectory's 25 MB of routes held the
-    loop of the thread's caller for 17-129 ms. A MiB copy holds it for a fraction of a ms, and the
-    join lets go of it (CPython joins bytes past a MiB without holding it)."""
+    loop of the thread's caller for 17-129 ms. A MiB copy holds it for a fraction of a ms, a whole
+    slice is not copied, and the join lets go of it (CPython joins bytes past a MiB without
+    holding it): the one copy of the routes left is made while the loop runs."""
     at = unpacker.tell()
     if reader.size - at < 5:
         return unpacker.unpack()  # cut short: the unpacker says so
@@ -258,7 +259,11 @@ def _bin(unpacker: msgpack.Unpacker, reader: _SliceReader) -> bytes:
     unpacker.read_bytes(5)  # the header
     pieces, got = [], 0
     while got < size:
-        piece = unpacker.read_bytes(min(PIECE_BYTES, size - got))
+        # what the unpacker holds is copied out a MiB at a time; past it, a slice the reader is at
+        # the start of comes whole, not copied, when all of it belongs to the bin
+        held, whole = reader.read_to - unpacker.tell(), reader.whole_slice_ahead()
+        n = min(held, PIECE_BYTES) if held else whole if 0 < whole <= size - got else PIECE_BYTES
+        piece = unpacker.read_bytes(min(n, size - got))
         if not piece:  # the reader ran dry before its size said it would
             raise ValueError(f"a bin of {size} bytes ends after {got}")
         pieces.append(piece)
@@ -278,6 +283,18 @@ class _SliceReader:
         """The slice holding ``offset`` (< size), and the offset within it."""
         i = bisect.bisect_right(self._starts, offset) - 1  # past empty slices, which share a start
         return self._slices[i], offset - self._starts[i]
+
+    @property
+    def read_to(self) -> int:
+        """The offset read to."""
+        return self._at
+
+    def whole_slice_ahead(self) -> int:
+        """The length of the slice that starts where the reading is; 0 when it is inside one."""
+        if self._at >= self.size:
+            return 0
+        piece, at = self._slice(self._at)
+        return len(piece) if at == 0 else 0
 
     def byte_at(self, offset: int) -> int | None:
         """The payload's byte at ``offset``; None past its end."""

@@ -400,9 +400,10 @@ def test_every_msgpack_kind_comes_back_from_slices_as_unpackb_gives_it(monkeypat
 @pytest.mark.parametrize("scored", [False, True], ids=["group", "scored"])
 def test_a_large_array_is_read_from_slices_a_mib_at_a_time_wherever_it_lies(scored, monkeypatch):
     """The decoding's side of the test above: a trajectory's routes (2.3 MB each) are taken from the
-    slices as bytes of a MiB at most, which only the join puts together, in a group's trajectories
-    and a level further down, in a scored group's; the unpacker never gathers more than a MiB of
-    them, whatever the slices' sizes, with msgpack's C unpacker and its pure-Python one."""
+    slices as bytes of a MiB at most, or as whole slices that lie inside them, not copied, which
+    only the join puts together, in a group's trajectories and a level further down, in a scored
+    group's; the unpacker never gathers more than a MiB of them, whatever the slices' sizes, with
+    msgpack's C unpacker and its pure-Python one."""
     from msgpack import fallback
 
     import proto.base as base
@@ -411,9 +412,11 @@ def test_a_large_array_is_read_from_slices_a_mib_at_a_time_wherever_it_lies(scor
     group = ex.example_group(2, tokens=6000, turns=3, prompt_tokens=100, routed_experts=(48, 8))
     message = ex.example_scored(group) if scored else group
     wire = encode(message)
+    routes = sum(t.routed_experts.nbytes for t in group.trajectories)
     unpacked: list[int] = []  # the bytes each unpack() took
-    taken: list[int] = []  # the bytes each read_bytes() took
-    for unpacker in (msgpack.Unpacker, fallback.Unpacker):
+    taken: list[bytes] = []  # what each read_bytes() gave
+    c_unpacker = msgpack.Unpacker  # the name is patched below
+    for unpacker in (c_unpacker, fallback.Unpacker):
 
         class Measured(unpacker):
             def unpack(self):
@@ -423,9 +426,8 @@ def test_a_large_array_is_read_from_slices_a_mib_at_a_time_wherever_it_lies(scor
                 return value
 
             def read_bytes(self, n):
-                value = super().read_bytes(n)
-                taken.append(len(value))
-                return value
+                taken.append(super().read_bytes(n))
+                return taken[-1]
 
         monkeypatch.setattr(base.msgpack, "Unpacker", Measured)
         for step in (4 << 20, (1 << 20) + 7, 300_001):
@@ -433,9 +435,12 @@ def test_a_large_array_is_read_from_slices_a_mib_at_a_time_wherever_it_lies(scor
             taken.clear()
             slices = [wire[i : i + step] for i in range(0, len(wire), step)]
             assert decode(type(message), slices) == message
-            assert max(unpacked) < PIECE_BYTES and max(taken) <= PIECE_BYTES
-            routes = sum(t.routed_experts.nbytes for t in group.trajectories)
-            assert routes < sum(taken) < routes + 100  # the routes, and the 5-byte headers
+            assert max(unpacked) < PIECE_BYTES
+            assert routes < sum(map(len, taken)) < routes + 100  # the routes, and the 5-byte headers
+            whole = [piece for piece in taken if any(piece is s for s in slices)]
+            if unpacker is c_unpacker:  # the pure-Python one takes what it likes
+                assert all(len(piece) <= PIECE_BYTES or piece in whole for piece in taken)
+                assert bool(whole) == (step < 2 << 20)  # bins of 2.3 MB hold whole slices of less
 
 
 def test_a_large_bin_that_runs_past_the_payload_fails_before_anything_is_read():
