@@ -22,6 +22,10 @@ by PBSD_ROLLOUT_KEEP_GROWTH of its tokens, so a worker killed outright leaves it
    over the group's final size, with the growth rule (ours) and without it (a keep at every
    round that moved, the baseline). Goal: 1 + 1/growth.
 
+The process sets what it imported aside from the garbage collector, as the rollout worker does
+while it serves (services/gc_freeze.py): a full collection of it otherwise held the loop for
+about 110 ms during whichever step it fell in.
+
 Run: ``.venv/bin/python benchmarks/keeps.py [--repeats 3] [--no-routes]``.
 """
 
@@ -48,6 +52,7 @@ from proto.streams import TRAJECTORIES
 from services.bus import Bus
 from services.bus.decoding import decoded
 from services.bus.slices import READ_SLICE_BYTES
+from services.gc_freeze import frozen_while_serving
 from services.local_redis import LocalRedis
 from services.rollout.agent import _Builder
 from services.rollout.begun import Begun, KeepsBegun, handed_back
@@ -230,4 +235,5 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-routes", action="store_true", help="skip the group with routes (200 MB)")
     args = parser.parse_args()
-    asyncio.run(main(args.repeats, not args.no_routes))
+    with frozen_while_serving("the benchmark"):  # as the rollout worker serves: services/gc_freeze.py
+        asyncio.run(main(args.repeats, not args.no_routes))

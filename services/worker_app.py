@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Response
 
+from services.gc_freeze import frozen_while_serving
 from services.http_guard import BodyLimit
 from services.policy_worker import PolicyWorker
 from services.tasks import cancel_and_wait, main_task, stopped
@@ -40,7 +41,8 @@ def worker_app(
         task = main_task(worker.run(stop), title)
         app.state.worker, app.state.task = worker, task
         try:
-            yield
+            with frozen_while_serving(title):
+                yield
         finally:
             stop.set()
             try:

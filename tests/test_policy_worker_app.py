@@ -210,3 +210,42 @@ async def test_handing_back_is_one_bounded_command_for_all_of_a_workers_consumer
     await asyncio.wait_for(asyncio.wait({running}), 5)
     assert time.monotonic() - began < 2.0
     assert calls == [["leaving-0", "leaving-1", "leaving-2"]]
+
+
+def _walked(marker: object) -> bool:
+    """Whether the garbage collector's full collection walks ``marker``."""
+    import gc
+
+    return any(o is marker for o in gc.get_objects())
+
+
+async def test_what_the_process_held_at_start_is_out_of_the_collectors_walk_while_it_serves():
+    """A full collection walks every object the collector tracks, and a started service holds
+    hundreds of thousands that live as long as it (torch, pydantic, its model): the app freezes
+    them once the worker has started, and hands them back to the collector at shutdown."""
+    import gc
+
+    marker: list = []  # made before the service starts, as its imports and its model are
+    worker = FakeWorker(stubborn=False)
+
+    async def start():
+        return worker, []
+
+    app = worker_app("test", start, grace_s=0.5)
+    assert _walked(marker)
+    async with app.router.lifespan_context(app):
+        assert not _walked(marker) and gc.get_freeze_count() > 0
+        made_after: list = []
+        assert _walked(made_after)  # what comes while it serves is collected as ever
+    assert _walked(marker) and gc.get_freeze_count() == 0
+
+
+def test_the_freeze_is_handed_back_however_serving_ends():
+    import gc
+
+    from services.gc_freeze import frozen_while_serving
+
+    with pytest.raises(RuntimeError), frozen_while_serving("test"):
+        assert gc.get_freeze_count() > 0
+        raise RuntimeError("the service failed")
+    assert gc.get_freeze_count() == 0

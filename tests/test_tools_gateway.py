@@ -39,6 +39,18 @@ def gateway_url(world, redis_url, key_prefix, monkeypatch):
         yield base
 
 
+async def test_the_corpus_is_out_of_the_collectors_walk_while_the_gateway_serves(world):
+    """The corpus is millions of objects that live as long as the gateway: a full collection that
+    walked them stalled calls for ~120 ms (benchmarks/README.md, "tools")."""
+    import gc
+
+    app = create_app(ToolsSettings(corpus=world / "corpus.jsonl", use_redis=False))
+    async with app.router.lifespan_context(app):
+        corpus = app.state.gateway.backend.tools.corpus
+        assert not any(o is corpus for o in gc.get_objects()) and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
 def _doc(world, n=0):
     return json.loads((world / "corpus.jsonl").read_text().splitlines()[n])
 

@@ -36,6 +36,13 @@ async def test_auth_validation_and_cancel(api, tiny_world, tiny_checkpoint):
         assert (await http.get("/runs/nope/evals")).status_code == 404
 
 
+def test_the_trainer_sets_what_it_started_with_aside_from_the_collector_while_it_serves(api):
+    """A full collection walked the trainer's 395,000 objects for 154-167 ms (services.gc_freeze)."""
+    import gc
+
+    assert gc.get_freeze_count() > 0
+
+
 def test_the_api_needs_a_token_unless_local(tmp_path):
     with pytest.raises(ValueError, match="PBSD_TRAINER_API_TOKEN"):
         TrainerSettings(runs_dir=tmp_path)

@@ -20,7 +20,6 @@ NaN or an infinity in a request cannot break the answer.
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Any
 
 import httpx
@@ -30,6 +29,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.bus import redis_client
+from services.gc_freeze import frozen_while_serving
 from services.http_guard import field_errors
 from services.llm import ChatClient, LlmSettings
 from services.search.corpus import OfflineCorpus
@@ -173,9 +173,6 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
         )
         cpu = CpuPool(settings.cpu_workers, nice=settings.cpu_nice)
         backend = build_backend(settings, http, cpu)
-        # The corpus is millions of objects that live as long as the process: out of the garbage
-        # collector's sight, so that a full collection does not stall every call for ~100 ms.
-        gc.freeze()
         app.state.gateway = ToolGateway(
             backend,
             store,
@@ -187,7 +184,9 @@ def create_app(settings: ToolsSettings | None = None) -> FastAPI:
             answers_tag=settings.answers_tag(),
         )
         try:
-            yield
+            # the corpus is millions of objects that live as long as the process
+            with frozen_while_serving("the tool gateway"):
+                yield
         finally:
             if hasattr(backend, "aclose"):
                 await backend.aclose()

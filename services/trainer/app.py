@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from services.bus import REDIS_DOWN, Bus, redis_client
 from services.bus.lag import StreamLagMonitor
+from services.gc_freeze import frozen_while_serving
 from services.http_guard import BodyLimit, install_validation_handler
 from services.tasks import main_task, stopped
 from services.telemetry import add_metrics_route, setup_logging
@@ -51,7 +52,8 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         )
         app.state.viewer_pages = ViewerPages()
         try:
-            yield
+            with frozen_while_serving("the trainer"):
+                yield
         finally:
             stop.set()
             # the run in progress finishes its step and checkpoints (the orchestrator's grace
