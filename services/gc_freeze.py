@@ -5,7 +5,7 @@ the tool gateway's corpus): hundreds of thousands of objects the collector track
 which live as long as the process. Python's collector walks every one of them in each full
 collection, which it starts by itself as objects pile up, in whichever thread is allocating; on
 the event loop's thread the loop, with the service's heartbeats and health probes, waits for it.
-On the 2-core VM of benchmarks/README.md a full collection took 80-170 ms in the rollout worker,
+On the 2-core VM of benchmarks/README.md a full collection took 70-170 ms in the rollout worker,
 the scorer and the trainer, and the tool gateway's corpus had it stall calls for ~120 ms
 (benchmarks/gc_pause.py).
 

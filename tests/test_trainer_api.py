@@ -37,7 +37,7 @@ async def test_auth_validation_and_cancel(api, tiny_world, tiny_checkpoint):
 
 
 def test_the_trainer_sets_what_it_started_with_aside_from_the_collector_while_it_serves(api):
-    """A full collection walked the trainer's 395,000 objects for 154-167 ms (services.gc_freeze)."""
+    """A full collection walked the trainer's 395,000 objects for 136-172 ms (benchmarks/gc_pause.py)."""
     import gc
 
     assert gc.get_freeze_count() > 0
