@@ -8,8 +8,8 @@ full collections (``gc.collect()``, what Python runs by itself as objects pile u
 thread is allocating: for a service, mostly its event loop) timed as the service serves them:
 baseline, with nothing frozen (as every service but the gateway was before 2026-12-01); ours,
 inside ``frozen_while_serving``, as the apps serve, where a collection walks only what came
-since: a row with a rollout worker's begun group in flight (8 trajectories of 64,500 tokens in
-the agent loop's lists, benchmarks/keeps.py's) shows what that costs. Goal: a full collection that holds the loop
+since: a row with a rollout worker's begun group in flight (8 trajectories of 64,500 tokens as
+its agent loop holds them while each waits for its next turn) shows what that costs. Goal: a full collection that holds the loop
 for no longer than a few ms (5), where a heartbeat or a health probe waits for it.
 
 Run: ``.venv/bin/python benchmarks/gc_pause.py [--repeats 5] [--entities 2000]``.
@@ -73,15 +73,16 @@ async def _child(service: str, repeats: int, corpus: str | None) -> dict:
 
 
 def _begun_group():
-    """A rollout worker's group at the paper's largest, as its agent loop builds it (the token ids,
-    mask and log-probabilities of 8 trajectories of 64,500 tokens in Python lists): keeps.py's."""
+    """A rollout worker's group at the paper's largest as its agent loop holds it while it waits for
+    the engine's next turns: 8 trajectories of 64,500 tokens (keeps.py's), and the context each
+    trajectory's request carries (its prompt and completion as one list of ids)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from keeps import EXCHANGES, _Group
 
     group = _Group(routes=False)
     for _ in range(EXCHANGES):
         group.exchange()
-    return group
+    return group, [b.prompt + list(b.completion) for b in group.builders]
 
 
 def _ms(times: list[float]) -> str:

@@ -396,3 +396,25 @@ def test_routes_are_narrowed_to_the_smallest_type_that_holds_them():
     assert _narrow(sent).dtype == np.uint8 and np.array_equal(_narrow(sent), sent)
     assert _narrow(sent + 200).dtype == np.int16  # more than 256 experts
     assert _narrow(sent - 1).dtype == np.int16  # a -1 (no expert) is kept, not wrapped to 255
+
+
+def test_the_builders_token_columns_are_not_walked_by_the_garbage_collector():
+    """A worker holds hundreds of thousands of tokens in flight, and a full collection walks every
+    entry of a list (7-10 ms for a paper-scale group, benchmarks/gc_pause.py): the columns are
+    arrays, whose entries the collector does not visit, and give the trajectory the same numbers."""
+    import gc
+
+    from services.rollout.agent import _Builder
+
+    b = _Builder([1, 2, 3])
+    b.generated([5, 150_000], [-0.5, -0.25])
+    b.glue([7])
+    assert all(
+        len(gc.get_referents(column)) <= 1 for column in (b.completion, b.mask, b.logprobs)
+    )  # its type
+    assert (b.completion.tolist(), b.mask.tolist(), b.logprobs.tolist()) == (
+        [5, 150_000, 7],
+        [1, 1, 0],
+        [-0.5, -0.25, 0.0],
+    )
+    assert b.length == 6 and b.spans == [(0, 2)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,10 +61,16 @@ class AgentLimits:
 
 @dataclass
 class _Builder:
+    """A trajectory as the loop grows it. Its per-token columns are arrays of machine numbers, not
+    lists: a worker holds hundreds of thousands of tokens in flight, and the garbage collector walks
+    every entry of a list in each full collection (a paper-scale group's lists held the event loop
+    for 7-9 ms a collection, benchmarks/gc_pause.py), where an array is one object to it; an entry
+    costs 4 bytes, not a pointer and a boxed number."""
+
     prompt: list[int]
-    completion: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    completion: array = field(default_factory=lambda: array("i"))  # int32
+    mask: array = field(default_factory=lambda: array("B"))
+    logprobs: array = field(default_factory=lambda: array("f"))  # float32, as the trajectory keeps them
     spans: list[tuple[int, int]] = field(default_factory=list)
     routes: list[np.ndarray] = field(default_factory=list)
     routed: int = 0  # positions whose routes are recorded
@@ -74,24 +81,24 @@ class _Builder:
 
     def generated(self, ids: list[int], logprobs: list[float]) -> None:
         start = len(self.completion)
-        self.completion += ids
-        self.mask += [1] * len(ids)
-        self.logprobs += logprobs
+        self.completion.extend(ids)
+        self.mask.frombytes(b"\x01" * len(ids))
+        self.logprobs.extend(logprobs)
         self.spans.append((start, start + len(ids)))
 
     def glue(self, ids: list[int]) -> None:
-        self.completion += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
+        self.completion.extend(ids)
+        self.mask.frombytes(bytes(len(ids)))
+        self.logprobs.frombytes(bytes(self.logprobs.itemsize * len(ids)))  # 0.0
 
     @classmethod
     def resumed(cls, kept: UnfinishedTrajectory) -> _Builder:
         routes = [] if kept.routed_experts is None else [kept.routed_experts]
         return cls(
             prompt=kept.prompt_ids.tolist(),
-            completion=kept.completion_ids.tolist(),
-            mask=kept.loss_mask.tolist(),
-            logprobs=kept.rollout_logprobs.tolist(),
+            completion=array("i", kept.completion_ids.tobytes()),
+            mask=array("B", kept.loss_mask.tobytes()),
+            logprobs=array("f", kept.rollout_logprobs.tobytes()),
             spans=list(kept.turn_spans),
             routes=routes,
             routed=sum(r.shape[0] for r in routes),
@@ -232,7 +239,7 @@ async def run_trajectory(
             finish = "max_context"
             break
         request = GenerationRequest(
-            input_ids=b.prompt + b.completion,
+            input_ids=b.prompt + b.completion.tolist(),
             max_new_tokens=budget,
             temperature=limits.temperature,
             top_p=limits.top_p,
