@@ -64,7 +64,7 @@ class _Builder:
     """A trajectory as the loop grows it. Its per-token columns are arrays of machine numbers, not
     lists: a worker holds hundreds of thousands of tokens in flight, and the garbage collector walks
     every entry of a list in each full collection (a paper-scale group's lists held the event loop
-    for 7-9 ms a collection, benchmarks/gc_pause.py), where an array is one object to it; an entry
+    for 7-10 ms a collection, benchmarks/gc_pause.py), where an array is one object to it; an entry
     costs 4 bytes, not a pointer and a boxed number."""
 
     prompt: list[int]
