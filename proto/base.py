@@ -256,7 +256,12 @@ def _bin(unpacker: msgpack.Unpacker, reader: _SliceReader) -> bytes:
         return unpacker.unpack()
     if size > reader.size - at - 5:
         raise ValueError(f"a bin of {size} bytes runs past the payload's end")
-    unpacker.read_bytes(5)  # the header
+    header = 0
+    while header < 5:  # the reader gives at most the rest of a slice: a header may span several
+        taken = len(unpacker.read_bytes(5 - header))
+        if not taken:
+            raise ValueError(f"a bin's header ends after {header} bytes")
+        header += taken
     pieces, got = [], 0
     while got < size:
         # what the unpacker holds is copied out a MiB at a time; past it, a slice the reader is at

@@ -10,9 +10,9 @@ the scorer and the trainer, and the tool gateway's corpus had it stall calls for
 (benchmarks/gc_pause.py).
 
 ``gc.freeze`` moves every object there is to a generation the collector never walks: a full
-collection then walks only what came since, the messages and requests in flight. What was
-frozen is still freed when nothing refers to it; only a cycle among frozen objects stays until
-the service stops, when they are handed back (a process that starts and stops apps, a test,
+collection then walks only what came since, the messages and requests in flight. One full
+collection goes first, so that no garbage is frozen. What was frozen is still freed when nothing
+refers to it; only a cycle among frozen objects stays until the service stops, when they are handed back (a process that starts and stops apps, a test,
 gets its usual collector back; apps that overlap in one process share the frozen generation, and
 the first to stop hands it back).
 """
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def frozen_while_serving(service: str) -> Iterator[None]:
     """Freeze what the process holds on entering (a service that has started), unfreeze on leaving."""
+    gc.collect()  # garbage in cycles that starting left (a model's loading) goes now, not at the end
     gc.freeze()
     log.info(
         "%s: %d objects out of the garbage collector's walk while it serves", service, gc.get_freeze_count()

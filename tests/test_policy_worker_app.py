@@ -222,22 +222,36 @@ def _walked(marker: object) -> bool:
 async def test_what_the_process_held_at_start_is_out_of_the_collectors_walk_while_it_serves():
     """A full collection walks every object the collector tracks, and a started service holds
     hundreds of thousands that live as long as it (torch, pydantic, its model): the app freezes
-    them once the worker has started, and hands them back to the collector at shutdown."""
+    them once the worker has started, after collecting what starting left in cycles, and hands
+    them back to the collector at shutdown."""
     import gc
+    import weakref
 
-    marker: list = []  # made before the service starts, as its imports and its model are
+    class Cycle:
+        pass
+
+    imported: list = []  # made before the service starts, as its imports are
+    made_by_start: list = []
     worker = FakeWorker(stubborn=False)
 
     async def start():
+        made_by_start.append([])  # as a worker's model is
+        garbage = Cycle()
+        garbage.me = garbage  # a cycle that starting leaves behind
+        made_by_start.append(weakref.ref(garbage))
         return worker, []
 
     app = worker_app("test", start, grace_s=0.5)
-    assert _walked(marker)
-    async with app.router.lifespan_context(app):
-        assert not _walked(marker) and gc.get_freeze_count() > 0
-        made_after: list = []
-        assert _walked(made_after)  # what comes while it serves is collected as ever
-    assert _walked(marker) and gc.get_freeze_count() == 0
+    gc.disable()  # no collection but the app's own
+    try:
+        async with app.router.lifespan_context(app):
+            assert not _walked(imported) and not _walked(made_by_start[0]) and gc.get_freeze_count() > 0
+            assert made_by_start[1]() is None  # collected, not frozen for as long as it serves
+            made_after: list = []
+            assert _walked(made_after)  # what comes while it serves is collected as ever
+    finally:
+        gc.enable()
+    assert _walked(imported) and gc.get_freeze_count() == 0
 
 
 def test_the_freeze_is_handed_back_however_serving_ends():

@@ -460,6 +460,23 @@ def test_a_large_bin_that_runs_past_the_payload_fails_before_anything_is_read():
         decode(TrajectoryGroup, [b"\x81\xa1a", b"\xc6\x00"])
 
 
+def test_a_large_bin_whose_header_spans_short_slices_comes_back_whole():
+    """The reader gives at most the rest of a slice, so the 5-byte header of a bin past a MiB can
+    come in several pieces: a value after the bin, and the bin's last bytes, come back as they were."""
+    import proto.base as base
+    from proto.arrays import PIECE_BYTES
+
+    big = b"\0" * (2 * PIECE_BYTES - 3) + b"\xc4\x05q"  # ends in what looks like a bin's header
+    for value in ({"a": {"data": big, "n": 1}, "z": 2}, {"a": [big, "xyz"]}):
+        wire = msgpack.packb(value, use_bin_type=True)
+        i = wire.index(b"\xc6")
+        cuts = [[wire[:i], wire[i : i + k], wire[i + k :]] for k in range(1, 5)]
+        cuts += [[wire[: i + 1], wire[i + 1 : i + 2], wire[i + 2 :]]]
+        cuts += [[wire[:i], *(wire[j : j + 1] for j in range(i, i + 6)), wire[i + 6 :]]]
+        for slices in cuts:
+            assert base._unpacked_slices(slices) == msgpack.unpackb(wire, raw=False)
+
+
 def test_the_slice_reader_reads_across_slices_in_parts():
     from proto.base import _SliceReader
 
