@@ -12,9 +12,9 @@ the scorer and the trainer, and the tool gateway's corpus had it stall calls for
 ``gc.freeze`` moves every object there is to a generation the collector never walks: a full
 collection then walks only what came since, the messages and requests in flight. One full
 collection goes first, so that no garbage is frozen. What was frozen is still freed when nothing
-refers to it; only a cycle among frozen objects stays until the service stops, when they are handed back (a process that starts and stops apps, a test,
-gets its usual collector back; apps that overlap in one process share the frozen generation, and
-the first to stop hands it back).
+refers to it; only a cycle among frozen objects stays until the service stops, when they are
+handed back (a process that starts and stops apps, a test, gets its usual collector back; apps
+that overlap in one process share the frozen generation, and the first to stop hands it back).
 """
 
 from __future__ import annotations
