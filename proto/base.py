@@ -34,6 +34,7 @@ __all__ = [
     "decode",
     "derived_id",
     "encode",
+    "encode_parts",
     "new_id",
     "unfit_value",
 ]
@@ -125,6 +126,31 @@ def encode(message: BaseModel) -> bytes:
     ``packb`` copied it whole twice, which held the loop of a keep or a publish of a 200 MB group
     for as long as a copy of a trajectory's 25 MB of routes took."""
     return b"".join(_pieces(message))
+
+
+def encode_parts(message: BaseModel) -> list[bytes]:
+    """:func:`encode`'s bytes as parts of about ``PIECE_BYTES``, in order, never joined whole: a
+    large array's pieces as they are, what lies between them joined. The bus writes a large
+    payload from its parts and lets go of them a few at a time (:mod:`services.bus.freeing`):
+    one 200 MB bytes object took 14-19 ms to free, all of it holding the interpreter."""
+    parts: list[bytes] = []
+    run: list[bytes] = []  # small pieces since the last part
+    held = 0
+    for piece in _pieces(message):
+        if len(piece) >= PIECE_BYTES // 2:  # an array's piece: a part as it is
+            if run:
+                parts.append(b"".join(run))
+                run, held = [], 0
+            parts.append(piece)
+            continue
+        run.append(piece)
+        held += len(piece)
+        if held >= PIECE_BYTES:
+            parts.append(b"".join(run))
+            run, held = [], 0
+    if run or not parts:
+        parts.append(b"".join(run))
+    return parts
 
 
 def _pieces(message: BaseModel) -> Iterator[bytes]:

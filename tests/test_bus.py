@@ -53,13 +53,11 @@ async def test_round_trip_and_ack(bus: Bus):
 async def test_a_consumer_rides_out_a_redis_restart():
     """Redis goes away for a while and comes back empty (no persistence: the consumer group is
     gone too): the consumer waits instead of dying, makes the group again and goes on."""
-    import redis.asyncio as aioredis
-
     from services.local_redis import LocalRedis, free_port
 
     port = free_port()
     server = LocalRedis(port=port).__enter__()
-    bus = Bus(aioredis.Redis.from_url(server.url), prefix="outage")
+    bus = Bus.from_url(server.url, prefix="outage")
     got: list[int] = []
 
     async def handler(message, delivery):

@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from proto import examples as ex
 from proto.base import encode
@@ -51,7 +50,7 @@ def test_redis_refuses_a_message_past_its_limit_and_drops_the_connection(small_r
 
 
 async def test_the_bus_refuses_a_message_past_its_limit_before_sending_it(small_redis):
-    bus = Bus(aioredis.Redis.from_url(small_redis.url), prefix="big", max_message_bytes=LIMIT)
+    bus = Bus.from_url(small_redis.url, prefix="big", max_message_bytes=LIMIT)
     before = bus_metrics.TOO_LARGE.labels(TRAJECTORIES.name)._value.get()
     try:
         with pytest.raises(
@@ -72,7 +71,7 @@ async def test_a_handler_that_makes_a_message_past_the_limit_loses_its_entry_onc
     """A rollout worker whose group is too large to publish: sampling it again would make another
     group as large, so the prompt is dead-lettered on the first attempt, with the reason, and the
     trainer replaces it (services.trainer.dead_letters)."""
-    bus = Bus(aioredis.Redis.from_url(small_redis.url), prefix="big", max_message_bytes=LIMIT)
+    bus = Bus.from_url(small_redis.url, prefix="big", max_message_bytes=LIMIT)
     attempts: list[int] = []
 
     async def sample(task, delivery):

@@ -15,12 +15,10 @@ async def test_a_consumer_waits_out_a_redis_that_refuses_writes():
     """A Redis at maxmemory (noeviction) answers OOM to every write, the handler's commit included;
     a replica after a failover answers READONLY. The consumer waits, the entry stays pending, and
     it is handled once Redis takes writes again. (Before, the consumer died of the error.)"""
-    import redis.asyncio as aioredis
-
     from services.local_redis import LocalRedis, free_port
 
     with LocalRedis(port=free_port()) as server:
-        bus = Bus(aioredis.Redis.from_url(server.url), prefix="oom")
+        bus = Bus.from_url(server.url, prefix="oom")
         got: list[int] = []
 
         async def handler(message, delivery):
@@ -50,12 +48,10 @@ async def test_a_consumer_waits_out_a_redis_that_refuses_writes():
 async def test_a_lost_group_redis_will_not_make_again_is_waited_for_not_spun_on():
     """A Redis restarted empty that refuses writes for now (full, a read-only replica): the consumer
     met NOGROUP, its group could not be made again, and it read again at once, without a pause."""
-    import redis.asyncio as aioredis
-
     from services.local_redis import LocalRedis, free_port
 
     with LocalRedis(port=free_port()) as server:
-        bus = Bus(aioredis.Redis.from_url(server.url), prefix="nogroup")
+        bus = Bus.from_url(server.url, prefix="nogroup")
         got: list[int] = []
 
         async def handler(message, delivery):

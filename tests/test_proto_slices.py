@@ -11,6 +11,8 @@ import pytest
 
 from proto import TrajectoryGroup, decode, encode
 from proto import examples as ex
+from proto.arrays import PIECE_BYTES
+from proto.base import encode_parts
 from tests.test_proto import MESSAGES
 
 
@@ -206,3 +208,20 @@ def test_the_slice_reader_reads_across_slices_in_parts():
         b"fg",
         b"",
     ]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_encode_parts_join_to_the_wire_form(message):
+    assert b"".join(encode_parts(message)) == encode(message)
+
+
+def test_a_large_array_is_encoded_as_its_pieces_and_what_lies_between_is_joined():
+    """The parts of a group with routes: about a MiB each (an array's piece as it is, the small
+    values between pieces joined up to a MiB), never one copy of the whole."""
+    group = ex.example_group(3, tokens=40_000, turns=50, routed_experts=(8, 8))
+    parts = encode_parts(group)
+    assert b"".join(parts) == encode(group)
+    size = sum(map(len, parts))
+    assert max(map(len, parts)) < 1.5 * PIECE_BYTES
+    # the small values (183 pieces here) joined: about one part a MiB, one more for each array
+    assert len(parts) <= size // PIECE_BYTES + 3 + 1

@@ -10,15 +10,16 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from proto.base import Message, encode
+from proto.base import Message, encode_parts
 from proto.messages import DeadLetter
 from proto.streams import DEAD_LETTERS, StreamDef
 from services.bus import metrics
 from services.bus.claims import CLAIM_BYTES, INDEX_CLAIMS, add_claimed, index_key, payload_of
-from services.bus.connection import REDIS_DOWN, as_text, redis_client
+from services.bus.connection import REDIS_DOWN, Parts, as_text, made_by_redis_client, redis_client
 from services.bus.dead_lettering import kept_entries
 from services.bus.decoding import decoded
 from services.bus.delivery import MAX_MESSAGE_BYTES, HandlerCancelled, MessageTooLarge
+from services.bus.freeing import let_go
 from services.bus.groups import ConsumerGroups
 from services.bus.lock import Exclusive
 from services.bus.slices import read_value
@@ -26,6 +27,15 @@ from services.bus.slices import read_value
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
+
+
+def _parts(message: Message, name: str, limit: int) -> list[bytes]:
+    """``encode_parts(message)``; :class:`MessageTooLarge` past ``limit`` bytes (``name``: where
+    it was going)."""
+    parts = encode_parts(message)
+    if (size := sum(map(len, parts))) > limit:
+        raise MessageTooLarge(name, size, limit)
+    return parts
 
 
 def _check_type(stream: StreamDef, message: Message) -> None:
@@ -47,8 +57,10 @@ class Bus(ConsumerGroups):
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         claim_bytes: int | None = CLAIM_BYTES,
     ) -> None:
-        """``claim_bytes``: past it, a work stream's entry holds its payload by reference
-        (:mod:`services.bus.claims`); None: never."""
+        """``client``: one :func:`redis_client` made. ``claim_bytes``: past it, a work stream's
+        entry holds its payload by reference (:mod:`services.bus.claims`); None: never."""
+        if not made_by_redis_client(client):
+            raise ValueError("the bus needs a client made by services.bus.redis_client")
         self.redis = client
         self.prefix = prefix
         self.maxlen = maxlen
@@ -78,34 +90,45 @@ class Bus(ConsumerGroups):
         consumer group has read them, so a backlog past it would lose work without a trace; its
         consumers trim what every group has acknowledged (:meth:`trim_acked`), and a Redis that runs
         out of memory refuses the XADD, loudly. A work stream's message past ``claim_bytes`` is
-        stored beside the stream and its entry names it (:mod:`services.bus.claims`)."""
+        stored beside the stream and its entry names it (:mod:`services.bus.claims`), written from
+        its parts, which are let go of a few MiB at a time (:mod:`services.bus.freeing`)."""
         _check_type(stream, message)
         # in a thread: a group with routes is hundreds of MiB, whose encoding held the event loop
         # (and every trajectory it drives) for a third of a second
-        payload = await asyncio.to_thread(self._encode, stream, message)
-        kind, key = stream.model.__name__, self.key(stream)
-        if stream.group is not None and self.claim_bytes is not None and len(payload) > self.claim_bytes:
+        parts, claimed = await asyncio.to_thread(self._encode, stream, message)
+        kind, key, size = stream.model.__name__, self.key(stream), sum(map(len, parts))
+        if claimed:
             entry_id = await add_claimed(
-                self.redis, key, kind, message.message_id, payload, message.task_ref()
+                self.redis, key, kind, message.message_id, Parts(parts), message.task_ref()
             )
             metrics.CLAIMED.labels(stream.name).inc()
         else:
             entry_id = await self.redis.xadd(
                 key,
-                {b"type": kind, b"mid": message.message_id, b"data": payload},
+                {b"type": kind, b"mid": message.message_id, b"data": parts[0]},
                 maxlen=kept_entries(stream, self.maxlen),
                 approximate=True,
             )
+        await let_go(parts)
         metrics.PUBLISHED.labels(stream.name).inc()
-        metrics.PUBLISHED_BYTES.labels(stream.name).inc(len(payload))
+        metrics.PUBLISHED_BYTES.labels(stream.name).inc(size)
         return as_text(entry_id)
 
-    def _encode(self, stream: StreamDef, message: Message) -> bytes:
-        payload = encode(message)
-        if len(payload) > self.max_message_bytes:
+    def _encode(self, stream: StreamDef, message: Message) -> tuple[list[bytes], bool]:
+        """The message's wire form and whether it goes by claim: as its parts if it does (written
+        from them), else whole, one part (an entry's field)."""
+        parts = self._parts_for(stream, message)
+        size = sum(map(len, parts))
+        if stream.group is not None and self.claim_bytes is not None and size > self.claim_bytes:
+            return parts, True
+        return [b"".join(parts)], False
+
+    def _parts_for(self, stream: StreamDef, message: Message) -> list[bytes]:
+        try:
+            return _parts(message, stream.name, self.max_message_bytes)
+        except MessageTooLarge:
             metrics.TOO_LARGE.labels(stream.name).inc()
-            raise MessageTooLarge(stream.name, len(payload), self.max_message_bytes)
-        return payload
+            raise
 
     # Entries the group has not been delivered yet are after its last-delivered-id: they are taken
     # off, the new messages added, and they are added back behind them, unchanged and in their order.
@@ -159,7 +182,7 @@ class Bus(ConsumerGroups):
         for message in messages:
             _check_type(stream, message)
         await self.ensure_group(stream)
-        payloads = [self._encode(stream, m) for m in messages]
+        payloads = [b"".join(self._parts_for(stream, m)) for m in messages]
         args = [x for m, p in zip(messages, payloads, strict=True) for x in (m.message_id, p)]
         key = self.key(stream)
         moved = await self.redis.eval(
@@ -262,11 +285,11 @@ class Bus(ConsumerGroups):
     async def keep(self, name: str, message: Message, *, ttl_s: float) -> None:
         """Store ``message`` under ``name`` for ``ttl_s`` seconds, in place of what was there; held
         to the bus's message limit, as a publish is (:class:`MessageTooLarge`). Encoded in a
-        thread: a value can be hundreds of MiB, which would hold the event loop for seconds."""
-        payload = await asyncio.to_thread(encode, message)
-        if len(payload) > self.max_message_bytes:
-            raise MessageTooLarge(name, len(payload), self.max_message_bytes)
-        await self.redis.set(f"{self.prefix}:{name}", payload, px=max(1, round(ttl_s * 1000)))
+        thread: a value can be hundreds of MiB, which would hold the event loop for seconds; written
+        from its parts and let go of a few MiB at a time (:mod:`services.bus.freeing`)."""
+        parts = await asyncio.to_thread(_parts, message, name, self.max_message_bytes)
+        await self.redis.set(f"{self.prefix}:{name}", Parts(parts), px=max(1, round(ttl_s * 1000)))
+        await let_go(parts)
 
     async def kept(self, name: str, model: type[M]) -> M | None:
         """What :meth:`keep` stored under ``name``, left there: a reader cut off as the reply came

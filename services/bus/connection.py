@@ -12,7 +12,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["REDIS_DOWN", "as_text", "entry_order", "missing", "redis_client", "refusing"]
+__all__ = [
+    "REDIS_DOWN",
+    "Parts",
+    "as_text",
+    "entry_order",
+    "made_by_redis_client",
+    "missing",
+    "redis_client",
+    "refusing",
+]
 
 # what Redis being out of reach raises (a refused or broken connection, a timeout)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
@@ -64,6 +73,19 @@ class _KeepsCancellation:
 SLICE_BYTES = 1 << 20
 
 
+class Parts:
+    """A command's argument sent as its parts, in order, never joined (a payload as
+    :func:`proto.base.encode_parts` makes it): a 200 MB value is not copied whole once more, and
+    its writer lets go of it a part at a time (:mod:`services.bus.freeing`). Only the clients of
+    :func:`redis_client` send it."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = parts
+        self.size = sum(map(len, parts))
+
+
 class _WritesInSlices:
     """A connection that writes a large command (a group's payload: up to 200 MB with routes) a
     slice at a time, letting the event loop run between slices. redis-py hands the whole command
@@ -72,6 +94,24 @@ class _WritesInSlices:
     held the loop for a third of a second in one piece, and took three times as long as slices
     do (benchmarks/keeps.py). A slice is at most ``SLICE_BYTES``, and the next is written once the
     transport has drained the last and the loop has had a turn."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        if not any(type(arg) is Parts for arg in args):
+            return super().pack_command(*args)  # type: ignore[misc]
+        # RESP, as redis-py packs a command: the number of arguments, then each as
+        # $<length>\r\n<bytes>\r\n; a Parts argument's bytes are its parts, left as they are
+        if isinstance(args[0], str):  # a command of several words ("CONFIG SET") is several arguments
+            args = (*args[0].encode().split(), *args[1:])
+        command: list[bytes] = []
+        head = b"*%d\r\n" % len(args)
+        for arg in args:
+            if type(arg) is Parts:
+                command += [head + b"$%d\r\n" % arg.size, *arg.parts]
+                head = b"\r\n"
+            else:
+                value = self.encoder.encode(arg)  # type: ignore[attr-defined]
+                head += b"$%d\r\n%s\r\n" % (len(value), value)
+        return [*command, head]
 
     async def send_packed_command(self, command, check_health: bool = True) -> None:
         if not isinstance(command, (list, tuple)) or sum(len(part) for part in command) <= SLICE_BYTES:
@@ -133,6 +173,12 @@ def redis_client(url: str, *, patience_s: float = 0.0) -> aioredis.Redis:
         raise ValueError(f"no connection class that keeps cancellations for {pool.connection_class}")
     pool.connection_class = _KEEPING[pool.connection_class]
     return client
+
+
+def made_by_redis_client(client: aioredis.Redis) -> bool:
+    """Whether ``client``'s connections are :func:`redis_client`'s, which the bus relies on: they
+    keep cancellations, and write large values in slices and from their parts."""
+    return client.connection_pool.connection_class in _KEEPING.values()
 
 
 def as_text(value: Any) -> str:

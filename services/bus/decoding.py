@@ -17,6 +17,7 @@ import asyncio
 from typing import TypeVar
 
 from proto.base import Message, decode
+from services.bus.freeing import let_go
 
 M = TypeVar("M", bound=Message)
 
@@ -27,8 +28,14 @@ __all__ = ["DECODE_INLINE_BYTES", "decoded"]
 
 async def decoded(model: type[M], payload: bytes | list[bytes]) -> M:
     """``decode(model, payload)``, in a thread when the payload is large; raises as it does.
-    ``payload``: the value, or its slices as :mod:`services.bus.slices` reads them."""
-    size = sum(map(len, payload)) if isinstance(payload, list | tuple) else len(payload)
+    ``payload``: the value, or its slices as :mod:`services.bus.slices` reads them, which are let
+    go of once decoded (:mod:`services.bus.freeing`: the list is left empty). A payload that does
+    not decode is left as it was, for its dead letter."""
+    size = sum(map(len, payload)) if isinstance(payload, list) else len(payload)
     if size > DECODE_INLINE_BYTES:
-        return await asyncio.to_thread(decode, model, payload)
-    return decode(model, payload)
+        message = await asyncio.to_thread(decode, model, payload)
+    else:
+        message = decode(model, payload)
+    if isinstance(payload, list):
+        await let_go(payload)
+    return message
