@@ -19,7 +19,9 @@ Delivery is at-least-once with idempotent consumers:
   still needs), so Redis memory follows what is in flight, not what has passed;
 * a work stream's message past ``claim_bytes`` (4 MiB) is stored beside the stream and
   its entry names it (``services.bus.claims``): consumers read it a few MiB at a time,
-  and trimming removes it with its entry.
+  and trimming removes it with its entry;
+* a large value is written from its parts, never joined whole, and what the bus wrote or read
+  is freed a few MiB at a time, the event loop running between (``services.bus.freeing``).
 """
 
 from services.bus.client import Bus

@@ -5,8 +5,10 @@ An XREADGROUP reply is parsed whole on the consumer's event loop: hiredis gather
 (a group with a MoE policy's routes) into one buffer in one call, and the loop, with the
 consumer's heartbeats and health probes, waited 156-287 ms for it on a 2-core VM. A value is
 read a few MiB at a time (:mod:`services.bus.slices`) and decoded from its slices a piece at a
-time: the read of a claimed entry stalled the loop for 17-29 ms, and took about half as long
-(nine runs, benchmarks/README.md, "claims").
+time, and the slices are freed a few at a time (:mod:`services.bus.freeing`): the read of a
+claimed entry stalled the loop for 5-21 ms (5-6 in three of six runs), where the entry's reply
+held it for 496-860 ms on the same box, and took about half as long (benchmarks/README.md,
+"claims").
 
 The life of a claim:
 
