@@ -33,8 +33,9 @@ def test_parts_are_packed_as_their_joined_bytes_would_be_without_a_copy():
     assert b"".join(ours) == b"".join(conn.pack_command("SET", "k", b"".join(parts), "PX", 5000))
     assert any(piece is parts[2] for piece in ours)  # handed on, not copied
     # a command of several words is several arguments, as redis-py sends it
-    ours = conn.pack_command("CONFIG SET", "maxmemory", Parts([b"1", b"00"]))
-    assert b"".join(ours) == b"".join(conn.pack_command("CONFIG SET", "maxmemory", b"100"))
+    for name in ("CONFIG SET", b"CONFIG SET"):
+        ours = conn.pack_command(name, "maxmemory", Parts([b"1", b"00"]))
+        assert b"".join(ours) == b"".join(conn.pack_command(name, "maxmemory", b"100"))
 
 
 async def test_a_value_sent_as_parts_arrives_whole(redis_url, key_prefix):
@@ -121,6 +122,31 @@ async def test_what_the_bus_writes_and_reads_is_freed_where_it_lets_go(redis_url
         await bus.close()
     assert [s for s, _ in freed] == [size] * 4  # publish, read, keep, read
     assert all(went >= 0.9 * s for s, went in freed), freed
+
+
+async def test_a_write_that_fails_lets_go_of_its_parts_as_slowly(redis_url, key_prefix, monkeypatch):
+    let_go_of: list[int] = []
+
+    async def spy(parts: list[bytes]) -> None:
+        let_go_of.append(sum(map(len, parts)))
+        await let_go(parts)
+
+    async def refused(*args, **kwargs):
+        raise aioredis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+
+    monkeypatch.setattr(bus_client, "let_go", spy)
+    monkeypatch.setattr(bus_client, "add_claimed", refused)
+    group = ex.example_group(2, tokens=60_000, routed_experts=(4, 4))  # past claim_bytes
+    bus = Bus.from_url(redis_url, prefix=key_prefix, claim_bytes=MIB)
+    try:
+        with pytest.raises(aioredis.ResponseError):
+            await bus.publish(TRAJECTORIES, group)
+        monkeypatch.setattr(bus.redis, "set", refused)
+        with pytest.raises(aioredis.ResponseError):
+            await bus.keep("k", group, ttl_s=60)
+    finally:
+        await bus.close()
+    assert let_go_of == [len(encode(group))] * 2
 
 
 async def _yes(message) -> bool:

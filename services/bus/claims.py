@@ -42,7 +42,7 @@ import secrets
 import redis.asyncio as aioredis
 
 from proto.messages import TaskRef
-from services.bus.connection import as_text
+from services.bus.connection import Parts, as_text
 from services.bus.slices import READ_SLICE_BYTES, read_value
 
 __all__ = [
@@ -93,7 +93,7 @@ return id
 
 
 async def add_claimed(
-    redis: aioredis.Redis, stream_key: str, kind: str, mid: str, payload: bytes, task: TaskRef | None
+    redis: aioredis.Redis, stream_key: str, kind: str, mid: str, payload: Parts, task: TaskRef | None
 ) -> str:
     """XADD an entry whose payload is held under a claim; returns the entry id. ``task``: the task
     the message carries or answers, kept on the entry as JSON, so that a dead letter of an entry

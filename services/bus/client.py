@@ -97,21 +97,23 @@ class Bus(ConsumerGroups):
         # (and every trajectory it drives) for a third of a second
         parts, claimed = await asyncio.to_thread(self._encode, stream, message)
         kind, key, size = stream.model.__name__, self.key(stream), sum(map(len, parts))
-        if claimed:
-            entry_id = await add_claimed(
-                self.redis, key, kind, message.message_id, Parts(parts), message.task_ref()
-            )
-            metrics.CLAIMED.labels(stream.name).inc()
-        else:
-            entry_id = await self.redis.xadd(
-                key,
-                {b"type": kind, b"mid": message.message_id, b"data": parts[0]},
-                maxlen=kept_entries(stream, self.maxlen),
-                approximate=True,
-            )
-        await let_go(parts)
-        metrics.PUBLISHED.labels(stream.name).inc()
-        metrics.PUBLISHED_BYTES.labels(stream.name).inc(size)
+        try:
+            if claimed:
+                entry_id = await add_claimed(
+                    self.redis, key, kind, message.message_id, Parts(parts), message.task_ref()
+                )
+                metrics.CLAIMED.labels(stream.name).inc()
+            else:
+                entry_id = await self.redis.xadd(
+                    key,
+                    {b"type": kind, b"mid": message.message_id, b"data": parts[0]},
+                    maxlen=kept_entries(stream, self.maxlen),
+                    approximate=True,
+                )
+            metrics.PUBLISHED.labels(stream.name).inc()
+            metrics.PUBLISHED_BYTES.labels(stream.name).inc(size)
+        finally:  # a write that failed or was cancelled lets go of them as slowly
+            await let_go(parts)
         return as_text(entry_id)
 
     def _encode(self, stream: StreamDef, message: Message) -> tuple[list[bytes], bool]:
@@ -288,8 +290,10 @@ class Bus(ConsumerGroups):
         thread: a value can be hundreds of MiB, which would hold the event loop for seconds; written
         from its parts and let go of a few MiB at a time (:mod:`services.bus.freeing`)."""
         parts = await asyncio.to_thread(_parts, message, name, self.max_message_bytes)
-        await self.redis.set(f"{self.prefix}:{name}", Parts(parts), px=max(1, round(ttl_s * 1000)))
-        await let_go(parts)
+        try:
+            await self.redis.set(f"{self.prefix}:{name}", Parts(parts), px=max(1, round(ttl_s * 1000)))
+        finally:
+            await let_go(parts)
 
     async def kept(self, name: str, model: type[M]) -> M | None:
         """What :meth:`keep` stored under ``name``, left there: a reader cut off as the reply came

@@ -102,6 +102,8 @@ class _WritesInSlices:
         # $<length>\r\n<bytes>\r\n; a Parts argument's bytes are its parts, left as they are
         if isinstance(args[0], str):  # a command of several words ("CONFIG SET") is several arguments
             args = (*args[0].encode().split(), *args[1:])
+        elif b" " in args[0]:
+            args = (*args[0].split(), *args[1:])
         command: list[bytes] = []
         head = b"*%d\r\n" % len(args)
         for arg in args:

@@ -14,6 +14,7 @@ cost more than the decoding.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TypeVar
 
 from proto.base import Message, decode
@@ -26,12 +27,12 @@ DECODE_INLINE_BYTES = 64 * 1024
 __all__ = ["DECODE_INLINE_BYTES", "decoded"]
 
 
-async def decoded(model: type[M], payload: bytes | list[bytes]) -> M:
+async def decoded(model: type[M], payload: bytes | Sequence[bytes]) -> M:
     """``decode(model, payload)``, in a thread when the payload is large; raises as it does.
-    ``payload``: the value, or its slices as :mod:`services.bus.slices` reads them, which are let
-    go of once decoded (:mod:`services.bus.freeing`: the list is left empty). A payload that does
-    not decode is left as it was, for its dead letter."""
-    size = sum(map(len, payload)) if isinstance(payload, list) else len(payload)
+    ``payload``: the value, or its slices as :mod:`services.bus.slices` reads them; a list of them
+    is let go of once decoded (:mod:`services.bus.freeing`: the list is left empty). A payload
+    that does not decode is left as it was, for its dead letter."""
+    size = len(payload) if isinstance(payload, bytes | bytearray | memoryview) else sum(map(len, payload))
     if size > DECODE_INLINE_BYTES:
         message = await asyncio.to_thread(decode, model, payload)
     else:
