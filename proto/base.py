@@ -130,10 +130,11 @@ def encode(message: BaseModel) -> bytes:
 
 def encode_parts(message: BaseModel) -> list[bytes]:
     """:func:`encode`'s bytes as parts, in order, never joined whole: a large array's pieces as
-    they are, what lies between them joined up to about ``PIECE_BYTES`` (a container packed whole,
-    one holding no large array below the packed depth, is one part, however long). The bus writes a large
-    payload from its parts and lets go of them a few at a time (:mod:`services.bus.freeing`):
-    one 200 MB bytes object took 14-19 ms to free, all of it holding the interpreter."""
+    they are, what lies between them joined up to about ``PIECE_BYTES`` (a container packed
+    whole, one holding no large array below the packed depth, is one part, however long). The bus
+    writes a large payload from its parts and lets go of them a few at a time
+    (:mod:`services.bus.freeing`): one 200 MB bytes object took 14-19 ms to free, all of it
+    holding the interpreter."""
     parts: list[bytes] = []
     run: list[bytes] = []  # small pieces since the last part
     held = 0

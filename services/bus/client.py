@@ -29,13 +29,13 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 
 
-def _parts(message: Message, name: str, limit: int) -> list[bytes]:
+def _parts(message: Message, name: str, limit: int) -> Parts:
     """``encode_parts(message)``; :class:`MessageTooLarge` past ``limit`` bytes (``name``: where
     it was going)."""
-    parts = encode_parts(message)
-    if (size := sum(map(len, parts))) > limit:
-        raise MessageTooLarge(name, size, limit)
-    return parts
+    payload = Parts(encode_parts(message))
+    if payload.size > limit:
+        raise MessageTooLarge(name, payload.size, limit)
+    return payload
 
 
 def _check_type(stream: StreamDef, message: Message) -> None:
@@ -95,37 +95,36 @@ class Bus(ConsumerGroups):
         _check_type(stream, message)
         # in a thread: a group with routes is hundreds of MiB, whose encoding held the event loop
         # (and every trajectory it drives) for a third of a second
-        parts, claimed = await asyncio.to_thread(self._encode, stream, message)
-        kind, key, size = stream.model.__name__, self.key(stream), sum(map(len, parts))
+        payload, claimed = await asyncio.to_thread(self._encode, stream, message)
+        kind, key = stream.model.__name__, self.key(stream)
         try:
             if claimed:
                 entry_id = await add_claimed(
-                    self.redis, key, kind, message.message_id, Parts(parts), message.task_ref()
+                    self.redis, key, kind, message.message_id, payload, message.task_ref()
                 )
                 metrics.CLAIMED.labels(stream.name).inc()
             else:
                 entry_id = await self.redis.xadd(
                     key,
-                    {b"type": kind, b"mid": message.message_id, b"data": parts[0]},
+                    {b"type": kind, b"mid": message.message_id, b"data": payload.parts[0]},
                     maxlen=kept_entries(stream, self.maxlen),
                     approximate=True,
                 )
             metrics.PUBLISHED.labels(stream.name).inc()
-            metrics.PUBLISHED_BYTES.labels(stream.name).inc(size)
+            metrics.PUBLISHED_BYTES.labels(stream.name).inc(payload.size)
         finally:  # a write that failed or was cancelled lets go of them as slowly
-            await let_go(parts)
+            await let_go(payload.parts)
         return as_text(entry_id)
 
-    def _encode(self, stream: StreamDef, message: Message) -> tuple[list[bytes], bool]:
+    def _encode(self, stream: StreamDef, message: Message) -> tuple[Parts, bool]:
         """The message's wire form and whether it goes by claim: as its parts if it does (written
         from them), else whole, one part (an entry's field)."""
-        parts = self._parts_for(stream, message)
-        size = sum(map(len, parts))
-        if stream.group is not None and self.claim_bytes is not None and size > self.claim_bytes:
-            return parts, True
-        return [b"".join(parts)], False
+        payload = self._parts_for(stream, message)
+        if stream.group is not None and self.claim_bytes is not None and payload.size > self.claim_bytes:
+            return payload, True
+        return Parts([b"".join(payload.parts)]), False
 
-    def _parts_for(self, stream: StreamDef, message: Message) -> list[bytes]:
+    def _parts_for(self, stream: StreamDef, message: Message) -> Parts:
         try:
             return _parts(message, stream.name, self.max_message_bytes)
         except MessageTooLarge:
@@ -184,7 +183,7 @@ class Bus(ConsumerGroups):
         for message in messages:
             _check_type(stream, message)
         await self.ensure_group(stream)
-        payloads = [b"".join(self._parts_for(stream, m)) for m in messages]
+        payloads = [b"".join(self._parts_for(stream, m).parts) for m in messages]
         args = [x for m, p in zip(messages, payloads, strict=True) for x in (m.message_id, p)]
         key = self.key(stream)
         moved = await self.redis.eval(
@@ -289,11 +288,11 @@ class Bus(ConsumerGroups):
         to the bus's message limit, as a publish is (:class:`MessageTooLarge`). Encoded in a
         thread: a value can be hundreds of MiB, which would hold the event loop for seconds; written
         from its parts and let go of a few MiB at a time (:mod:`services.bus.freeing`)."""
-        parts = await asyncio.to_thread(_parts, message, name, self.max_message_bytes)
+        payload = await asyncio.to_thread(_parts, message, name, self.max_message_bytes)
         try:
-            await self.redis.set(f"{self.prefix}:{name}", Parts(parts), px=max(1, round(ttl_s * 1000)))
+            await self.redis.set(f"{self.prefix}:{name}", payload, px=max(1, round(ttl_s * 1000)))
         finally:
-            await let_go(parts)
+            await let_go(payload.parts)
 
     async def kept(self, name: str, model: type[M]) -> M | None:
         """What :meth:`keep` stored under ``name``, left there: a reader cut off as the reply came
